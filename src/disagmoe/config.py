@@ -1,0 +1,449 @@
+"""Run configuration: frozen dataclasses, presets, TOML load/dump and `a.b=v` overrides.
+
+A run is described by one `RunConfig` holding five sections:
+
+* `model`    — the MoE transformer's shape (`ModelConfig`),
+* `parallel` — which runtime and how workers are laid out (`ParallelConfig`),
+* `schedule` — micro-batching and pipeline limits (`ScheduleConfig`),
+* `train`    — optimisation, data and run outputs (`TrainConfig`),
+* `cluster`  — the hardware the planner and simulator reason about (`ClusterConfig`).
+
+Every class validates only itself in `__post_init__`; checks that involve two
+sections live in `RunConfig.__post_init__`. Mistakes raise `ValueError` with a
+message that says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+RUNTIMES = ("disagg", "reference", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
+DTYPES = ("float32", "float64", "bfloat16")
+DATA_DTYPES = ("uint16", "uint32")
+LR_SCHEDULES = ("constant", "cosine")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    """Shape of a decoder-only MoE transformer.
+
+    Layers `0 .. num_dense_layers-1` use a dense SwiGLU MLP of width `dense_dim`
+    (DeepSeek-MoE's `first_k_dense_replace`); every other layer is an MoE layer
+    with `num_experts` routed experts of width `expert_dim`, `top_k` per token,
+    plus `num_shared_experts` always-on experts of the same width.
+    """
+
+    name: str = "custom"
+    vocab_size: int = 256
+    dim: int = 64
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0  # 0 means dim // num_heads
+    num_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 64
+    num_shared_experts: int = 0
+    num_dense_layers: int = 0
+    dense_dim: int = 0  # 0 means 4 * dim
+    norm_topk_prob: bool = True
+    aux_loss_coef: float = 0.01
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    max_seq_len: int = 4096
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "expert_dim"):
+            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+        _require(self.num_experts >= 1, f"model.num_experts must be >= 1, got {self.num_experts}")
+        _require(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads ({self.num_heads}) must be divisible by model.num_kv_heads "
+            f"({self.num_kv_heads})",
+        )
+        _require(
+            1 <= self.top_k <= self.num_experts,
+            f"model.top_k ({self.top_k}) must be between 1 and model.num_experts "
+            f"({self.num_experts})",
+        )
+        _require(
+            self.head_dim > 0 or self.dim % self.num_heads == 0,
+            f"model.dim ({self.dim}) must be divisible by model.num_heads ({self.num_heads}), "
+            "or set model.head_dim",
+        )
+        _require(self.head_dim_resolved % 2 == 0, "model.head_dim must be even (RoPE)")
+        _require(
+            0 <= self.num_dense_layers < self.num_layers,
+            f"model.num_dense_layers ({self.num_dense_layers}) must be in [0, num_layers)",
+        )
+        _require(self.num_shared_experts >= 0, "model.num_shared_experts must be >= 0")
+        _require(self.aux_loss_coef >= 0, "model.aux_loss_coef must be >= 0 (0 disables it)")
+        _require(self.norm_eps > 0 and self.rope_theta > 0, "model.norm_eps and rope_theta > 0")
+
+    @property
+    def head_dim_resolved(self) -> int:
+        return self.head_dim if self.head_dim > 0 else self.dim // self.num_heads
+
+    @property
+    def dense_dim_resolved(self) -> int:
+        return self.dense_dim if self.dense_dim > 0 else 4 * self.dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.num_dense_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.num_dense_layers
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    """Worker layout.
+
+    `disagg`: `groups` (p) interleaved A/F groups, each with `attn_workers` (m)
+    data-parallel attention replicas and `expert_workers` (n) expert shards;
+    world size `p * (m + n)`. Baselines (`ep-*`): `pp` pipeline stages and `ep`
+    expert-parallel ranks; data parallelism is derived from the world size.
+    """
+
+    runtime: str = "disagg"
+    groups: int = 1
+    attn_workers: int = 2
+    expert_workers: int = 2
+    pp: int = 1
+    ep: int = 2
+    virtual_stages: int = 2  # per rank, for ep-interleaved
+    backend: str = "auto"  # auto | gloo | nccl
+    threads_per_rank: int = 0  # 0 means cores // local world size (at least 1)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.runtime in RUNTIMES,
+            f"parallel.runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}",
+        )
+        for name in ("groups", "attn_workers", "expert_workers", "pp", "ep", "virtual_stages"):
+            _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
+        _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        _require(self.threads_per_rank >= 0, "parallel.threads_per_rank must be >= 0")
+
+    @property
+    def disagg_world_size(self) -> int:
+        return self.groups * (self.attn_workers + self.expert_workers)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ScheduleConfig:
+    """Pipeline limits: how many micro-batch slots a worker may hold activations for."""
+
+    max_in_flight: int = 0  # 0 means no cap beyond the number of micro-batch slots
+
+    def __post_init__(self) -> None:
+        _require(self.max_in_flight >= 0, "schedule.max_in_flight must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """Optimisation, data and run outputs. Batch sizes count sequences."""
+
+    steps: int = 20
+    seed: int = 0
+    dtype: str = "float32"
+    seq_len: int = 64
+    global_batch_size: int = 8
+    micro_batch_size: int = 2
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 disables clipping
+    data: str = ""  # empty: the built-in corpus
+    data_dtype: str = "uint16"
+    init_from_hf: str = ""
+    run_dir: str = ""
+    log_every: int = 1
+    comm_timeout_s: float = 300.0
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
+        _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
+        _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
+        _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule: constant or cosine")
+        _require(self.seq_len >= 1, "train.seq_len must be >= 1")
+        _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+        _require(
+            self.global_batch_size >= 1
+            and self.global_batch_size % self.micro_batch_size == 0,
+            f"train.global_batch_size ({self.global_batch_size}) must be a positive multiple of "
+            f"train.micro_batch_size ({self.micro_batch_size})",
+        )
+        _require(self.lr >= 0 and self.weight_decay >= 0, "train.lr and weight_decay >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
+        _require(self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup_steps, grad_clip >= 0")
+        _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2 in [0, 1)")
+        _require(self.log_every >= 1, "train.log_every must be >= 1")
+        _require(self.comm_timeout_s > 0, "train.comm_timeout_s must be > 0")
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterConfig:
+    """Hardware that the planner and the simulator reason about (per GPU / per NIC).
+
+    Bandwidths are GB/s (1e9 bytes/s), one direction. `mfu` and `bw_efficiency`
+    scale nominal peaks to achievable ones.
+    """
+
+    name: str = "h800"
+    gpus_per_node: int = 8
+    nics_per_node: int = 8
+    nic_gbps: float = 50.0
+    nvlink_gbps: float = 400.0
+    peak_tflops: float = 989.0
+    gpu_mem_gib: float = 80.0
+    mfu: float = 0.45
+    bw_efficiency: float = 0.8
+    latency_us: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("gpus_per_node", "nics_per_node"):
+            _require(getattr(self, name) >= 1, f"cluster.{name} must be >= 1")
+        for name in ("nic_gbps", "nvlink_gbps", "peak_tflops", "gpu_mem_gib"):
+            _require(getattr(self, name) > 0, f"cluster.{name} must be > 0")
+        _require(0 < self.mfu <= 1 and 0 < self.bw_efficiency <= 1, "cluster.mfu, bw_efficiency in (0,1]")
+        _require(self.latency_us >= 0, "cluster.latency_us must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len "
+            f"({self.model.max_seq_len})",
+        )
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "schedule": ScheduleConfig,
+    "train": TrainConfig,
+    "cluster": ClusterConfig,
+}
+
+# Public shapes (config.json of the released checkpoints). Large presets are for the
+# planner and simulator; they are not meant to train on a CPU.
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(name="tiny"),
+    "tiny-shared": ModelConfig(
+        name="tiny-shared", num_shared_experts=1, num_dense_layers=1, dense_dim=128
+    ),
+    "small": ModelConfig(
+        name="small", dim=128, num_layers=8, num_heads=8, num_kv_heads=4, num_experts=16,
+        top_k=2, expert_dim=128,
+    ),
+    "deepseek-moe-16b": ModelConfig(
+        name="deepseek-moe-16b", vocab_size=102400, dim=2048, num_layers=28, num_heads=16,
+        num_kv_heads=16, head_dim=128, num_experts=64, top_k=6, expert_dim=1408,
+        num_shared_experts=2, num_dense_layers=1, dense_dim=10944, norm_topk_prob=False,
+        aux_loss_coef=0.001, rope_theta=10000.0, norm_eps=1e-6, max_seq_len=32768,
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        name="qwen3-30b-a3b", vocab_size=151936, dim=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, expert_dim=768,
+        norm_topk_prob=True, aux_loss_coef=0.001, qk_norm=True, rope_theta=1e6,
+        norm_eps=1e-6, max_seq_len=40960,
+    ),
+    "gpt-oss-20b": ModelConfig(
+        name="gpt-oss-20b", vocab_size=201088, dim=2880, num_layers=24, num_heads=64,
+        num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, expert_dim=2880,
+        norm_topk_prob=True, aux_loss_coef=0.0, rope_theta=150000.0, norm_eps=1e-5,
+        max_seq_len=131072,
+    ),
+    "mixtral-8x7b": ModelConfig(
+        name="mixtral-8x7b", vocab_size=32000, dim=4096, num_layers=32, num_heads=32,
+        num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_dim=14336,
+        norm_topk_prob=True, aux_loss_coef=0.02, rope_theta=1e6, norm_eps=1e-5,
+        max_seq_len=32768,
+    ),
+}
+
+# Nominal per-GPU figures (dense bf16 peak, one 400 Gbit/s NIC per GPU = 50 GB/s).
+CLUSTER_PRESETS: dict[str, ClusterConfig] = {
+    "h800": ClusterConfig(name="h800", nvlink_gbps=200.0, peak_tflops=989.0, gpu_mem_gib=80.0),
+    "h100": ClusterConfig(name="h100", nvlink_gbps=450.0, peak_tflops=989.0, gpu_mem_gib=80.0),
+    "h200": ClusterConfig(name="h200", nvlink_gbps=450.0, peak_tflops=989.0, gpu_mem_gib=141.0),
+}
+
+
+def model_preset(name: str) -> ModelConfig:
+    if name not in MODEL_PRESETS:
+        raise ValueError(
+            f"unknown model preset {name!r}; choose one of: {', '.join(MODEL_PRESETS)}"
+        )
+    return MODEL_PRESETS[name]
+
+
+def cluster_preset(name: str) -> ClusterConfig:
+    if name not in CLUSTER_PRESETS:
+        raise ValueError(
+            f"unknown cluster preset {name!r}; choose one of: {', '.join(CLUSTER_PRESETS)}"
+        )
+    return CLUSTER_PRESETS[name]
+
+
+# ---------------------------------------------------------------------------- dict / TOML
+
+
+def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def save_toml(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(dump_toml(cfg))
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check/convert a TOML or command-line value to a field's declared type."""
+    if isinstance(typ, types.UnionType):
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    raise AssertionError(f"unsupported field type {typ} at {where}")
+
+
+def _build_section(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"[{section}] must be a table")
+    types_ = _field_types(cls)
+    changes = {}
+    for key, value in values.items():
+        if key not in types_:
+            raise ValueError(
+                f"unknown key {section}.{key}; valid keys: {', '.join(sorted(types_))}"
+            )
+        changes[key] = _coerce(value, types_[key], f"{section}.{key}")
+    return dataclasses.replace(base, **changes)
+
+
+def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
+    """Build a RunConfig from nested dicts; `model.preset = "name"` starts from a preset."""
+    base = base or RunConfig()
+    for section in data:
+        if section not in SECTIONS:
+            raise ValueError(
+                f"unknown config section [{section}]; valid sections: {', '.join(SECTIONS)}"
+            )
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        values = dict(data.get(name, {}))
+        start = getattr(base, name)
+        if name == "model" and "preset" in values:
+            start = model_preset(str(values.pop("preset")))
+        if name == "cluster" and "preset" in values:
+            start = cluster_preset(str(values.pop("preset")))
+        sections[name] = _build_section(cls, start, values, name)
+    return RunConfig(**sections)
+
+
+def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    return from_dict(data, base)
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """Split `section.key=value`."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ValueError(f"--set expects section.key=value, got {text!r}")
+    lhs, value = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    return section, key, value.strip()
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `--set section.key=value` strings (values are parsed by the field's type)."""
+    nested: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        nested.setdefault(section, {})[key] = value
+    return from_dict(nested, cfg)
+
+
+def replace_section(cfg: RunConfig, section: str, **changes: Any) -> RunConfig:
+    """`dataclasses.replace` on one section, re-validating the whole RunConfig."""
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
