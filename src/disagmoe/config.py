@@ -46,7 +46,7 @@ class ModelConfig:
     plus `num_shared_experts` always-on experts of the same width.
     """
 
-    name: str = "custom"
+    name: str = "tiny"
     vocab_size: int = 256
     dim: int = 64
     num_layers: int = 4
