@@ -1,0 +1,150 @@
+"""Mixture-of-Experts pieces, named by Megatron's phases: route / dispatch / compute / combine.
+
+* route    — `Router`: softmax over experts, top-k, optional renormalisation.
+* dispatch — `flatten_routing` / `split_by_owner`: turn a routing into
+             (row, expert, weight) assignments, optionally split by the worker
+             that owns each expert (each token sent at most once per worker).
+* compute  — `Experts.forward`: SwiGLU experts as a grouped GEMM over the
+             assignments sorted by expert.
+* combine  — inside `Experts.forward`: weighted outputs summed per row.
+
+Shape legend: T tokens, H model dim, E experts, K top-k, A assignments
+(token, expert) pairs, R rows held by one expert worker, I expert hidden dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Result of the route phase for T tokens."""
+
+    indices_TK: torch.Tensor  # int64 expert ids, descending by probability
+    weights_TK: torch.Tensor  # combine weights (differentiable)
+    probs_TE: torch.Tensor  # full softmax (differentiable, for the aux loss)
+
+
+class Router(nn.Module):
+    """Top-k softmax router (Qwen3-MoE / Mixtral style; no bias, no noise)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, u_TH: torch.Tensor) -> Routing:
+        logits = F.linear(u_TH, self.weight)
+        low = logits.dtype in (torch.bfloat16, torch.float16)
+        probs = torch.softmax(logits.float() if low else logits, dim=-1)
+        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        return Routing(indices_TK=top_i, weights_TK=top_w.to(logits.dtype), probs_TE=probs)
+
+
+def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
+    """Switch-Transformer balance loss `E * sum_e f_e * P_e` for one layer and micro-batch.
+
+    f_e is the fraction of the T*K assignments that chose expert e (no gradient),
+    P_e the mean router probability of e over the T tokens.
+    """
+    counts = torch.bincount(routing.indices_TK.flatten(), minlength=num_experts)
+    frac = counts.to(routing.probs_TE.dtype) / routing.indices_TK.numel()
+    return num_experts * torch.sum(frac * routing.probs_TE.mean(dim=0))
+
+
+@dataclass(frozen=True)
+class Assignments:
+    """Dispatch plan for one expert worker: which rows, which local experts, which weights."""
+
+    token_ids: torch.Tensor  # [R] positions in the sender's token list (unique, ascending)
+    rows_A: torch.Tensor  # [A] index into the R rows
+    experts_A: torch.Tensor  # [A] expert id local to the receiving worker
+    weights_A: torch.Tensor  # [A] combine weight (differentiable)
+
+
+def flatten_routing(routing: Routing) -> Assignments:
+    """All T*K assignments for a worker that owns every expert (the single-process path)."""
+    T, K = routing.indices_TK.shape
+    rows = torch.arange(T, device=routing.indices_TK.device).repeat_interleave(K)
+    return Assignments(
+        token_ids=torch.arange(T, device=rows.device),
+        rows_A=rows,
+        experts_A=routing.indices_TK.flatten(),
+        weights_A=routing.weights_TK.flatten(),
+    )
+
+
+def split_by_owner(routing: Routing, num_owners: int) -> list[Assignments]:
+    """Split assignments by owner j holding experts [j*E/n, (j+1)*E/n).
+
+    Each token appears at most once in an owner's `token_ids`, however many of
+    its top-k experts that owner holds; owners with no tokens get empty plans.
+    """
+    num_experts = routing.probs_TE.shape[-1]
+    per_owner = num_experts // num_owners
+    T, K = routing.indices_TK.shape
+    owner_TK = routing.indices_TK // per_owner
+    rows_TK = torch.arange(T, device=owner_TK.device).unsqueeze(1).expand(T, K)
+    plans = []
+    for j in range(num_owners):
+        mask_TK = owner_TK == j
+        token_ids = torch.nonzero(mask_TK.any(dim=1)).flatten()
+        remap = torch.full((T,), -1, dtype=torch.long, device=owner_TK.device)
+        remap[token_ids] = torch.arange(token_ids.numel(), device=owner_TK.device)
+        plans.append(
+            Assignments(
+                token_ids=token_ids,
+                rows_A=remap[rows_TK[mask_TK]],
+                experts_A=routing.indices_TK[mask_TK] - j * per_owner,
+                weights_A=routing.weights_TK[mask_TK],
+            )
+        )
+    return plans
+
+
+def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Grouped GEMM: rows of x sorted by group, `counts[e]` rows multiply `w_EIO[e]`.
+
+    One GEMM per non-empty expert (no per-token loop); the result is [A, O].
+    """
+    outs = [xe @ w_EIO[e] for e, xe in enumerate(x_AI.split(counts)) if counts[e] > 0]
+    if not outs:
+        return x_AI.new_zeros(0, w_EIO.shape[-1])
+    return torch.cat(outs, dim=0)
+
+
+class Experts(nn.Module):
+    """`num_experts` SwiGLU experts stored as fused 3-D weights.
+
+    `gate_up[e]` is [H, 2I] (gate then up), `down[e]` is [I, H]. An expert
+    worker holds a contiguous slice of the global experts: the runtime narrows
+    these parameters; this module never knows which slice it holds.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, dim, 2 * hidden_dim))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    @property
+    def num_experts(self) -> int:
+        return self.gate_up.shape[0]
+
+    def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
+        """Compute and combine: `y[r] = sum_{a: rows[a]=r} w_a * E_{experts[a]}(x[r])`."""
+        order = torch.argsort(plan.experts_A, stable=True)
+        counts = torch.bincount(plan.experts_A, minlength=self.num_experts).tolist()
+        rows = plan.rows_A[order]
+        h = grouped_mm(x_RH[rows], self.gate_up, counts)
+        gate, up = h.chunk(2, dim=-1)
+        out_AH = grouped_mm(F.silu(gate) * up, self.down, counts)
+        out_AH = out_AH * plan.weights_A[order].unsqueeze(-1)
+        return x_RH.new_zeros(x_RH.shape).index_add(0, rows, out_AH)

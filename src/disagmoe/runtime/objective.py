@@ -1,0 +1,127 @@
+"""The training objective and optimizer, shared by every runtime.
+
+Loss of one optimizer step (global batch of G sequences, S targets each, M
+micro-batches, L_moe MoE layers):
+
+    loss = (1 / (G*S)) * sum_tokens CE  +  coef / (M * L_moe) * sum_{mb, l} aux_{mb,l}
+
+Each micro-batch contributes its share (`LossScale.micro_batch`), so gradients
+accumulated over micro-batches — on one process or summed over workers — are
+the gradients of `loss`. The balance loss is per layer and micro-batch
+(Megatron-style), not over the whole global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig, TrainConfig
+
+
+@dataclass(frozen=True)
+class LossScale:
+    token_scale: float  # 1 / (G * S)
+    aux_scale: float  # coef / (M * L_moe)
+
+    @classmethod
+    def for_run(cls, model: ModelConfig, train: TrainConfig) -> LossScale:
+        num_moe = max(model.num_moe_layers, 1)
+        return cls(
+            token_scale=1.0 / (train.global_batch_size * train.seq_len),
+            aux_scale=model.aux_loss_coef / (train.num_micro_batches * num_moe),
+        )
+
+    def ce(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the mean cross-entropy (computed in >= float32)."""
+        logits = logits_BSV.reshape(-1, logits_BSV.shape[-1])
+        if logits.dtype in (torch.bfloat16, torch.float16):
+            logits = logits.float()
+        return F.cross_entropy(logits, targets_BS.reshape(-1), reduction="sum") * self.token_scale
+
+    def aux(self, aux_values: Iterable[torch.Tensor]) -> torch.Tensor | None:
+        values = list(aux_values)
+        if not values or self.aux_scale == 0.0:
+            return None
+        return torch.stack([v.float() if v.dtype == torch.bfloat16 else v for v in values]).sum() * self.aux_scale
+
+
+def lr_at(train: TrainConfig, step: int) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup, then constant or cosine."""
+    if train.warmup_steps and step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    if train.lr_schedule == "constant":
+        return train.lr
+    span = max(train.steps - train.warmup_steps, 1)
+    progress = min(max(step - train.warmup_steps, 0) / span, 1.0)
+    floor = train.lr * train.min_lr_ratio
+    return floor + (train.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (>= 2-D), none on norm weights."""
+    decay, no_decay = [], []
+    for _, param in sorted(named_params, key=lambda kv: kv[0]):
+        (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [
+        {"params": decay, "weight_decay": train.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]],
+        lr=train.lr,
+        betas=(train.beta1, train.beta2),
+        eps=train.adam_eps,
+        foreach=False,
+    )
+
+
+def fill_missing_grads(params: Iterable[torch.nn.Parameter]) -> None:
+    """Zero-fill grads of parameters that saw no tokens this step.
+
+    An expert worker whose experts got no tokens must still take the same AdamW
+    step (weight decay, moments) as the reference, which sees a zero gradient.
+    """
+    for param in params:
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+
+
+def clip_gradients(
+    params: list[torch.nn.Parameter],
+    counted: list[bool],
+    max_norm: float,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> float:
+    """Clip by the global L2 norm; returns the norm before clipping.
+
+    `counted[i]` says whether this process counts parameter i toward the norm
+    (a parameter replicated on several workers is counted by one of them);
+    `reduce_sum` sums the squared norm over workers.
+    """
+    sq = torch.zeros((), dtype=torch.float64)
+    for param, count in zip(params, counted, strict=True):
+        if count and param.grad is not None:
+            sq += param.grad.detach().double().pow(2).sum()
+    if reduce_sum is not None:
+        sq = reduce_sum(sq)
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        factor = max_norm / (norm + 1e-6)
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+    return norm
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]

@@ -1,0 +1,107 @@
+"""Single-process reference trainer: the ground truth every distributed runtime must match."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..config import RunConfig
+from ..data import inputs_targets, split_micro_batches
+from .objective import (
+    LossScale,
+    build_optimizer,
+    clip_gradients,
+    fill_missing_grads,
+    lr_at,
+    set_lr,
+)
+from .observe import MetricsLog, Tracer, write_trace
+from .setup import build_data, build_initial_model, set_threads
+
+
+@dataclass
+class StepResult:
+    loss: float
+    ce_loss: float
+    aux_loss: float
+    grad_norm: float
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class ReferenceTrainer:
+    """Runs each micro-batch forward/backward on one process, accumulates, steps AdamW."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.model = build_initial_model(cfg)
+        self.batches = build_data(cfg)
+        self.scale = LossScale.for_run(cfg.model, cfg.train)
+        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.train)
+        self.tracer = Tracer(0, "reference")
+
+    def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
+        train = self.cfg.train
+        self.optimizer.zero_grad(set_to_none=True)
+        ce_total = aux_total = 0.0
+        batch = self.batches.global_batch(step)
+        for mb, samples in enumerate(split_micro_batches(batch, train.micro_batch_size)):
+            t0 = Tracer.now_us()
+            inputs, targets = inputs_targets(samples)
+            logits, aux = self.model(inputs)
+            ce = self.scale.ce(logits, targets)
+            aux_term = self.scale.aux(aux)
+            total = ce if aux_term is None else ce + aux_term
+            t1 = Tracer.now_us()
+            total.backward()
+            t2 = Tracer.now_us()
+            self.tracer.add(f"F mb{mb}", "fwd", t0, t1, micro_batch=mb, step=step)
+            self.tracer.add(f"B mb{mb}", "bwd", t1, t2, micro_batch=mb, step=step)
+            ce_total += float(ce.detach())
+            aux_total += 0.0 if aux_term is None else float(aux_term.detach())
+        params = list(self.model.parameters())
+        fill_missing_grads(params)
+        grads = (
+            {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+            if capture_grads
+            else {}
+        )
+        norm = clip_gradients(params, [True] * len(params), train.grad_clip)
+        set_lr(self.optimizer, lr_at(train, step))
+        self.optimizer.step()
+        return StepResult(ce_total + aux_total, ce_total, aux_total, norm, grads)
+
+
+def run_reference(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """Train `cfg.train.steps` steps, writing metrics.jsonl and trace.json into `run_dir`."""
+    set_threads(cfg, 1)
+    trainer = ReferenceTrainer(cfg)
+    log = MetricsLog(run_dir, cfg.train.steps, progress=cfg.train.progress)
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    records = []
+    start = time.perf_counter()
+    try:
+        for step in range(cfg.train.steps):
+            t0 = time.perf_counter()
+            result = trainer.step(step)
+            dt = time.perf_counter() - t0
+            record = {
+                "step": step + 1,
+                "loss": result.loss,
+                "ce_loss": result.ce_loss,
+                "aux_loss": result.aux_loss,
+                "grad_norm": result.grad_norm,
+                "lr": lr_at(cfg.train, step),
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "elapsed_s": time.perf_counter() - start,
+            }
+            records.append(record)
+            log.log(record)
+    finally:
+        log.close()
+        write_trace(run_dir / "trace.json", [(trainer.tracer.metadata(), trainer.tracer.events)])
+    return records
