@@ -1,0 +1,101 @@
+"""Who is who in a disaggregated run (pure: no process groups).
+
+Ranks are numbered group by group: group g owns ranks
+`g*(m+n) .. g*(m+n)+m-1` (attention replicas r = 0..m-1) followed by
+`g*(m+n)+m .. (g+1)*(m+n)-1` (expert shards j = 0..n-1).
+
+Layer l lives on group `l mod p`; the "layer" L (after the last block: final
+norm, LM head, loss) lives on A-group `L mod p`, which is group 0 because we
+require `L mod p == 0`. Embedding lives with layer 0, also on group 0, so tied
+embeddings stay on one worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig, ParallelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Role:
+    comp: str  # "A" (attention replica) or "F" (expert shard)
+    group: int
+    index: int  # replica r for A, shard j for F
+
+    def __str__(self) -> str:
+        return f"{self.comp}(g{self.group},{'r' if self.comp == 'A' else 'j'}{self.index})"
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    groups: int  # p
+    attn_workers: int  # m, per group
+    expert_workers: int  # n, per group
+    num_layers: int  # L
+    num_experts: int
+    moe_layers: frozenset[int]
+
+    @classmethod
+    def build(
+        cls, model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None
+    ) -> Layout:
+        p, m, n = parallel.groups, parallel.attn_workers, parallel.expert_workers
+        if model.num_layers % p:
+            raise ValueError(
+                f"model.num_layers ({model.num_layers}) must be divisible by parallel.groups ({p})"
+            )
+        if model.num_experts % n:
+            raise ValueError(
+                f"model.num_experts ({model.num_experts}) must be divisible by "
+                f"parallel.expert_workers ({n})"
+            )
+        if world_size is not None and world_size != p * (m + n):
+            raise ValueError(
+                f"world size is {world_size} but groups*(attn_workers+expert_workers) = "
+                f"{p}*({m}+{n}) = {p * (m + n)}; start {p * (m + n)} workers or change the layout"
+            )
+        return cls(
+            groups=p,
+            attn_workers=m,
+            expert_workers=n,
+            num_layers=model.num_layers,
+            num_experts=model.num_experts,
+            moe_layers=frozenset(l for l in range(model.num_layers) if model.is_moe_layer(l)),
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.groups * (self.attn_workers + self.expert_workers)
+
+    @property
+    def experts_per_worker(self) -> int:
+        return self.num_experts // self.expert_workers
+
+    def group_of(self, layer: int) -> int:
+        return layer % self.groups
+
+    def attn_rank(self, group: int, replica: int) -> int:
+        return group * (self.attn_workers + self.expert_workers) + replica
+
+    def expert_rank(self, group: int, shard: int) -> int:
+        return group * (self.attn_workers + self.expert_workers) + self.attn_workers + shard
+
+    def role(self, rank: int) -> Role:
+        group, pos = divmod(rank, self.attn_workers + self.expert_workers)
+        if pos < self.attn_workers:
+            return Role("A", group, pos)
+        return Role("F", group, pos - self.attn_workers)
+
+    def layers_of(self, rank: int) -> list[int]:
+        """Layers whose A (0..L, L = head/loss) or F component this rank runs, ascending."""
+        role = self.role(rank)
+        if role.comp == "A":
+            return [l for l in range(self.num_layers + 1) if l % self.groups == role.group]
+        return [l for l in sorted(self.moe_layers) if l % self.groups == role.group]
+
+    def attn_replicas(self, group: int) -> list[int]:
+        return [self.attn_rank(group, r) for r in range(self.attn_workers)]
+
+    def expert_shards(self, group: int) -> list[int]:
+        return [self.expert_rank(group, j) for j in range(self.expert_workers)]

@@ -1,0 +1,129 @@
+"""AF-Pipe: the disaggregated attention/FFN pipeline of DESIGN.md §2.3 as data.
+
+Micro-batch slot s passes the ring A0 -> F0 -> A1 -> F1 -> ... (layer l on
+group l mod p) and ends with the loss on A-group 0 ("layer" L), then runs the
+ring backwards. Every A replica r carries its own micro-batch of each slot;
+each F shard serves all m replicas of a slot in one grouped GEMM (M2N in,
+N2M out). The combine goes straight to the next layer's A worker; the
+residual hops A(l) -> A(l+1) in the same stage (a local hand-over when p = 1).
+
+`max_in_flight` caps how many slots a rank holds activations for: the forward
+of a rank's first stage for slot s waits for that stage's backward of slot
+s - max_in_flight.
+"""
+
+from __future__ import annotations
+
+from ..distributed.layout import Layout
+from .graph import Task, TaskGraph, emit_schedule, list_schedule
+from .ir import Msg, Op, Schedule
+
+# Nominal costs used only to order each lane (the executor follows the order,
+# not the times): forward 1, backward 2, loss head 1, message latency 0.5.
+_FWD_COST, _BWD_COST, _LATENCY = 1.0, 2.0, 0.5
+
+
+def message_producer(msg: Msg) -> tuple[Op, str, int]:
+    """(op, comp, layer) of the compute that produces `msg` on `msg.src`."""
+    return {
+        "act": (Op.FWD, "A", msg.layer),
+        "dispatch": (Op.FWD, "A", msg.layer),
+        "combine": (Op.FWD, "F", msg.layer),
+        "grad_act": (Op.BWD, "A", msg.layer + 1),
+        "grad_combine": (Op.BWD, "A", msg.layer + 1),
+        "grad_dispatch": (Op.BWD, "F", msg.layer),
+    }[msg.kind]
+
+
+def message_consumer(msg: Msg) -> tuple[Op, str, int]:
+    """(op, comp, layer) of the compute that consumes `msg` on `msg.dst`."""
+    return {
+        "act": (Op.FWD, "A", msg.layer + 1),
+        "dispatch": (Op.FWD, "F", msg.layer),
+        "combine": (Op.FWD, "A", msg.layer + 1),
+        "grad_act": (Op.BWD, "A", msg.layer),
+        "grad_combine": (Op.BWD, "F", msg.layer),
+        "grad_dispatch": (Op.BWD, "A", msg.layer),
+    }[msg.kind]
+
+
+def build_afpipe_graph(layout: Layout, num_slots: int, max_in_flight: int) -> TaskGraph:
+    p, m, n, L = layout.groups, layout.attn_workers, layout.expert_workers, layout.num_layers
+    cap = max_in_flight or num_slots
+    g = TaskGraph()
+
+    def fa(l: int, s: int, r: int) -> Task:
+        return Task(Op.FWD, "A", l, s, layout.attn_rank(l % p, r))
+
+    def ba(l: int, s: int, r: int) -> Task:
+        return Task(Op.BWD, "A", l, s, layout.attn_rank(l % p, r))
+
+    def ff(l: int, s: int, j: int) -> Task:
+        return Task(Op.FWD, "F", l, s, layout.expert_rank(l % p, j))
+
+    def bf(l: int, s: int, j: int) -> Task:
+        return Task(Op.BWD, "F", l, s, layout.expert_rank(l % p, j))
+
+    for s in range(num_slots):
+        for l in range(L + 1):
+            for r in range(m):
+                g.add(fa(l, s, r), _FWD_COST, (s, l))
+                g.add(ba(l, s, r), _BWD_COST, (s, -l))
+            if l in layout.moe_layers:
+                for j in range(n):
+                    g.add(ff(l, s, j), _FWD_COST, (s, l))
+                    g.add(bf(l, s, j), _BWD_COST, (s, -l))
+
+    for s in range(num_slots):
+        for l in range(L + 1):
+            moe = l in layout.moe_layers
+            prev_moe = l - 1 in layout.moe_layers
+            for r in range(m):
+                g.local_deps[ba(l, s, r)].append(fa(l, s, r))
+                if l > 0:
+                    g.message(fa(l - 1, s, r), fa(l, s, r), "act", l - 1)
+                    g.message(ba(l, s, r), ba(l - 1, s, r), "grad_act", l - 1)
+                    if prev_moe:
+                        for j in range(n):
+                            g.message(ff(l - 1, s, j), fa(l, s, r), "combine", l - 1)
+                            g.message(ba(l, s, r), bf(l - 1, s, j), "grad_combine", l - 1)
+                if moe:
+                    for j in range(n):
+                        g.message(fa(l, s, r), ff(l, s, j), "dispatch", l)
+                        g.message(bf(l, s, j), ba(l, s, r), "grad_dispatch", l)
+            if moe:
+                for j in range(n):
+                    g.local_deps[bf(l, s, j)].append(ff(l, s, j))
+
+    # In-flight cap: a rank's first stage of slot s waits for its backward of slot s - cap.
+    for rank in range(layout.world_size):
+        layers = layout.layers_of(rank)
+        if not layers or cap >= num_slots:
+            continue
+        role = layout.role(rank)
+        first = layers[0]
+        for s in range(cap, num_slots):
+            if role.comp == "A":
+                g.local_deps[fa(first, s, role.index)].append(ba(first, s - cap, role.index))
+            else:
+                g.local_deps[ff(first, s, role.index)].append(bf(first, s - cap, role.index))
+    return g
+
+
+def build_afpipe(layout: Layout, num_slots: int, max_in_flight: int = 0) -> Schedule:
+    """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots."""
+    if num_slots < 1:
+        raise ValueError("AF-Pipe needs at least one micro-batch slot per attention replica")
+    graph = build_afpipe_graph(layout, num_slots, max_in_flight)
+    timeline = list_schedule(graph, _LATENCY)
+    return emit_schedule(
+        graph,
+        timeline,
+        name="afpipe",
+        num_ranks=layout.world_size,
+        num_slots=num_slots,
+        max_in_flight=max_in_flight or num_slots,
+        roles=tuple(str(layout.role(r)) for r in range(layout.world_size)),
+        meta={"groups": layout.groups, "attn_workers": layout.attn_workers,
+              "expert_workers": layout.expert_workers, "num_layers": layout.num_layers},
+    )

@@ -1,0 +1,156 @@
+"""Task graphs and list scheduling shared by schedule generators.
+
+A generator describes one optimizer step as compute `Task`s with the messages
+they consume/produce and local dependencies; `list_schedule` orders every
+rank's lanes by a greedy event simulation with nominal costs, and
+`emit_schedule` turns that timeline into per-rank instruction lists (RECVs at
+their arrival time, SENDs right after the producing compute), so that FIFO
+order per (sender, receiver, channel) holds by construction.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .ir import Instr, Msg, Op, Schedule
+
+
+@dataclass(frozen=True, slots=True, order=True)
+class Task:
+    op: Op
+    comp: str
+    layer: int
+    slot: int
+    rank: int
+
+    @property
+    def lane(self) -> str:
+        return "fwd" if self.op == Op.FWD else "bwd"
+
+
+@dataclass
+class TaskGraph:
+    tasks: list[Task] = field(default_factory=list)
+    inputs: dict[Task, list[Msg]] = field(default_factory=lambda: defaultdict(list))
+    outputs: dict[Task, list[Msg]] = field(default_factory=lambda: defaultdict(list))
+    local_deps: dict[Task, list[Task]] = field(default_factory=lambda: defaultdict(list))
+    cost: dict[Task, float] = field(default_factory=dict)
+    priority: dict[Task, tuple[int, ...]] = field(default_factory=dict)
+
+    def add(self, task: Task, cost: float, priority: tuple[int, ...]) -> None:
+        self.tasks.append(task)
+        self.cost[task] = cost
+        self.priority[task] = priority
+
+    def message(self, producer: Task, consumer: Task, kind: str, layer: int) -> None:
+        """`producer` sends a `kind` message to `consumer`, or a local dependency if same rank."""
+        if producer.rank == consumer.rank:
+            self.local_deps[consumer].append(producer)
+            return
+        msg = Msg(kind, layer, producer.slot, producer.rank, consumer.rank)
+        self.outputs[producer].append(msg)
+        self.inputs[consumer].append(msg)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    start: dict[Task, float]
+    end: dict[Task, float]
+    arrival: dict[Msg, float]
+
+
+def list_schedule(graph: TaskGraph, latency: float) -> Timeline:
+    """Greedy non-delay list scheduling: each (rank, lane) runs its best-priority ready task."""
+    producer_of = {m: t for t, msgs in graph.outputs.items() for m in msgs}
+    consumers: dict[Task, list[Task]] = defaultdict(list)
+    remaining: dict[Task, int] = {}
+    for task in graph.tasks:
+        deps = [producer_of[m] for m in graph.inputs.get(task, [])] + graph.local_deps.get(task, [])
+        remaining[task] = len(deps)
+        for dep in deps:
+            consumers[dep].append(task)
+    ready_at: dict[Task, float] = defaultdict(float)
+    lane_free: dict[tuple[int, str], float] = defaultdict(float)
+    waiting: dict[tuple[int, str], list[tuple[float, tuple[int, ...], Task]]] = defaultdict(list)
+    for task in graph.tasks:
+        if remaining[task] == 0:
+            heapq.heappush(waiting[(task.rank, task.lane)], (0.0, graph.priority[task], task))
+    start: dict[Task, float] = {}
+    end: dict[Task, float] = {}
+    arrival: dict[Msg, float] = {}
+    # Event heap of lanes to (re)consider: (time, lane).
+    events: list[tuple[float, tuple[int, str]]] = [(0.0, lane) for lane in waiting]
+    heapq.heapify(events)
+    while events:
+        now, lane = heapq.heappop(events)
+        if lane_free[lane] > now or not waiting[lane]:
+            continue
+        ready = [item for item in waiting[lane] if item[0] <= now]
+        if not ready:
+            heapq.heappush(events, (min(item[0] for item in waiting[lane]), lane))
+            continue
+        best = min(ready, key=lambda item: item[1])
+        waiting[lane].remove(best)
+        task = best[2]
+        start[task] = now
+        finish = now + graph.cost[task]
+        end[task] = finish
+        lane_free[lane] = finish
+        heapq.heappush(events, (finish, lane))
+        for msg in graph.outputs.get(task, []):
+            arrival[msg] = finish + latency
+        for nxt in consumers[task]:
+            delay = latency if nxt.rank != task.rank else 0.0
+            ready_at[nxt] = max(ready_at[nxt], finish + delay)
+            remaining[nxt] -= 1
+            if remaining[nxt] == 0:
+                nlane = (nxt.rank, nxt.lane)
+                waiting[nlane].append((ready_at[nxt], graph.priority[nxt], nxt))
+                heapq.heappush(events, (max(ready_at[nxt], lane_free[nlane]), nlane))
+    missing = [t for t in graph.tasks if t not in end]
+    assert not missing, f"task graph has a cycle or missing producer: {missing[:3]}"
+    return Timeline(start, end, arrival)
+
+
+def emit_schedule(
+    graph: TaskGraph,
+    timeline: Timeline,
+    *,
+    name: str,
+    num_ranks: int,
+    num_slots: int,
+    max_in_flight: int,
+    roles: tuple[str, ...],
+    meta: dict[str, int | str],
+    sync: bool = True,
+) -> Schedule:
+    """Per-rank lists ordered by simulated time; at equal times RECVs, then SENDs, then computes."""
+    events: list[list[tuple[float, int, int, Instr]]] = [[] for _ in range(num_ranks)]
+    seq = 0
+    for task in graph.tasks:
+        t0, t1 = timeline.start[task], timeline.end[task]
+        events[task.rank].append((t0, 2, seq, Instr(task.op, task.comp, task.layer, task.slot)))
+        seq += 1
+        for msg in graph.outputs.get(task, []):
+            events[task.rank].append((t1, 1, seq, Instr(Op.SEND, msg=msg)))
+            seq += 1
+            events[msg.dst].append((timeline.arrival[msg], 0, seq, Instr(Op.RECV, msg=msg)))
+            seq += 1
+    ranks = []
+    for rank_events in events:
+        rank_events.sort(key=lambda e: (e[0], e[1], e[2]))
+        instrs = [e[3] for e in rank_events]
+        if sync:
+            instrs += [Instr(Op.SYNC), Instr(Op.STEP)]
+        ranks.append(tuple(instrs))
+    return Schedule(
+        name=name,
+        num_ranks=num_ranks,
+        num_slots=num_slots,
+        max_in_flight=max_in_flight,
+        roles=roles,
+        ranks=tuple(ranks),
+        meta=meta,
+    )
