@@ -89,6 +89,11 @@ def split_by_owner(routing: Routing, num_owners: int) -> list[Assignments]:
     its top-k experts that owner holds; owners with no tokens get empty plans.
     """
     num_experts = routing.probs_TE.shape[-1]
+    if num_owners < 1 or num_experts % num_owners:
+        raise ValueError(
+            f"{num_experts} experts cannot be split evenly over {num_owners} expert workers; "
+            "use a number of expert workers that divides the number of experts"
+        )
     per_owner = num_experts // num_owners
     T, K = routing.indices_TK.shape
     owner_TK = routing.indices_TK // per_owner
