@@ -1,0 +1,58 @@
+"""Process groups of a disaggregated run, built once and passed explicitly.
+
+* one 2-rank group per (sender, receiver, channel) message stream of the
+  schedule — the dedicated send/receive groups of DESIGN.md §2.3, so that
+  forward activations and backward gradients between the same two workers
+  never queue behind each other;
+* per attention group, the group of its m data-parallel replicas (gradient
+  all-reduce);
+* the world group (loss/metrics reduction, global gradient norm).
+
+Every rank must call `Topology.build` with the same schedule: process-group
+creation is collective.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from ..schedule.ir import Op, Schedule
+from .layout import Layout, Role
+
+
+@dataclass
+class Topology:
+    layout: Layout
+    rank: int
+    role: Role
+    streams: dict[tuple[int, int, str], dist.ProcessGroup]  # (src, dst, channel) -> group
+    replica_group: dist.ProcessGroup | None  # this A rank's replicas (None for F ranks)
+
+    @classmethod
+    def build(cls, layout: Layout, schedule: Schedule) -> Topology:
+        rank = dist.get_rank()
+        keys = sorted(
+            {
+                (i.msg.src, i.msg.dst, i.msg.channel)
+                for instrs in schedule.ranks
+                for i in instrs
+                if i.op == Op.SEND and i.msg is not None
+            }
+        )
+        streams = {}
+        for src, dst, channel in keys:
+            group = dist.new_group([src, dst])
+            if rank in (src, dst):
+                streams[(src, dst, channel)] = group
+        replica_group = None
+        role = layout.role(rank)
+        for g in range(layout.groups):
+            group = dist.new_group(layout.attn_replicas(g))
+            if role.comp == "A" and role.group == g:
+                replica_group = group
+        return cls(layout, rank, role, streams, replica_group)
+
+    def stream(self, src: int, dst: int, channel: str) -> dist.ProcessGroup:
+        return self.streams[(src, dst, channel)]

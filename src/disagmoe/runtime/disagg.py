@@ -1,0 +1,192 @@
+"""The disaggregated AF-Pipe trainer (one instance per rank, inside a process group).
+
+Per optimizer step:
+1. A ranks of group 0 load their micro-batches: slot s of replica r is
+   micro-batch `s*m + r` of the global batch (the reference's numbering);
+2. the executor runs the rank's AF-Pipe instruction list (SYNC/STEP aside);
+3. SYNC: gradients of the A components are summed over the group's m
+   replicas (one flat all-reduce); expert gradients are already complete on
+   their shard, which saw the tokens of every replica;
+4. STEP: global gradient norm (replicated parameters counted once), clipping,
+   AdamW on this rank's own parameters;
+5. losses and busy times are reduced to rank 0, which logs them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from ..data import inputs_targets, split_micro_batches
+from ..distributed.layout import Layout
+from ..distributed.topology import Topology
+from ..schedule.afpipe import build_afpipe
+from ..schedule.validate import validate
+from .executor import Executor
+from .objective import (
+    LossScale,
+    build_optimizer,
+    clip_gradients,
+    fill_missing_grads,
+    lr_at,
+    set_lr,
+    torch_dtype,
+)
+from .observe import MetricsLog, Tracer, write_trace
+from .reference import StepResult
+from .setup import build_data, build_initial_model, set_threads
+from .stages import AttnWorker, ExpertWorker
+
+
+def num_slots(cfg: RunConfig, layout: Layout) -> int:
+    num_micro = cfg.train.num_micro_batches
+    if num_micro % layout.attn_workers:
+        raise ValueError(
+            f"global_batch_size/micro_batch_size = {num_micro} micro-batches must be divisible "
+            f"by parallel.attn_workers ({layout.attn_workers})"
+        )
+    return num_micro // layout.attn_workers
+
+
+class DisaggTrainer:
+    def __init__(self, cfg: RunConfig) -> None:
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
+        self.schedule = build_afpipe(self.layout, num_slots(cfg, self.layout), cfg.schedule.max_in_flight)
+        validate(self.schedule)
+        self.topo = Topology.build(self.layout, self.schedule)
+        self.role = self.layout.role(self.rank)
+        model = build_initial_model(cfg)
+        self.scale = LossScale.for_run(cfg.model, cfg.train)
+        self.worker: AttnWorker | ExpertWorker
+        if self.role.comp == "A":
+            self.worker = AttnWorker(model, self.layout, self.rank, self.scale)
+        else:
+            self.worker = ExpertWorker(model, self.layout, self.rank)
+        del model
+        self.named_params = self.worker.named_parameters()
+        self.params = [p for _, p in self.named_params]
+        # Replicated (A) parameters count toward the global norm on replica 0 only.
+        counted = self.role.comp == "F" or self.role.index == 0
+        self.counted = [counted] * len(self.params)
+        self.optimizer = build_optimizer(self.named_params, cfg.train)
+        self.has_data = self.role.comp == "A" and self.role.group == 0
+        self.batches = build_data(cfg) if self.has_data else None
+        self.tracer = Tracer(self.rank, str(self.role))
+        self.executor = Executor(
+            self.schedule,
+            self.topo,
+            self.worker,
+            self.tracer,
+            dtype=torch_dtype(cfg.train.dtype),
+            timeout_s=cfg.train.comm_timeout_s,
+        )
+
+    def _load_micro_batches(self, step: int) -> None:
+        if self.batches is None:
+            return
+        assert isinstance(self.worker, AttnWorker)
+        m = self.layout.attn_workers
+        mbs = split_micro_batches(self.batches.global_batch(step), self.cfg.train.micro_batch_size)
+        self.worker.micro_batches = {
+            s: inputs_targets(mbs[s * m + self.role.index]) for s in range(len(mbs) // m)
+        }
+
+    def _sync_grads(self) -> None:
+        group = self.topo.replica_group
+        if group is None or self.layout.attn_workers == 1 or not self.params:
+            return
+        t0 = Tracer.now_us()
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
+        dist.all_reduce(flat, group=group)
+        pos = 0
+        for p in self.params:
+            assert p.grad is not None
+            n = p.grad.numel()
+            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
+            pos += n
+        self.tracer.add("SYNC grads", "sync", t0, Tracer.now_us(), bytes=flat.numel() * flat.element_size())
+
+    def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
+        train = self.cfg.train
+        self.optimizer.zero_grad(set_to_none=True)
+        self._load_micro_batches(step)
+        if isinstance(self.worker, AttnWorker):
+            self.worker.ce_sum = self.worker.aux_sum = 0.0
+        self.executor.run_step(step)
+        fill_missing_grads(self.params)
+        self._sync_grads()
+        grads = {n: p.grad.detach().clone() for n, p in self.named_params if p.grad is not None} if capture_grads else {}
+
+        def world_sum(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t)
+            return t
+
+        t0 = Tracer.now_us()
+        norm = clip_gradients(self.params, self.counted, train.grad_clip, world_sum)
+        set_lr(self.optimizer, lr_at(train, step))
+        self.optimizer.step()
+        self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
+        losses = torch.zeros(2, dtype=torch.float64)
+        if isinstance(self.worker, AttnWorker):
+            losses[0], losses[1] = self.worker.ce_sum, self.worker.aux_sum
+        dist.all_reduce(losses)
+        ce, aux = float(losses[0]), float(losses[1])
+        return StepResult(ce + aux, ce, aux, norm, grads)
+
+    def busy_seconds(self, step: int) -> float:
+        events = [e for e in self.tracer.events if e["args"].get("step") == step]
+        view = Tracer(self.rank, "", True)
+        view.events = events
+        return view.busy_us() / 1e6
+
+
+def run_disagg(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """Train on this rank; rank 0 writes metrics.jsonl and trace.json. Call inside a process group."""
+    set_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    trainer = DisaggTrainer(cfg)
+    rank, world = trainer.rank, dist.get_world_size()
+    log = MetricsLog(run_dir, cfg.train.steps, progress=cfg.train.progress) if rank == 0 else None
+    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    try:
+        for step in range(cfg.train.steps):
+            t0 = time.perf_counter()
+            result = trainer.step(step)
+            dt = time.perf_counter() - t0
+            busy = torch.zeros(world, dtype=torch.float64)
+            busy[rank] = trainer.busy_seconds(step)
+            dist.all_reduce(busy)
+            record = {
+                "step": step + 1,
+                "loss": result.loss,
+                "ce_loss": result.ce_loss,
+                "aux_loss": result.aux_loss,
+                "grad_norm": result.grad_norm,
+                "lr": lr_at(cfg.train, step),
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "elapsed_s": time.perf_counter() - start,
+                "busy_s": [round(b, 6) for b in busy.tolist()],
+                "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
+            }
+            records.append(record)
+            if log is not None:
+                log.log(record)
+    finally:
+        if log is not None:
+            log.close()
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object((trainer.tracer.metadata(), trainer.tracer.events), gathered if rank == 0 else None, dst=0)
+    if rank == 0:
+        write_trace(run_dir / "trace.json", gathered)
+        (run_dir / "schedule.txt").write_text(trainer.schedule.to_text())
+    return records

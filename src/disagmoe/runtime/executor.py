@@ -1,0 +1,209 @@
+"""Runs one rank's instruction list with compute and communication overlapped.
+
+Lanes (threads on CPU; on GPU they would be CUDA streams):
+
+* "fwd"  — the rank's FWD instructions in list order,
+* "bwd"  — its BWD instructions in list order,
+* "recv" — one thread per (sender, channel) stream, receiving that stream's
+           messages in FIFO order into a mailbox,
+* "send" — sends are posted (`isend`) by the compute lane right after the
+           producing compute; one thread waits for their completion.
+
+So an F worker can send the backward result of micro-batch i, compute the
+forward of micro-batch j and receive a gradient for micro-batch q at once.
+A compute waits only for its own inputs (mailbox), for its own forward (a
+backward) and for the in-flight cap. Every wait has a timeout; on timeout the
+error names the rank, its role, the instruction and the missing messages.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..distributed.exchange import CommTimeout, recv_message, send_message
+from ..distributed.topology import Topology
+from ..schedule.afpipe import message_consumer, message_producer
+from ..schedule.ir import Instr, Msg, Op, Schedule
+from .observe import Tracer
+
+Payload = list[torch.Tensor]
+TaskKey = tuple[str, str, int, int]
+
+
+class StageWorker(Protocol):
+    def forward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]: ...
+    def backward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]: ...
+
+
+class HangError(RuntimeError):
+    """A wait on communication exceeded the configured timeout."""
+
+
+@dataclass
+class _Shared:
+    cond: threading.Condition
+    mailbox: dict[Msg, Payload]
+    done: set[TaskKey]
+    errors: list[BaseException]
+
+
+class Executor:
+    def __init__(
+        self,
+        schedule: Schedule,
+        topo: Topology,
+        worker: StageWorker,
+        tracer: Tracer,
+        *,
+        dtype: torch.dtype,
+        timeout_s: float,
+    ) -> None:
+        self.rank = topo.rank
+        self.role = schedule.roles[self.rank]
+        self.topo = topo
+        self.worker = worker
+        self.tracer = tracer
+        self.dtype = dtype
+        self.timeout_s = timeout_s
+        self.cap = schedule.max_in_flight
+        instrs = schedule.ranks[self.rank]
+        self.instrs = instrs
+        self.lanes: dict[str, list[tuple[int, Instr]]] = {"fwd": [], "bwd": []}
+        self.sends_of: dict[TaskKey, list[Msg]] = defaultdict(list)
+        self.recvs_of: dict[TaskKey, list[Msg]] = defaultdict(list)
+        self.streams: dict[tuple[int, str], list[Msg]] = defaultdict(list)
+        for index, instr in enumerate(instrs):
+            if instr.is_compute:
+                self.lanes[instr.lane].append((index, instr))
+            elif instr.op == Op.SEND and instr.msg is not None:
+                op, comp, layer = message_producer(instr.msg)
+                self.sends_of[(op.value, comp, layer, instr.msg.slot)].append(instr.msg)
+            elif instr.op == Op.RECV and instr.msg is not None:
+                op, comp, layer = message_consumer(instr.msg)
+                self.recvs_of[(op.value, comp, layer, instr.msg.slot)].append(instr.msg)
+                self.streams[(instr.msg.src, instr.msg.channel)].append(instr.msg)
+        layers = [i.layer for _, i in self.lanes["fwd"]]
+        self.first_layer = min(layers) if layers else -1
+
+    # ------------------------------------------------------------------ lanes
+
+    def _recv_lane(self, sh: _Shared, src: int, channel: str, msgs: list[Msg], step: int) -> None:
+        group = self.topo.stream(src, self.rank, channel)
+        for msg in msgs:
+            t0 = Tracer.now_us()
+            what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
+            payload = recv_message(src, group, self.dtype, self.timeout_s, what)
+            self.tracer.add(f"recv {msg.kind} l{msg.layer} s{msg.slot}", "recv", t0, Tracer.now_us(),
+                            src=src, layer=msg.layer, slot=msg.slot, step=step,
+                            bytes=sum(t.numel() * t.element_size() for t in payload))
+            with sh.cond:
+                sh.mailbox[msg] = payload
+                sh.cond.notify_all()
+
+    def _send_waiter(self, sh: _Shared, pending: queue.Queue, step: int) -> None:
+        while True:
+            item = pending.get()
+            if item is None:
+                return
+            msg, works, t0, nbytes = item
+            for work in works:
+                try:
+                    work.wait()
+                except RuntimeError as err:
+                    raise CommTimeout(f"rank {self.rank} {self.role}: sending {msg}: {err}") from err
+            self.tracer.add(f"send {msg.kind} l{msg.layer} s{msg.slot}", "send", t0, Tracer.now_us(),
+                            dst=msg.dst, layer=msg.layer, slot=msg.slot, step=step, bytes=nbytes)
+
+    def _ready(self, sh: _Shared, instr: Instr) -> bool:
+        if not all(m in sh.mailbox for m in self.recvs_of[instr.task]):
+            return False
+        if instr.op == Op.BWD and ("F", instr.comp, instr.layer, instr.slot) not in sh.done:
+            return False
+        if instr.op == Op.FWD and instr.layer == self.first_layer and instr.slot >= self.cap:
+            return ("B", instr.comp, instr.layer, instr.slot - self.cap) in sh.done
+        return True
+
+    def _wait_ready(self, sh: _Shared, index: int, instr: Instr) -> dict[Msg, Payload]:
+        deadline = time.monotonic() + self.timeout_s
+        with sh.cond:
+            while not self._ready(sh, instr):
+                if sh.errors:
+                    raise RuntimeError("another lane failed")
+                if time.monotonic() > deadline:
+                    missing = [m for m in self.recvs_of[instr.task] if m not in sh.mailbox]
+                    peers = sorted({m.src for m in missing})
+                    raise HangError(
+                        f"rank {self.rank} {self.role}: instruction {index} ({instr}) waited "
+                        f"{self.timeout_s:.0f} s for "
+                        + (", ".join(str(m) for m in missing) + f" from rank(s) {peers}" if missing
+                           else "its local dependencies")
+                    )
+                sh.cond.wait(0.05)
+            return {m: sh.mailbox.pop(m) for m in self.recvs_of[instr.task]}
+
+    def _compute_lane(self, sh: _Shared, lane: str, pending: queue.Queue, step: int) -> None:
+        for index, instr in self.lanes[lane]:
+            received = self._wait_ready(sh, index, instr)
+            outgoing = self.sends_of[instr.task]
+            t0 = Tracer.now_us()
+            fn = self.worker.forward if instr.op == Op.FWD else self.worker.backward
+            out = fn(instr.layer, instr.slot, received, outgoing)
+            t1 = Tracer.now_us()
+            self.tracer.add(f"{instr.op.value}{instr.comp} l{instr.layer} s{instr.slot}", lane, t0, t1,
+                            layer=instr.layer, slot=instr.slot, step=step, index=index)
+            for msg in outgoing:
+                payload = out[msg]
+                group = self.topo.stream(self.rank, msg.dst, msg.channel)
+                nbytes = sum(t.numel() * t.element_size() for t in payload)
+                pending.put((msg, send_message(payload, msg.dst, group), Tracer.now_us(), nbytes))
+            with sh.cond:
+                sh.done.add(instr.task)
+                sh.cond.notify_all()
+
+    # ------------------------------------------------------------------- step
+
+    def run_step(self, step: int) -> None:
+        """Execute every compute and message of this rank for one optimizer step."""
+        sh = _Shared(threading.Condition(), {}, set(), [])
+        pending: queue.Queue = queue.Queue()
+
+        def guard(fn, *args) -> None:  # type: ignore[no-untyped-def]
+            try:
+                fn(*args)
+            except BaseException as err:  # noqa: BLE001 - re-raised by the main thread
+                with sh.cond:
+                    sh.errors.append(err)
+                    sh.cond.notify_all()
+
+        recv_threads = [
+            threading.Thread(target=guard, args=(self._recv_lane, sh, src, ch, msgs, step), daemon=True)
+            for (src, ch), msgs in self.streams.items()
+        ]
+        sender = threading.Thread(target=guard, args=(self._send_waiter, sh, pending, step), daemon=True)
+        lanes = [
+            threading.Thread(target=guard, args=(self._compute_lane, sh, lane, pending, step), daemon=True)
+            for lane in ("fwd", "bwd")
+        ]
+        for t in [*recv_threads, sender, *lanes]:
+            t.start()
+        for t in lanes:
+            while t.is_alive():
+                t.join(0.1)
+                if sh.errors:
+                    break
+            if sh.errors:
+                break
+        pending.put(None)
+        if not sh.errors:
+            for t in [*recv_threads, sender]:
+                t.join()
+        if sh.errors:
+            primary = next((e for e in sh.errors if not str(e) == "another lane failed"), sh.errors[0])
+            raise primary

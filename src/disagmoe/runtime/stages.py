@@ -1,0 +1,279 @@
+"""The compute of one disaggregated worker: what FWD/BWD of (layer, slot) mean on A and F ranks.
+
+Autograd across workers: every received tensor that needs a gradient becomes
+a detached leaf with `requires_grad`; a stage keeps its leaves and outputs in
+a stash, and its backward runs `torch.autograd.backward(outputs, grads)` with
+the gradients that arrived, then sends the leaves' `.grad` upstream.
+
+Messages (lists of tensors, see schedule.ir for who sends what to whom):
+* act[l]           residual_BSH, then token_ids of each expert shard (MoE layers)
+* dispatch[l]      u_RH, weights_A, rows_A, local experts_A
+* combine[l]       y_RH (rows in the order of the matching dispatch)
+* grad_act[l]      d residual_BSH
+* grad_combine[l]  d y_RH
+* grad_dispatch[l] d u_RH, d weights_A
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..distributed.layout import Layout
+from ..models import Assignments, Experts, MoETransformer, split_by_owner
+from ..models.layers import rope_tables
+from ..schedule.ir import Msg
+from .objective import LossScale
+
+Payload = list[torch.Tensor]
+
+
+class NamedParts(nn.Module):
+    """Holds some submodules of the full model under their full-model paths.
+
+    `add("layers.3.attn_block", block)` makes the block's parameters appear as
+    `layers.3.attn_block.*`, the reference model's names, so gradients and
+    checkpoints line up with the single-process model.
+    """
+
+    def add(self, path: str, module: nn.Module) -> None:
+        parent: nn.Module = self
+        *heads, last = path.split(".")
+        for head in heads:
+            if not hasattr(parent, head):
+                parent.add_module(head, nn.Module())
+            parent = getattr(parent, head)
+        parent.add_module(last, module)
+
+    def __getitem__(self, path: str) -> nn.Module:
+        return self.get_submodule(path)
+
+    def __contains__(self, path: object) -> bool:
+        try:
+            self.get_submodule(str(path))
+        except AttributeError:
+            return False
+        return True
+
+
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(t.is_floating_point())
+
+
+def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+    pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+    if pairs:
+        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
+@dataclass
+class _AttnState:
+    resid_leaf: torch.Tensor | None = None
+    combine_leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # shard -> y leaf
+    residual: torch.Tensor | None = None
+    dispatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    objective: torch.Tensor | None = None  # loss share (layer L) or scaled aux term
+
+
+class AttnWorker:
+    """An attention replica: A components of its layers, plus embedding / head on group 0."""
+
+    def __init__(self, model: MoETransformer, layout: Layout, rank: int, scale: LossScale) -> None:
+        self.layout = layout
+        self.role = layout.role(rank)
+        self.layers = layout.layers_of(rank)
+        self.num_layers = layout.num_layers
+        self.scale = scale
+        self.cfg = model.cfg
+        self.modules = NamedParts()
+        for l in self.layers:
+            if l < self.num_layers:
+                self.modules.add(f"layers.{l}.attn_block", model.layers[l].attn_block)
+        if 0 in self.layers:
+            self.modules.add("embed", model.embed)
+        if self.num_layers in self.layers:
+            self.modules.add("norm", model.norm)
+            self.modules.add("lm_head", model.lm_head)
+        self.stash: dict[tuple[int, int], _AttnState] = {}
+        self.micro_batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.local: dict[tuple[str, int, int], Payload] = {}
+        self.ce_sum = 0.0
+        self.aux_sum = 0.0
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        out = []
+        for name, param in self.modules.named_parameters(remove_duplicate=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append((name, param))
+        return out
+
+    def _rope(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        return rope_tables(like.shape[1], c.head_dim_resolved, c.rope_theta, like.dtype, like.device)
+
+    def forward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+        st = _AttnState()
+        if layer == 0:
+            tokens, _ = self.micro_batches[slot]
+            x = self.modules["embed"](tokens)
+        else:
+            act = next((p for m, p in received.items() if m.kind == "act"), None)
+            if act is None:
+                act = self.local.pop(("act", layer - 1, slot))
+            st.resid_leaf = _leaf(act[0])
+            x = st.resid_leaf
+            combines = {self.layout.role(m.src).index: p for m, p in received.items() if m.kind == "combine"}
+            if combines:
+                B, S, H = x.shape
+                x_TH = x.reshape(B * S, H)
+                for j in sorted(combines):
+                    y_leaf = _leaf(combines[j][0])
+                    st.combine_leaves[j] = y_leaf
+                    x_TH = x_TH.index_add(0, act[1 + j], y_leaf)
+                x = x_TH.view(B, S, H)
+        out: dict[Msg, Payload] = {}
+        if layer == self.num_layers:
+            _, targets = self.micro_batches[slot]
+            logits = self.modules["lm_head"](self.modules["norm"](x))
+            st.objective = self.scale.ce(logits, targets)
+            self.ce_sum += float(st.objective.detach())
+        else:
+            cos, sin = self._rope(x)
+            res = self.modules[f"layers.{layer}.attn_block"](x, cos, sin)
+            st.residual = res.residual_BSH
+            act_payload: Payload = [res.residual_BSH.detach()]
+            if res.routing is not None:
+                assert res.u_TH is not None and res.aux is not None
+                plans = split_by_owner(res.routing, self.layout.expert_workers)
+                act_payload += [plan.token_ids for plan in plans]
+                for j, plan in enumerate(plans):
+                    st.dispatched[j] = (res.u_TH[plan.token_ids], plan.weights_A)
+                for msg in outgoing:
+                    if msg.kind == "dispatch":
+                        j = self.layout.role(msg.dst).index
+                        u_j, w_j = st.dispatched[j]
+                        out[msg] = [u_j.detach(), w_j.detach(), plans[j].rows_A, plans[j].experts_A]
+                aux = self.scale.aux([res.aux])
+                if aux is not None:
+                    st.objective = aux
+                    self.aux_sum += float(aux.detach())
+            act_msg = next((m for m in outgoing if m.kind == "act"), None)
+            if act_msg is not None:
+                out[act_msg] = act_payload
+            else:
+                self.local[("act", layer, slot)] = act_payload
+        self.stash[(layer, slot)] = st
+        return out
+
+    def backward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+        st = self.stash.pop((layer, slot))
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if layer < self.num_layers:
+            g_act = next((p for m, p in received.items() if m.kind == "grad_act"), None)
+            if g_act is None:
+                g_act = self.local.pop(("grad_act", layer, slot))
+            assert st.residual is not None
+            tensors.append(st.residual)
+            grads.append(g_act[0])
+            for msg, payload in received.items():
+                if msg.kind == "grad_dispatch":
+                    u_j, w_j = st.dispatched[self.layout.role(msg.src).index]
+                    tensors += [u_j, w_j]
+                    grads += payload
+        if st.objective is not None:
+            tensors.append(st.objective)
+            grads.append(torch.ones_like(st.objective))
+        _backward(tensors, grads)
+        out: dict[Msg, Payload] = {}
+        if layer == 0:
+            return out
+        assert st.resid_leaf is not None
+        g_resid = [_grad_or_zeros(st.resid_leaf)]
+        act_msg = next((m for m in outgoing if m.kind == "grad_act"), None)
+        if act_msg is not None:
+            out[act_msg] = g_resid
+        else:
+            self.local[("grad_act", layer - 1, slot)] = g_resid
+        for msg in outgoing:
+            if msg.kind == "grad_combine":
+                out[msg] = [_grad_or_zeros(st.combine_leaves[self.layout.role(msg.dst).index])]
+        return out
+
+
+@dataclass
+class _ExpertState:
+    inputs: list[tuple[torch.Tensor, torch.Tensor]]  # (u leaf, w leaf) per replica
+    outputs: list[torch.Tensor]  # y per replica
+
+
+class ExpertWorker:
+    """An expert shard: a slice of the experts of each MoE layer of its group."""
+
+    def __init__(self, model: MoETransformer, layout: Layout, rank: int) -> None:
+        self.layout = layout
+        self.role = layout.role(rank)
+        per = layout.experts_per_worker
+        lo = self.role.index * per
+        self.modules = NamedParts()
+        for l in layout.layers_of(rank):
+            full = model.layers[l].experts
+            assert full is not None
+            shard = Experts(per, full.gate_up.shape[1], full.down.shape[1])
+            shard.gate_up = nn.Parameter(full.gate_up.detach()[lo : lo + per].clone())
+            shard.down = nn.Parameter(full.down.detach()[lo : lo + per].clone())
+            self.modules.add(f"layers.{l}.experts", shard)
+        self.expert_offset = lo
+        self.stash: dict[tuple[int, int], _ExpertState] = {}
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.modules.named_parameters())
+
+    def forward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+        by_replica = sorted(received.items(), key=lambda kv: kv[0].src)
+        inputs, xs, rows, experts, weights, counts = [], [], [], [], [], []
+        offset = 0
+        for _, (u, w, rows_A, experts_A) in by_replica:
+            u_leaf, w_leaf = _leaf(u), _leaf(w)
+            inputs.append((u_leaf, w_leaf))
+            xs.append(u_leaf)
+            weights.append(w_leaf)
+            rows.append(rows_A + offset)
+            experts.append(experts_A)
+            counts.append(u.shape[0])
+            offset += u.shape[0]
+        x = torch.cat(xs)
+        plan = Assignments(
+            token_ids=torch.arange(x.shape[0]),
+            rows_A=torch.cat(rows),
+            experts_A=torch.cat(experts),
+            weights_A=torch.cat(weights),
+        )
+        y = self.modules[f"layers.{layer}.experts"](x, plan)
+        outputs = list(y.split(counts))
+        self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
+        replica_of_src = {m.src: k for k, (m, _) in enumerate(by_replica)}
+        out = {}
+        for msg in outgoing:
+            replica = self.layout.role(msg.dst).index
+            k = replica_of_src[self.layout.attn_rank(self.role.group, replica)]
+            out[msg] = [outputs[k].detach()]
+        return out
+
+    def backward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+        st = self.stash.pop((layer, slot))
+        grads_by_replica = {self.layout.role(m.src).index: p[0] for m, p in received.items()}
+        _backward(st.outputs, [grads_by_replica[r] for r in range(len(st.outputs))])
+        out = {}
+        for msg in outgoing:
+            u_leaf, w_leaf = st.inputs[self.layout.role(msg.dst).index]
+            out[msg] = [_grad_or_zeros(u_leaf), _grad_or_zeros(w_leaf)]
+        return out

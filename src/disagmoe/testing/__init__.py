@@ -1,0 +1,1 @@
+"""Helpers for multi-process tests: spawn N gloo ranks on loopback and collect their results."""
