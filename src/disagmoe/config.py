@@ -161,7 +161,7 @@ class ScheduleConfig:
 class TrainConfig:
     """Optimisation, data and run outputs. Batch sizes count sequences."""
 
-    steps: int = 20
+    steps: int = 100
     seed: int = 0
     dtype: str = "float32"
     seq_len: int = 64

@@ -141,6 +141,13 @@ class DisaggTrainer:
         ce, aux = float(losses[0]), float(losses[1])
         return StepResult(ce + aux, ce, aux, norm, grads)
 
+    def expert_shard(self) -> tuple[int, int] | None:
+        """Global expert ids [lo, hi) held by this rank (None on attention ranks)."""
+        if not isinstance(self.worker, ExpertWorker):
+            return None
+        lo = self.worker.expert_offset
+        return lo, lo + self.layout.experts_per_worker
+
     def busy_seconds(self, step: int) -> float:
         events = [e for e in self.tracer.events if e["args"].get("step") == step]
         view = Tracer(self.rank, "", True)

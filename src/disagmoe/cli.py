@@ -1,0 +1,211 @@
+"""`disagmoe train | plan | simulate | schedule` — the command-line interface.
+
+Configuration precedence for `train`: built-in defaults < `--model` preset /
+`--init-from-hf` < `--config FILE.toml` < explicit flags < `--set a.b=v`.
+User mistakes print one line `disagmoe: error: ...` and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .config import (
+    RUNTIMES,
+    RunConfig,
+    apply_overrides,
+    load_toml,
+    model_preset,
+    replace_section,
+)
+
+# flag name -> (section, field)
+_TRAIN_FLAGS: dict[str, tuple[str, str]] = {
+    "run_dir": ("train", "run_dir"),
+    "steps": ("train", "steps"),
+    "seed": ("train", "seed"),
+    "lr": ("train", "lr"),
+    "dtype": ("train", "dtype"),
+    "data": ("train", "data"),
+    "seq_len": ("train", "seq_len"),
+    "global_batch_size": ("train", "global_batch_size"),
+    "micro_batch_size": ("train", "micro_batch_size"),
+    "comm_timeout": ("train", "comm_timeout_s"),
+    "runtime": ("parallel", "runtime"),
+    "groups": ("parallel", "groups"),
+    "attn_workers": ("parallel", "attn_workers"),
+    "expert_workers": ("parallel", "expert_workers"),
+    "pp": ("parallel", "pp"),
+    "ep": ("parallel", "ep"),
+    "virtual_stages": ("parallel", "virtual_stages"),
+    "threads_per_rank": ("parallel", "threads_per_rank"),
+    "max_in_flight": ("schedule", "max_in_flight"),
+}
+
+
+class CliError(ValueError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # one line, exit 2
+        sys.stderr.write(f"disagmoe {self.prog.split()[-1]}: error: {message}\n")
+        sys.exit(2)
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML file with [model] [parallel] [schedule] [train] [cluster]")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config field (repeatable)")
+    p.add_argument("--model", help="model preset (tiny, tiny-shared, small, qwen3-30b-a3b, ...)")
+    p.add_argument("--init-from-hf", metavar="DIR", help="Hugging Face checkpoint dir (Qwen3-MoE, Mixtral)")
+    p.add_argument("--runtime", choices=RUNTIMES)
+    p.add_argument("--run-dir")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--lr", type=float)
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"))
+    p.add_argument("--data", help=".txt (bytes), .npy or .bin token file; default: built-in corpus")
+    p.add_argument("--seq-len", type=int)
+    p.add_argument("--global-batch-size", type=int, help="sequences per optimizer step")
+    p.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch")
+    p.add_argument("--groups", type=int, help="disagg: interleaved A/F groups p")
+    p.add_argument("--attn-workers", type=int, help="disagg: attention replicas m per group")
+    p.add_argument("--expert-workers", type=int, help="disagg: expert shards n per group")
+    p.add_argument("--pp", type=int, help="baselines: pipeline stages")
+    p.add_argument("--ep", type=int, help="baselines: expert-parallel ranks")
+    p.add_argument("--virtual-stages", type=int, help="ep-interleaved: stages per rank")
+    p.add_argument("--max-in-flight", type=int, help="micro-batch slots a worker may hold")
+    p.add_argument("--threads-per-rank", type=int)
+    p.add_argument("--comm-timeout", type=float, help="seconds before a communication wait fails")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def train_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="disagmoe train")
+    add_train_arguments(p)
+    return p
+
+
+def resolve_train_config(args: argparse.Namespace) -> RunConfig:
+    cfg = RunConfig()
+    if args.model:
+        cfg = dataclasses.replace(cfg, model=model_preset(args.model))
+    if args.config:
+        cfg = load_toml(args.config, cfg)
+    hf_dir = args.init_from_hf or cfg.train.init_from_hf
+    if hf_dir:
+        from .models.hf_import import read_hf_config
+
+        cfg = dataclasses.replace(cfg, model=read_hf_config(hf_dir))
+        cfg = replace_section(cfg, "train", init_from_hf=str(hf_dir))
+    for flag, (section, name) in _TRAIN_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            cfg = replace_section(cfg, section, **{name: value})
+    if args.no_progress:
+        cfg = replace_section(cfg, "train", progress=False)
+    return apply_overrides(cfg, args.set)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import train
+
+    cfg = resolve_train_config(args)
+    run_dir, records = train(cfg)
+    if records:
+        first, last = records[0], records[-1]
+        print(
+            f"{cfg.parallel.runtime}: {len(records)} steps, loss {first['loss']:.4f} -> "
+            f"{last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s; run dir {run_dir}"
+        )
+    else:
+        print(f"{cfg.parallel.runtime}: 0 steps; run dir {run_dir}")
+    return 0
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from .distributed.layout import Layout
+    from .runtime.disagg import num_slots
+    from .schedule.afpipe import build_afpipe
+    from .schedule.validate import validate
+
+    cfg = resolve_train_config(args)
+    layout = Layout.build(cfg.model, cfg.parallel)
+    schedule = build_afpipe(layout, num_slots(cfg, layout), cfg.schedule.max_in_flight)
+    peak = validate(schedule)
+    if args.format == "csv":
+        sys.stdout.write(schedule.to_csv())
+    else:
+        sys.stdout.write(schedule.to_text())
+        print(f"# valid: matching sends/receives, FIFO channels, no deadlock; peak in-flight {peak}")
+    return 0
+
+
+def _optional(module: str, add: str, run: str) -> tuple[Callable[..., None], Callable[..., int]] | None:
+    import importlib
+
+    try:
+        mod = importlib.import_module(module, __package__)
+    except ImportError:
+        return None
+    return getattr(mod, add), getattr(mod, run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="disagmoe", description="Disaggregated MoE training (AF-Pipe).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p_train = sub.add_parser("train", help="train a model (default: tiny, disagg, 4 local workers)")
+    add_train_arguments(p_train)
+    p_train.set_defaults(func=_cmd_train)
+    p_sched = sub.add_parser("schedule", help="print the AF-Pipe instruction lists of a layout")
+    add_train_arguments(p_sched)
+    p_sched.add_argument("--format", choices=("text", "csv"), default="text")
+    p_sched.set_defaults(func=_cmd_schedule)
+    for name, module, add, run, help_ in (
+        ("plan", ".planner.cli", "add_plan_arguments", "run_plan", "choose the A/F split"),
+        ("simulate", ".simulator.cli", "add_simulate_arguments", "run_simulate", "simulate a step at cluster scale"),
+        ("bench", ".bench.cli", "add_bench_arguments", "run_bench", "benchmark runtimes side by side"),
+    ):
+        fns = _optional(module, add, run)
+        if fns is None:
+            continue
+        p_cmd = sub.add_parser(name, help=help_)
+        fns[0](p_cmd)
+        p_cmd.set_defaults(func=fns[1])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as err:
+        sys.stderr.write(f"disagmoe: error: {err}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("disagmoe: interrupted\n")
+        return 130
+    except Exception as err:  # a failed rank: say which and why, in one line
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        if isinstance(err, ChildFailedError):
+            rank, failure = err.get_first_failure()
+            sys.stderr.write(f"disagmoe: error: rank {rank} failed: {_failure_line(failure)}\n")
+            return 1
+        raise
+
+
+def _failure_line(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", json.dumps(message))
+    return str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Training entry points: local launch (torch elastic), torchrun ranks, and runtime dispatch.
+
+* `disagmoe train` (no torchrun around it) starts `world_size` local ranks with
+  torch's elastic launch API, rendezvous bound to 127.0.0.1;
+* `torchrun --nnodes N --nproc-per-node K -m disagmoe.train [flags]` runs the
+  same training as one rank of a multi-node job (flags as `disagmoe train`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .config import RunConfig, from_dict, to_dict
+from .distributed.layout import Layout
+from .runtime.observe import prepare_run_dir
+
+
+def world_size_for(cfg: RunConfig) -> int:
+    """Ranks a runtime needs; validates the layout so errors surface before any spawn."""
+    par = cfg.parallel
+    if par.runtime == "reference":
+        return 1
+    if par.runtime == "disagg":
+        from .runtime.disagg import num_slots
+
+        layout = Layout.build(cfg.model, par)
+        num_slots(cfg, layout)
+        return layout.world_size
+    from .baselines import world_size_for as baseline_world_size
+
+    return int(baseline_world_size(cfg))
+
+
+def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """Run the configured runtime on this rank (process group already initialised)."""
+    runtime = cfg.parallel.runtime
+    if runtime == "disagg":
+        from .runtime.disagg import run_disagg
+
+        return run_disagg(cfg, run_dir)
+    from .baselines import RUNNERS
+
+    return list(RUNNERS[runtime](cfg, run_dir))
+
+
+def _init_process_group(cfg: RunConfig) -> None:
+    backend = cfg.parallel.backend
+    if backend == "auto":
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=max(cfg.train.comm_timeout_s, 60)))
+
+
+def _worker(cfg_dict: dict[str, Any], run_dir: str) -> list[dict[str, Any]]:
+    """Elastic-launch entry point of one local rank."""
+    cfg = from_dict(cfg_dict)
+    _init_process_group(cfg)
+    try:
+        return run_rank(cfg, Path(run_dir))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, Any]]:
+    """Start `nprocs` ranks on this machine and return rank 0's step records."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .testing.spawn import free_port
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nprocs,
+        run_id=f"disagmoe-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    results = elastic_launch(config, _worker)(to_dict(cfg), str(run_dir))
+    return list(results[0])
+
+
+def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
+    """Train as configured from a plain process (the CLI); returns the run dir and rank-0 records."""
+    nprocs = world_size_for(cfg)
+    run_dir = prepare_run_dir(cfg)
+    if cfg.parallel.runtime == "reference":
+        from .runtime.reference import run_reference
+
+        return run_dir, run_reference(cfg, run_dir)
+    return run_dir, launch_local(cfg, run_dir, nprocs)
+
+
+def torchrun_main(argv: list[str] | None = None) -> int:
+    """`python -m disagmoe.train` under torchrun: one rank of the job."""
+    from .cli import resolve_train_config, train_parser
+
+    args = train_parser().parse_args(argv)
+    cfg = resolve_train_config(args)
+    if "RANK" not in os.environ:
+        from .cli import main
+
+        return main(["train", *(argv if argv is not None else sys.argv[1:])])
+    _init_process_group(cfg)
+    try:
+        world_size_for(cfg)
+        run_dir = Path(cfg.train.run_dir or "runs/torchrun")
+        if dist.get_rank() == 0:
+            run_dir = prepare_run_dir(
+                from_dict({"train": {"run_dir": str(run_dir)}}, cfg)
+            )
+        dist.barrier()
+        run_rank(cfg, run_dir)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(torchrun_main())
