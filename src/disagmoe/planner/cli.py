@@ -1,0 +1,109 @@
+"""`disagmoe plan`: argument definitions and the command body (wired up in disagmoe/cli.py).
+
+A cluster preset (`--cluster`) gives the hardware defaults; explicit flags override them.
+Infeasible requests raise ValueError naming the binding constraint (the caller prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
+from disagmoe.planner import Plan, plan_for
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `disagmoe plan`."""
+    parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--gpus", type=int, required=True, help="total GPUs W")
+    parser.add_argument("--cluster", default="h800", choices=sorted(CLUSTER_PRESETS),
+                        help="hardware preset; the flags below override it")  # fmt: skip
+    hw = parser.add_argument_group("hardware overrides")
+    hw.add_argument("--gpus-per-node", type=int)
+    hw.add_argument("--nics-per-node", type=int)
+    hw.add_argument("--nic-gbps", type=float, help="GB/s per NIC, one direction")
+    hw.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU")
+    hw.add_argument("--gpu-mem-gib", type=float)
+    hw.add_argument("--mfu", type=float, help="achievable fraction of peak FLOP/s")
+    hw.add_argument("--bw-efficiency", type=float, help="achievable fraction of NIC bandwidth")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--micro-batch-size", type=int, default=1,
+                        help="sequences per micro-batch per attention replica")  # fmt: skip
+    parser.add_argument("--top-k", type=int, help="override the model's top-k")
+    parser.add_argument("--roofline-only", action="store_true",
+                        help="the paper's two-stage problem only (p=1, nominal peaks, no memory)")  # fmt: skip
+    parser.add_argument("--groups", type=int, default=0, help="fix p (default: chosen)")
+    parser.add_argument("--micro-batches", type=int, default=0, help="per step (default: auto)")
+    parser.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
+    parser.add_argument("--solver", choices=("milp", "enumerate"), default="milp")
+    parser.add_argument("--epsilon", type=float, default=0.02, help="stage-2 tie band")
+    parser.add_argument("--search-moves", type=int, default=64, help="stage-3 moves K")
+    parser.add_argument("--search-radius", type=int, default=2, help="stage-3 radius r")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="FILE.png", help="write the roofline figure")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Plan, print a table (or JSON), optionally plot. ValueError propagates to the caller."""
+    model = model_preset(args.model)
+    if args.top_k is not None:
+        model = dataclasses.replace(model, top_k=args.top_k)
+    hw_flags = "gpus_per_node nics_per_node nic_gbps peak_tflops gpu_mem_gib mfu bw_efficiency"
+    overrides = {
+        name: getattr(args, name) for name in hw_flags.split() if getattr(args, name) is not None
+    }
+    cluster = dataclasses.replace(cluster_preset(args.cluster), **overrides)
+    plan = plan_for(
+        model,
+        cluster,
+        gpus=args.gpus,
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        roofline_only=args.roofline_only,
+        groups=args.groups,
+        micro_batches=args.micro_batches,
+        recompute=args.recompute,
+        solver=args.solver,
+        epsilon=args.epsilon,
+        search_moves=args.search_moves,
+        search_radius=args.search_radius,
+        seed=args.seed,
+    )
+    if args.plot:
+        from disagmoe.planner.plot import plot_roofline  # matplotlib only when asked
+
+        plot_roofline(plan, cluster, args.plot)
+    if args.json:
+        print(json.dumps(plan.to_dict(), sort_keys=True))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+def format_plan(plan: Plan) -> str:
+    ms = 1e3
+    rows = [
+        ("model / cluster", f"{plan.model} on {plan.gpus} x {plan.cluster} GPUs, {plan.nics} NICs"),
+        ("problem", "roofline only (paper)" if plan.roofline_only else f"full ({plan.stage})"),
+        ("seq len / micro-batch", f"{plan.seq_len} / {plan.micro_batch_size} per replica"),
+        ("groups p / virtual stages v", f"{plan.groups} / {plan.virtual_stages}"),
+        ("A:F GPUs (total)", f"{plan.attn_gpus} : {plan.ffn_gpus}"
+         f"  ({plan.attn_gpus_per_group} : {plan.ffn_gpus_per_group} per group)"),
+        ("A:F NICs (total)", f"{plan.attn_nics} : {plan.ffn_nics}"
+         f"  (of {plan.nics}; half carry each direction)"),
+        ("micro-batches / in flight", f"{plan.micro_batches} / {plan.in_flight}"
+         + (f"  [{plan.memory_binding}]" if plan.memory_binding else "")),
+        ("recompute", plan.recompute),
+        ("T_attn compute / comm", f"{plan.t_attn_compute_s * ms:.3f} / {plan.t_attn_comm_s * ms:.3f} ms"),
+        ("T_ffn compute / comm", f"{plan.t_ffn_compute_s * ms:.3f} / {plan.t_ffn_comm_s * ms:.3f} ms"),
+        ("T_stage (binding)", f"{plan.t_stage_s * ms:.3f} ms  ({plan.binding})"),
+        ("I_attn / I_ffn / ridge", f"{plan.i_attn:,.0f} / {plan.i_ffn:,.0f} / {plan.ridge:,.0f} FLOP/B"),
+        ("memory A / F / usable", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
+         f"{plan.mem_cap_gib:.1f} GiB per GPU"),
+        ("step time (profile)", f"{plan.step_time_s:.3f} s for {plan.sequences_per_step} sequences"),
+    ]  # fmt: skip
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

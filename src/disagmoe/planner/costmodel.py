@@ -1,0 +1,293 @@
+"""Roofline cost model of one disaggregated MoE layer, and the per-worker memory model.
+
+Two cost models share one result type, `LayerCosts` (forward pass of one layer for one
+sequence of `S` tokens; bf16 activations on the wire):
+
+* `paper_costs` — exactly the formulas of DESIGN.md §2.4 (H = model dim, g = heads/kv_heads):
+  `C_a = S*H^2*(2 + 2/g) + 4*S^2*H`, `C_f = 4*k*S*H*D_e`, `V = 2*S*k*H` bytes.
+* `detailed_costs` — what the kernels of this runtime execute. Terms beyond the design:
+  - projections counted in FLOPs with the real widths q = heads*head_dim and
+    kv = kv_heads*head_dim: `4*S*H*(q + kv)` (Q, K, V and O GEMMs);
+  - causal attention core `2*S^2*q` (QK^T and PV, half the score matrix skipped);
+  - router GEMM `2*S*H*E` and shared experts `6*S*H*D_e*num_shared` (they live with the
+    attention block, see docs/planner.md);
+  - SwiGLU experts `6*k*S*H*D_e` (gate, up and down GEMMs);
+  - dense first layers (`num_dense_layers`) run their `6*S*H*D_dense` MLP on the A-group and
+    exchange nothing; costs are averaged over the layers;
+  - with p > 1 groups the residual `h` hops A(g) -> A(g+1): `2*S*H` more bytes each way on
+    the attention NICs (`hop_bytes`).
+
+Training multipliers (`train_time_factors`): backward = 2x forward for GEMMs; the attention
+core backward = 2.5x forward (FlashAttention recomputes QK^T); full activation recompute adds
+one forward. Each exchange happens once forward and once backward, so wire bytes double.
+
+Memory (`attn_worker_memory`, `ffn_memory_terms`): 16 bytes per parameter (bf16 weight and
+gradient, fp32 master weight and two Adam moments), plus bf16 activations kept for backward per
+in-flight micro-batch and layer, plus one micro-batch of bf16 logits on the A-group that holds
+the LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from disagmoe.config import ClusterConfig, ModelConfig
+
+BYTES_ACT = 2  # bf16 activations / wire format
+BYTES_PER_PARAM = 16  # bf16 weight (2) + bf16 grad (2) + fp32 master, Adam m, Adam v (12)
+GIB = 1024**3
+RECOMPUTE_MODES = ("none", "full")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCosts:
+    """Forward FLOPs and exchanged bytes of one (average) layer for one sequence."""
+
+    attn_flops: float  # C_a: attention block (+ router, shared experts, dense MLPs)
+    attn_core_flops: float  # the S^2 part of attn_flops (different backward factor)
+    ffn_flops: float  # C_f: routed experts
+    dispatch_bytes: float  # V: A -> F (M2N); the N2M combine moves the same amount back
+    hop_bytes: float  # residual A(g) -> A(g+1) when p > 1 (detailed model only)
+
+    @property
+    def i_attn(self) -> float:
+        """Arithmetic intensity of attention, FLOP per exchanged byte."""
+        return self.attn_flops / self.dispatch_bytes
+
+    @property
+    def i_ffn(self) -> float:
+        return self.ffn_flops / self.dispatch_bytes
+
+
+def paper_costs(model: ModelConfig, seq_len: int) -> LayerCosts:
+    """DESIGN.md §2.4 formulas for b = 1 (GEMMs only, projections as written there)."""
+    h, s, k = model.dim, seq_len, model.top_k
+    g = model.num_heads / model.num_kv_heads
+    core = 4.0 * s * s * h
+    return LayerCosts(
+        attn_flops=s * h * h * (2.0 + 2.0 / g) + core,
+        attn_core_flops=core,
+        ffn_flops=4.0 * k * s * h * model.expert_dim,
+        dispatch_bytes=2.0 * s * k * h,
+        hop_bytes=0.0,
+    )
+
+
+def detailed_costs(model: ModelConfig, seq_len: int, groups: int = 1) -> LayerCosts:
+    """Per-layer average costs of the kernels actually run (terms listed in the module doc)."""
+    h, s, k = model.dim, seq_len, model.top_k
+    q = model.num_heads * model.head_dim_resolved
+    kv = model.num_kv_heads * model.head_dim_resolved
+    moe_frac = model.num_moe_layers / model.num_layers
+    dense_frac = model.num_dense_layers / model.num_layers
+    core = 2.0 * s * s * q
+    proj = 4.0 * s * h * (q + kv)
+    router = 2.0 * s * h * model.num_experts * moe_frac
+    shared = 6.0 * s * h * model.expert_dim * model.num_shared_experts * moe_frac
+    dense = 6.0 * s * h * model.dense_dim_resolved * dense_frac
+    return LayerCosts(
+        attn_flops=proj + core + router + shared + dense,
+        attn_core_flops=core,
+        ffn_flops=6.0 * k * s * h * model.expert_dim * moe_frac,
+        dispatch_bytes=BYTES_ACT * s * k * h * moe_frac,
+        hop_bytes=BYTES_ACT * s * h if groups > 1 else 0.0,
+    )
+
+
+def train_time_factors(recompute: str) -> tuple[float, float]:
+    """(GEMM factor, attention-core factor): training FLOPs / forward FLOPs."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+        )
+    extra = 1.0 if recompute == "full" else 0.0
+    return 3.0 + extra, 3.5 + extra
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnitTimes:
+    """Seconds per sequence per layer on ONE GPU (compute) or ONE NIC (wire).
+
+    With m attention GPUs, M_a attention NICs, n FFN GPUs and M_f FFN NICs, the stage time
+    per sequence is `max(attn_gpu/m, attn_nic/M_a)` and `max(ffn_gpu/n, ffn_nic/M_f)`.
+    """
+
+    attn_gpu: float
+    ffn_gpu: float
+    attn_nic: float
+    ffn_nic: float
+    flops_per_s: float
+    bytes_per_s: float
+
+
+def unit_times(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    seq_len: int,
+    *,
+    roofline_only: bool,
+    groups: int = 1,
+    recompute: str = "none",
+) -> UnitTimes:
+    """Per-sequence unit times.
+
+    roofline_only: the paper's problem — forward pass, design formulas, nominal peaks.
+    Otherwise: forward + backward, detailed formulas, peaks scaled by `cluster.mfu` and
+    `cluster.bw_efficiency` (achievable, not nominal, FLOP/s and bytes/s).
+    """
+    peak = cluster.peak_tflops * 1e12
+    nic = cluster.nic_gbps * 1e9
+    if roofline_only:
+        c = paper_costs(model, seq_len)
+        return UnitTimes(
+            attn_gpu=c.attn_flops / peak,
+            ffn_gpu=c.ffn_flops / peak,
+            attn_nic=c.dispatch_bytes / nic,
+            ffn_nic=c.dispatch_bytes / nic,
+            flops_per_s=peak,
+            bytes_per_s=nic,
+        )
+    c = detailed_costs(model, seq_len, groups)
+    gemm, core = train_time_factors(recompute)
+    flops_s = peak * cluster.mfu
+    bytes_s = nic * cluster.bw_efficiency
+    attn = gemm * (c.attn_flops - c.attn_core_flops) + core * c.attn_core_flops
+    return UnitTimes(
+        attn_gpu=attn / flops_s,
+        ffn_gpu=gemm * c.ffn_flops / flops_s,
+        attn_nic=2.0 * (c.dispatch_bytes + c.hop_bytes) / bytes_s,
+        ffn_nic=2.0 * c.dispatch_bytes / bytes_s,
+        flops_per_s=flops_s,
+        bytes_per_s=bytes_s,
+    )
+
+
+def ridge_point(cluster: ClusterConfig, *, achievable: bool = False) -> float:
+    """FLOP per byte where one GPU with its own NIC share turns compute-bound."""
+    nics_per_gpu = cluster.nics_per_node / cluster.gpus_per_node
+    flops = cluster.peak_tflops * 1e12 * (cluster.mfu if achievable else 1.0)
+    bw = cluster.nic_gbps * 1e9 * nics_per_gpu * (cluster.bw_efficiency if achievable else 1.0)
+    return flops / bw
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+def attn_params_per_layer(model: ModelConfig) -> int:
+    """Q/K/V/O, two norms (+ q/k norms), router and shared experts of one MoE layer."""
+    h, hd = model.dim, model.head_dim_resolved
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    qk_norm = 2 * hd if model.qk_norm else 0
+    router = h * model.num_experts
+    shared = 3 * h * model.expert_dim * model.num_shared_experts
+    return h * (q + 2 * kv) + q * h + 2 * h + qk_norm + router + shared
+
+
+def expert_params_per_layer(model: ModelConfig) -> int:
+    return model.num_experts * 3 * model.dim * model.expert_dim
+
+
+def attn_act_bytes_per_token(model: ModelConfig, recompute: str) -> int:
+    """bf16 bytes per token and layer kept for backward on an attention worker.
+
+    Without recompute: x, Norm(x), q, k, v, attention output, h, Norm2(h) (bf16), the
+    FlashAttention log-sum-exp per head and router logits (fp32). With full recompute only the
+    layer input x is kept (the layer being recomputed is a transient, not modelled).
+    """
+    h, hd = model.dim, model.head_dim_resolved
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    if recompute == "full":
+        return BYTES_ACT * h
+    shared = 3 * model.expert_dim * model.num_shared_experts
+    return BYTES_ACT * (4 * h + 2 * q + 2 * kv + shared) + 4 * (model.num_heads + model.num_experts)
+
+
+def ffn_act_bytes_per_routed_token(model: ModelConfig, recompute: str) -> int:
+    """Per token-expert pair on an FFN worker: input u, gate, up, SiLU(gate)*up (bf16)."""
+    if recompute == "full":
+        return BYTES_ACT * model.dim
+    return BYTES_ACT * (model.dim + 3 * model.expert_dim)
+
+
+def group_layers(model: ModelConfig, groups: int, group: int) -> list[int]:
+    return list(range(group, model.num_layers, groups))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes on one worker."""
+
+    states: float  # weights + grads + optimizer states
+    activations: float  # kept for backward, all in-flight micro-batches
+    transient: float  # logits of one micro-batch (LM-head group only)
+
+    @property
+    def total(self) -> float:
+        return self.states + self.activations + self.transient
+
+
+def attn_worker_memory(
+    model: ModelConfig,
+    *,
+    groups: int,
+    seq_len: int,
+    micro_batch_size: int,
+    in_flight: int,
+    recompute: str,
+) -> MemoryBreakdown:
+    """Worst A-group replica. Group 0 also holds embedding, final norm and LM head (the layer
+    after L-1 maps to group L mod p, which is 0 when p divides L) and the dense first layers."""
+    worst = MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
+    act_tok = attn_act_bytes_per_token(model, recompute)
+    for g in range(groups):
+        layers = group_layers(model, groups, g)
+        params = 0
+        for layer in layers:
+            if model.is_moe_layer(layer):
+                params += attn_params_per_layer(model)
+            else:
+                params += attn_params_per_layer(model) - model.dim * model.num_experts
+                params -= 3 * model.dim * model.expert_dim * model.num_shared_experts
+                params += 3 * model.dim * model.dense_dim_resolved
+        transient = 0.0
+        if g == 0:
+            emb = model.vocab_size * model.dim
+            params += emb * (1 if model.tie_embeddings else 2) + model.dim
+            transient = float(BYTES_ACT * micro_batch_size * seq_len * model.vocab_size)
+        acts = float(in_flight * len(layers) * micro_batch_size * seq_len * act_tok)
+        cand = MemoryBreakdown(
+            states=float(params * BYTES_PER_PARAM), activations=acts, transient=transient
+        )
+        if cand.total > worst.total:
+            worst = cand
+    return worst
+
+
+def ffn_memory_terms(
+    model: ModelConfig,
+    *,
+    groups: int,
+    seq_len: int,
+    micro_batch_size: int,
+    in_flight: int,
+    recompute: str,
+) -> tuple[float, float]:
+    """(A, B) with bytes per FFN worker = (A + B*m) / n for m attention replicas, n shards.
+
+    A: the group's expert states (shared by n shards; uniform fluid split E/n).
+    B: activations per attention replica: each replica sends b*S*k token-expert pairs per
+    layer and in-flight micro-batch, spread evenly over the n shards (balanced routing).
+    """
+    moe_layers = max(
+        sum(1 for layer in group_layers(model, groups, g) if model.is_moe_layer(layer))
+        for g in range(groups)
+    )
+    a = float(moe_layers * expert_params_per_layer(model) * BYTES_PER_PARAM)
+    per_pair = ffn_act_bytes_per_routed_token(model, recompute)
+    b = float(in_flight * moe_layers * micro_batch_size * seq_len * model.top_k * per_pair)
+    return a, b
+
+
+def usable_memory_bytes(cluster: ClusterConfig, reserve: float) -> float:
+    """Device memory minus a reserve fraction (CUDA context, NCCL buffers, fragmentation)."""
+    return cluster.gpu_mem_gib * GIB * (1.0 - reserve)

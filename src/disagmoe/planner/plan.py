@@ -1,0 +1,453 @@
+"""The `Plan`, the analytic pipeline profile, and stages 1–2 over groups / recompute choices.
+
+A plan fixes, for W GPUs of a cluster:
+* p groups (p divides the layer count and W), v = L/p virtual stages per group;
+* per group m attention GPUs (data-parallel replicas), n FFN GPUs (expert shards) and the
+  group's NIC share N_g = M_tot/(2p) split into M_a + M_f;
+* the number of micro-batches per step and how many may be in flight (memory-limited).
+
+Units: `micro_batch_size` b counts sequences per attention replica, so a *group micro-batch*
+is m*b sequences (the design's b is this m*b). Stage times are for one layer of one group
+micro-batch; in the full model they cover forward + backward, in `roofline_only` the forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from disagmoe.config import ClusterConfig, ModelConfig
+from disagmoe.planner import costmodel as cm
+from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
+
+Profile = Callable[["Plan"], float]  # seconds per training step of the plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    roofline_only: bool = False  # the paper's problem: p = 1, sums + integrality, peaks
+    groups: int = 0  # 0: the planner chooses p
+    micro_batches: int = 0  # 0: smallest count with bubble <= bubble_target
+    recompute: str = "auto"  # auto | none | full
+    solver: str = "milp"  # milp | enumerate
+    epsilon: float = 0.02  # stage 2 band around the stage 1 optimum
+    time_limit_s: float = 1.0  # per HiGHS solve
+    mip_gap: float = 1e-6
+    memory_reserve: float = 0.1  # fraction of device memory kept free
+    bubble_target: float = 0.1
+    search_moves: int = 64  # stage 3: K random moves (0 disables)
+    search_radius: int = 2  # stage 3: r, max change of m and M_a per move
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.recompute not in ("auto", *cm.RECOMPUTE_MODES):
+            raise ValueError(f"recompute must be auto, none or full, got {self.recompute!r}")
+        if self.solver not in ("milp", "enumerate"):
+            raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
+        if self.groups < 0 or self.micro_batches < 0 or self.search_moves < 0:
+            raise ValueError("groups, micro_batches and search_moves must be >= 0")
+        if not 0 <= self.epsilon < 1 or not 0 <= self.memory_reserve < 1:
+            raise ValueError("epsilon and memory_reserve must be in [0, 1)")
+        if self.search_radius < 1 or not 0 < self.bubble_target < 1:
+            raise ValueError("search_radius must be >= 1 and bubble_target in (0, 1)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """An allocation. Counts named `attn_gpus` etc. are totals over all groups."""
+
+    model: str
+    cluster: str
+    gpus: int
+    nics: int
+    seq_len: int
+    micro_batch_size: int
+    groups: int
+    virtual_stages: int
+    micro_batches: int
+    in_flight: int
+    recompute: str
+    attn_gpus_per_group: int
+    ffn_gpus_per_group: int
+    attn_nics_per_group: int
+    ffn_nics_per_group: int
+    t_attn_compute_s: float
+    t_attn_comm_s: float
+    t_ffn_compute_s: float
+    t_ffn_comm_s: float
+    i_attn: float  # FLOP per exchanged byte of the cost model in use
+    i_ffn: float
+    ridge: float  # FLOP per byte where a GPU with its NIC share turns compute-bound
+    mem_attn_gib: float
+    mem_ffn_gib: float
+    mem_cap_gib: float
+    binding: str  # the stage-1 term that sets the stage time
+    memory_binding: str  # "" or what caps the in-flight micro-batches
+    roofline_only: bool
+    solver: str
+    stage: str  # "milp" (stages 1-2) or "search" (improved by stage 3)
+    step_time_s: float  # the profile's seconds per step
+
+    @property
+    def attn_gpus(self) -> int:
+        return self.groups * self.attn_gpus_per_group
+
+    @property
+    def ffn_gpus(self) -> int:
+        return self.groups * self.ffn_gpus_per_group
+
+    @property
+    def attn_nics(self) -> int:
+        return self.groups * self.attn_nics_per_group
+
+    @property
+    def ffn_nics(self) -> int:
+        return self.groups * self.ffn_nics_per_group
+
+    @property
+    def t_attn_s(self) -> float:
+        return max(self.t_attn_compute_s, self.t_attn_comm_s)
+
+    @property
+    def t_ffn_s(self) -> float:
+        return max(self.t_ffn_compute_s, self.t_ffn_comm_s)
+
+    @property
+    def t_stage_s(self) -> float:
+        return max(self.t_attn_s, self.t_ffn_s)
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.micro_batches * self.attn_gpus_per_group * self.micro_batch_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in ("attn_gpus", "ffn_gpus", "attn_nics", "ffn_nics", "t_attn_s", "t_ffn_s",
+                     "t_stage_s", "sequences_per_step"):  # fmt: skip
+            out[name] = getattr(self, name)
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Planner:
+    """Everything a plan is computed from; `evaluate` turns choices into a checked `Plan`."""
+
+    model: ModelConfig
+    cluster: ClusterConfig
+    gpus: int
+    seq_len: int
+    micro_batch_size: int
+    options: PlanOptions = PlanOptions()
+
+    def __post_init__(self) -> None:
+        if self.gpus < 2:
+            raise ValueError(
+                f"--gpus must be >= 2 (one attention and one FFN GPU), got {self.gpus}"
+            )
+        if self.seq_len < 1 or self.micro_batch_size < 1:
+            raise ValueError("--seq-len and --micro-batch-size must be >= 1")
+        if self.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"--seq-len {self.seq_len} exceeds {self.model.name}'s max_seq_len "
+                f"({self.model.max_seq_len})"
+            )
+
+    @property
+    def total_nics(self) -> int:
+        return self.gpus * self.cluster.nics_per_node // self.cluster.gpus_per_node
+
+    @property
+    def cap_bytes(self) -> float:
+        return cm.usable_memory_bytes(self.cluster, self.options.memory_reserve)
+
+    def group_candidates(self) -> list[int]:
+        if self.options.roofline_only:
+            return [1]
+        if self.options.groups:
+            p = self.options.groups
+            if self.model.num_layers % p or self.gpus % p:
+                raise ValueError(
+                    f"groups: p={p} must divide num_layers ({self.model.num_layers}) and "
+                    f"--gpus ({self.gpus})"
+                )
+            return [p]
+        layers = self.model.num_layers
+        return [p for p in range(1, layers + 1) if layers % p == 0 and self.gpus % p == 0]
+
+    def micro_batches(self, groups: int) -> int:
+        """User's count, or the smallest >= the ring length with bubble <= bubble_target."""
+        if self.options.micro_batches:
+            return self.options.micro_batches
+        v = self.model.num_layers // groups
+        need = (2 * groups - 1) / (v * self.options.bubble_target)
+        return max(ring_length(groups), math.ceil(need - 1e-9))
+
+    def units(self, groups: int, recompute: str) -> cm.UnitTimes:
+        return cm.unit_times(
+            self.model, self.cluster, self.seq_len, roofline_only=self.options.roofline_only,
+            groups=groups, recompute=recompute,
+        )  # fmt: skip
+
+    def attn_memory(self, groups: int, in_flight: int, recompute: str) -> cm.MemoryBreakdown:
+        return cm.attn_worker_memory(
+            self.model, groups=groups, seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size, in_flight=in_flight, recompute=recompute,
+        )  # fmt: skip
+
+    def ffn_terms(self, groups: int, in_flight: int, recompute: str) -> tuple[float, float]:
+        return cm.ffn_memory_terms(
+            self.model, groups=groups, seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size, in_flight=in_flight, recompute=recompute,
+        )  # fmt: skip
+
+    def problem(self, groups: int, in_flight: int, recompute: str) -> SplitProblem:
+        u = self.units(groups, recompute)
+        full = not self.options.roofline_only
+        ffn_mem = None
+        if full:
+            a, b = self.ffn_terms(groups, in_flight, recompute)
+            ffn_mem = (a, b, self.cap_bytes)
+        return SplitProblem(
+            gpus=self.gpus // groups,
+            nics=self.total_nics // (2 * groups),
+            attn_gpu=u.attn_gpu,
+            ffn_gpu=u.ffn_gpu,
+            attn_nic=u.attn_nic,
+            ffn_nic=u.ffn_nic,
+            nics_per_gpu=self.cluster.nics_per_node / self.cluster.gpus_per_node if full else None,
+            max_ffn_gpus=self.model.num_experts if full else None,
+            ffn_mem=ffn_mem,
+        )
+
+    def max_in_flight_attn(self, groups: int, recompute: str) -> int:
+        """Largest in-flight count whose activations fit on the worst attention replica."""
+        base = self.attn_memory(groups, 0, recompute)
+        per = self.attn_memory(groups, 1, recompute).activations
+        return int((self.cap_bytes - base.total) // per)
+
+    def evaluate(
+        self,
+        *,
+        groups: int,
+        m: int,
+        attn_nics: int,
+        in_flight: int,
+        recompute: str,
+        profile: Profile | None = None,
+        binding: str = "",
+        memory_binding: str = "",
+        solver: str = "",
+        stage: str = "milp",
+    ) -> Plan | None:
+        """A checked plan for these choices, or None if a hard constraint is violated."""
+        prob = self.problem(groups, in_flight, recompute)
+        n, mf = prob.gpus - m, prob.nics - attn_nics
+        if min(m, n, attn_nics, mf) < 1:
+            return None
+        if prob.max_ffn_gpus is not None and n > prob.max_ffn_gpus:
+            return None
+        r = prob.nics_per_gpu
+        if r is not None and (attn_nics > r * m + 1e-9 or mf > r * n + 1e-9):
+            return None
+        a_b, b_b = self.ffn_terms(groups, in_flight, recompute)
+        mem_f = (a_b + b_b * m) / n
+        mem_a = self.attn_memory(groups, in_flight, recompute).total
+        if not self.options.roofline_only and max(mem_a, mem_f) > self.cap_bytes * (1 + 1e-12):
+            return None
+        u = self.units(groups, recompute)
+        costs = (
+            cm.paper_costs(self.model, self.seq_len)
+            if self.options.roofline_only
+            else cm.detailed_costs(self.model, self.seq_len, groups)
+        )
+        seqs = m * self.micro_batch_size  # one group micro-batch
+        plan = Plan(
+            model=self.model.name,
+            cluster=self.cluster.name,
+            gpus=self.gpus,
+            nics=self.total_nics,
+            seq_len=self.seq_len,
+            micro_batch_size=self.micro_batch_size,
+            groups=groups,
+            virtual_stages=self.model.num_layers // groups,
+            micro_batches=self.micro_batches(groups),
+            in_flight=in_flight,
+            recompute=recompute,
+            attn_gpus_per_group=m,
+            ffn_gpus_per_group=n,
+            attn_nics_per_group=attn_nics,
+            ffn_nics_per_group=mf,
+            t_attn_compute_s=seqs * u.attn_gpu / m,
+            t_attn_comm_s=seqs * u.attn_nic / attn_nics,
+            t_ffn_compute_s=seqs * u.ffn_gpu / n,
+            t_ffn_comm_s=seqs * u.ffn_nic / mf,
+            i_attn=costs.i_attn,
+            i_ffn=costs.i_ffn,
+            ridge=cm.ridge_point(self.cluster, achievable=not self.options.roofline_only),
+            mem_attn_gib=mem_a / cm.GIB,
+            mem_ffn_gib=mem_f / cm.GIB,
+            mem_cap_gib=self.cap_bytes / cm.GIB,
+            binding=binding or prob_binding(prob, m, n, attn_nics, mf),
+            memory_binding=memory_binding,
+            roofline_only=self.options.roofline_only,
+            solver=solver or self.options.solver,
+            stage=stage,
+            step_time_s=0.0,
+        )
+        prof = profile or AnalyticProfile(self)
+        return dataclasses.replace(plan, step_time_s=prof(plan))
+
+
+def prob_binding(prob: SplitProblem, m: int, n: int, ma: int, mf: int) -> str:
+    terms = prob.terms(m, n, ma, mf)
+    names = ("attention compute", "attention NICs", "FFN compute", "FFN NICs")
+    return names[max(range(4), key=lambda i: terms[i])]
+
+
+def score(plan: Plan, seconds: float) -> float:
+    """What stage 3 and the choice of p minimise: profile seconds per sequence trained."""
+    return seconds / plan.sequences_per_step
+
+
+class AnalyticProfile:
+    """A stand-in for a measured run: the AF-Pipe pipeline model of DESIGN.md §2.3.
+
+    Beyond the MILP's roofline it models (so stage 3 has something to find):
+    * optionally (`dedup=True`) dispatch de-duplication: a token goes once to each F-worker
+      holding >= 1 of its top-k experts, so wire bytes scale by E[distinct workers]/k under
+      uniform routing. Off by default: it rewards tiny FFN groups (n=2 -> 4x less traffic for
+      k=8) whose traffic would really stay inside a node on NVLink, which this model omits;
+      the design's V (k copies per token) is the conservative bound;
+    * per-message latency: each stage an A-replica exchanges with n F-workers and an F-worker
+      with m replicas, forward and backward (2 * peers * cluster.latency_us);
+    * the ring A0 -> F0 -> A1 -> ... -> F(p-1) has R = 2p compute components (the exchanges
+      overlap on their own lane); with K < R micro-batches in flight (memory) it runs R/K
+      slower;
+    * step = (R/K) * N * v * T + (2p - 1) * T + T_M2N  (fill/drain of 2p components; the
+      design's (2L-1) * max(T_a, T_f) + T_M2N when v = 1).
+    """
+
+    def __init__(self, planner: Planner, *, dedup: bool = False) -> None:
+        self.planner = planner
+        self.dedup = dedup
+
+    def __call__(self, plan: Plan) -> float:
+        pl = self.planner
+        model, cluster = pl.model, pl.cluster
+        m, n = plan.attn_gpus_per_group, plan.ffn_gpus_per_group
+        u = pl.units(plan.groups, plan.recompute)
+        dedup = distinct_worker_fraction(model.num_experts, model.top_k, n) if self.dedup else 1.0
+        if pl.options.roofline_only:
+            attn_nic, ffn_nic = u.attn_nic * dedup, u.ffn_nic * dedup
+        else:
+            c = cm.detailed_costs(model, pl.seq_len, plan.groups)
+            attn_nic = 2.0 * (c.dispatch_bytes * dedup + c.hop_bytes) / u.bytes_per_s
+            ffn_nic = 2.0 * c.dispatch_bytes * dedup / u.bytes_per_s
+        seqs = m * pl.micro_batch_size
+        lat = 2.0 * cluster.latency_us * 1e-6
+        comm_a = seqs * attn_nic / plan.attn_nics_per_group
+        t_a = max(seqs * u.attn_gpu / m, comm_a) + lat * n
+        t_f = max(seqs * u.ffn_gpu / n, seqs * ffn_nic / plan.ffn_nics_per_group) + lat * m
+        t = max(t_a, t_f)
+        slow = max(1.0, ring_length(plan.groups) / plan.in_flight)
+        return (
+            slow * plan.micro_batches * plan.virtual_stages * t + (2 * plan.groups - 1) * t + comm_a
+        )
+
+
+def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float:
+    """E[# distinct shards among a token's top-k experts] / k, experts split evenly."""
+    per = num_experts / shards
+    none = 1.0
+    for i in range(top_k):
+        none *= max(0.0, (num_experts - per - i) / (num_experts - i))
+    return shards * (1.0 - none) / top_k
+
+
+def _solve(planner: Planner, prob: SplitProblem) -> Split:
+    opts = planner.options
+    if opts.solver == "enumerate":
+        return solve_enumerate(prob, eps=opts.epsilon)
+    return solve_milp(prob, eps=opts.epsilon, time_limit_s=opts.time_limit_s, mip_gap=opts.mip_gap)
+
+
+def ring_length(groups: int) -> int:
+    """Micro-batches in flight that keep all 2p compute components of the ring busy."""
+    return 2 * groups
+
+
+def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -> Plan:
+    """Stages 1-2 for fixed p and recompute mode.
+
+    The in-flight count K trades memory for pipeline occupancy: K = min(ring, N) if it fits,
+    else the attention memory limit, then halved while smaller K lets the FFN memory admit a
+    split that the profile prefers (more attention GPUs for long sequences).
+    """
+    want = min(planner.micro_batches(groups), ring_length(groups))
+    if planner.options.roofline_only:
+        k_attn = want
+    else:
+        k_attn = planner.max_in_flight_attn(groups, recompute)
+        if k_attn < 1:
+            mem = planner.attn_memory(groups, 1, recompute)
+            raise ValueError(
+                "attention memory: one replica needs "
+                f"{mem.total / cm.GIB:.1f} GiB with one micro-batch in flight (states "
+                f"{mem.states / cm.GIB:.1f}, activations {mem.activations / cm.GIB:.1f}, logits "
+                f"{mem.transient / cm.GIB:.1f}) > {planner.cap_bytes / cm.GIB:.1f} GiB usable"
+            )
+    k = min(want, k_attn)
+    best: Plan | None = None
+    error = ""
+    while True:
+        try:
+            split = _solve(planner, planner.problem(groups, k, recompute))
+        except ValueError as err:
+            error = str(err)
+            if "FFN memory" not in error:
+                break
+        else:
+            why = "attention" if k == k_attn else "FFN"
+            plan = planner.evaluate(
+                groups=groups, m=split.m, attn_nics=split.attn_nics, in_flight=k,
+                recompute=recompute, profile=profile, binding=split.binding,
+                memory_binding=f"in-flight {k} of {want} ({why} memory)" if k < want else "",
+                solver=split.solver,
+            )  # fmt: skip
+            assert plan is not None, "the solver returned a point that violates a constraint"
+            if best is not None and score(plan, plan.step_time_s) >= score(best, best.step_time_s):
+                break  # a smaller K no longer pays for itself
+            best = plan
+        if k == 1 or planner.options.roofline_only:
+            break
+        k = max(1, k // 2)
+    if best is None:
+        raise ValueError(error)
+    return best
+
+
+def seed_plan(planner: Planner, profile: Profile | None = None) -> Plan:
+    """Stages 1-2 for every candidate p (and recompute mode); the best by the profile wins."""
+    prof = profile or AnalyticProfile(planner)
+    modes = ["none"] if planner.options.roofline_only else (
+        ["none", "full"] if planner.options.recompute == "auto" else [planner.options.recompute]
+    )  # fmt: skip
+    best: Plan | None = None
+    errors: dict[str, list[str]] = {}  # reason -> the (p, recompute) it ruled out
+    for groups in planner.group_candidates():
+        for mode in modes:
+            try:
+                plan = _seed_for(planner, groups, mode, prof)
+            except ValueError as err:
+                errors.setdefault(str(err), []).append(f"p={groups}/{mode}")
+                continue
+            if best is None or score(plan, plan.step_time_s) < score(best, best.step_time_s):
+                best = plan
+    if best is None:
+        assert errors, "p = 1 is always a candidate"
+        reasons = [f"{why} [{', '.join(where)}]" for why, where in list(errors.items())[:3]]
+        raise ValueError("no feasible plan: " + "; ".join(reasons))
+    return best

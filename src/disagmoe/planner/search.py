@@ -1,0 +1,132 @@
+"""Stage 3: profile-guided local search around the MILP seed (Algorithm 1).
+
+`local_search` is generic: from the current best it makes K random moves (each a call to
+`propose(best, rng)`), scores every feasible candidate with `profile`, and keeps a candidate
+only when it is strictly better. The seed is scored first, so the result is never worse than
+the seed under the profile it was given, and a fixed `seed` makes the walk reproducible.
+
+`refine_plan` applies it to plans: a move changes the attention GPUs m and the attention NICs
+M_a of every group by up to r each (n and M_f follow from the group's totals), keeping p, the
+recompute mode and the in-flight count; infeasible moves (memory, locality, n > E) are skipped.
+The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe model
+(`plan.AnalyticProfile`), the simulator, or a measured short run; plans are compared by
+seconds per sequence trained (`plan.score`) because m changes the sequences per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult(Generic[T]):
+    best: T
+    best_score: float
+    seed_score: float
+    evaluated: int  # candidates scored (feasible proposals), seed excluded
+    improved: int  # accepted moves
+    history: tuple[float, ...]  # best score after each move
+
+
+def local_search(
+    seed: T,
+    *,
+    propose: Callable[[T, random.Random], T | None],
+    objective: Callable[[T], float],
+    moves: int,
+    seed_rng: int = 0,
+) -> SearchResult[T]:
+    """K random moves from the incumbent; keep strict improvements (lower is better)."""
+    if moves < 0:
+        raise ValueError(f"moves must be >= 0, got {moves}")
+    rng = random.Random(seed_rng)
+    best, best_score = seed, objective(seed)
+    seed_score = best_score
+    evaluated = improved = 0
+    history: list[float] = []
+    for _ in range(moves):
+        cand = propose(best, rng)
+        if cand is not None:
+            value = objective(cand)
+            evaluated += 1
+            if value < best_score:
+                best, best_score = cand, value
+                improved += 1
+        history.append(best_score)
+    return SearchResult(
+        best=best,
+        best_score=best_score,
+        seed_score=seed_score,
+        evaluated=evaluated,
+        improved=improved,
+        history=tuple(history),
+    )
+
+
+def plan_mover(
+    planner: Planner, profile: Profile, radius: int
+) -> Callable[[Plan, random.Random], Plan | None]:
+    """Moves of radius r in (m, M_a) that keep the group's totals; None when infeasible."""
+    if radius < 1:
+        raise ValueError(f"search radius must be >= 1, got {radius}")
+
+    cache: dict[tuple[int, int, int, int, str], Plan | None] = {}
+
+    def propose(plan: Plan, rng: random.Random) -> Plan | None:
+        dm = rng.randint(-radius, radius)
+        dn = rng.randint(-radius, radius)
+        if dm == 0 and dn == 0:
+            dm = rng.choice((-1, 1))
+        m, ma = plan.attn_gpus_per_group + dm, plan.attn_nics_per_group + dn
+        key = (plan.groups, m, ma, plan.in_flight, plan.recompute)
+        if key not in cache:  # each point is profiled at most once
+            cache[key] = planner.evaluate(
+                groups=plan.groups,
+                m=m,
+                attn_nics=ma,
+                in_flight=plan.in_flight,
+                recompute=plan.recompute,
+                profile=profile,
+                memory_binding=plan.memory_binding,
+                solver=plan.solver,
+                stage="search",
+            )
+        return cache[key]
+
+    return propose
+
+
+def refine_plan(
+    planner: Planner,
+    seed: Plan,
+    profile: Profile | None = None,
+    *,
+    moves: int | None = None,
+    radius: int | None = None,
+    seed_rng: int | None = None,
+) -> SearchResult[Plan]:
+    """Stage 3 on a plan from `seed_plan`; defaults come from `planner.options`."""
+    opts = planner.options
+    prof = profile or AnalyticProfile(planner)
+    k = opts.search_moves if moves is None else moves
+    r = opts.search_radius if radius is None else radius
+    rng_seed = opts.seed if seed_rng is None else seed_rng
+
+    def objective(plan: Plan) -> float:  # candidates carry step_time_s from `prof` already
+        return score(plan, plan.step_time_s)
+
+    return local_search(
+        dataclasses.replace(seed, step_time_s=prof(seed)),
+        propose=plan_mover(planner, prof, r),
+        objective=objective,
+        moves=k,
+        seed_rng=rng_seed,
+    )

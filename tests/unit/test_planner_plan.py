@@ -1,0 +1,105 @@
+"""Whole-plan behaviour: groups, memory limits, roofline-only mode, plan_for API."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS
+from disagmoe.planner import Planner, PlanOptions, plan_for, seed_plan
+from disagmoe.planner import costmodel as cm
+
+H800 = CLUSTER_PRESETS["h800"]
+QWEN = MODEL_PRESETS["qwen3-30b-a3b"]
+
+
+def test_plan_totals_and_invariants() -> None:
+    plan = plan_for(QWEN, H800, gpus=64, seq_len=4096, micro_batch_size=1)
+    p = plan.groups
+    assert plan.attn_gpus + plan.ffn_gpus == 64
+    assert plan.attn_nics + plan.ffn_nics == p * (64 // (2 * p))
+    assert plan.virtual_stages * p == QWEN.num_layers
+    assert plan.ffn_gpus_per_group <= QWEN.num_experts
+    assert plan.attn_nics_per_group <= plan.attn_gpus_per_group  # one NIC per GPU
+    assert max(plan.mem_attn_gib, plan.mem_ffn_gib) <= plan.mem_cap_gib
+    assert plan.t_stage_s == max(plan.t_attn_s, plan.t_ffn_s)
+    d = plan.to_dict()
+    assert d["attn_gpus"] == plan.attn_gpus and d["t_stage_s"] == plan.t_stage_s
+
+
+def test_roofline_only_is_the_papers_problem() -> None:
+    plan = plan_for(QWEN, H800, gpus=64, seq_len=4096, micro_batch_size=1, roofline_only=True)
+    assert plan.groups == 1 and plan.roofline_only
+    assert plan.attn_nics == plan.ffn_nics == 16  # V is the same for both: the NICs split evenly
+    assert plan.binding.endswith("NICs")  # both components communication-bound (nominal)
+    assert plan.i_attn == pytest.approx(1312.0) and plan.ridge == pytest.approx(19780.0)
+    # longer sequences want more attention GPUs
+    long = plan_for(QWEN, H800, gpus=64, seq_len=32768, micro_batch_size=1, roofline_only=True)
+    assert long.attn_gpus > plan.attn_gpus
+
+
+def test_ffn_memory_binds_and_relaxes_with_more_memory() -> None:
+    kwargs = dict(gpus=64, seq_len=32768, micro_batch_size=1, groups=1, recompute="full",
+                  search_moves=0)  # fmt: skip
+    tight = plan_for(QWEN, H800, **kwargs)  # type: ignore[arg-type]
+    roomy = plan_for(QWEN, dataclasses.replace(H800, gpu_mem_gib=400.0), **kwargs)  # type: ignore[arg-type]
+    assert tight.binding == "attention compute"  # wants more attention GPUs ...
+    assert tight.attn_gpus < roomy.attn_gpus  # ... but FFN memory holds it back
+    planner = Planner(model=QWEN, cluster=H800, gpus=64, seq_len=32768, micro_batch_size=1,
+                      options=PlanOptions(groups=1, recompute="full"))  # fmt: skip
+    a, b = cm.ffn_memory_terms(QWEN, groups=1, seq_len=32768, micro_batch_size=1,
+                               in_flight=tight.in_flight, recompute="full")  # fmt: skip
+    m, n = tight.attn_gpus, tight.ffn_gpus
+    assert (a + b * m) / n <= planner.cap_bytes
+    assert (a + b * (m + 1)) / (n - 1) > planner.cap_bytes  # the constraint is tight
+    assert planner.evaluate(groups=1, m=m + 1, attn_nics=tight.attn_nics, in_flight=tight.in_flight,
+                            recompute="full") is None  # fmt: skip
+
+
+def test_attention_memory_caps_in_flight_micro_batches() -> None:
+    small = dataclasses.replace(H800, gpu_mem_gib=48.0)
+    plan = plan_for(QWEN, small, gpus=64, seq_len=8192, micro_batch_size=1, groups=2,
+                    recompute="none", search_moves=0)  # fmt: skip
+    assert plan.in_flight < 4 and "memory" in plan.memory_binding
+    assert plan.mem_attn_gib <= plan.mem_cap_gib
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "options", "needle"),
+    [
+        ("mixtral-8x7b", 8, {"seq_len": 32768}, "memory"),
+        ("qwen3-30b-a3b", 64, {"groups": 5}, "groups"),
+        ("qwen3-30b-a3b", 64, {"seq_len": 10**6}, "max_seq_len"),
+        ("qwen3-30b-a3b", 1, {}, "--gpus"),
+        ("gpt-oss-20b", 4, {"groups": 4}, "GPUs per group"),
+    ],
+)
+def test_infeasible_requests_raise_clear_errors(
+    model: str, gpus: int, options: dict[str, int], needle: str
+) -> None:
+    kwargs: dict[str, Any] = {"seq_len": 4096, **options}
+    seq = kwargs.pop("seq_len")
+    with pytest.raises(ValueError, match=needle):
+        plan_for(MODEL_PRESETS[model], H800, gpus=gpus, seq_len=seq, micro_batch_size=1, **kwargs)
+
+
+def test_enumeration_solver_gives_the_same_plan_quality() -> None:
+    kwargs = dict(gpus=32, seq_len=8192, micro_batch_size=1, search_moves=0)
+    milp = plan_for(QWEN, H800, **kwargs)  # type: ignore[arg-type]
+    enum = plan_for(QWEN, H800, solver="enumerate", **kwargs)  # type: ignore[arg-type]
+    assert enum.t_stage_s / enum.attn_gpus_per_group == pytest.approx(
+        milp.t_stage_s / milp.attn_gpus_per_group, rel=1e-9
+    )
+    assert enum.solver == "enumerate" and milp.solver == "milp"
+
+
+def test_seed_choice_uses_the_profile() -> None:
+    planner = Planner(model=QWEN, cluster=H800, gpus=64, seq_len=4096, micro_batch_size=1)
+    best = seed_plan(planner)
+    forced = seed_plan(planner, profile=lambda plan: 1.0 if plan.groups == 4 else 100.0)
+    assert forced.groups == 4
+    assert best.groups == 1  # the analytic profile prefers one group here (no residual hop)
+    with pytest.raises(ValueError, match="unknown planner option"):
+        plan_for(QWEN, H800, gpus=64, seq_len=4096, micro_batch_size=1, bogus=1)
