@@ -58,11 +58,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file with [model] [parallel] [schedule] [train] [cluster]")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override any config field (repeatable)")
+    p.add_argument(
+        "--config", help="TOML file with [model] [parallel] [schedule] [train] [cluster]"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override any config field (repeatable)",
+    )
     p.add_argument("--model", help="model preset (tiny, tiny-shared, small, qwen3-30b-a3b, ...)")
-    p.add_argument("--init-from-hf", metavar="DIR", help="Hugging Face checkpoint dir (Qwen3-MoE, Mixtral)")
+    p.add_argument(
+        "--init-from-hf", metavar="DIR", help="Hugging Face checkpoint dir (Qwen3-MoE, Mixtral)"
+    )
     p.add_argument("--runtime", choices=RUNTIMES)
     p.add_argument("--run-dir")
     p.add_argument("--steps", type=int)
@@ -142,11 +151,15 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         sys.stdout.write(schedule.to_csv())
     else:
         sys.stdout.write(schedule.to_text())
-        print(f"# valid: matching sends/receives, FIFO channels, no deadlock; peak in-flight {peak}")
+        print(
+            f"# valid: matching sends/receives, FIFO channels, no deadlock; peak in-flight {peak}"
+        )
     return 0
 
 
-def _optional(module: str, add: str, run: str) -> tuple[Callable[..., None], Callable[..., int]] | None:
+def _optional(
+    module: str, add: str, run: str
+) -> tuple[Callable[..., None], Callable[..., int]] | None:
     import importlib
 
     try:
@@ -168,8 +181,20 @@ def build_parser() -> argparse.ArgumentParser:
     p_sched.set_defaults(func=_cmd_schedule)
     for name, module, add, run, help_ in (
         ("plan", ".planner.cli", "add_plan_arguments", "run_plan", "choose the A/F split"),
-        ("simulate", ".simulator.cli", "add_simulate_arguments", "run_simulate", "simulate a step at cluster scale"),
-        ("bench", ".bench.cli", "add_bench_arguments", "run_bench", "benchmark runtimes side by side"),
+        (
+            "simulate",
+            ".simulator.cli",
+            "add_simulate_arguments",
+            "run_simulate",
+            "simulate a step at cluster scale",
+        ),
+        (
+            "bench",
+            ".bench.cli",
+            "add_bench_arguments",
+            "run_bench",
+            "benchmark runtimes side by side",
+        ),
     ):
         fns = _optional(module, add, run)
         if fns is None:

@@ -70,7 +70,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "expert_dim"):
-            _require(getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}")
+            _require(
+                getattr(self, name) > 0, f"model.{name} must be > 0, got {getattr(self, name)}"
+            )
         _require(self.num_experts >= 1, f"model.num_experts must be >= 1, got {self.num_experts}")
         _require(
             self.num_heads % self.num_kv_heads == 0,
@@ -192,8 +194,7 @@ class TrainConfig:
         _require(self.seq_len >= 1, "train.seq_len must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
         _require(
-            self.global_batch_size >= 1
-            and self.global_batch_size % self.micro_batch_size == 0,
+            self.global_batch_size >= 1 and self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size ({self.global_batch_size}) must be a positive multiple of "
             f"train.micro_batch_size ({self.micro_batch_size})",
         )
@@ -233,7 +234,9 @@ class ClusterConfig:
             _require(getattr(self, name) >= 1, f"cluster.{name} must be >= 1")
         for name in ("nic_gbps", "nvlink_gbps", "peak_tflops", "gpu_mem_gib"):
             _require(getattr(self, name) > 0, f"cluster.{name} must be > 0")
-        _require(0 < self.mfu <= 1 and 0 < self.bw_efficiency <= 1, "cluster.mfu, bw_efficiency in (0,1]")
+        _require(
+            0 < self.mfu <= 1 and 0 < self.bw_efficiency <= 1, "cluster.mfu, bw_efficiency in (0,1]"
+        )
         _require(self.latency_us >= 0, "cluster.latency_us must be >= 0")
 
 
@@ -269,31 +272,85 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         name="tiny-shared", num_shared_experts=1, num_dense_layers=1, dense_dim=128
     ),
     "small": ModelConfig(
-        name="small", dim=128, num_layers=8, num_heads=8, num_kv_heads=4, num_experts=16,
-        top_k=2, expert_dim=128,
+        name="small",
+        dim=128,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        num_experts=16,
+        top_k=2,
+        expert_dim=128,
     ),
     "deepseek-moe-16b": ModelConfig(
-        name="deepseek-moe-16b", vocab_size=102400, dim=2048, num_layers=28, num_heads=16,
-        num_kv_heads=16, head_dim=128, num_experts=64, top_k=6, expert_dim=1408,
-        num_shared_experts=2, num_dense_layers=1, dense_dim=10944, norm_topk_prob=False,
-        aux_loss_coef=0.001, rope_theta=10000.0, norm_eps=1e-6, max_seq_len=32768,
+        name="deepseek-moe-16b",
+        vocab_size=102400,
+        dim=2048,
+        num_layers=28,
+        num_heads=16,
+        num_kv_heads=16,
+        head_dim=128,
+        num_experts=64,
+        top_k=6,
+        expert_dim=1408,
+        num_shared_experts=2,
+        num_dense_layers=1,
+        dense_dim=10944,
+        norm_topk_prob=False,
+        aux_loss_coef=0.001,
+        rope_theta=10000.0,
+        norm_eps=1e-6,
+        max_seq_len=32768,
     ),
     "qwen3-30b-a3b": ModelConfig(
-        name="qwen3-30b-a3b", vocab_size=151936, dim=2048, num_layers=48, num_heads=32,
-        num_kv_heads=4, head_dim=128, num_experts=128, top_k=8, expert_dim=768,
-        norm_topk_prob=True, aux_loss_coef=0.001, qk_norm=True, rope_theta=1e6,
-        norm_eps=1e-6, max_seq_len=40960,
+        name="qwen3-30b-a3b",
+        vocab_size=151936,
+        dim=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        top_k=8,
+        expert_dim=768,
+        norm_topk_prob=True,
+        aux_loss_coef=0.001,
+        qk_norm=True,
+        rope_theta=1e6,
+        norm_eps=1e-6,
+        max_seq_len=40960,
     ),
     "gpt-oss-20b": ModelConfig(
-        name="gpt-oss-20b", vocab_size=201088, dim=2880, num_layers=24, num_heads=64,
-        num_kv_heads=8, head_dim=64, num_experts=32, top_k=4, expert_dim=2880,
-        norm_topk_prob=True, aux_loss_coef=0.0, rope_theta=150000.0, norm_eps=1e-5,
+        name="gpt-oss-20b",
+        vocab_size=201088,
+        dim=2880,
+        num_layers=24,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=64,
+        num_experts=32,
+        top_k=4,
+        expert_dim=2880,
+        norm_topk_prob=True,
+        aux_loss_coef=0.0,
+        rope_theta=150000.0,
+        norm_eps=1e-5,
         max_seq_len=131072,
     ),
     "mixtral-8x7b": ModelConfig(
-        name="mixtral-8x7b", vocab_size=32000, dim=4096, num_layers=32, num_heads=32,
-        num_kv_heads=8, head_dim=128, num_experts=8, top_k=2, expert_dim=14336,
-        norm_topk_prob=True, aux_loss_coef=0.02, rope_theta=1e6, norm_eps=1e-5,
+        name="mixtral-8x7b",
+        vocab_size=32000,
+        dim=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        num_experts=8,
+        top_k=2,
+        expert_dim=14336,
+        norm_topk_prob=True,
+        aux_loss_coef=0.02,
+        rope_theta=1e6,
+        norm_eps=1e-5,
         max_seq_len=32768,
     ),
 }
@@ -446,4 +503,6 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
 
 def replace_section(cfg: RunConfig, section: str, **changes: Any) -> RunConfig:
     """`dataclasses.replace` on one section, re-validating the whole RunConfig."""
-    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+    return dataclasses.replace(
+        cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)}
+    )

@@ -22,20 +22,49 @@ import numpy as np
 import torch
 
 _SUBJECTS = [
-    "the router", "an expert", "the attention layer", "a worker", "the pipeline",
-    "the planner", "every token", "the scheduler", "a micro-batch", "the network",
+    "the router",
+    "an expert",
+    "the attention layer",
+    "a worker",
+    "the pipeline",
+    "the planner",
+    "every token",
+    "the scheduler",
+    "a micro-batch",
+    "the network",
 ]
 _VERBS = [
-    "sends", "receives", "computes", "waits for", "overlaps", "balances", "routes",
-    "splits", "gathers", "measures",
+    "sends",
+    "receives",
+    "computes",
+    "waits for",
+    "overlaps",
+    "balances",
+    "routes",
+    "splits",
+    "gathers",
+    "measures",
 ]
 _OBJECTS = [
-    "the hidden states", "a gradient", "its experts", "the next layer", "the residual",
-    "eight tokens", "the combine message", "the dispatch counts", "the loss", "a trace",
+    "the hidden states",
+    "a gradient",
+    "its experts",
+    "the next layer",
+    "the residual",
+    "eight tokens",
+    "the combine message",
+    "the dispatch counts",
+    "the loss",
+    "a trace",
 ]
 _TAILS = [
-    "before the backward pass", "while the link is busy", "in the same stage",
-    "on the other group", "without an all-to-all", "at every step", "as the plan says",
+    "before the backward pass",
+    "while the link is busy",
+    "in the same stage",
+    "on the other group",
+    "without an all-to-all",
+    "at every step",
+    "as the plan says",
     "when the bandwidth is low",
 ]
 
@@ -98,7 +127,13 @@ class TokenBatches:
     """Deterministic global batches of `[global_batch_size, seq_len + 1]` token samples."""
 
     def __init__(
-        self, tokens: np.ndarray, *, seq_len: int, global_batch_size: int, seed: int, vocab_size: int
+        self,
+        tokens: np.ndarray,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        vocab_size: int,
     ) -> None:
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size

@@ -33,9 +33,9 @@ def world_size_for(cfg: RunConfig) -> int:
         layout = Layout.build(cfg.model, par)
         num_slots(cfg, layout)
         return layout.world_size
-    from .baselines import world_size_for as baseline_world_size
+    from . import baselines
 
-    return int(baseline_world_size(cfg))
+    return int(baselines.world_size_for(cfg))
 
 
 def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
@@ -90,9 +90,21 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
     return list(results[0])
 
 
+def check_inputs(cfg: RunConfig) -> None:
+    """Load data and initial weights once in the launching process, so that bad input is
+    reported as one clear error before any rank starts."""
+    from .runtime.setup import build_data, build_initial_model
+
+    build_data(cfg)
+    if cfg.train.init_from_hf:
+        build_initial_model(cfg)
+
+
 def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
     """Train as configured from a plain process (the CLI); returns the run dir and rank-0 records."""
     nprocs = world_size_for(cfg)
+    if cfg.parallel.runtime != "reference":
+        check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
     if cfg.parallel.runtime == "reference":
         from .runtime.reference import run_reference
@@ -116,9 +128,7 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         world_size_for(cfg)
         run_dir = Path(cfg.train.run_dir or "runs/torchrun")
         if dist.get_rank() == 0:
-            run_dir = prepare_run_dir(
-                from_dict({"train": {"run_dir": str(run_dir)}}, cfg)
-            )
+            run_dir = prepare_run_dir(from_dict({"train": {"run_dir": str(run_dir)}}, cfg))
         dist.barrier()
         run_rank(cfg, run_dir)
     finally:

@@ -27,8 +27,9 @@ def case(p: int, m: int, n: int, **model_changes: object) -> RunConfig:
     return RunConfig(
         model=model,
         parallel=ParallelConfig(groups=p, attn_workers=m, expert_workers=n),
-        train=TrainConfig(dtype="float64", progress=False, seq_len=32, global_batch_size=8,
-                          micro_batch_size=2),
+        train=TrainConfig(
+            dtype="float64", progress=False, seq_len=32, global_batch_size=8, micro_batch_size=2
+        ),
     )
 
 
@@ -84,10 +85,19 @@ def test_init_from_hf_start_point(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch = pytest.importorskip("torch")
     hf_cfg = transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=8, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=24, intermediate_size=48, max_position_embeddings=64,
-        norm_topk_prob=True, router_aux_loss_coef=0.01,
+        vocab_size=256,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        norm_topk_prob=True,
+        router_aux_loss_coef=0.01,
     )
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(hf_cfg).save_pretrained(tmp_path)

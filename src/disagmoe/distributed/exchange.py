@@ -13,6 +13,7 @@ collective.
 from __future__ import annotations
 
 import math
+import time
 from datetime import timedelta
 
 import torch
@@ -49,14 +50,19 @@ def send_message(
     tensors: list[torch.Tensor], dst: int, group: dist.ProcessGroup
 ) -> list[dist.Work]:
     """Post the header and payload sends; the caller waits on the returned works."""
-    works = [dist.isend(encode_header(tensors), dst, group=group)]
+    works = [_posted(dist.isend(encode_header(tensors), dst, group=group))]
     floats = [t.reshape(-1) for t in tensors if t.dtype != torch.int64]
     ints = [t.reshape(-1) for t in tensors if t.dtype == torch.int64]
     for parts in (floats, ints):
         flat = torch.cat(parts) if parts else None
         if flat is not None and flat.numel() > 0:
-            works.append(dist.isend(flat.contiguous(), dst, group=group))
+            works.append(_posted(dist.isend(flat.contiguous(), dst, group=group)))
     return works
+
+
+def _posted(work: dist.Work | None) -> dist.Work:
+    assert work is not None, "point-to-point op returned no work handle"
+    return work
 
 
 def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
@@ -69,11 +75,22 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
 
 
 def recv_message(
-    src: int, group: dist.ProcessGroup, float_dtype: torch.dtype, timeout_s: float, what: str = ""
+    src: int,
+    group: dist.ProcessGroup,
+    float_dtype: torch.dtype,
+    timeout_s: float,
+    what: str = "",
+    arrived: list[float] | None = None,
 ) -> list[torch.Tensor]:
-    """Receive one message from `src` on `group` (blocking, with a timeout)."""
+    """Receive one message from `src` on `group` (blocking, with a timeout).
+
+    If `arrived` is given, the wall-clock time (us) at which the
+    header arrived is appended to it, separating waiting from transfer time.
+    """
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    _wait(dist.irecv(header, src, group=group), timeout_s, what)
+    _wait(_posted(dist.irecv(header, src, group=group)), timeout_s, what)
+    if arrived is not None:
+        arrived.append(time.time_ns() / 1000.0)
     specs = decode_header(header)
     sizes = [math.prod(shape) for _, shape in specs]
     n_float = sum(s for (k, _), s in zip(specs, sizes, strict=True) if k == _FLOAT)
@@ -82,7 +99,7 @@ def recv_message(
     flat_i = torch.empty(n_int, dtype=torch.int64)
     for flat in (flat_f, flat_i):
         if flat.numel() > 0:
-            _wait(dist.irecv(flat, src, group=group), timeout_s, what)
+            _wait(_posted(dist.irecv(flat, src, group=group)), timeout_s, what)
     out, pos_f, pos_i = [], 0, 0
     for (kind, shape), size in zip(specs, sizes, strict=True):
         if kind == _FLOAT:

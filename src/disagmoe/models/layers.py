@@ -74,7 +74,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
+    ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         q = self.q_proj(x_BSH).view(B, S, self.num_heads, self.head_dim)
         k = self.k_proj(x_BSH).view(B, S, self.num_kv_heads, self.head_dim)

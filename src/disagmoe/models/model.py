@@ -64,7 +64,9 @@ class AttentionBlock(nn.Module):
         )
         self.mlp = None if self.is_moe else SwiGLU(cfg.dim, cfg.dense_dim_resolved)
 
-    def forward(self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor) -> AttnOutput:
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
+    ) -> AttnOutput:
         h = x_BSH + self.attn(self.norm1(x_BSH), cos_SD, sin_SD)
         u_BSH = self.norm2(h)
         if self.mlp is not None:
@@ -109,6 +111,11 @@ class MoETransformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def decoder_layer(self, index: int) -> DecoderLayer:
+        layer = self.layers[index]
+        assert isinstance(layer, DecoderLayer)
+        return layer
+
     def rope(self, seq_len: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_tables(
             seq_len, self.cfg.head_dim_resolved, self.cfg.rope_theta, like.dtype, like.device
@@ -140,7 +147,7 @@ def init_weights(model: MoETransformer, seed: int) -> None:
     """
     gen = torch.Generator().manual_seed(seed)
     std = model.cfg.init_std
-    for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+    for _name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         if param.ndim == 1:  # RMSNorm weights: the model has no biases
             param.fill_(1.0)
         else:

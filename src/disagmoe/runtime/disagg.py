@@ -59,7 +59,9 @@ class DisaggTrainer:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
-        self.schedule = build_afpipe(self.layout, num_slots(cfg, self.layout), cfg.schedule.max_in_flight)
+        self.schedule = build_afpipe(
+            self.layout, num_slots(cfg, self.layout), cfg.schedule.max_in_flight
+        )
         validate(self.schedule)
         self.topo = Topology.build(self.layout, self.schedule)
         self.role = self.layout.role(self.rank)
@@ -112,7 +114,9 @@ class DisaggTrainer:
             n = p.grad.numel()
             p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
             pos += n
-        self.tracer.add("SYNC grads", "sync", t0, Tracer.now_us(), bytes=flat.numel() * flat.element_size())
+        self.tracer.add(
+            "SYNC grads", "sync", t0, Tracer.now_us(), bytes=flat.numel() * flat.element_size()
+        )
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
         train = self.cfg.train
@@ -123,7 +127,11 @@ class DisaggTrainer:
         self.executor.run_step(step)
         fill_missing_grads(self.params)
         self._sync_grads()
-        grads = {n: p.grad.detach().clone() for n, p in self.named_params if p.grad is not None} if capture_grads else {}
+        grads = (
+            {n: p.grad.detach().clone() for n, p in self.named_params if p.grad is not None}
+            if capture_grads
+            else {}
+        )
 
         def world_sum(t: torch.Tensor) -> torch.Tensor:
             dist.all_reduce(t)
@@ -192,7 +200,9 @@ def run_disagg(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
         if log is not None:
             log.close()
     gathered: list[Any] = [None] * world if rank == 0 else []
-    dist.gather_object((trainer.tracer.metadata(), trainer.tracer.events), gathered if rank == 0 else None, dst=0)
+    dist.gather_object(
+        (trainer.tracer.metadata(), trainer.tracer.events), gathered if rank == 0 else None, dst=0
+    )
     if rank == 0:
         write_trace(run_dir / "trace.json", gathered)
         (run_dir / "schedule.txt").write_text(trainer.schedule.to_text())

@@ -38,8 +38,12 @@ TaskKey = tuple[str, str, int, int]
 
 
 class StageWorker(Protocol):
-    def forward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]: ...
-    def backward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]: ...
+    def forward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]: ...
+    def backward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]: ...
 
 
 class HangError(RuntimeError):
@@ -97,12 +101,22 @@ class Executor:
     def _recv_lane(self, sh: _Shared, src: int, channel: str, msgs: list[Msg], step: int) -> None:
         group = self.topo.stream(src, self.rank, channel)
         for msg in msgs:
-            t0 = Tracer.now_us()
+            t_wait = Tracer.now_us()
             what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
-            payload = recv_message(src, group, self.dtype, self.timeout_s, what)
-            self.tracer.add(f"recv {msg.kind} l{msg.layer} s{msg.slot}", "recv", t0, Tracer.now_us(),
-                            src=src, layer=msg.layer, slot=msg.slot, step=step,
-                            bytes=sum(t.numel() * t.element_size() for t in payload))
+            arrived: list[float] = []
+            payload = recv_message(src, group, self.dtype, self.timeout_s, what, arrived)
+            self.tracer.add(
+                f"recv {msg.kind} l{msg.layer} s{msg.slot}",
+                "recv",
+                arrived[0],
+                Tracer.now_us(),
+                src=src,
+                layer=msg.layer,
+                slot=msg.slot,
+                step=step,
+                waited_us=round(arrived[0] - t_wait, 1),
+                bytes=sum(t.numel() * t.element_size() for t in payload),
+            )
             with sh.cond:
                 sh.mailbox[msg] = payload
                 sh.cond.notify_all()
@@ -117,9 +131,20 @@ class Executor:
                 try:
                     work.wait()
                 except RuntimeError as err:
-                    raise CommTimeout(f"rank {self.rank} {self.role}: sending {msg}: {err}") from err
-            self.tracer.add(f"send {msg.kind} l{msg.layer} s{msg.slot}", "send", t0, Tracer.now_us(),
-                            dst=msg.dst, layer=msg.layer, slot=msg.slot, step=step, bytes=nbytes)
+                    raise CommTimeout(
+                        f"rank {self.rank} {self.role}: sending {msg}: {err}"
+                    ) from err
+            self.tracer.add(
+                f"send {msg.kind} l{msg.layer} s{msg.slot}",
+                "send",
+                t0,
+                Tracer.now_us(),
+                dst=msg.dst,
+                layer=msg.layer,
+                slot=msg.slot,
+                step=step,
+                bytes=nbytes,
+            )
 
     def _ready(self, sh: _Shared, instr: Instr) -> bool:
         if not all(m in sh.mailbox for m in self.recvs_of[instr.task]):
@@ -142,8 +167,11 @@ class Executor:
                     raise HangError(
                         f"rank {self.rank} {self.role}: instruction {index} ({instr}) waited "
                         f"{self.timeout_s:.0f} s for "
-                        + (", ".join(str(m) for m in missing) + f" from rank(s) {peers}" if missing
-                           else "its local dependencies")
+                        + (
+                            ", ".join(str(m) for m in missing) + f" from rank(s) {peers}"
+                            if missing
+                            else "its local dependencies"
+                        )
                     )
                 sh.cond.wait(0.05)
             return {m: sh.mailbox.pop(m) for m in self.recvs_of[instr.task]}
@@ -156,8 +184,16 @@ class Executor:
             fn = self.worker.forward if instr.op == Op.FWD else self.worker.backward
             out = fn(instr.layer, instr.slot, received, outgoing)
             t1 = Tracer.now_us()
-            self.tracer.add(f"{instr.op.value}{instr.comp} l{instr.layer} s{instr.slot}", lane, t0, t1,
-                            layer=instr.layer, slot=instr.slot, step=step, index=index)
+            self.tracer.add(
+                f"{instr.op.value}{instr.comp} l{instr.layer} s{instr.slot}",
+                lane,
+                t0,
+                t1,
+                layer=instr.layer,
+                slot=instr.slot,
+                step=step,
+                index=index,
+            )
             for msg in outgoing:
                 payload = out[msg]
                 group = self.topo.stream(self.rank, msg.dst, msg.channel)
@@ -177,18 +213,24 @@ class Executor:
         def guard(fn, *args) -> None:  # type: ignore[no-untyped-def]
             try:
                 fn(*args)
-            except BaseException as err:  # noqa: BLE001 - re-raised by the main thread
+            except BaseException as err:
                 with sh.cond:
                     sh.errors.append(err)
                     sh.cond.notify_all()
 
         recv_threads = [
-            threading.Thread(target=guard, args=(self._recv_lane, sh, src, ch, msgs, step), daemon=True)
+            threading.Thread(
+                target=guard, args=(self._recv_lane, sh, src, ch, msgs, step), daemon=True
+            )
             for (src, ch), msgs in self.streams.items()
         ]
-        sender = threading.Thread(target=guard, args=(self._send_waiter, sh, pending, step), daemon=True)
+        sender = threading.Thread(
+            target=guard, args=(self._send_waiter, sh, pending, step), daemon=True
+        )
         lanes = [
-            threading.Thread(target=guard, args=(self._compute_lane, sh, lane, pending, step), daemon=True)
+            threading.Thread(
+                target=guard, args=(self._compute_lane, sh, lane, pending, step), daemon=True
+            )
             for lane in ("fwd", "bwd")
         ]
         for t in [*recv_threads, sender, *lanes]:
@@ -205,5 +247,5 @@ class Executor:
             for t in [*recv_threads, sender]:
                 t.join()
         if sh.errors:
-            primary = next((e for e in sh.errors if not str(e) == "another lane failed"), sh.errors[0])
+            primary = next((e for e in sh.errors if str(e) != "another lane failed"), sh.errors[0])
             raise primary

@@ -47,7 +47,10 @@ class LossScale:
         values = list(aux_values)
         if not values or self.aux_scale == 0.0:
             return None
-        return torch.stack([v.float() if v.dtype == torch.bfloat16 else v for v in values]).sum() * self.aux_scale
+        return (
+            torch.stack([v.float() if v.dtype == torch.bfloat16 else v for v in values]).sum()
+            * self.aux_scale
+        )
 
 
 def lr_at(train: TrainConfig, step: int) -> float:
@@ -62,9 +65,12 @@ def lr_at(train: TrainConfig, step: int) -> float:
     return floor + (train.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig
+) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (>= 2-D), none on norm weights."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for _, param in sorted(named_params, key=lambda kv: kv[0]):
         (decay if param.ndim >= 2 else no_decay).append(param)
     groups = [

@@ -44,12 +44,20 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
 class MetricsLog:
     """Appends one JSON object per step to `metrics.jsonl` and drives the progress bar."""
 
-    def __init__(self, run_dir: Path, total_steps: int, *, progress: bool, start_step: int = 0) -> None:
+    def __init__(
+        self, run_dir: Path, total_steps: int, *, progress: bool, start_step: int = 0
+    ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._bar = (
-            tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
-                 dynamic_ncols=True)
+            tqdm(
+                total=total_steps,
+                initial=start_step,
+                desc="train",
+                unit="step",
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
             if progress
             else None
         )
@@ -58,7 +66,9 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}"
+            )
             self._bar.update(1)
 
     def close(self) -> None:
@@ -99,11 +109,29 @@ class Tracer:
 
     def metadata(self) -> list[dict[str, Any]]:
         meta: list[dict[str, Any]] = [
-            {"name": "process_name", "ph": "M", "pid": self.rank, "args": {"name": f"rank {self.rank} {self.role}"}},
-            {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
+            {
+                "name": "process_name",
+                "ph": "M",
+                "pid": self.rank,
+                "args": {"name": f"rank {self.rank} {self.role}"},
+            },
+            {
+                "name": "process_sort_index",
+                "ph": "M",
+                "pid": self.rank,
+                "args": {"sort_index": self.rank},
+            },
         ]
         for tid, lane in enumerate(LANES):
-            meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": lane}})
+            meta.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": self.rank,
+                    "tid": tid,
+                    "args": {"name": lane},
+                }
+            )
         return meta
 
     def busy_us(self, lanes: Iterable[str] = ("compute", "fwd", "bwd")) -> float:
@@ -122,7 +150,9 @@ class Tracer:
         return total
 
 
-def write_trace(path: Path, per_rank: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]) -> None:
+def write_trace(
+    path: Path, per_rank: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]
+) -> None:
     """Merge (metadata, events) of every rank into one Chrome trace, time zero at the first event."""
     events = [e for _, evs in per_rank for e in evs]
     t0 = min((e["ts"] for e in events), default=0.0)

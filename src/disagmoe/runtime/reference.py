@@ -65,7 +65,11 @@ class ReferenceTrainer:
         params = list(self.model.parameters())
         fill_missing_grads(params)
         grads = (
-            {n: p.grad.detach().clone() for n, p in self.model.named_parameters() if p.grad is not None}
+            {
+                n: p.grad.detach().clone()
+                for n, p in self.model.named_parameters()
+                if p.grad is not None
+            }
             if capture_grads
             else {}
         )

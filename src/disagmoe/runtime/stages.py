@@ -94,7 +94,7 @@ class AttnWorker:
         self.modules = NamedParts()
         for l in self.layers:
             if l < self.num_layers:
-                self.modules.add(f"layers.{l}.attn_block", model.layers[l].attn_block)
+                self.modules.add(f"layers.{l}.attn_block", model.decoder_layer(l).attn_block)
         if 0 in self.layers:
             self.modules.add("embed", model.embed)
         if self.num_layers in self.layers:
@@ -117,9 +117,13 @@ class AttnWorker:
 
     def _rope(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return rope_tables(like.shape[1], c.head_dim_resolved, c.rope_theta, like.dtype, like.device)
+        return rope_tables(
+            like.shape[1], c.head_dim_resolved, c.rope_theta, like.dtype, like.device
+        )
 
-    def forward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+    def forward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]:
         st = _AttnState()
         if layer == 0:
             tokens, _ = self.micro_batches[slot]
@@ -130,7 +134,9 @@ class AttnWorker:
                 act = self.local.pop(("act", layer - 1, slot))
             st.resid_leaf = _leaf(act[0])
             x = st.resid_leaf
-            combines = {self.layout.role(m.src).index: p for m, p in received.items() if m.kind == "combine"}
+            combines = {
+                self.layout.role(m.src).index: p for m, p in received.items() if m.kind == "combine"
+            }
             if combines:
                 B, S, H = x.shape
                 x_TH = x.reshape(B * S, H)
@@ -173,7 +179,9 @@ class AttnWorker:
         self.stash[(layer, slot)] = st
         return out
 
-    def backward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+    def backward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]:
         st = self.stash.pop((layer, slot))
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
@@ -225,7 +233,7 @@ class ExpertWorker:
         lo = self.role.index * per
         self.modules = NamedParts()
         for l in layout.layers_of(rank):
-            full = model.layers[l].experts
+            full = model.decoder_layer(l).experts
             assert full is not None
             shard = Experts(per, full.gate_up.shape[1], full.down.shape[1])
             shard.gate_up = nn.Parameter(full.gate_up.detach()[lo : lo + per].clone())
@@ -237,7 +245,9 @@ class ExpertWorker:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.modules.named_parameters())
 
-    def forward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+    def forward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]:
         by_replica = sorted(received.items(), key=lambda kv: kv[0].src)
         inputs, xs, rows, experts, weights, counts = [], [], [], [], [], []
         offset = 0
@@ -268,7 +278,9 @@ class ExpertWorker:
             out[msg] = [outputs[k].detach()]
         return out
 
-    def backward(self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]) -> dict[Msg, Payload]:
+    def backward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]:
         st = self.stash.pop((layer, slot))
         grads_by_replica = {self.layout.role(m.src).index: p[0] for m, p in received.items()}
         _backward(st.outputs, [grads_by_replica[r] for r in range(len(st.outputs))])

@@ -124,6 +124,10 @@ def build_afpipe(layout: Layout, num_slots: int, max_in_flight: int = 0) -> Sche
         num_slots=num_slots,
         max_in_flight=max_in_flight or num_slots,
         roles=tuple(str(layout.role(r)) for r in range(layout.world_size)),
-        meta={"groups": layout.groups, "attn_workers": layout.attn_workers,
-              "expert_workers": layout.expert_workers, "num_layers": layout.num_layers},
+        meta={
+            "groups": layout.groups,
+            "attn_workers": layout.attn_workers,
+            "expert_workers": layout.expert_workers,
+            "num_layers": layout.num_layers,
+        },
     )

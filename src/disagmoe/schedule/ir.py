@@ -10,6 +10,14 @@ A `Schedule` holds one instruction list per rank. Instructions are:
 * `SYNC` — all-reduce gradients among this rank's data-parallel replicas;
 * `STEP` — clip gradients and take the optimizer step.
 
+Expert-parallel baselines (`disagmoe.baselines`) add two ops:
+
+* `A2A` — one all-to-all of an EP group: `comp` names the phase ("dispatch",
+  "combine", "grad_combine", "grad_dispatch"), `group` the member ranks; a
+  member blocks until every member reaches the same (comp, layer, slot);
+* `W` — the weight-gradient part of a backward split into input (`BWD`) and
+  weight (`W`) halves (zero-bubble / DualPipeV schedules).
+
 Each instruction runs on a lane: compute on "fwd" or "bwd", messages on the
 channel of their kind ("fwd" for activations, "bwd" for gradients), SYNC and
 STEP on "sync". Per (sender, receiver, channel) messages are FIFO: the order
@@ -31,6 +39,8 @@ class Op(StrEnum):
     RECV = "RECV"
     SYNC = "SYNC"
     STEP = "STEP"
+    A2A = "A2A"
+    WGT = "W"
 
 
 # Message kinds of one layer l (see DESIGN.md §2.2):
@@ -42,6 +52,7 @@ class Op(StrEnum):
 #   grad_dispatch F(l) -> A(l)     gradient of the dispatched tokens and weights
 FORWARD_KINDS = ("act", "dispatch", "combine")
 BACKWARD_KINDS = ("grad_act", "grad_combine", "grad_dispatch")
+A2A_PHASES = FORWARD_KINDS[1:] + BACKWARD_KINDS[1:]  # `comp` of an A2A instruction
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -67,20 +78,23 @@ class Instr:
     layer: int = -1
     slot: int = -1
     msg: Msg | None = None
+    group: tuple[int, ...] = ()  # member ranks of an A2A
 
     @property
     def lane(self) -> str:
         if self.op == Op.FWD:
             return "fwd"
-        if self.op == Op.BWD:
+        if self.op in (Op.BWD, Op.WGT):
             return "bwd"
+        if self.op == Op.A2A:
+            return "fwd" if self.comp in FORWARD_KINDS else "bwd"
         if self.msg is not None:
             return self.msg.channel
         return "sync"
 
     @property
     def is_compute(self) -> bool:
-        return self.op in (Op.FWD, Op.BWD)
+        return self.op in (Op.FWD, Op.BWD, Op.WGT)
 
     @property
     def task(self) -> tuple[str, str, int, int]:
@@ -90,6 +104,8 @@ class Instr:
     def __str__(self) -> str:
         if self.msg is not None:
             return f"{self.op.value} {self.msg}"
+        if self.op == Op.A2A:
+            return f"A2A {self.comp} l{self.layer} s{self.slot} {list(self.group)}"
         if self.is_compute:
             return f"{self.op.value}{self.comp} l{self.layer} s{self.slot}"
         return self.op.value

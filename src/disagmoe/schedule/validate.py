@@ -78,7 +78,9 @@ def check_forward_before_backward(schedule: Schedule) -> None:
                 raise ScheduleError(f"rank {rank}: {i} comes before its forward")
         backward = {(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.BWD}
         if backward != seen:
-            raise ScheduleError(f"rank {rank}: forwards and backwards differ: {sorted(seen ^ backward)[:3]}")
+            raise ScheduleError(
+                f"rank {rank}: forwards and backwards differ: {sorted(seen ^ backward)[:3]}"
+            )
 
 
 def simulate(
@@ -136,7 +138,10 @@ def simulate(
             key = instr.task
             if not needs[(rank, key)] <= delivered:
                 continue
-            if instr.op == Op.BWD and (rank, ("F", instr.comp, instr.layer, instr.slot)) not in done:
+            if (
+                instr.op == Op.BWD
+                and (rank, ("F", instr.comp, instr.layer, instr.slot)) not in done
+            ):
                 continue
             starts_slot = instr.op == Op.FWD and instr.layer == first_layer.get(rank)
             if starts_slot and len(in_flight[rank]) >= cap:
@@ -151,9 +156,7 @@ def simulate(
             pending_sends[(rank, lane)].extend(sends_of[(rank, key)])
             progress = True
     stuck = [
-        f"rank {rank} {lane}: {queue[0]}"
-        for (rank, lane), queue in lanes.items()
-        if queue
+        f"rank {rank} {lane}: {queue[0]}" for (rank, lane), queue in lanes.items() if queue
     ] + [f"rank {r} {lane}: blocked sending {q[0]}" for (r, lane), q in pending_sends.items() if q]
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck[:4]))

@@ -1,0 +1,1 @@
+"""Figures drawn from what runs write (trace.json)."""

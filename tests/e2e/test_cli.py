@@ -1,0 +1,92 @@
+"""`disagmoe` as a user runs it: real subprocesses, real exit codes, real output files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def disagmoe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "disagmoe.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=ENV,
+    )
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [
+        json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
+    common = ["--dtype", "float64", "--steps", "5", "--seed", "3", "--no-progress"]
+    ref = disagmoe("train", "--runtime", "reference", "--run-dir", str(tmp_path / "ref"), *common)
+    assert ref.returncode == 0, ref.stderr
+    dis = disagmoe("train", "--runtime", "disagg", "--run-dir", str(tmp_path / "dis"), *common)
+    assert dis.returncode == 0, dis.stderr
+    a, b = losses(tmp_path / "ref"), losses(tmp_path / "dis")
+    assert len(a) == len(b) == 5
+    for x, y in zip(a, b, strict=True):
+        assert abs(x - y) <= 1e-10 * abs(x)
+    assert "disagg: 5 steps" in dis.stdout
+    run = tmp_path / "dis"
+    record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert len(record["busy_s"]) == 4 and {"tokens_per_s", "elapsed_s", "lr"} <= record.keys()
+    trace = json.loads((run / "trace.json").read_text())["traceEvents"]
+    pids = {e["pid"] for e in trace if e.get("ph") == "X"}
+    lanes = {e["cat"] for e in trace if e.get("ph") == "X"}
+    assert pids == {0, 1, 2, 3} and {"fwd", "bwd", "send", "recv"} <= lanes
+    assert all("slot" in e["args"] and "layer" in e["args"] for e in trace if e.get("cat") == "fwd")
+    assert (run / "config.toml").exists() and (run / "schedule.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["train", "--model", "gpt-9"], "unknown model preset 'gpt-9'"),
+        (["train", "--set", "model.nope=3"], "unknown key model.nope"),
+        (["train", "--set", "train.steps=x"], "train.steps must be an integer"),
+        (["train", "--data", "/nonexistent/file.txt"], "does not exist"),
+        (["train", "--groups", "3"], "divisible by parallel.groups"),
+        (["train", "--attn-workers", "3"], "divisible by parallel.attn_workers"),
+        (["train", "--steps", "-1"], "train.steps must be >= 0"),
+        (["train", "--runtime", "nope"], "invalid choice"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
+    result = disagmoe(*args, "--run-dir", str(tmp_path / "r"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_malformed_toml_and_unsupported_hf(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 2\n")
+    result = disagmoe("train", "--config", str(bad))
+    assert result.returncode == 2 and "not valid TOML" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    result = disagmoe("train", "--init-from-hf", str(hf))
+    assert result.returncode == 2 and "llama" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_schedule_command(tmp_path: Path) -> None:
+    result = disagmoe("schedule", "--groups", "2", "--attn-workers", "1", "--expert-workers", "1")
+    assert result.returncode == 0
+    assert "rank 1 F(g0,j0):" in result.stdout and "# valid" in result.stdout

@@ -1,0 +1,112 @@
+"""Configs: presets, validation messages, TOML round trip, --set overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from disagmoe.config import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainConfig,
+    apply_overrides,
+    dump_toml,
+    from_dict,
+    load_toml,
+    model_preset,
+    save_toml,
+)
+
+
+def test_toml_round_trip(tmp_path: Path) -> None:
+    cfg = apply_overrides(
+        RunConfig(),
+        ["model.num_layers=8", "train.dtype=float64", "parallel.groups=2", "train.lr=1e-4"],
+    )
+    path = tmp_path / "c.toml"
+    save_toml(cfg, path)
+    assert load_toml(path) == cfg
+    assert "[model]" in dump_toml(cfg) and "[cluster]" in dump_toml(cfg)
+
+
+def test_every_preset_round_trips(tmp_path: Path) -> None:
+    for name, model in MODEL_PRESETS.items():
+        cfg = RunConfig(model=model)
+        path = tmp_path / f"{name}.toml"
+        save_toml(cfg, path)
+        assert load_toml(path).model == model
+    assert set(CLUSTER_PRESETS) == {"h800", "h100", "h200"}
+
+
+def test_public_preset_shapes() -> None:
+    qwen = model_preset("qwen3-30b-a3b")
+    assert (qwen.num_layers, qwen.num_experts, qwen.top_k, qwen.expert_dim) == (48, 128, 8, 768)
+    ds = model_preset("deepseek-moe-16b")
+    assert (ds.num_experts, ds.top_k, ds.num_shared_experts, ds.num_dense_layers) == (64, 6, 2, 1)
+    oss = model_preset("gpt-oss-20b")
+    assert (oss.num_layers, oss.num_experts, oss.top_k, oss.dim) == (24, 32, 4, 2880)
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "divisible by model.num_kv_heads"),
+        (dict(top_k=9), "top_k"),
+        (dict(num_dense_layers=4), "num_dense_layers"),
+        (dict(aux_loss_coef=-1.0), "aux_loss_coef"),
+        (dict(dim=0), "model.dim must be > 0"),
+    ],
+)
+def test_model_validation(changes: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(ModelConfig(), **changes)  # type: ignore[arg-type]
+
+
+def test_train_and_parallel_validation() -> None:
+    with pytest.raises(ValueError, match="multiple of train.micro_batch_size"):
+        TrainConfig(global_batch_size=6, micro_batch_size=4)
+    with pytest.raises(ValueError, match="train.dtype"):
+        TrainConfig(dtype="float16")
+    with pytest.raises(ValueError, match="parallel.runtime"):
+        ParallelConfig(runtime="megatron")
+    with pytest.raises(ValueError, match="exceeds model.max_seq_len"):
+        RunConfig(train=TrainConfig(seq_len=8192))
+
+
+def test_overrides_parse_by_type() -> None:
+    cfg = apply_overrides(
+        RunConfig(), ["model.qk_norm=true", "train.steps=7", "cluster.nic_gbps=25"]
+    )
+    assert cfg.model.qk_norm is True and cfg.train.steps == 7 and cfg.cluster.nic_gbps == 25.0
+
+
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("model.nope=1", "unknown key model.nope"),
+        ("nosection.x=1", r"unknown config section \[nosection\]"),
+        ("train.steps=many", "train.steps must be an integer"),
+        ("train.progress=maybe", "true or false"),
+        ("steps=3", "section.key=value"),
+    ],
+)
+def test_bad_overrides(override: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        apply_overrides(RunConfig(), [override])
+
+
+def test_toml_preset_key_and_errors(tmp_path: Path) -> None:
+    assert from_dict({"model": {"preset": "small", "num_layers": 2}}).model.dim == 128
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\nnum_layers = 2\n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_toml(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_toml(tmp_path / "missing.toml")
+    with pytest.raises(ValueError, match="unknown model preset"):
+        from_dict({"model": {"preset": "gpt-5"}})

@@ -1,0 +1,151 @@
+"""AF-Pipe generator and validator, without any process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from disagmoe.config import MODEL_PRESETS, ParallelConfig
+from disagmoe.distributed.layout import Layout
+from disagmoe.schedule.afpipe import build_afpipe, message_consumer, message_producer
+from disagmoe.schedule.ir import Instr, Op, Schedule
+from disagmoe.schedule.validate import ScheduleError, validate
+
+
+def layout(p: int, m: int, n: int, layers: int = 4, dense: int = 0, experts: int = 8) -> Layout:
+    model = dataclasses.replace(
+        MODEL_PRESETS["tiny"], num_layers=layers, num_dense_layers=dense, num_experts=experts
+    )
+    return Layout.build(model, ParallelConfig(groups=p, attn_workers=m, expert_workers=n))
+
+
+CONFIGS = [
+    (p, m, n, layers, slots, cap, dense)
+    for p, m, n, layers, slots, cap, dense in itertools.product(
+        [1, 2, 4], [1, 2, 3], [1, 2, 4], [4, 8], [1, 3, 6], [0, 1, 2], [0, 1]
+    )
+    if layers % p == 0
+]
+
+
+def test_validator_accepts_every_generated_schedule() -> None:
+    assert len(CONFIGS) > 300
+    for p, m, n, layers, slots, cap, dense in random.Random(0).sample(CONFIGS, 150):
+        sched = build_afpipe(layout(p, m, n, layers, dense), slots, cap)
+        peak = validate(sched)
+        assert 1 <= peak <= (cap or slots), (p, m, n, layers, slots, cap, dense)
+
+
+@pytest.mark.parametrize("p,m,n", [(1, 2, 2), (2, 1, 1), (2, 2, 2), (4, 1, 2)])
+def test_every_task_once_forward_before_backward(p: int, m: int, n: int) -> None:
+    lay = layout(p, m, n, layers=4, dense=1)
+    sched = build_afpipe(lay, 4)
+    for rank, instrs in enumerate(sched.ranks):
+        role = lay.role(rank)
+        computes = [i for i in instrs if i.is_compute]
+        expected_layers = lay.layers_of(rank)
+        copies = 1
+        assert len(computes) == 2 * 4 * len(expected_layers) * copies
+        seen_forward = set()
+        for instr in computes:
+            assert instr.comp == role.comp
+            assert instr.layer in expected_layers
+            key = (instr.layer, instr.slot)
+            if instr.op == Op.FWD:
+                seen_forward.add(key)
+            else:
+                assert key in seen_forward
+        assert instrs[-2:] == (Instr(Op.SYNC), Instr(Op.STEP))
+
+
+def test_messages_go_where_the_design_says() -> None:
+    lay = layout(2, 2, 2, layers=4)
+    sched = build_afpipe(lay, 2)
+    sends = [i.msg for instrs in sched.ranks for i in instrs if i.op == Op.SEND and i.msg]
+    for msg in sends:
+        src, dst = lay.role(msg.src), lay.role(msg.dst)
+        if msg.kind == "dispatch":  # A(l) -> F(l), same group
+            assert (src.comp, dst.comp) == ("A", "F") and src.group == dst.group == msg.layer % 2
+        if msg.kind == "combine":  # F(l) -> A(l+1): straight to the next layer's attention
+            assert (src.comp, dst.comp) == ("F", "A") and dst.group == (msg.layer + 1) % 2
+        if msg.kind == "act":  # residual hop A(g, r) -> A(g+1, r)
+            assert src.index == dst.index and dst.group == (msg.layer + 1) % 2
+        assert message_producer(msg)[1] == src.comp and message_consumer(msg)[1] == dst.comp
+    kinds = {m.kind for m in sends}
+    assert kinds == {"act", "dispatch", "combine", "grad_act", "grad_combine", "grad_dispatch"}
+    # every A replica sends each F shard exactly one dispatch per (layer, slot): M2N
+    dispatch = [(m.layer, m.slot, m.src, m.dst) for m in sends if m.kind == "dispatch"]
+    assert len(dispatch) == len(set(dispatch)) == 4 * 2 * 2 * 2
+
+
+def test_p1_keeps_the_residual_local() -> None:
+    sched = build_afpipe(layout(1, 2, 2), 2)
+    kinds = {i.msg.kind for instrs in sched.ranks for i in instrs if i.msg}
+    assert "act" not in kinds and "grad_act" not in kinds
+
+
+def _swap_first_two_receives(sched: Schedule, rank: int) -> Schedule:
+    instrs = list(sched.ranks[rank])
+    idx = [k for k, i in enumerate(instrs) if i.op == Op.RECV]
+    a, b = idx[0], next(k for k in idx[1:] if instrs[k].msg.src == instrs[idx[0]].msg.src)  # type: ignore[union-attr]
+    instrs[a], instrs[b] = instrs[b], instrs[a]
+    ranks = list(sched.ranks)
+    ranks[rank] = tuple(instrs)
+    return dataclasses.replace(sched, ranks=tuple(ranks))
+
+
+def test_validator_rejects_reordered_channel() -> None:
+    sched = build_afpipe(layout(2, 1, 1), 3)
+    with pytest.raises(ScheduleError, match="different orders"):
+        validate(_swap_first_two_receives(sched, 1))
+
+
+def test_validator_rejects_missing_receive() -> None:
+    sched = build_afpipe(layout(2, 1, 1), 2)
+    ranks = list(sched.ranks)
+    ranks[1] = tuple(i for i in ranks[1] if not (i.op == Op.RECV and i.msg and i.msg.slot == 1))
+    with pytest.raises(ScheduleError, match="no matching RECV"):
+        validate(dataclasses.replace(sched, ranks=tuple(ranks)))
+
+
+def test_validator_detects_deadlock() -> None:
+    """Rank 0 asks for layer 2's forward before layer 0's: layer 2 needs layer 1's output,
+    which needs layer 0's, which now waits behind layer 2 on the same lane."""
+    sched = build_afpipe(layout(2, 1, 1), 1)
+    ranks = list(sched.ranks)
+    instrs = list(ranks[0])
+    a = instrs.index(Instr(Op.FWD, "A", 0, 0))
+    b = instrs.index(Instr(Op.FWD, "A", 2, 0))
+    instrs[a], instrs[b] = instrs[b], instrs[a]
+    ranks[0] = tuple(instrs)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        validate(dataclasses.replace(sched, ranks=tuple(ranks)))
+
+
+def test_in_flight_cap_bounds_peak() -> None:
+    lay = layout(1, 1, 2, layers=4)
+    uncapped = validate(build_afpipe(lay, 6))
+    capped = validate(build_afpipe(lay, 6, max_in_flight=2))
+    assert capped <= 2 < uncapped
+
+
+def test_text_and_csv_dumps() -> None:
+    sched = build_afpipe(layout(2, 1, 1), 2)
+    text = sched.to_text()
+    assert "rank 1 F(g0,j0):" in text and "SEND combine[l0,s0] 1->2" in text
+    rows = sched.to_csv().strip().splitlines()
+    assert rows[0].startswith("rank,role,index,lane,op")
+    assert len(rows) == 1 + sum(len(r) for r in sched.ranks)
+
+
+def test_layout_errors() -> None:
+    model = MODEL_PRESETS["tiny"]
+    with pytest.raises(ValueError, match="divisible by parallel.groups"):
+        Layout.build(model, ParallelConfig(groups=3))
+    with pytest.raises(ValueError, match="divisible by parallel.expert_workers"):
+        Layout.build(model, ParallelConfig(expert_workers=3))
+    with pytest.raises(ValueError, match="world size is 3"):
+        Layout.build(model, ParallelConfig(), world_size=3)
