@@ -35,6 +35,11 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "global_batch_size": ("train", "global_batch_size"),
     "micro_batch_size": ("train", "micro_batch_size"),
     "comm_timeout": ("train", "comm_timeout_s"),
+    "checkpoint_every": ("train", "checkpoint_every"),
+    "resume": ("train", "resume"),
+    "max_restarts": ("train", "max_restarts"),
+    "fail_at_step": ("train", "fail_at_step"),
+    "fail_rank": ("train", "fail_rank"),
     "runtime": ("parallel", "runtime"),
     "groups": ("parallel", "groups"),
     "attn_workers": ("parallel", "attn_workers"),
@@ -91,6 +96,13 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-in-flight", type=int, help="micro-batch slots a worker may hold")
     p.add_argument("--threads-per-rank", type=int)
     p.add_argument("--comm-timeout", type=float, help="seconds before a communication wait fails")
+    p.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps and at the end")
+    p.add_argument("--resume", nargs="?", const="latest", metavar="DIR",
+                   help="resume from DIR (a run dir, its checkpoints/ or a step dir); "
+                   "without DIR: the run dir's latest checkpoint")
+    p.add_argument("--max-restarts", type=int, help="restart all workers this often after a failure")
+    p.add_argument("--fail-at-step", type=int, help="fault injection: kill --fail-rank before this step")
+    p.add_argument("--fail-rank", type=int, help="fault injection: the rank to kill (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -185,6 +185,12 @@ class TrainConfig:
     log_every: int = 1
     comm_timeout_s: float = 300.0
     progress: bool = True
+    checkpoint_every: int = 0  # save every N steps and at the end; 0 disables checkpoints
+    keep_checkpoints: int = 2
+    resume: str = ""  # "", "latest" (this run dir) or a checkpoint path
+    max_restarts: int = 0
+    fail_at_step: int = -1  # fault injection: SIGKILL `fail_rank` before this step (first attempt)
+    fail_rank: int = 0
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
@@ -204,6 +210,10 @@ class TrainConfig:
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2 in [0, 1)")
         _require(self.log_every >= 1, "train.log_every must be >= 1")
         _require(self.comm_timeout_s > 0, "train.comm_timeout_s must be > 0")
+        _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")
+        _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
+        _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")
 
     @property
     def num_micro_batches(self) -> int:

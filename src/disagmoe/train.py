@@ -51,10 +51,26 @@ def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _init_process_group(cfg: RunConfig) -> None:
+    """Join the job's process group; after an elastic restart, under a fresh store prefix.
+
+    The launcher's store outlives a failed attempt, so the keys (peer addresses) of the
+    dead attempt must not be read by the new one.
+    """
     backend = cfg.parallel.backend
     if backend == "auto":
         backend = "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=max(cfg.train.comm_timeout_s, 60)))
+    timeout = timedelta(seconds=max(cfg.train.comm_timeout_s, 60))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    base = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+        timeout=timeout,
+    )
+    store = dist.PrefixStore(f"disagmoe/attempt{attempt}", base)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def _worker(cfg_dict: dict[str, Any], run_dir: str) -> list[dict[str, Any]]:
@@ -82,7 +98,7 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
         run_id=f"disagmoe-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        max_restarts=cfg.train.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )

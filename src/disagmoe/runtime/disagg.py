@@ -15,7 +15,6 @@ Per optimizer step:
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,7 @@ from .objective import (
     set_lr,
     torch_dtype,
 )
-from .observe import MetricsLog, Tracer, write_trace
+from .observe import Tracer
 from .reference import StepResult
 from .setup import build_data, build_initial_model, set_threads
 from .stages import AttnWorker, ExpertWorker
@@ -157,53 +156,17 @@ class DisaggTrainer:
         return lo, lo + self.layout.experts_per_worker
 
     def busy_seconds(self, step: int) -> float:
-        events = [e for e in self.tracer.events if e["args"].get("step") == step]
-        view = Tracer(self.rank, "", True)
-        view.events = events
-        return view.busy_us() / 1e6
+        return self.tracer.busy_us(step=step) / 1e6
 
 
 def run_disagg(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
-    """Train on this rank; rank 0 writes metrics.jsonl and trace.json. Call inside a process group."""
+    """Train on this rank; rank 0 writes the run outputs. Call inside a process group."""
+    from .loop import run_training
+
     set_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     trainer = DisaggTrainer(cfg)
-    rank, world = trainer.rank, dist.get_world_size()
-    log = MetricsLog(run_dir, cfg.train.steps, progress=cfg.train.progress) if rank == 0 else None
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    records: list[dict[str, Any]] = []
-    start = time.perf_counter()
-    try:
-        for step in range(cfg.train.steps):
-            t0 = time.perf_counter()
-            result = trainer.step(step)
-            dt = time.perf_counter() - t0
-            busy = torch.zeros(world, dtype=torch.float64)
-            busy[rank] = trainer.busy_seconds(step)
-            dist.all_reduce(busy)
-            record = {
-                "step": step + 1,
-                "loss": result.loss,
-                "ce_loss": result.ce_loss,
-                "aux_loss": result.aux_loss,
-                "grad_norm": result.grad_norm,
-                "lr": lr_at(cfg.train, step),
-                "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
-                "elapsed_s": time.perf_counter() - start,
-                "busy_s": [round(b, 6) for b in busy.tolist()],
-                "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
-            }
-            records.append(record)
-            if log is not None:
-                log.log(record)
-    finally:
-        if log is not None:
-            log.close()
-    gathered: list[Any] = [None] * world if rank == 0 else []
-    dist.gather_object(
-        (trainer.tracer.metadata(), trainer.tracer.events), gathered if rank == 0 else None, dst=0
-    )
-    if rank == 0:
-        write_trace(run_dir / "trace.json", gathered)
-        (run_dir / "schedule.txt").write_text(trainer.schedule.to_text())
-    return records
+
+    def schedule_dump(path: Path) -> None:
+        (path / "schedule.txt").write_text(trainer.schedule.to_text())
+
+    return run_training(trainer, cfg, run_dir, extra_files=schedule_dump)

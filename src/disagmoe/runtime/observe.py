@@ -134,9 +134,15 @@ class Tracer:
             )
         return meta
 
-    def busy_us(self, lanes: Iterable[str] = ("compute", "fwd", "bwd")) -> float:
+    def busy_us(
+        self, lanes: Iterable[str] = ("compute", "fwd", "bwd"), step: int | None = None
+    ) -> float:
         """Union length of this worker's compute events (overlapping lanes counted once)."""
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.events if e["cat"] in set(lanes))
+        spans = sorted(
+            (e["ts"], e["ts"] + e["dur"])
+            for e in self.events
+            if e["cat"] in set(lanes) and (step is None or e["args"].get("step") == step)
+        )
         total, cur_s, cur_e = 0.0, None, None
         for s, e in spans:
             if cur_e is None or s > cur_e:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ from .objective import (
     lr_at,
     set_lr,
 )
-from .observe import MetricsLog, Tracer, write_trace
+from .observe import Tracer
 from .setup import build_data, build_initial_model, set_threads
 
 
@@ -40,8 +39,15 @@ class ReferenceTrainer:
         self.model = build_initial_model(cfg)
         self.batches = build_data(cfg)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
-        self.optimizer = build_optimizer(self.model.named_parameters(), cfg.train)
+        self.named_params = list(self.model.named_parameters())
+        self.optimizer = build_optimizer(self.named_params, cfg.train)
         self.tracer = Tracer(0, "reference")
+
+    def expert_shard(self) -> tuple[int, int] | None:
+        return None  # every expert, whole
+
+    def busy_seconds(self, step: int) -> float:
+        return self.tracer.busy_us(step=step) / 1e6
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
         train = self.cfg.train
@@ -80,32 +86,8 @@ class ReferenceTrainer:
 
 
 def run_reference(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
-    """Train `cfg.train.steps` steps, writing metrics.jsonl and trace.json into `run_dir`."""
+    """Train `cfg.train.steps` steps on this process, writing the run outputs into `run_dir`."""
+    from .loop import run_training
+
     set_threads(cfg, 1)
-    trainer = ReferenceTrainer(cfg)
-    log = MetricsLog(run_dir, cfg.train.steps, progress=cfg.train.progress)
-    tokens_per_step = cfg.train.global_batch_size * cfg.train.seq_len
-    records = []
-    start = time.perf_counter()
-    try:
-        for step in range(cfg.train.steps):
-            t0 = time.perf_counter()
-            result = trainer.step(step)
-            dt = time.perf_counter() - t0
-            record = {
-                "step": step + 1,
-                "loss": result.loss,
-                "ce_loss": result.ce_loss,
-                "aux_loss": result.aux_loss,
-                "grad_norm": result.grad_norm,
-                "lr": lr_at(cfg.train, step),
-                "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
-                "elapsed_s": time.perf_counter() - start,
-            }
-            records.append(record)
-            log.log(record)
-    finally:
-        log.close()
-        write_trace(run_dir / "trace.json", [(trainer.tracer.metadata(), trainer.tracer.events)])
-    return records
+    return run_training(ReferenceTrainer(cfg), cfg, run_dir)

@@ -1,0 +1,198 @@
+"""Sharded, atomic, layout-independent checkpoints (torch.distributed.checkpoint).
+
+Every worker saves only what it owns, under *logical* keys that do not depend on
+the layout:
+
+* `param/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>` for every parameter
+  (replicated attention parameters have the same key on every replica and are
+  written once);
+* fused expert tensors are split per expert: `param/layers.3.experts.gate_up.17`
+  is global expert 17 — whichever shard, runtime or layout holds it.
+
+So a checkpoint written by one layout (or runtime) loads into any other: each
+worker asks for the keys of the experts it holds now ("re-layout on resume").
+`meta.json` holds the step (= data position: batches are a pure function of
+seed and step), the optimizer step count and the model config, which must
+match on resume.
+
+Atomicity: a save goes to `step-N.tmp-*`; after every rank finished, rank 0
+renames it to `step-N` and then atomically replaces the `latest` pointer. A
+crash during a save leaves the previous checkpoint and pointer untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..config import ModelConfig
+
+EXPERT_SUFFIXES = ("experts.gate_up", "experts.down")
+STATE_KINDS = ("exp_avg", "exp_avg_sq")
+
+
+def _is_expert(name: str) -> bool:
+    return name.endswith(EXPERT_SUFFIXES)
+
+
+def logical_state(
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    expert_range: tuple[int, int] | None,
+) -> dict[str, torch.Tensor]:
+    """Views of this worker's parameters and AdamW moments under layout-free keys."""
+    out: dict[str, torch.Tensor] = {}
+    for name, param in named_params:
+        state = optimizer.state[param]
+        if not state:  # before the first step: create the moments so loads can fill them
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        tensors = {"param": param.data, **{k: state[k] for k in STATE_KINDS}}
+        if _is_expert(name):
+            lo, hi = expert_range if expert_range is not None else (0, param.shape[0])
+            assert hi - lo == param.shape[0], (name, expert_range, param.shape)
+            for local, expert in enumerate(range(lo, hi)):
+                for kind, t in tensors.items():
+                    out[f"{kind}/{name}.{expert}"] = t[local]
+        else:
+            for kind, t in tensors.items():
+                out[f"{kind}/{name}"] = t
+    return out
+
+
+def _optimizer_steps(optimizer: torch.optim.Optimizer) -> float:
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return max(steps, default=0.0)
+
+
+def _set_optimizer_steps(optimizer: torch.optim.Optimizer, value: float) -> None:
+    for state in optimizer.state.values():
+        state["step"] = torch.tensor(value)
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _barrier() -> None:
+    if _is_dist():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _is_dist() else 0
+
+
+def save_checkpoint(
+    root: Path,
+    step: int,
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    expert_range: tuple[int, int] | None,
+    model: ModelConfig,
+    extra: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Collective: every rank calls it after optimizer step `step` (1-based count of steps done)."""
+    root.mkdir(parents=True, exist_ok=True)
+    token = [uuid.uuid4().hex[:8]]
+    if _is_dist():
+        dist.broadcast_object_list(token, src=0)
+    final = root / f"step-{step:08d}"
+    tmp = root / f"{final.name}.tmp-{token[0]}"
+    # Expert entries are views into fused tensors; save copies so only the slice is written.
+    state = {
+        k: (v.detach().clone() if v._base is not None else v.detach())
+        for k, v in logical_state(named_params, optimizer, expert_range).items()
+    }
+    with warnings.catch_warnings():  # single-process saves are intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
+    _barrier()
+    if _rank() == 0:
+        meta = {
+            "step": step,
+            "optimizer_steps": _optimizer_steps(optimizer),
+            "model": dataclasses.asdict(model),
+            **(extra or {}),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = root / f"latest.tmp-{token[0]}"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, root / "latest")
+        _prune(root, keep)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name)
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob("*.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory, or a checkpoint root / run dir whose `latest` pointer names one."""
+    p = Path(path)
+    for root in (p, p / "checkpoints"):
+        if (root / "latest").is_file():
+            p = root / (root / "latest").read_text().strip()
+            break
+    if not (p / "meta.json").is_file():
+        raise ValueError(
+            f"no checkpoint at {str(path)!r} (expected a step-N dir or a dir with 'latest')"
+        )
+    return p
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    return dict(json.loads((resolve_checkpoint(path) / "meta.json").read_text()))
+
+
+def check_compatible(meta: dict[str, Any], model: ModelConfig, where: str) -> None:
+    saved = meta.get("model", {})
+    ours = dataclasses.asdict(model)
+    diffs = [k for k in ours if k != "name" and saved.get(k) != ours[k]]
+    if diffs:
+        k = diffs[0]
+        raise ValueError(
+            f"checkpoint {where!r} is for another model: model.{k} is {saved.get(k)!r} there, "
+            f"{ours[k]!r} here"
+            + (f" (and {len(diffs) - 1} more differences)" if len(diffs) > 1 else "")
+        )
+
+
+def load_checkpoint(
+    path: str | Path,
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    optimizer: torch.optim.Optimizer,
+    expert_range: tuple[int, int] | None,
+    model: ModelConfig,
+) -> int:
+    """Collective: fill this worker's parameters and moments; returns the step to continue from."""
+    step_dir = resolve_checkpoint(path)
+    meta = read_meta(step_dir)
+    check_compatible(meta, model, str(path))
+    state = logical_state(named_params, optimizer, expert_range)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=not _is_dist())
+    _set_optimizer_steps(optimizer, float(meta["optimizer_steps"]))
+    return int(meta["step"])

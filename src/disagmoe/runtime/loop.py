@@ -1,0 +1,188 @@
+"""The training loop every runtime shares: resume, steps, guards, metrics, checkpoints, trace.
+
+A runtime provides a `Trainer` (one per rank); this loop drives it:
+
+* resume from `train.resume` (layout-independent checkpoint, see checkpoint.py),
+* fault injection for tests and demos (`train.fail_at_step` / `fail_rank`,
+  first attempt only: the restarted worker must get past it),
+* numerical guard: a non-finite loss or gradient stops the run naming the step
+  and the workers, before any checkpoint could store it,
+* metrics.jsonl + progress on rank 0, checkpoints every `checkpoint_every`
+  steps and at the end, trace.json gathered to rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from ..config import RunConfig
+from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .objective import lr_at
+from .observe import MetricsLog, Tracer, write_trace
+from .reference import StepResult
+
+
+class Trainer(Protocol):
+    @property
+    def tracer(self) -> Tracer: ...
+    @property
+    def named_params(self) -> list[tuple[str, torch.nn.Parameter]]: ...
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    def step(self, step: int, *, capture_grads: bool = False) -> StepResult: ...
+    def busy_seconds(self, step: int) -> float: ...
+    def expert_shard(self) -> tuple[int, int] | None: ...
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _non_finite_ranks(trainer: Trainer) -> list[int]:
+    bad = any(
+        p.grad is not None and not bool(torch.isfinite(p.grad).all())
+        for _, p in trainer.named_params
+    )
+    if not _dist():
+        return [0] if bad else []
+    flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+    flags[dist.get_rank()] = int(bad)
+    dist.all_reduce(flags)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, keep the records of steps up to the checkpoint (no duplicates, nothing lost)."""
+    if not path.exists():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line and json.loads(line)["step"] <= last_step
+    ]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def resume_path(cfg: RunConfig, run_dir: Path) -> str:
+    """Where to resume from: after an elastic restart always this run's latest checkpoint."""
+    root = run_dir / "checkpoints"
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if restarted and (root / "latest").is_file():
+        return str(root)
+    if cfg.train.resume in ("latest", "auto"):
+        return str(root) if (root / "latest").is_file() else ""
+    return cfg.train.resume
+
+
+def run_training(
+    trainer: Trainer,
+    cfg: RunConfig,
+    run_dir: Path,
+    *,
+    extra_files: Callable[[Path], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Train on this rank until `cfg.train.steps`; rank 0 logs. Returns rank 0's records."""
+    rank = dist.get_rank() if _dist() else 0
+    world = dist.get_world_size() if _dist() else 1
+    train = cfg.train
+    start_step = 0
+    resume = resume_path(cfg, run_dir)
+    if resume:
+        start_step = load_checkpoint(
+            resume, trainer.named_params, trainer.optimizer, trainer.expert_shard(), cfg.model
+        )
+        if rank == 0:
+            _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+            print(f"resumed from {resolve_checkpoint(resume)} at step {start_step}", flush=True)
+    log = (
+        MetricsLog(run_dir, train.steps, progress=train.progress, start_step=start_step)
+        if rank == 0
+        else None
+    )
+    tokens_per_step = train.global_batch_size * train.seq_len
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    records: list[dict[str, Any]] = []
+    start = time.perf_counter()
+    try:
+        for step in range(start_step, train.steps):
+            if step == train.fail_at_step and rank == train.fail_rank and restart == 0:
+                os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a worker dies
+            t0 = time.perf_counter()
+            result = trainer.step(step)
+            dt = time.perf_counter() - t0
+            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+                bad = _non_finite_ranks(trainer)
+                raise NonFiniteError(
+                    f"non-finite {'loss' if not math.isfinite(result.loss) else 'gradient'} at step "
+                    f"{step + 1} (loss={result.loss}, grad_norm={result.grad_norm}); non-finite "
+                    f"gradients on rank(s) {bad or 'none'}; last checkpoint left untouched"
+                )
+            busy = torch.zeros(world, dtype=torch.float64)
+            busy[rank] = trainer.busy_seconds(step)
+            if _dist():
+                dist.all_reduce(busy)
+            record = {
+                "step": step + 1,
+                "loss": result.loss,
+                "ce_loss": result.ce_loss,
+                "aux_loss": result.aux_loss,
+                "grad_norm": result.grad_norm,
+                "lr": lr_at(train, step),
+                "step_time_s": dt,
+                "tokens_per_s": tokens_per_step / dt,
+                "elapsed_s": time.perf_counter() - start,
+                "busy_s": [round(b, 6) for b in busy.tolist()],
+                "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
+            }
+            records.append(record)
+            if log is not None:
+                log.log(record)
+            done = step + 1
+            if train.checkpoint_every and (
+                done % train.checkpoint_every == 0 or done == train.steps
+            ):
+                save_checkpoint(
+                    run_dir / "checkpoints",
+                    done,
+                    trainer.named_params,
+                    trainer.optimizer,
+                    trainer.expert_shard(),
+                    cfg.model,
+                    extra={"runtime": cfg.parallel.runtime, "world_size": world},
+                    keep=train.keep_checkpoints,
+                )
+    finally:
+        if log is not None:
+            log.close()
+    _write_trace(trainer, run_dir, rank, world)
+    if rank == 0 and extra_files is not None:
+        extra_files(run_dir)
+    return records
+
+
+def _write_trace(trainer: Trainer, run_dir: Path, rank: int, world: int) -> None:
+    mine = (trainer.tracer.metadata(), trainer.tracer.events)
+    if not _dist():
+        write_trace(run_dir / "trace.json", [mine])
+        return
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    if rank == 0:
+        write_trace(run_dir / "trace.json", gathered)
