@@ -48,6 +48,8 @@ _TRAIN_FLAGS: dict[str, tuple[str, str]] = {
     "ep": ("parallel", "ep"),
     "virtual_stages": ("parallel", "virtual_stages"),
     "threads_per_rank": ("parallel", "threads_per_rank"),
+    "world_size": ("parallel", "world_size"),
+    "overlap_chunks": ("parallel", "overlap_chunks"),
     "max_in_flight": ("schedule", "max_in_flight"),
 }
 
@@ -93,15 +95,28 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, help="baselines: pipeline stages")
     p.add_argument("--ep", type=int, help="baselines: expert-parallel ranks")
     p.add_argument("--virtual-stages", type=int, help="ep-interleaved: stages per rank")
+    p.add_argument("--overlap-chunks", type=int, help="ep-overlap: expert compute chunks")
+    p.add_argument("--world-size", type=int, help="workers (default: p*(m+n), or pp*ep for ep-*)")
     p.add_argument("--max-in-flight", type=int, help="micro-batch slots a worker may hold")
     p.add_argument("--threads-per-rank", type=int)
     p.add_argument("--comm-timeout", type=float, help="seconds before a communication wait fails")
-    p.add_argument("--checkpoint-every", type=int, help="save a checkpoint every N steps and at the end")
-    p.add_argument("--resume", nargs="?", const="latest", metavar="DIR",
-                   help="resume from DIR (a run dir, its checkpoints/ or a step dir); "
-                   "without DIR: the run dir's latest checkpoint")
-    p.add_argument("--max-restarts", type=int, help="restart all workers this often after a failure")
-    p.add_argument("--fail-at-step", type=int, help="fault injection: kill --fail-rank before this step")
+    p.add_argument(
+        "--checkpoint-every", type=int, help="save a checkpoint every N steps and at the end"
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        metavar="DIR",
+        help="resume from DIR (a run dir, its checkpoints/ or a step dir); "
+        "without DIR: the run dir's latest checkpoint",
+    )
+    p.add_argument(
+        "--max-restarts", type=int, help="restart all workers this often after a failure"
+    )
+    p.add_argument(
+        "--fail-at-step", type=int, help="fault injection: kill --fail-rank before this step"
+    )
     p.add_argument("--fail-rank", type=int, help="fault injection: the rank to kill (default 0)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

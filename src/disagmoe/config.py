@@ -131,6 +131,8 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 2
     virtual_stages: int = 2  # per rank, for ep-interleaved
+    overlap_chunks: int = 2  # ep-overlap: expert compute chunks pipelined with the all-to-all
+    world_size: int = 0  # 0: p*(m+n) for disagg, pp*ep for the baselines
     backend: str = "auto"  # auto | gloo | nccl
     threads_per_rank: int = 0  # 0 means cores // local world size (at least 1)
 
@@ -139,10 +141,19 @@ class ParallelConfig:
             self.runtime in RUNTIMES,
             f"parallel.runtime must be one of {', '.join(RUNTIMES)}, got {self.runtime!r}",
         )
-        for name in ("groups", "attn_workers", "expert_workers", "pp", "ep", "virtual_stages"):
+        for name in (
+            "groups",
+            "attn_workers",
+            "expert_workers",
+            "pp",
+            "ep",
+            "virtual_stages",
+            "overlap_chunks",
+        ):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
         _require(self.threads_per_rank >= 0, "parallel.threads_per_rank must be >= 0")
+        _require(self.world_size >= 0, "parallel.world_size must be >= 0 (0: derived)")
 
     @property
     def disagg_world_size(self) -> int:
@@ -191,6 +202,7 @@ class TrainConfig:
     max_restarts: int = 0
     fail_at_step: int = -1  # fault injection: SIGKILL `fail_rank` before this step (first attempt)
     fail_rank: int = 0
+    drop_message: str = ""  # fault injection: "KIND:LAYER:SLOT:STEP" is never sent (hang test)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
@@ -214,6 +226,10 @@ class TrainConfig:
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
         _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")
+        _require(
+            not self.drop_message or len(self.drop_message.split(":")) == 4,
+            "train.drop_message must look like KIND:LAYER:SLOT:STEP, e.g. combine:0:0:1",
+        )
 
     @property
     def num_micro_batches(self) -> int:

@@ -30,12 +30,14 @@ def world_size_for(cfg: RunConfig) -> int:
     if par.runtime == "disagg":
         from .runtime.disagg import num_slots
 
-        layout = Layout.build(cfg.model, par)
+        layout = Layout.build(cfg.model, par, par.world_size or None)
         num_slots(cfg, layout)
         return layout.world_size
-    from . import baselines
+    from .baselines.layout import EPLayout
 
-    return int(baselines.world_size_for(cfg))
+    world = par.world_size or par.pp * par.ep
+    EPLayout.build(cfg.model, par, cfg.train, world)
+    return world
 
 
 def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
@@ -66,7 +68,10 @@ def _init_process_group(cfg: RunConfig) -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     base = dist.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
         timeout=timeout,
     )
     store = dist.PrefixStore(f"disagmoe/attempt{attempt}", base)

@@ -27,8 +27,22 @@ class CommTimeout(RuntimeError):
     pass
 
 
-def encode_header(tensors: list[torch.Tensor]) -> torch.Tensor:
-    fields = [len(tensors)]
+IDENT_LEN = 4  # a message names itself, e.g. (kind, layer, slot, step)
+
+
+class ProtocolError(RuntimeError):
+    """A received message is not the one the schedule expects (lost or reordered message)."""
+
+    def __init__(self, message: str, got: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.got = got
+
+
+def encode_header(
+    tensors: list[torch.Tensor], ident: tuple[int, ...] = (0, 0, 0, 0)
+) -> torch.Tensor:
+    assert len(ident) == IDENT_LEN
+    fields = [*ident, len(tensors)]
     for t in tensors:
         fields += [_INT if t.dtype == torch.int64 else _FLOAT, t.dim(), *t.shape]
     if len(fields) > HEADER_LEN:
@@ -36,21 +50,27 @@ def encode_header(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
 
 
-def decode_header(header: torch.Tensor) -> list[tuple[int, tuple[int, ...]]]:
+def decode_header(
+    header: torch.Tensor,
+) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, ...]]]]:
     fields = header.tolist()
-    count, pos, specs = fields[0], 1, []
+    ident = tuple(fields[:IDENT_LEN])
+    count, pos, specs = fields[IDENT_LEN], IDENT_LEN + 1, []
     for _ in range(count):
         kind, ndim = fields[pos], fields[pos + 1]
         specs.append((kind, tuple(fields[pos + 2 : pos + 2 + ndim])))
         pos += 2 + ndim
-    return specs
+    return ident, specs
 
 
 def send_message(
-    tensors: list[torch.Tensor], dst: int, group: dist.ProcessGroup
+    tensors: list[torch.Tensor],
+    dst: int,
+    group: dist.ProcessGroup,
+    ident: tuple[int, ...] = (0, 0, 0, 0),
 ) -> list[dist.Work]:
     """Post the header and payload sends; the caller waits on the returned works."""
-    works = [_posted(dist.isend(encode_header(tensors), dst, group=group))]
+    works = [_posted(dist.isend(encode_header(tensors, ident), dst, group=group))]
     floats = [t.reshape(-1) for t in tensors if t.dtype != torch.int64]
     ints = [t.reshape(-1) for t in tensors if t.dtype == torch.int64]
     for parts in (floats, ints):
@@ -81,6 +101,7 @@ def recv_message(
     timeout_s: float,
     what: str = "",
     arrived: list[float] | None = None,
+    expect: tuple[int, ...] | None = None,
 ) -> list[torch.Tensor]:
     """Receive one message from `src` on `group` (blocking, with a timeout).
 
@@ -91,7 +112,11 @@ def recv_message(
     _wait(_posted(dist.irecv(header, src, group=group)), timeout_s, what)
     if arrived is not None:
         arrived.append(time.time_ns() / 1000.0)
-    specs = decode_header(header)
+    ident, specs = decode_header(header)
+    if expect is not None and ident != tuple(expect):
+        raise ProtocolError(
+            f"{what}: got message {ident} instead of {tuple(expect)} (lost or reordered)", ident
+        )
     sizes = [math.prod(shape) for _, shape in specs]
     n_float = sum(s for (k, _), s in zip(specs, sizes, strict=True) if k == _FLOAT)
     n_int = sum(s for (k, _), s in zip(specs, sizes, strict=True) if k == _INT)

@@ -88,6 +88,7 @@ class DisaggTrainer:
             self.tracer,
             dtype=torch_dtype(cfg.train.dtype),
             timeout_s=cfg.train.comm_timeout_s,
+            drop_message=cfg.train.drop_message,
         )
 
     def _load_micro_batches(self, step: int) -> None:

@@ -27,13 +27,14 @@ from typing import Protocol
 
 import torch
 
-from ..distributed.exchange import CommTimeout, recv_message, send_message
+from ..distributed.exchange import CommTimeout, ProtocolError, recv_message, send_message
 from ..distributed.topology import Topology
 from ..schedule.afpipe import message_consumer, message_producer
-from ..schedule.ir import Instr, Msg, Op, Schedule
+from ..schedule.ir import BACKWARD_KINDS, FORWARD_KINDS, Instr, Msg, Op, Schedule
 from .observe import Tracer
 
 Payload = list[torch.Tensor]
+KINDS = FORWARD_KINDS + BACKWARD_KINDS
 TaskKey = tuple[str, str, int, int]
 
 
@@ -44,6 +45,11 @@ class StageWorker(Protocol):
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]: ...
+
+
+def _ident(msg: Msg, step: int) -> tuple[int, int, int, int]:
+    """What a message says it is, checked by the receiver: (kind, layer, slot, step)."""
+    return (KINDS.index(msg.kind), msg.layer, msg.slot, step)
 
 
 class HangError(RuntimeError):
@@ -68,6 +74,7 @@ class Executor:
         *,
         dtype: torch.dtype,
         timeout_s: float,
+        drop_message: str = "",
     ) -> None:
         self.rank = topo.rank
         self.role = schedule.roles[self.rank]
@@ -77,6 +84,7 @@ class Executor:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.cap = schedule.max_in_flight
+        self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
         instrs = schedule.ranks[self.rank]
         self.instrs = instrs
         self.lanes: dict[str, list[tuple[int, Instr]]] = {"fwd": [], "bwd": []}
@@ -104,7 +112,17 @@ class Executor:
             t_wait = Tracer.now_us()
             what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
             arrived: list[float] = []
-            payload = recv_message(src, group, self.dtype, self.timeout_s, what, arrived)
+            try:
+                payload = recv_message(
+                    src, group, self.dtype, self.timeout_s, what, arrived, expect=_ident(msg, step)
+                )
+            except ProtocolError as err:
+                kind, layer, slot, got_step = err.got
+                raise ProtocolError(
+                    f"{what}: got {KINDS[kind]}[l{layer},s{slot}] of step {got_step + 1} instead "
+                    f"(a message was lost or reordered)",
+                    err.got,
+                ) from None
             self.tracer.add(
                 f"recv {msg.kind} l{msg.layer} s{msg.slot}",
                 "recv",
@@ -195,10 +213,13 @@ class Executor:
                 index=index,
             )
             for msg in outgoing:
+                if self.drop == f"{msg.kind}:{msg.layer}:{msg.slot}:{step}":
+                    continue  # fault injection: this message is lost
                 payload = out[msg]
                 group = self.topo.stream(self.rank, msg.dst, msg.channel)
                 nbytes = sum(t.numel() * t.element_size() for t in payload)
-                pending.put((msg, send_message(payload, msg.dst, group), Tracer.now_us(), nbytes))
+                works = send_message(payload, msg.dst, group, _ident(msg, step))
+                pending.put((msg, works, Tracer.now_us(), nbytes))
             with sh.cond:
                 sh.done.add(instr.task)
                 sh.cond.notify_all()

@@ -53,11 +53,10 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _non_finite_ranks(trainer: Trainer) -> list[int]:
-    bad = any(
-        p.grad is not None and not bool(torch.isfinite(p.grad).all())
-        for _, p in trainer.named_params
-    )
+def _non_finite_ranks(trainer: Trainer, *, params: bool = False) -> list[int]:
+    """Ranks holding a non-finite gradient (or parameter, with `params=True`); collective."""
+    tensors = [p.data if params else p.grad for _, p in trainer.named_params]
+    bad = any(t is not None and not bool(torch.isfinite(t).all()) for t in tensors)
     if not _dist():
         return [0] if bad else []
     flags = torch.zeros(dist.get_world_size(), dtype=torch.int64)
@@ -158,6 +157,12 @@ def run_training(
             if train.checkpoint_every and (
                 done % train.checkpoint_every == 0 or done == train.steps
             ):
+                bad = _non_finite_ranks(trainer, params=True)
+                if bad:
+                    raise NonFiniteError(
+                        f"non-finite parameters after step {done} on rank(s) {bad}; checkpoint "
+                        "not written, last checkpoint left untouched"
+                    )
                 save_checkpoint(
                     run_dir / "checkpoints",
                     done,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import io
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from queue import Empty
 from typing import Any
 
 import torch
@@ -52,8 +54,17 @@ def _entry(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300,
+    may_vanish: set[int] | None = None,
 ) -> list[Any]:
+    """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result.
+
+    Ranks in `may_vanish` may exit without reporting (their result is None): tests of
+    a dead peer use it.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -64,15 +75,25 @@ def run_ranks(
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
-    errors = []
+    errors: list[str] = []
+    vanish = may_vanish or set()
+    deadline = time.monotonic() + timeout_s
     try:
-        for _ in range(world_size):
-            rank, status, value = queue.get(timeout=timeout_s)
+        while len(results) < world_size and not errors:
+            gone = {r for r, p in enumerate(procs) if not p.is_alive() and r not in results}
+            if gone and gone <= vanish and len(results) + len(gone) == world_size and queue.empty():
+                break
+            if time.monotonic() > deadline:
+                errors.append(f"timed out after {timeout_s} s; reported: {sorted(results)}")
+                break
+            try:
+                rank, status, value = queue.get(timeout=0.2)
+            except Empty:
+                continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(value), weights_only=False)
             else:
                 errors.append(f"rank {rank}:\n{value}")
-                break
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)
@@ -80,4 +101,4 @@ def run_ranks(
                 p.kill()
     if errors:
         raise RuntimeError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]

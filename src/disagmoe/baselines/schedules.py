@@ -1,0 +1,224 @@
+"""The baselines' pipeline schedules as data (schedule IR), for the simulator and trace tools.
+
+Compute order per pipeline rank — a list of `(stage, kind, micro-batch)` with
+kind F (forward), B (full backward), I (backward for inputs) or W (weight
+gradients) — comes from PyTorch itself where PyTorch exposes it:
+
+* `ep-interleaved` / `ep-dualpipev`: the `pipeline_order` that
+  `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` build and then execute
+  (overlapped F/B pairs of DualPipeV flattened in execution order);
+* `ep-1f1b` / `ep-overlap`: `Schedule1F1B` hard-codes its loop in
+  `_step_microbatches` (its `_get_pipeline_order` is a visualisation aid that
+  does not match it), so `one_f_one_b_order` restates that loop. Tests check
+  both kinds against the order PyTorch's runtime actually calls the stages.
+
+`build_baseline_schedule` expands each stage computation into per-layer
+instructions of every rank (all DP replicas run the same list):
+
+* F of a stage: per layer `FWD A l` (attention, router, shared/dense MLP; the
+  embedding with layer 0), then on MoE layers `A2A dispatch l`, `FWD F l`,
+  `A2A combine l`; the last stage ends with `FWD A L` (norm, head, loss);
+* B / I: the reverse (`A2A grad_combine`, `BWD F`, `A2A grad_dispatch`,
+  `BWD A`); W: `W F l` / `W A l` for weight gradients. As in PyTorch, the
+  first stage's I is empty and its W runs the whole backward;
+* pipeline p2p: `SEND`/`RECV` of `act[l]` (hidden state after the sender's
+  last layer l) and `grad_act[l]`; a RECV sits right before the computation
+  that consumes it, a SEND right after the one that produces it;
+  neighbouring stages on one rank (DualPipeV's V turn) exchange nothing;
+* `A2A` instructions carry their EP group; a member blocks until every
+  member reaches the same `(comp, layer, slot)` all-to-all.
+
+`replay` runs such a schedule with per-instruction costs (one compute lane
+per rank, as PyTorch's runtime executes it) and returns each rank's finish
+time; it raises on a deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+from torch.distributed.pipelining.schedules import _Action
+
+from ..config import ModelConfig
+from ..schedule.ir import Instr, Msg, Op, Schedule
+from .layout import EPLayout
+
+ComputeOrder = dict[int, list[tuple[int, str, int]]]  # pp rank -> [(stage, kind, micro-batch)]
+
+
+def one_f_one_b_order(pp: int, num_micro: int) -> ComputeOrder:
+    """Schedule1F1B's loop: min(n, pp - r) warm-up forwards, then B/F pairs, then the backwards."""
+    order: ComputeOrder = {}
+    for r in range(pp):
+        acts: list[tuple[int, str, int]] = []
+        warm = min(num_micro, pp - r)
+        acts += [(r, "F", i) for i in range(warm)]
+        fwd, bwd = warm, 0
+        while True:
+            acts.append((r, "B", bwd))
+            bwd += 1
+            if fwd == num_micro:
+                break
+            acts.append((r, "F", fwd))
+            fwd += 1
+        acts += [(r, "B", i) for i in range(bwd, num_micro)]
+        order[r] = acts
+    return order
+
+
+def _flatten(action: _Action | None) -> list[tuple[int, str, int]]:
+    if action is None:
+        return []
+    if action.sub_actions is not None:
+        return [x for sub in action.sub_actions for x in _flatten(sub)]
+    if not action.is_compute_op:
+        return []
+    assert action.microbatch_index is not None
+    return [(action.stage_index, action.computation_type.value, action.microbatch_index)]
+
+
+def pytorch_order(layout: EPLayout) -> ComputeOrder:
+    """Compute order of every pipeline rank for the layout's runtime (see module doc)."""
+    n = layout.num_local_micro_batches
+    if layout.runtime in ("ep-1f1b", "ep-overlap"):
+        return one_f_one_b_order(layout.pp, n)
+    cls = ScheduleInterleaved1F1B if layout.runtime == "ep-interleaved" else ScheduleDualPipeV
+    ops = get_schedule_ops(cls, layout.pp, n, layout.stages_per_rank)
+    return {r: [x for a in ops[r] for x in _flatten(a)] for r in range(layout.pp)}
+
+
+def _expand(
+    layout: EPLayout, model: ModelConfig, stage: int, kind: str, mb: int, group: tuple[int, ...]
+) -> list[Instr]:
+    """Per-layer instructions of one stage computation (see module doc)."""
+    layers = list(layout.layers_of_stage(stage))
+    last = stage == layout.num_stages - 1
+    a2a = layout.ep > 1
+    out: list[Instr] = []
+    if kind == "F":
+        for l in layers:
+            out.append(Instr(Op.FWD, "A", l, mb))
+            if model.is_moe_layer(l):
+                out += [Instr(Op.A2A, "dispatch", l, mb, group=group)] if a2a else []
+                out.append(Instr(Op.FWD, "F", l, mb))
+                out += [Instr(Op.A2A, "combine", l, mb, group=group)] if a2a else []
+        if last:
+            out.append(Instr(Op.FWD, "A", layout.num_layers, mb))
+        return out
+    if kind == "I" and stage == 0:
+        return []  # PyTorch runs the first stage's whole backward in its W
+    if kind == "W" and stage != 0:
+        comps = [
+            (c, l)
+            for l in reversed(layers)
+            for c in (("F", "A") if model.is_moe_layer(l) else ("A",))
+        ]
+        head = [Instr(Op.WGT, "A", layout.num_layers, mb)] if last else []
+        return head + [Instr(Op.WGT, c, l, mb) for c, l in comps]
+    if last:
+        out.append(Instr(Op.BWD, "A", layout.num_layers, mb))
+    for l in reversed(layers):
+        if model.is_moe_layer(l):
+            out += [Instr(Op.A2A, "grad_combine", l, mb, group=group)] if a2a else []
+            out.append(Instr(Op.BWD, "F", l, mb))
+            out += [Instr(Op.A2A, "grad_dispatch", l, mb, group=group)] if a2a else []
+        out.append(Instr(Op.BWD, "A", l, mb))
+    return out
+
+
+def build_baseline_schedule(layout: EPLayout, model: ModelConfig) -> Schedule:
+    """Per-rank instruction lists of one optimizer step of an `ep-*` runtime."""
+    order = pytorch_order(layout)
+    where = layout.stage_to_pp_rank()
+    S = layout.num_stages
+    last_layer = [layout.layers_of_stage(s)[-1] for s in range(S)]
+    ranks = []
+    for rank in range(layout.world):
+        p, d, _, b = layout.coords(rank)
+        group = tuple(layout.ep_group_ranks(p, b))
+        instrs: list[Instr] = []
+        for s, kind, mb in order[p]:
+            prev_remote = s > 0 and where[s - 1] != p
+            next_remote = s < S - 1 and where[s + 1] != p
+            prev = layout.rank_of(where[s - 1], d) if prev_remote else -1
+            nxt = layout.rank_of(where[s + 1], d) if next_remote else -1
+            backward = kind in ("B", "I") or (kind == "W" and s == 0)
+            if kind == "F" and prev_remote:
+                instrs.append(Instr(Op.RECV, msg=Msg("act", last_layer[s - 1], mb, prev, rank)))
+            if kind in ("B", "I") and next_remote:
+                instrs.append(Instr(Op.RECV, msg=Msg("grad_act", last_layer[s], mb, nxt, rank)))
+            instrs += _expand(layout, model, s, kind, mb, group)
+            if kind == "F" and next_remote:
+                instrs.append(Instr(Op.SEND, msg=Msg("act", last_layer[s], mb, rank, nxt)))
+            if backward and kind != "W" and prev_remote:
+                instrs.append(
+                    Instr(Op.SEND, msg=Msg("grad_act", last_layer[s - 1], mb, rank, prev))
+                )
+        instrs += [Instr(Op.SYNC), Instr(Op.STEP)]
+        ranks.append(tuple(instrs))
+    return Schedule(
+        name=layout.runtime,
+        num_ranks=layout.world,
+        num_slots=layout.num_local_micro_batches,
+        max_in_flight=0,
+        roles=tuple(layout.role(r) for r in range(layout.world)),
+        ranks=tuple(ranks),
+        meta={
+            "runtime": layout.runtime,
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "ep": layout.ep,
+            "stages_per_rank": layout.stages_per_rank,
+            "style": layout.style,
+        },
+    )
+
+
+def replay(schedule: Schedule, cost: Callable[[Instr], float], latency: float = 0.0) -> list[float]:
+    """Finish time of every rank when each runs its list in order on one lane.
+
+    SEND is non-blocking (the message is available `latency` after it); RECV
+    waits for it; an A2A starts when every member of its group has reached
+    it and ends `cost` later on all of them. Raises `RuntimeError` on deadlock.
+    """
+    pos = [0] * schedule.num_ranks
+    clock = [0.0] * schedule.num_ranks
+    available: dict[Msg, float] = {}
+    arrived: dict[tuple[str, int, int, tuple[int, ...]], dict[int, float]] = {}
+    remaining = sum(len(r) for r in schedule.ranks)
+    while remaining:
+        progress = False
+        for rank, instrs in enumerate(schedule.ranks):
+            while pos[rank] < len(instrs):
+                ins = instrs[pos[rank]]
+                if ins.op == Op.RECV:
+                    assert ins.msg is not None
+                    if ins.msg not in available:
+                        break
+                    clock[rank] = max(clock[rank], available[ins.msg]) + cost(ins)
+                elif ins.op == Op.SEND:
+                    assert ins.msg is not None
+                    clock[rank] += cost(ins)
+                    available[ins.msg] = clock[rank] + latency
+                elif ins.op == Op.A2A:
+                    key = (ins.comp, ins.layer, ins.slot, ins.group)
+                    members = arrived.setdefault(key, {})
+                    members.setdefault(rank, clock[rank])
+                    if len(members) < len(ins.group):
+                        break
+                    clock[rank] = max(members.values()) + cost(ins)
+                else:
+                    clock[rank] += cost(ins)
+                pos[rank] += 1
+                remaining -= 1
+                progress = True
+        if not progress:
+            stuck = [
+                f"rank {r}: {schedule.ranks[r][pos[r]]}"
+                for r in range(schedule.num_ranks)
+                if pos[r] < len(schedule.ranks[r])
+            ]
+            raise RuntimeError("schedule deadlocks at " + "; ".join(stuck[:4]))
+    return clock

@@ -1,0 +1,236 @@
+"""One pipeline stage of an `ep-*` baseline: a plain module over some layers, and a traced
+`torch.distributed.pipelining.PipelineStage` around it.
+
+A stage holds, under the reference model's parameter names, the embedding
+(first stage), the attention blocks (incl. router, shared experts, dense MLPs)
+of its layers, this rank's expert shard of each MoE layer, and the final norm +
+LM head (last stage). Its forward runs the MoE layers with the EP all-to-all of
+`baselines.moe`; PyTorch's schedule moves the hidden states between stages.
+
+Balance loss: each stage adds `LossScale.aux` of its own layers through
+`AuxLossScaler` (Megatron's MoEAuxLossAutoScaler): the output passes through
+unchanged and the backward feeds gradient 1 into the scaled aux term, so the
+gradients equal the reference objective's without the schedule knowing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+
+from ..models import DecoderLayer, Experts, MoETransformer
+from ..models.layers import rope_tables
+from ..runtime.objective import LossScale
+from ..runtime.observe import Tracer
+from ..runtime.stages import NamedParts
+from .layout import EPLayout
+from .moe import EPComm, ep_moe
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """Identity on `out`; its backward also seeds d(aux)=1 so the scaled aux term trains the router."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.aux_meta = (aux.shape, aux.dtype)
+        return out.clone()  # a new tensor: PyTorch detaches stage outputs in place
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        shape, dtype = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype)
+
+
+def shard_experts(full: Experts, ep_rank: int, per: int) -> Experts:
+    """This EP rank's contiguous slice [ep_rank*per, (ep_rank+1)*per) of a layer's experts."""
+    lo = ep_rank * per
+    shard = Experts(per, full.gate_up.shape[1], full.down.shape[1])
+    shard.gate_up = nn.Parameter(full.gate_up.detach()[lo : lo + per].clone())
+    shard.down = nn.Parameter(full.down.detach()[lo : lo + per].clone())
+    return shard
+
+
+class StageModule(NamedParts):
+    """Layers `layout.layers_of_stage(stage)` of the model, as PyTorch's pipeline sees them.
+
+    Input: token ids [B, S] (first stage) or hidden states [B, S, H]; output:
+    hidden states [B, S, H], or logits [B, S, V] on the last stage.
+    """
+
+    def __init__(
+        self,
+        model: MoETransformer,
+        layout: EPLayout,
+        stage: int,
+        ep_rank: int,
+        scale: LossScale,
+        comm: EPComm,
+    ) -> None:
+        super().__init__()
+        self.cfg = model.cfg
+        self.stage = stage
+        self.layer_ids = list(layout.layers_of_stage(stage))
+        self.is_first = stage == 0
+        self.is_last = stage == layout.num_stages - 1
+        self.scale = scale
+        self.comm = comm
+        self.aux_sum = 0.0
+        if self.is_first:
+            self.add("embed", model.embed)
+        for l in self.layer_ids:
+            layer = model.layers[l]
+            assert isinstance(layer, DecoderLayer)
+            self.add(f"layers.{l}.attn_block", layer.attn_block)
+            if layer.experts is not None:
+                self.add(
+                    f"layers.{l}.experts",
+                    shard_experts(layer.experts, ep_rank, layout.experts_per_rank),
+                )
+        if self.is_last:
+            self.add("norm", model.norm)
+            self.add("lm_head", model.lm_head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            x = self["embed"](x)
+        c = self.cfg
+        cos, sin = rope_tables(x.shape[1], c.head_dim_resolved, c.rope_theta, x.dtype, x.device)
+        auxes = []
+        for l in self.layer_ids:
+            out = self[f"layers.{l}.attn_block"](x, cos, sin)
+            if out.routing is None:
+                x = out.residual_BSH
+                continue
+            assert out.u_TH is not None and out.aux is not None
+            experts = self[f"layers.{l}.experts"]
+            assert isinstance(experts, Experts)
+            y_TH = ep_moe(experts, out.u_TH, out.routing, self.comm, l)
+            x = out.residual_BSH + y_TH.view_as(out.residual_BSH)
+            auxes.append(out.aux)
+        if self.is_last:
+            x = self["lm_head"](self["norm"](x))
+        aux = self.scale.aux(auxes)
+        if aux is None:
+            return x
+        self.aux_sum += float(aux.detach())
+        return AuxLossScaler.apply(x, aux)
+
+
+class TracedStage(PipelineStage):
+    """A PipelineStage that records its computations (trace lanes fwd/bwd, execution order)
+    and its pipeline p2p (lanes send/recv).
+
+    PyTorch's schedules post p2p ops and wait for them later without exposing
+    completion, so a p2p event spans from posting to the start of the next
+    computation on this rank (an upper bound of its time in flight).
+    """
+
+    def __init__(
+        self,
+        submod: StageModule,
+        *args: Any,
+        tracer: Tracer,
+        order: list[tuple[int, str, int]],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(submod, *args, **kwargs)
+        self.module = submod
+        self.tracer = tracer
+        self.order = order
+        self.pending: list[tuple[str, str, float, int, int]] = []
+        self.step_index = 0
+
+    def _close_p2p(self) -> None:
+        now = Tracer.now_us()
+        for name, lane, t0, mb, nbytes in self.pending:
+            self.tracer.add(
+                name,
+                lane,
+                t0,
+                now,
+                stage=self.stage_index,
+                micro_batch=mb,
+                step=self.step_index,
+                bytes=nbytes,
+            )
+        self.pending.clear()
+
+    def _p2p(self, ops: list[Any], name: str, lane: str, mb: int) -> list[Any]:
+        if ops:
+            nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            self.pending.append(
+                (f"{name} s{self.stage_index} mb{mb}", lane, Tracer.now_us(), mb, nbytes)
+            )
+        return ops
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
+        return self._p2p(super().get_fwd_recv_ops(fwd_chunk_id), "recv act", "recv", fwd_chunk_id)
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
+        return self._p2p(super().get_bwd_recv_ops(bwd_chunk_id), "recv grad", "recv", bwd_chunk_id)
+
+    def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        return self._p2p(super().get_fwd_send_ops(fwd_chunk_id), "send act", "send", fwd_chunk_id)
+
+    def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        return self._p2p(super().get_bwd_send_ops(bwd_chunk_id), "send grad", "send", bwd_chunk_id)
+
+    def _run(self, kind: str, mb: int, fn: Any) -> Any:
+        self._close_p2p()
+        self.module.comm.micro_batch = mb
+        self.order.append((self.stage_index, kind, mb))
+        lane = "fwd" if kind == "F" else "bwd"
+        t0 = Tracer.now_us()
+        out = fn()
+        self.tracer.add(
+            f"{kind} s{self.stage_index} mb{mb}",
+            lane,
+            t0,
+            Tracer.now_us(),
+            stage=self.stage_index,
+            micro_batch=mb,
+            step=self.step_index,
+        )
+        return out
+
+    def forward_one_chunk(
+        self,
+        fwd_chunk_id: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+        save_forward_output: bool = True,
+    ) -> Any:
+        return self._run(
+            "F",
+            fwd_chunk_id,
+            lambda: super(TracedStage, self).forward_one_chunk(
+                fwd_chunk_id, args, kwargs, save_forward_output
+            ),
+        )
+
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: Any = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
+        self._run(
+            "B" if full_backward else "I",
+            bwd_chunk_id,
+            lambda: super(TracedStage, self).backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            ),
+        )
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        self._run(
+            "W",
+            bwd_chunk_id,
+            lambda: super(TracedStage, self).backward_weight_one_chunk(
+                bwd_chunk_id, last_backward=last_backward
+            ),
+        )

@@ -1,0 +1,270 @@
+"""Expert-parallel pipeline baselines as trainers and runner: `ep-1f1b`, `ep-interleaved`, `ep-dualpipev`,
+`ep-overlap` (one `EPTrainer` per rank, inside an initialised process group).
+
+Per optimizer step, on every rank:
+1. replica `dp_rank` takes global micro-batches `s*dp + dp_rank` (the
+   reference's numbering); the rank holding stage 0 feeds their tokens, the
+   rank holding the last stage their targets;
+2. PyTorch's schedule (`Schedule1F1B`, `ScheduleInterleaved1F1B`,
+   `ScheduleDualPipeV`; `scale_grads=False` because `LossScale` already
+   weights every micro-batch) runs forward/backward of this rank's stages,
+   with the EP all-to-alls inside each MoE layer;
+3. gradients: dense parameters all-reduced over the DP group, expert shards
+   over the expert-data-parallel group (one flat all-reduce each);
+4. global gradient norm (each parameter counted on one rank), clipping,
+   AdamW on this rank's parameters; losses reduced over the world.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from ..config import RunConfig
+from ..data import inputs_targets, split_micro_batches
+from ..runtime.objective import (
+    LossScale,
+    build_optimizer,
+    clip_gradients,
+    fill_missing_grads,
+    lr_at,
+    set_lr,
+    torch_dtype,
+)
+from ..runtime.observe import Tracer
+from ..runtime.reference import StepResult
+from ..runtime.setup import build_data, build_initial_model, set_threads
+from ..schedule.ir import Schedule
+from .layout import EPGroups, EPLayout
+from .moe import EPComm
+from .schedules import build_baseline_schedule
+from .stage import StageModule, TracedStage
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def busy_us(events: list[dict]) -> float:
+    """Compute time of a rank: union of fwd/bwd/compute events minus the blocking waits on
+    all-to-alls inside them (a blocking collective is communication, not compute)."""
+    compute = _merge(
+        [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("fwd", "bwd", "compute")]
+    )
+    waits = _merge([(e["ts"], e["ts"] + e["dur"]) for e in events if e["args"].get("blocking")])
+    total = sum(e - s for s, e in compute)
+    for ws, we in waits:
+        for cs, ce in compute:
+            total -= max(0.0, min(we, ce) - max(ws, cs))
+    return total
+
+
+class EPTrainer:
+    """One rank of an expert-parallel pipeline run; same interface as `DisaggTrainer`."""
+
+    def __init__(self, cfg: RunConfig, *, overlap_chunks: int | None = None) -> None:
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.layout = EPLayout.build(cfg.model, cfg.parallel, cfg.train, dist.get_world_size())
+        self.groups = EPGroups.build(self.layout, self.rank)
+        self.pp_rank, self.dp_rank, self.ep_rank, self.edp_rank = self.layout.coords(self.rank)
+        self.role = self.layout.role(self.rank)
+        self.tracer = Tracer(self.rank, self.role)
+        self.scale = LossScale.for_run(cfg.model, cfg.train)
+        self.comm = EPComm(
+            self.groups.ep,
+            self.layout.ep,
+            self.tracer,
+            overlap_group=self.groups.a2a,
+            chunks=overlap_chunks if overlap_chunks is not None else cfg.parallel.overlap_chunks,
+        )
+        model = build_initial_model(cfg)
+        self.stage_ids = self.layout.stages_of(self.pp_rank)
+        self.modules = [
+            StageModule(model, self.layout, s, self.ep_rank, self.scale, self.comm)
+            for s in self.stage_ids
+        ]
+        del model
+        self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
+        self.stages = [self._stage(m) for m in self.modules]
+        self.pipeline = self._build_pipeline()
+        self.schedule: Schedule = build_baseline_schedule(self.layout, cfg.model)
+        seen: set[int] = set()
+        self.named_params = []
+        for m in self.modules:
+            for name, p in m.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.named_params.append((name, p))
+        self.params = [p for _, p in self.named_params]
+        self.is_expert = [".experts." in n for n, _ in self.named_params]
+        # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
+        self.counted = [(self.edp_rank == 0) if e else (self.dp_rank == 0) for e in self.is_expert]
+        self.optimizer = build_optimizer(self.named_params, cfg.train)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = self.layout.num_stages - 1 in self.stage_ids
+        self.batches = build_data(cfg) if self.has_first or self.has_last else None
+
+    def _stage(self, module: StageModule) -> TracedStage:
+        c, t = self.cfg.model, self.cfg.train
+        dtype = torch_dtype(t.dtype)
+        B, S = t.micro_batch_size, t.seq_len
+        # Static shapes (no metadata inference pass); requires_grad marks what carries gradients.
+        hidden = torch.zeros(B, S, c.dim, dtype=dtype, requires_grad=True)
+        example_in = torch.zeros(B, S, dtype=torch.long) if module.is_first else hidden
+        example_out = (
+            torch.zeros(B, S, c.vocab_size, dtype=dtype, requires_grad=True)
+            if module.is_last
+            else hidden
+        )
+        return TracedStage(
+            module,
+            module.stage,
+            self.layout.num_stages,
+            torch.device("cpu"),
+            input_args=example_in,
+            output_args=example_out,
+            group=self.groups.pp,
+            tracer=self.tracer,
+            order=self.order,
+        )
+
+    def _build_pipeline(self) -> _PipelineSchedule:
+        n = self.layout.num_local_micro_batches
+        runtime = self.layout.runtime
+        loss_fn = self.scale.ce
+        stages: list[_PipelineStageBase] = list(self.stages)
+        if runtime in ("ep-1f1b", "ep-overlap"):
+            return Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        if runtime == "ep-interleaved":
+            return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+        return ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
+
+    def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.batches is not None
+        mbs = split_micro_batches(self.batches.global_batch(step), self.cfg.train.micro_batch_size)
+        mine = [
+            mbs[self.layout.global_micro_batch(self.dp_rank, s)]
+            for s in range(self.layout.num_local_micro_batches)
+        ]
+        inputs, targets = zip(*(inputs_targets(m) for m in mine), strict=True)
+        return torch.cat(inputs), torch.cat(targets)
+
+    def _all_reduce(
+        self, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, name: str
+    ) -> None:
+        if group is None or not params:
+            return
+        t0 = Tracer.now_us()
+        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        dist.all_reduce(flat, group=group)
+        pos = 0
+        for p in params:
+            assert p.grad is not None
+            n = p.grad.numel()
+            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
+            pos += n
+        self.tracer.add(
+            f"SYNC {name}",
+            "sync",
+            t0,
+            Tracer.now_us(),
+            bytes=flat.numel() * flat.element_size(),
+            step=self.comm.step,
+        )
+
+    def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
+        train = self.cfg.train
+        self.optimizer.zero_grad(set_to_none=True)
+        self.comm.step = step
+        for st in self.stages:
+            st.step_index = step
+        for m in self.modules:
+            m.aux_sum = 0.0
+        args: tuple[torch.Tensor, ...] = ()
+        target = None
+        if self.batches is not None:
+            inputs, targets = self._local_batch(step)
+            args = (inputs,) if self.has_first else ()
+            target = targets if self.has_last else None
+        losses: list[torch.Tensor] = []
+        self.pipeline.step(*args, target=target, losses=losses, return_outputs=False)
+        for st in self.stages:
+            st._close_p2p()
+        fill_missing_grads(self.params)
+        self._all_reduce(
+            [p for p, e in zip(self.params, self.is_expert, strict=True) if not e],
+            self.groups.dp,
+            "dense",
+        )
+        self._all_reduce(
+            [p for p, e in zip(self.params, self.is_expert, strict=True) if e],
+            self.groups.edp,
+            "experts",
+        )
+        grads = (
+            {n: p.grad.detach().clone() for n, p in self.named_params if p.grad is not None}
+            if capture_grads
+            else {}
+        )
+
+        def world_sum(t: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(t)
+            return t
+
+        t0 = Tracer.now_us()
+        norm = clip_gradients(self.params, self.counted, train.grad_clip, world_sum)
+        set_lr(self.optimizer, lr_at(train, step))
+        self.optimizer.step()
+        self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
+        totals = torch.zeros(2, dtype=torch.float64)
+        totals[0] = sum(float(x.detach()) for x in losses) if self.has_last else 0.0
+        totals[1] = sum(m.aux_sum for m in self.modules)
+        dist.all_reduce(totals)
+        ce, aux = float(totals[0]), float(totals[1])
+        return StepResult(ce + aux, ce, aux, norm, grads)
+
+    def expert_shard(self) -> tuple[int, int] | None:
+        """Global expert ids [lo, hi) of this rank's shard (every rank holds one)."""
+        per = self.layout.experts_per_rank
+        return self.ep_rank * per, (self.ep_rank + 1) * per
+
+    def busy_seconds(self, step: int) -> float:
+        return busy_us([e for e in self.tracer.events if e["args"].get("step") == step]) / 1e6
+
+
+# ------------------------------------------------------------------------------------ runner
+
+
+def run_ep(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
+    """Train with runtime `cfg.parallel.runtime` (any `ep-*`) through the shared training loop.
+
+    Call on every rank inside an initialised process group. Rank 0 writes what
+    `run_disagg` writes: `metrics.jsonl` (same fields, incl. per-rank
+    `busy_s`/`idle_s`), checkpoints, `trace.json` (lanes of `runtime.observe.LANES`:
+    stage computations on fwd/bwd, ep-overlap's chunked expert GEMMs on compute,
+    all-to-alls and pipeline sends on send, pipeline receives and blocking waits
+    on recv, gradient sync and optimizer step on sync) and `schedule.txt` (the IR).
+    """
+    from ..runtime.loop import run_training
+
+    set_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    trainer = EPTrainer(cfg)
+
+    def schedule_dump(path: Path) -> None:
+        (path / "schedule.txt").write_text(trainer.schedule.to_text())
+
+    return run_training(trainer, cfg, run_dir, extra_files=schedule_dump)

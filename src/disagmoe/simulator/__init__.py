@@ -1,0 +1,27 @@
+"""Schedule simulator: replays the executor's instruction lists with a cost model.
+
+* `simulate_disagg` / `simulate_schedule` — AF-Pipe (`schedule.afpipe`), validated first;
+* `simulate_ep` — the expert-parallel baselines (1F1B, interleaved, DualPipeV, overlap);
+* `AnalyticCosts` (FLOPs at peak * mfu) or `TableCosts` (measured medians);
+* results: step time, tokens/s, per-worker busy time, breakdown, Chrome trace.
+"""
+
+from .costs import AnalyticCosts, TableCosts, Workload
+from .disagg import ScheduleRejected, simulate_disagg, simulate_schedule
+from .ep import EP_RUNTIMES, simulate_ep
+from .network import Network
+from .report import BREAKDOWN_KEYS, SimResult
+
+__all__ = [
+    "BREAKDOWN_KEYS",
+    "EP_RUNTIMES",
+    "AnalyticCosts",
+    "Network",
+    "ScheduleRejected",
+    "SimResult",
+    "TableCosts",
+    "Workload",
+    "simulate_disagg",
+    "simulate_ep",
+    "simulate_schedule",
+]

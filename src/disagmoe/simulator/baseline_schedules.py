@@ -1,0 +1,188 @@
+"""Per-rank action orders of the expert-parallel pipeline baselines (timing structure only).
+
+These mirror the orders of `torch.distributed.pipelining` (Schedule1F1B,
+ScheduleInterleaved1F1B, ScheduleDualPipeV in torch 2.13, which the baseline
+runtimes are meant to use), written as pure functions so that the simulator
+needs no process group or stage objects. An order is a list per pipeline rank
+of `Action`s (F: forward, B: full backward, I: backward for inputs, W: backward
+for weights, of one (stage, micro-batch)) and `Overlap`s (DualPipeV's forward
+of one micro-batch overlapped with the backward of another).
+
+Published bubbles, per rank, with uniform chunk costs (checked by the tests):
+
+* 1F1B, p ranks, M micro-batches: step `(M + p - 1)(F + B)`;
+* interleaved 1F1B, v chunks per rank (F, B per chunk): step
+  `v*M*(F + B) + (p - 1)(F + B)` — the bubble shrinks v-fold against the whole
+  per-rank stage time `v(F + B)`;
+* DualPipeV, p ranks (2p stages), M micro-batches: bubble `(p - 1)(F&B + B - 3W)`
+  (the DualPipe repository's table writes it `(PP/2 - 1)(F&B + B - 3W)` with PP =
+  2p stages), F&B being an overlapped forward+backward pair.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    kind: str  # "F", "B", "I" or "W"
+    stage: int
+    mb: int
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    forward: Action
+    backward: Action
+
+
+Step = Action | Overlap
+
+
+def one_f_one_b(num_ranks: int, num_mb: int) -> list[list[Step]]:
+    """1F1B: rank r warms up with p-1-r forwards, alternates F/B, then drains."""
+    orders: list[list[Step]] = []
+    for rank in range(num_ranks):
+        warmup = min(num_ranks - 1 - rank, num_mb)
+        steps: list[Step] = [Action("F", rank, i) for i in range(warmup)]
+        for i in range(num_mb - warmup):
+            steps += [Action("F", rank, warmup + i), Action("B", rank, i)]
+        steps += [Action("B", rank, i) for i in range(num_mb - warmup, num_mb)]
+        orders.append(steps)
+    return orders
+
+
+def interleaved_1f1b(num_ranks: int, num_mb: int, chunks: int) -> list[list[Step]]:
+    """Megatron's interleaved 1F1B (torch's ScheduleInterleaved1F1B): stage `c*p + r` on rank r."""
+    rounds = max(1, num_mb // num_ranks)
+    if num_mb % rounds:
+        raise ValueError(
+            f"interleaved 1F1B needs the micro-batches per pipeline ({num_mb}) to be a multiple "
+            f"of {rounds} (micro-batches // pipeline stages)"
+        )
+    per_round = num_mb // rounds
+    total = chunks * num_mb
+    orders: list[list[Step]] = []
+    for rank in range(num_ranks):
+        warmup = min((chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), total)
+        fwd_count: dict[int, int] = defaultdict(int)
+        bwd_count: dict[int, int] = defaultdict(int)
+
+        def fwd_stage(op: int, rank: int = rank) -> int:
+            return ((op // per_round) % chunks) * num_ranks + rank
+
+        def bwd_stage(op: int, rank: int = rank, warmup: int = warmup) -> int:
+            return (chunks - 1 - ((op - warmup) // per_round) % chunks) * num_ranks + rank
+
+        steps: list[Step] = []
+        for op in range(total + warmup):
+            if op < total:
+                st = fwd_stage(op)
+                steps.append(Action("F", st, fwd_count[st]))
+                fwd_count[st] += 1
+            if op >= warmup:
+                st = bwd_stage(op)
+                steps.append(Action("B", st, bwd_count[st]))
+                bwd_count[st] += 1
+        orders.append(steps)
+    return orders
+
+
+def v_stages(num_ranks: int, rank: int) -> tuple[int, int]:
+    """DualPipeV's V placement: rank r holds stages r and 2p-1-r."""
+    return rank, 2 * num_ranks - 1 - rank
+
+
+def dualpipev(num_ranks: int, num_mb: int) -> list[list[Step]]:
+    """DualPipeV (DeepSeek's DualPipe "cut in half"), as torch's ScheduleDualPipeV orders it."""
+    if num_mb < 2 * num_ranks:
+        raise ValueError(
+            f"DualPipeV needs at least 2*pp = {2 * num_ranks} micro-batches per pipeline, "
+            f"got {num_mb}"
+        )
+    return [_dualpipev_rank(num_ranks, num_mb, r) for r in range(num_ranks)]
+
+
+def _dualpipev_rank(p: int, num_mb: int, rank: int) -> list[Step]:
+    s0, s1 = v_stages(p, rank)
+    count: dict[tuple[int, str], int] = defaultdict(int)
+    weights: list[tuple[int, int]] = []
+    steps: list[Step] = []
+
+    def take(stage: int, kind: str) -> Action:
+        key = (stage, "I" if kind in ("B", "I") else kind)
+        act = Action(kind, stage, count[key])
+        count[key] += 1
+        if kind == "I":
+            weights.append((stage, act.mb))
+        return act
+
+    def add(stage: int, kind: str) -> None:
+        steps.append(take(stage, kind))
+
+    def overlap(f_stage: int, b_stage: int) -> None:
+        steps.append(Overlap(take(f_stage, "F"), take(b_stage, "B")))
+
+    def weight() -> None:
+        if weights:
+            stage, mb = weights.pop(0)
+            steps.append(Action("W", stage, mb))
+
+    for _ in range((p - rank - 1) * 2):  # 1: F0
+        add(s0, "F")
+    for _ in range(rank + 1):  # 2: F0 F1
+        add(s0, "F")
+        add(s1, "F")
+    for _ in range(p - rank - 1):  # 3: I1 W1 F1
+        add(s1, "I")
+        weight()
+        add(s1, "F")
+    for i in range(num_mb - 2 * p + rank + 1):  # 4: F0B1 - F1B0
+        if i == 0 and rank == p - 1:
+            add(s0, "F")
+            add(s1, "B")
+        else:
+            overlap(s0, s1)
+        overlap(s1, s0)
+    for _ in range(p - rank - 1):  # 5: B1 - F1B0
+        add(s1, "B")
+        overlap(s1, s0)
+    zero_bubble = False
+    for i in range(rank + 1):  # 6: B1 B0, second half zero-bubble
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            zero_bubble = True
+        add(s1, "I" if zero_bubble else "B")
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            zero_bubble = True
+        add(s0, "I" if zero_bubble else "B")
+    for _ in range(p - rank - 1):  # 7: W0 B0
+        weight()
+        add(s0, "I" if zero_bubble else "B")
+    for _ in range(rank + 1):  # 8: W0
+        weight()
+    return steps
+
+
+def stage_rank_map(runtime: str, num_ranks: int, num_stages: int) -> list[int]:
+    """Pipeline rank of every stage: looped (1F1B, interleaved) or V-shaped (DualPipeV)."""
+    if runtime == "ep-dualpipev":
+        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
+    return [s % num_ranks for s in range(num_stages)]
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous, balanced layer ranges per stage (earlier stages get the remainder)."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"{num_stages} pipeline stages for {num_layers} layers: use fewer stages (--pp) "
+            "or fewer chunks per rank"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out

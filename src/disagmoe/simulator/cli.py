@@ -1,0 +1,210 @@
+"""`disagmoe simulate`: one simulated optimizer step of a runtime on a (nominal) cluster.
+
+Wired into the main CLI by `add_simulate_arguments(parser)` and `run_simulate(args)`.
+User mistakes raise `ValueError` with a one-line message (the main CLI exits 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+from ..config import ClusterConfig, ModelConfig, cluster_preset, model_preset
+from .costs import Workload
+from .disagg import ScheduleRejected, simulate_disagg
+from .ep import EP_RUNTIMES, simulate_ep
+from .report import BREAKDOWN_KEYS, SimResult
+
+SIM_RUNTIMES = ("disagg", *EP_RUNTIMES)
+
+
+def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="qwen3-30b-a3b", help="model preset name")
+    parser.add_argument("--runtime", default="disagg", choices=SIM_RUNTIMES)
+    parser.add_argument("--cluster", default="h800", help="cluster preset (h800, h100, h200)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument(
+        "--micro-batches",
+        type=int,
+        default=0,
+        help="micro-batches in the global batch (0: 8 per pipeline stage per replica)",
+    )
+    parser.add_argument("--groups", type=int, default=0, help="disagg: p (0: auto)")
+    parser.add_argument("--attn-workers", type=int, default=0, help="disagg: m per group (0: auto)")
+    parser.add_argument(
+        "--expert-workers", type=int, default=0, help="disagg: n per group (0: auto)"
+    )
+    parser.add_argument("--max-in-flight", type=int, default=0, help="disagg: slot cap (0: none)")
+    parser.add_argument("--pp", type=int, default=0, help="ep-*: pipeline ranks (0: auto)")
+    parser.add_argument("--ep", type=int, default=0, help="ep-*: expert-parallel size (0: auto)")
+    parser.add_argument("--chunks", type=int, default=2, help="ep-interleaved: stages per rank")
+    parser.add_argument("--overlap-chunks", type=int, default=4, help="ep-overlap: expert chunks")
+    parser.add_argument("--mfu", type=float, default=0.0, help="override the preset's MFU")
+    parser.add_argument(
+        "--reduce",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="disagg: replay one replica and one shard per group with bundled "
+        "messages (auto: for large schedules)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--trace", default="", help="write a Chrome trace of the step here")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def default_disagg_split(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    gpus: int,
+    seq_len: int,
+    groups: int,
+    micro_batches: int = 0,
+) -> tuple[int, int]:
+    """(m, n) with m + n = gpus/groups balancing attention and expert compute per layer.
+
+    A replica's attention takes a per layer, a shard's experts take m*f/n (f: one
+    replica's routed experts on one GPU), so m/n = a/f balances them; n must divide
+    the expert count (and m `micro_batches`, when given).
+    """
+    per = gpus // groups
+    w = Workload(model, seq_len, 1)
+    gemm, core = w.attn_flops(model.num_layers - 1)
+    a = gemm * 3.0 + core * 3.5
+    f = w.tokens * model.top_k * 6.0 * model.dim * model.expert_dim * 3.0
+    best: tuple[float, int, int] | None = None
+    for n in _divisors(model.num_experts):
+        m = per - n
+        if m < 1 or (micro_batches and micro_batches % m):
+            continue
+        cost = max(a, m * f / n)  # stage time per replica micro-batch, per layer
+        score = cost / m  # time per micro-batch of the whole group
+        if best is None or score < best[0]:
+            best = (score, m, n)
+    if best is None:
+        raise ValueError(f"{per} GPUs per group leave no room for attention and expert workers")
+    return best[1], best[2]
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Fill automatic choices; raise ValueError for impossible requests."""
+    model = model_preset(args.model)
+    cluster = cluster_preset(args.cluster)
+    if args.mfu:
+        if not 0 < args.mfu <= 1:
+            raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
+        cluster = ClusterConfig(
+            **{**{f: getattr(cluster, f) for f in cluster.__slots__}, "mfu": args.mfu}
+        )
+    for name in ("nodes", "seq_len", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.seq_len > model.max_seq_len:
+        raise ValueError(f"--seq-len {args.seq_len} exceeds {model.name}'s max {model.max_seq_len}")
+    gpus = args.nodes * cluster.gpus_per_node
+    out: dict[str, Any] = {"model": model, "cluster": cluster, "gpus": gpus}
+    if args.runtime == "disagg":
+        p = args.groups or next(g for g in (2, 1) if model.num_layers % g == 0)
+        if gpus % p:
+            raise ValueError(f"--groups {p} must divide the {gpus} GPUs")
+        if args.attn_workers and args.expert_workers:
+            m, n = args.attn_workers, args.expert_workers
+        else:
+            m, n = default_disagg_split(model, cluster, gpus, args.seq_len, p, args.micro_batches)
+        if p * (m + n) != gpus:
+            raise ValueError(
+                f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
+                f"{args.nodes} node(s) have {gpus} GPUs; change the layout or --nodes"
+            )
+        micro = args.micro_batches or 8 * 2 * p * m
+        out.update(groups=p, attn_workers=m, expert_workers=n, micro_batches=micro)
+    else:
+        pp = args.pp or max(
+            d for d in _divisors(model.num_layers) if d <= args.nodes and gpus % d == 0
+        )
+        if gpus % pp:
+            raise ValueError(f"--pp {pp} must divide the {gpus} GPUs")
+        dp = gpus // pp
+        ep = args.ep or max(d for d in _divisors(math.gcd(dp, model.num_experts)))
+        micro = args.micro_batches or 8 * pp * dp
+        out.update(pp=pp, ep=ep, micro_batches=micro)
+    return out
+
+
+def simulate_from_args(args: argparse.Namespace) -> SimResult:
+    r = resolve(args)
+    common = dict(
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size,
+        num_micro_batches=r["micro_batches"],
+    )
+    if args.runtime == "disagg":
+        reduce = {"auto": None, "on": True, "off": False}[args.reduce]
+        return simulate_disagg(
+            r["model"],
+            r["cluster"],
+            groups=r["groups"],
+            attn_workers=r["attn_workers"],
+            expert_workers=r["expert_workers"],
+            max_in_flight=args.max_in_flight,
+            reduce=reduce,
+            **common,
+        )
+    return simulate_ep(
+        args.runtime,
+        r["model"],
+        r["cluster"],
+        gpus=r["gpus"],
+        pp=r["pp"],
+        ep=r["ep"],
+        chunks=args.chunks,
+        overlap_chunks=args.overlap_chunks,
+        **common,
+    )
+
+
+def format_result(result: SimResult) -> str:
+    cfg = result.config
+    lines = [
+        f"runtime {result.runtime}  model {cfg.get('model')}  cluster {cfg.get('cluster')}  "
+        f"workers {result.num_workers}",
+        f"step time   {result.step_time_s * 1e3:10.2f} ms",
+        f"throughput  {result.tokens_per_s:10.0f} tokens/s ({result.tokens_per_step} tokens/step)",
+        "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
+    ]
+    for key in BREAKDOWN_KEYS:
+        lines.append(f"  {key:16s} {result.breakdown[key]:10.4f}  {100 * result.share(key):5.1f}%")
+    return "\n".join(lines)
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Entry point of `disagmoe simulate`; 1 if the schedule was rejected by the validator."""
+    try:
+        result = simulate_from_args(args)
+    except ScheduleRejected as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if args.trace:
+        result.write_trace(args.trace)
+    print(result.to_json() if args.json else format_result(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagmoe simulate", description=__doc__)
+    add_simulate_arguments(parser)
+    try:
+        return run_simulate(parser.parse_args(argv))
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

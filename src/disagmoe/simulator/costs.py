@@ -1,0 +1,197 @@
+"""Cost models: seconds per compute instruction and bytes per message.
+
+Shapes (one micro-batch = b sequences of S tokens, N = b*S tokens, H = model dim,
+q / kv = query / key-value widths, k = top-k, E experts, D_e expert width):
+
+* attention block forward FLOPs of one layer (same terms as
+  `planner.costmodel.detailed_costs`, but per layer instead of averaged):
+  projections `4*N*H*(q + kv)`, causal core `2*b*S^2*q`, router `2*N*H*E` and
+  shared experts `6*N*H*D_e*num_shared` on MoE layers, the dense SwiGLU MLP
+  `6*N*H*D_dense` on dense layers; the LM head `2*N*H*V`; the embedding 0;
+* routed experts: `6*H*D_e` FLOPs per (token, expert) pair; a shard of n gets
+  `N*k/n` pairs per attention replica (balanced routing);
+* backward = 2x forward for GEMMs, 2.5x for the attention core (FlashAttention
+  recomputes QK^T), as in `planner.costmodel.train_time_factors`;
+* messages (runtime/stages.py): a shard receives each token at most once, so an
+  A replica sends shard j `u = N*(1 - C(E - E/n, k)/C(E, k))` distinct tokens
+  (`act_bytes*H` each) plus `N*k/n` (weight, row, expert id) triples; combine
+  and grad_dispatch move the same rows back; act / grad_act carry the residual
+  `N*H` plus the per-shard token ids.
+
+`AnalyticCosts` turns FLOPs into seconds with `peak * mfu`; `TableCosts` looks
+instructions up in a table of measured medians keyed by (op, comp, layer kind).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..config import ClusterConfig, ModelConfig
+from ..schedule.ir import Op
+
+GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a GEMM
+CORE_BACKWARD = 2.5  # backward / forward FLOPs of the attention core (recomputes QK^T)
+LAYER_KINDS = ("embed", "dense", "moe", "head")
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One micro-batch of a model: FLOPs and message sizes (see the module docstring)."""
+
+    model: ModelConfig
+    seq_len: int
+    micro_batch_size: int
+    act_bytes: int = 2  # bf16 activations on the wire
+    index_bytes: int = 4  # int32 token ids / rows / expert ids
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.micro_batch_size < 1:
+            raise ValueError("seq_len and micro_batch_size must be >= 1")
+
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch_size
+
+    def layer_kind(self, comp: str, layer: int) -> str:
+        """`embed` (layer 0), `dense`, `moe` or `head` (layer L: final norm + LM head + loss)."""
+        if comp == "F":
+            return "moe"
+        if layer == self.model.num_layers:
+            return "head"
+        if layer == 0:
+            return "embed"
+        return "moe" if self.model.is_moe_layer(layer) else "dense"
+
+    def attn_flops(self, layer: int) -> tuple[float, float]:
+        """(GEMM FLOPs, attention-core FLOPs) of the A component of `layer`, forward."""
+        c, n = self.model, float(self.tokens)
+        if layer == c.num_layers:
+            return 2.0 * n * c.dim * c.vocab_size, 0.0
+        q = c.num_heads * c.head_dim_resolved
+        kv = c.num_kv_heads * c.head_dim_resolved
+        gemm = 4.0 * n * c.dim * (q + kv)
+        if c.is_moe_layer(layer):
+            gemm += 2.0 * n * c.dim * c.num_experts
+            gemm += 6.0 * n * c.dim * c.expert_dim * c.num_shared_experts
+        else:
+            gemm += 6.0 * n * c.dim * c.dense_dim_resolved
+        core = 2.0 * self.micro_batch_size * float(self.seq_len) ** 2 * q
+        return gemm, core
+
+    def pairs_per_shard(self, shards: int) -> float:
+        """Expected (token, expert) pairs one replica's micro-batch sends to one shard."""
+        return self.tokens * self.model.top_k / shards
+
+    def tokens_per_shard(self, shards: int) -> float:
+        """Expected distinct tokens one replica's micro-batch sends to one shard."""
+        e, k = self.model.num_experts, self.model.top_k
+        per = e // shards
+        miss = math.comb(e - per, k) / math.comb(e, k) if e - per >= k else 0.0
+        return self.tokens * (1.0 - miss)
+
+    def message_bytes(self, kind: str, layer: int, shards: int) -> float:
+        """Bytes of one message of `kind` (one A replica <-> one F shard, or A -> A)."""
+        h, a, i = self.model.dim, self.act_bytes, self.index_bytes
+        moe = self.model.is_moe_layer(layer)
+        u, pairs = self.tokens_per_shard(shards), self.pairs_per_shard(shards)
+        if kind == "act":
+            return self.tokens * h * a + (shards * u * i if moe else 0.0)
+        if kind == "grad_act":
+            return float(self.tokens * h * a)
+        if kind == "dispatch":
+            return u * h * a + pairs * (a + 2 * i)
+        if kind in ("combine", "grad_combine"):
+            return u * h * a
+        if kind == "grad_dispatch":
+            return u * h * a + pairs * a
+        raise ValueError(f"unknown message kind {kind!r}")
+
+    def a2a_bytes_per_peer(self, ep: int) -> float:
+        """EP all-to-all (dispatch or combine): bytes one rank sends each of its ep peers.
+
+        Token copies are not deduplicated (Megatron's all-to-all dispatcher sends one
+        copy per (token, expert) pair): `N*k/ep` rows of `H` values per peer.
+        """
+        return self.tokens * self.model.top_k / ep * self.model.dim * self.act_bytes
+
+    def attn_param_count(self, layer: int) -> int:
+        """Parameters of the A component of `layer` (layer L: final norm + LM head)."""
+        c = self.model
+        if layer == c.num_layers:
+            return c.vocab_size * c.dim + c.dim
+        q = c.num_heads * c.head_dim_resolved
+        kv = c.num_kv_heads * c.head_dim_resolved
+        params = c.dim * (2 * q + 2 * kv) + 2 * c.dim
+        if c.is_moe_layer(layer):
+            params += c.dim * c.num_experts + 3 * c.dim * c.expert_dim * c.num_shared_experts
+        else:
+            params += 3 * c.dim * c.dense_dim_resolved
+        if layer == 0 and not c.tie_embeddings:
+            params += c.vocab_size * c.dim
+        return params
+
+    def expert_param_count(self) -> int:
+        """Routed-expert parameters of one MoE layer."""
+        return 3 * self.model.num_experts * self.model.dim * self.model.expert_dim
+
+
+class InstrCosts(Protocol):
+    """Seconds of one compute instruction of the AF-Pipe IR on its rank."""
+
+    def compute_s(self, op: Op, comp: str, layer: int) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AnalyticCosts:
+    """FLOPs / (peak * mfu). `attn_workers` / `expert_workers` set the F shard's load."""
+
+    workload: Workload
+    flops_per_s: float
+    attn_workers: int = 1
+    expert_workers: int = 1
+
+    @classmethod
+    def for_cluster(
+        cls,
+        workload: Workload,
+        cluster: ClusterConfig,
+        attn_workers: int = 1,
+        expert_workers: int = 1,
+    ) -> AnalyticCosts:
+        rate = cluster.peak_tflops * 1e12 * cluster.mfu
+        return cls(workload, rate, attn_workers, expert_workers)
+
+    def attn_s(self, op: Op, layer: int) -> float:
+        gemm, core = self.workload.attn_flops(layer)
+        if op == Op.BWD:
+            gemm, core = GEMM_BACKWARD * gemm, CORE_BACKWARD * core
+        return (gemm + core) / self.flops_per_s
+
+    def expert_s(self, op: Op, pairs: float) -> float:
+        c = self.workload.model
+        flops = pairs * 6.0 * c.dim * c.expert_dim
+        return flops * (GEMM_BACKWARD if op == Op.BWD else 1.0) / self.flops_per_s
+
+    def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        if comp == "A":
+            return self.attn_s(op, layer)
+        pairs = self.attn_workers * self.workload.pairs_per_shard(self.expert_workers)
+        return self.expert_s(op, pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class TableCosts:
+    """Measured seconds per (op "F"/"B", comp "A"/"F", layer kind), e.g. medians of a trace."""
+
+    workload: Workload
+    table: dict[tuple[str, str, str], float]
+
+    def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        key = (op.value, comp, self.workload.layer_kind(comp, layer))
+        if key not in self.table:
+            raise ValueError(
+                f"cost table has no entry for {key}; measured keys: {sorted(self.table)}"
+            )
+        return self.table[key]

@@ -1,0 +1,151 @@
+"""Simulate one optimizer step of the disaggregated AF-Pipe runtime.
+
+The schedule is the one the executor runs (`schedule.afpipe.build_afpipe`),
+checked by `schedule.validate.validate` first: a schedule the validator rejects
+(deadlock, unmatched message, broken FIFO) is reported as `ScheduleRejected`
+and not simulated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from ..config import ClusterConfig, ModelConfig, ParallelConfig
+from ..distributed.layout import Layout
+from ..schedule.afpipe import build_afpipe
+from ..schedule.ir import Schedule
+from ..schedule.validate import ScheduleError, validate
+from .costs import AnalyticCosts, InstrCosts, Workload
+from .engine import run_program
+from .network import Network
+from .replay import Replicas, lower_schedule
+from .report import SimResult, summarize
+
+# Above this many messages per step the replay uses the symmetry reduction by default.
+REDUCE_ABOVE_MESSAGES = 60_000
+
+
+class ScheduleRejected(ValueError):
+    """The validator rejected the schedule; it was not simulated."""
+
+
+def check_schedule(schedule: Schedule) -> int:
+    """`validate` with its error re-raised as `ScheduleRejected`; returns peak in-flight slots."""
+    try:
+        return validate(schedule)
+    except ScheduleError as err:
+        raise ScheduleRejected(
+            f"schedule {schedule.name!r} rejected by the validator: {err}"
+        ) from err
+
+
+def simulate_schedule(
+    schedule: Schedule,
+    layout: Layout,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    replicas: Replicas | None = None,
+    share_compute: bool = True,
+    sync: bool = True,
+    step_s: float = 0.0,
+    config: dict[str, Any] | None = None,
+) -> SimResult:
+    """Validate, lower and simulate an AF-Pipe schedule (reduced if `replicas` is given)."""
+    peak = check_schedule(schedule)
+    program = lower_schedule(
+        schedule, layout, costs, workload, net, replicas=replicas, sync=sync, step_s=step_s
+    )
+    timeline = run_program(program, share_compute=share_compute)
+    full = replicas.full if replicas else layout
+    real = [replicas.real_rank(r) if replicas else r for r in range(schedule.num_ranks)]
+    roles = [str(full.role(r)) for r in real]
+    tokens = schedule.num_slots * full.attn_workers * workload.tokens
+    cfg = {
+        "schedule": schedule.name,
+        "num_slots": schedule.num_slots,
+        "max_in_flight": schedule.max_in_flight,
+        "peak_in_flight": peak,
+        "reduced": replicas is not None,
+        **(config or {}),
+    }
+    return summarize(
+        "disagg",
+        program,
+        timeline,
+        tokens_per_step=tokens,
+        roles=roles,
+        real_ranks=real,
+        config=cfg,
+    )
+
+
+def message_count(layout: Layout, num_slots: int) -> int:
+    """Messages of one step of the full (unreduced) AF-Pipe schedule."""
+    m, n, p = layout.attn_workers, layout.expert_workers, layout.groups
+    moe = len(layout.moe_layers)
+    acts = layout.num_layers * m * 2 if p > 1 else 0
+    return num_slots * (moe * 4 * m * n + acts)
+
+
+def simulate_disagg(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    *,
+    groups: int,
+    attn_workers: int,
+    expert_workers: int,
+    seq_len: int,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    max_in_flight: int = 0,
+    reduce: bool | None = None,
+    costs: InstrCosts | None = None,
+) -> SimResult:
+    """AF-Pipe with p groups of m attention replicas and n expert shards.
+
+    `num_micro_batches` counts the global batch (train.global_batch_size /
+    micro_batch_size); each replica runs `num_micro_batches / m` slots.
+    `reduce`: replay the one-replica-one-shard schedule with bundled messages
+    (None: only when the full schedule has more than REDUCE_ABOVE_MESSAGES messages).
+    """
+    parallel = ParallelConfig(
+        groups=groups, attn_workers=attn_workers, expert_workers=expert_workers
+    )
+    layout = Layout.build(model, parallel)
+    if num_micro_batches % attn_workers:
+        raise ValueError(
+            f"--micro-batches ({num_micro_batches}) must be divisible by the attention "
+            f"workers per group ({attn_workers})"
+        )
+    slots = num_micro_batches // attn_workers
+    if slots < 1:
+        raise ValueError("AF-Pipe needs at least one micro-batch per attention replica")
+    if reduce is None:
+        reduce = message_count(layout, slots) > REDUCE_ABOVE_MESSAGES
+    workload = Workload(model, seq_len, micro_batch_size)
+    costs = costs or AnalyticCosts.for_cluster(workload, cluster, attn_workers, expert_workers)
+    net = Network.from_cluster(cluster)
+    run_layout = dataclasses.replace(layout, attn_workers=1, expert_workers=1) if reduce else layout
+    schedule = build_afpipe(run_layout, slots, max_in_flight)
+    cfg = {
+        "model": model.name,
+        "cluster": cluster.name,
+        "groups": groups,
+        "attn_workers": attn_workers,
+        "expert_workers": expert_workers,
+        "seq_len": seq_len,
+        "micro_batch_size": micro_batch_size,
+        "micro_batches": num_micro_batches,
+    }
+    return simulate_schedule(
+        schedule,
+        run_layout,
+        costs,
+        workload,
+        net,
+        replicas=Replicas(layout) if reduce else None,
+        config=cfg,
+    )

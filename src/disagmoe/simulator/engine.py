@@ -1,0 +1,220 @@
+"""Discrete-event core: a DAG of operations on per-rank resources.
+
+A `Program` is what every front end (AF-Pipe replay, EP baselines) lowers to:
+
+* `COMPUTE` — `work` seconds of GPU time at full rate. The compute ops of one
+  rank share its GPU by processor sharing (two lanes active at once each run at
+  half rate), unless `share_compute=False` (measured tables already contain the
+  contention of their own run).
+* `A2A` — a collective of `work` seconds when alone; the A2As of one rank share
+  its network by processor sharing (two lanes exchanging at once each get half).
+* `XFER` — a point-to-point message. It occupies ports (NIC or NVLink, out and
+  in, full duplex: out and in are separate ports) for `bytes / bandwidth` each;
+  a port serves one message at a time in the order messages become ready, so
+  messages that share a NIC queue behind each other. Arrival = transfer end +
+  latency.
+* `DELAY` — a fixed wait (gradient all-reduce, latency-only steps).
+
+Lanes (in-order streams) and FIFO message streams are expressed as ordinary
+dependencies by the front ends. `run_program` returns start/end times; an op
+that never becomes ready (a dependency cycle) raises `DeadlockError`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPUTE, A2A, XFER, DELAY = 0, 1, 2, 3
+
+
+class DeadlockError(RuntimeError):
+    """Some operations can never start (cyclic dependencies)."""
+
+
+@dataclass(slots=True)
+class Port:
+    """One direction of a link end: a NIC's egress or ingress, or a GPU's NVLink out/in."""
+
+    name: str
+    bytes_per_s: float
+
+
+@dataclass
+class Program:
+    """Operations of one simulated optimizer step (parallel arrays, indexed by op id)."""
+
+    num_ranks: int
+    kind: list[int] = field(default_factory=list)
+    rank: list[int] = field(default_factory=list)
+    lane: list[str] = field(default_factory=list)  # trace lane (observe.LANES) or "" for XFER
+    work: list[float] = field(default_factory=list)
+    category: list[str] = field(default_factory=list)  # attn | ffn | other | comm
+    label: list[str] = field(default_factory=list)
+    args: list[dict[str, Any]] = field(default_factory=list)
+    deps: list[list[int]] = field(default_factory=list)
+    # XFER: ranks that count the transfer as their communication time, and port loads.
+    xfer_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    xfer_ports: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # (port, bytes)
+    ports: list[Port] = field(default_factory=list)
+    latency_s: float = 0.0
+    # Fan-out: how many real workers each simulated rank stands for (symmetry reduction).
+    multiplicity: list[int] = field(default_factory=list)
+
+    def add(
+        self,
+        kind: int,
+        rank: int,
+        lane: str,
+        work: float,
+        category: str,
+        label: str,
+        deps: list[int],
+        args: dict[str, Any] | None = None,
+    ) -> int:
+        assert work >= 0.0, f"negative cost for {label}"
+        self.kind.append(kind)
+        self.rank.append(rank)
+        self.lane.append(lane)
+        self.work.append(work)
+        self.category.append(category)
+        self.label.append(label)
+        self.args.append(args or {})
+        self.deps.append([d for d in deps if d >= 0])
+        return len(self.kind) - 1
+
+    def add_port(self, name: str, bytes_per_s: float) -> int:
+        assert bytes_per_s > 0
+        self.ports.append(Port(name, bytes_per_s))
+        return len(self.ports) - 1
+
+    def add_xfer(
+        self,
+        src: int,
+        dst: int,
+        loads: list[tuple[int, float]],
+        label: str,
+        deps: list[int],
+        args: dict[str, Any] | None = None,
+    ) -> int:
+        op = self.add(XFER, src, "", 0.0, "comm", label, deps, args)
+        self.xfer_ranks[op] = (src, dst) if src != dst else (src,)
+        self.xfer_ports[op] = [(p, b) for p, b in loads if b > 0]
+        return op
+
+    def __len__(self) -> int:
+        return len(self.kind)
+
+
+@dataclass
+class Timeline:
+    start: list[float]
+    end: list[float]
+    xfer_begin: dict[int, float]  # when a message's bytes start moving (after port queueing)
+
+    @property
+    def makespan(self) -> float:
+        return max(self.end, default=0.0)
+
+
+class _Sharing:
+    """Processor sharing of one resource among the ops active on it."""
+
+    __slots__ = ("active", "last")
+
+    def __init__(self) -> None:
+        self.active: dict[int, float] = {}  # op -> remaining work
+        self.last = 0.0
+
+    def _advance(self, now: float) -> None:
+        if self.active:
+            done = (now - self.last) / len(self.active)
+            for op in self.active:
+                self.active[op] -= done
+        self.last = now
+
+    def change(self, now: float, add: int = -1, work: float = 0.0, remove: int = -1) -> None:
+        self._advance(now)
+        if remove >= 0:
+            del self.active[remove]
+        if add >= 0:
+            self.active[add] = work
+
+    def finishes(self, now: float) -> list[tuple[float, int]]:
+        k = len(self.active)
+        return [(now + max(rem, 0.0) * k, op) for op, rem in self.active.items()]
+
+
+def run_program(program: Program, *, share_compute: bool = True) -> Timeline:
+    """Simulate `program`; every op starts as soon as its dependencies have finished."""
+    n = len(program)
+    remaining = [len(d) for d in program.deps]
+    dependents: list[list[int]] = [[] for _ in range(n)]
+    for op, deps in enumerate(program.deps):
+        for d in deps:
+            dependents[d].append(op)
+    start = [0.0] * n
+    end = [-1.0] * n
+    xfer_begin: dict[int, float] = {}
+    version = [0] * n
+    heap: list[tuple[float, int, int, int]] = []  # (time, seq, op, version)
+    seq = 0
+    gpus = [_Sharing() for _ in range(program.num_ranks)]
+    nets = [_Sharing() for _ in range(program.num_ranks)]
+    port_free = [0.0] * len(program.ports)
+    kinds, work, ranks = program.kind, program.work, program.rank
+
+    def reschedule(res: _Sharing, now: float) -> None:
+        nonlocal seq
+        for t, op in res.finishes(now):
+            version[op] += 1
+            seq += 1
+            heapq.heappush(heap, (t, seq, op, version[op]))
+
+    def begin(op: int, now: float) -> None:
+        nonlocal seq
+        start[op] = now
+        kind = kinds[op]
+        if kind == XFER:
+            loads = program.xfer_ports[op]
+            t0 = max([now] + [port_free[p] for p, _ in loads])
+            longest = 0.0
+            for p, nbytes in loads:
+                dur = nbytes / program.ports[p].bytes_per_s
+                port_free[p] = t0 + dur
+                longest = max(longest, dur)
+            xfer_begin[op] = t0
+            finish = t0 + longest + (program.latency_s if loads else 0.0)
+        elif (kind == COMPUTE and share_compute) or kind == A2A:
+            res = (gpus if kind == COMPUTE else nets)[ranks[op]]
+            res.change(now, add=op, work=work[op])
+            reschedule(res, now)
+            return
+        else:
+            finish = now + work[op]
+        seq += 1
+        heapq.heappush(heap, (finish, seq, op, version[op]))
+
+    for op in range(n):
+        if remaining[op] == 0:
+            begin(op, 0.0)
+    while heap:
+        now, _, op, ver = heapq.heappop(heap)
+        if ver != version[op] or end[op] >= 0.0:
+            continue
+        end[op] = now
+        kind = kinds[op]
+        if kind == A2A or (kind == COMPUTE and share_compute):
+            res = (gpus if kind == COMPUTE else nets)[ranks[op]]
+            res.change(now, remove=op)
+            reschedule(res, now)
+        for nxt in dependents[op]:
+            remaining[nxt] -= 1
+            if remaining[nxt] == 0:
+                begin(nxt, now)
+    stuck = [op for op in range(n) if end[op] < 0.0]
+    if stuck:
+        names = ", ".join(f"rank {ranks[op]} {program.label[op]}" for op in stuck[:4])
+        raise DeadlockError(f"deadlock: {len(stuck)} operations never start, e.g. {names}")
+    return Timeline(start, end, xfer_begin)

@@ -1,0 +1,135 @@
+"""Where workers sit and how fast their links are: NICs across nodes, NVLink inside one.
+
+Every GPU has an NVLink port pair (out, in) and uses a NIC port pair; when a
+node has fewer NICs than GPUs, neighbouring GPUs share one NIC (its ports are
+shared objects, so their messages queue behind each other); with more NICs
+than GPUs a GPU's ports aggregate its NICs. Out and in are separate ports: full
+duplex. Bandwidths are achievable ones (`nic_gbps * bw_efficiency`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ClusterConfig
+from .engine import Program
+
+
+@dataclass(frozen=True, slots=True)
+class Network:
+    gpus_per_node: int
+    nics_per_node: int
+    nic_bytes_per_s: float  # one NIC, one direction
+    nvlink_bytes_per_s: float  # one GPU, one direction
+    latency_s: float
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterConfig) -> Network:
+        eff = cluster.bw_efficiency
+        return cls(
+            gpus_per_node=cluster.gpus_per_node,
+            nics_per_node=cluster.nics_per_node,
+            nic_bytes_per_s=cluster.nic_gbps * 1e9 * eff,
+            nvlink_bytes_per_s=cluster.nvlink_gbps * 1e9 * eff,
+            latency_s=cluster.latency_us * 1e-6,
+        )
+
+    @classmethod
+    def single_node(cls, bytes_per_s: float, latency_s: float, gpus: int) -> Network:
+        """All workers on one host linked at `bytes_per_s` each (e.g. gloo over loopback)."""
+        return cls(gpus, gpus, bytes_per_s, bytes_per_s, latency_s)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def same_node(self, a: int, b: int) -> bool:
+        return self.node_of(a) == self.node_of(b)
+
+    @property
+    def nic_bytes_per_gpu(self) -> float:
+        """A GPU's fair share of its node's NIC bandwidth."""
+        return self.nic_bytes_per_s * self.nics_per_node / self.gpus_per_node
+
+    def nic_of(self, rank: int) -> int:
+        local = rank % self.gpus_per_node
+        if self.nics_per_node >= self.gpus_per_node:
+            return rank
+        return (
+            self.node_of(rank) * self.nics_per_node
+            + local * self.nics_per_node // self.gpus_per_node
+        )
+
+
+class Ports:
+    """Port ids in a `Program` for real ranks (created on first use)."""
+
+    def __init__(self, program: Program, net: Network) -> None:
+        self.program = program
+        self.net = net
+        self._ids: dict[tuple[str, int], int] = {}
+
+    def _get(self, kind: str, key: int, bw: float) -> int:
+        if (kind, key) not in self._ids:
+            self._ids[(kind, key)] = self.program.add_port(f"{kind}{key}", bw)
+        return self._ids[(kind, key)]
+
+    def nic(self, rank: int, direction: str) -> int:
+        net = self.net
+        if net.nics_per_node >= net.gpus_per_node:
+            return self._get(f"nic_{direction}", rank, net.nic_bytes_per_gpu)
+        return self._get(f"nic_{direction}", net.nic_of(rank), net.nic_bytes_per_s)
+
+    def nvlink(self, rank: int, direction: str) -> int:
+        return self._get(f"nvl_{direction}", rank, self.net.nvlink_bytes_per_s)
+
+    def message(self, src: int, dst: int, nbytes: float) -> list[tuple[int, float]]:
+        """Port loads of one message between two real ranks."""
+        if src == dst:
+            return []
+        if self.net.same_node(src, dst):
+            return [(self.nvlink(src, "out"), nbytes), (self.nvlink(dst, "in"), nbytes)]
+        return [(self.nic(src, "out"), nbytes), (self.nic(dst, "in"), nbytes)]
+
+    def bundle(
+        self,
+        src: int,
+        dst: int,
+        out_bytes: float,
+        in_bytes: float,
+        out_local: float,
+        in_local: float,
+    ) -> list[tuple[int, float]]:
+        """Port loads of a bundle of messages between two representatives.
+
+        `out_bytes` leave the sender (to all its peers), `in_bytes` reach the receiver
+        (from all its peers); `*_local` is the fraction of them that stays on the node.
+        Each representative has its own fair share of the NIC bandwidth.
+        """
+        bw = self.net.nic_bytes_per_gpu
+        return [
+            (self._get("nic_out", src, bw), out_bytes * (1.0 - out_local)),
+            (self.nvlink(src, "out"), out_bytes * out_local),
+            (self._get("nic_in", dst, bw), in_bytes * (1.0 - in_local)),
+            (self.nvlink(dst, "in"), in_bytes * in_local),
+        ]
+
+    def allreduce_s(self, ranks: list[int], nbytes: float) -> float:
+        """Ring all-reduce of `nbytes` over `ranks`: 2(k-1)/k of the bytes over the slowest hop."""
+        k = len(ranks)
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        nodes = {self.net.node_of(r) for r in ranks}
+        bw = self.net.nvlink_bytes_per_s if len(nodes) == 1 else self.net.nic_bytes_per_gpu
+        return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.net.latency_s
+
+    def a2a_s(self, ranks: list[int], me: int, bytes_per_peer: float) -> float:
+        """All-to-all of `bytes_per_peer` to every other rank of `ranks`, seen from `me`."""
+        peers = [r for r in ranks if r != me]
+        if not peers:
+            return 0.0
+        local = sum(1 for r in peers if self.net.same_node(r, me))
+        remote = len(peers) - local
+        return self.net.latency_s + max(
+            local * bytes_per_peer / self.net.nvlink_bytes_per_s,
+            remote * bytes_per_peer / self.net.nic_bytes_per_gpu,
+        )

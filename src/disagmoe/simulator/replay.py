@@ -1,0 +1,230 @@
+"""Lower an AF-Pipe `Schedule` (the executor's instruction lists) to a simulator `Program`.
+
+The semantics are the executor's (runtime/executor.py):
+
+* per rank a "fwd" and a "bwd" compute lane run their FWD / BWD instructions in
+  list order; a compute waits for its input messages, for its own forward (a
+  backward) and for the in-flight cap (the forward of the rank's first layer
+  for slot s waits for that layer's backward of slot s - max_in_flight);
+* each SEND is posted when the producing compute ends; per (sender, receiver,
+  channel) stream messages move in FIFO order (the receive thread takes one at
+  a time), so a message also waits for the previous one of its stream;
+* SYNC (gradient all-reduce over the attention replicas) starts once every
+  compute and message of the rank is done; STEP follows it.
+
+Symmetry reduction (`Replicas`): all m attention replicas of a group and all n
+expert shards run identical lists with identical costs, so a schedule generated
+for one replica and one shard per group (`Layout(m=1, n=1)`) is replayed with
+each message standing for its whole bundle: the representative A sends n
+dispatches (out) and the representative F receives m (in), split between NIC and
+NVLink by where the real peers sit. `tests/unit/test_simulator.py` checks that
+the reduced and the full replay agree.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ..distributed.layout import Layout
+from ..schedule.afpipe import message_consumer, message_producer
+from ..schedule.ir import Instr, Msg, Op, Schedule
+from .costs import InstrCosts, Workload
+from .engine import COMPUTE, DELAY, Program
+from .network import Network, Ports
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """The real layout behind a schedule generated for `Layout(m=1, n=1)`."""
+
+    full: Layout
+    _local: dict[tuple[str, int, str, int], float] = field(default_factory=dict, repr=False)
+
+    def real_rank(self, reduced_rank: int) -> int:
+        group, pos = divmod(reduced_rank, 2)
+        if pos == 0:
+            return self.full.attn_rank(group, 0)
+        return self.full.expert_rank(group, 0)
+
+    def peers(self, rank_role: str, group: int) -> list[int]:
+        return (
+            self.full.attn_replicas(group) if rank_role == "A" else self.full.expert_shards(group)
+        )
+
+    def local_fraction(self, net: Network, src: tuple[str, int], dst: tuple[str, int]) -> float:
+        """Mean over the real workers of role `src` (comp, group) of the share of their
+        `dst` peers on the same node (A -> A pairs replica r with replica r)."""
+        key = (*src, *dst)
+        if key not in self._local:
+            a_side, b_side = self.peers(*src), self.peers(*dst)
+            if src[0] == dst[0]:
+                pairs = list(zip(a_side, b_side, strict=True))
+            else:
+                pairs = [(a, b) for a in a_side for b in b_side]
+            nodes = [(net.node_of(a), net.node_of(b)) for a, b in pairs]
+            self._local[key] = sum(1 for a, b in nodes if a == b) / len(nodes)
+        return self._local[key]
+
+
+def _category(comp: str) -> str:
+    return "attn" if comp == "A" else "ffn"
+
+
+def lower_schedule(
+    schedule: Schedule,
+    layout: Layout,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    replicas: Replicas | None = None,
+    sync: bool = True,
+    step_s: float = 0.0,
+    grad_bytes: int = 2,
+) -> Program:
+    """Program of one optimizer step of `schedule` (for `layout`, or `replicas.full` if reduced)."""
+    full = replicas.full if replicas else layout
+
+    def real(rank: int) -> int:
+        return replicas.real_rank(rank) if replicas else rank
+
+    prog = Program(num_ranks=schedule.num_ranks, latency_s=net.latency_s)
+    prog.multiplicity = [
+        (full.attn_workers if layout.role(r).comp == "A" else full.expert_workers)
+        if replicas
+        else 1
+        for r in range(schedule.num_ranks)
+    ]
+    ports = Ports(prog, net)
+    task_op: dict[tuple[int, tuple[str, str, int, int]], int] = {}
+    lane_ops: dict[tuple[int, str], list[int]] = defaultdict(list)
+    rank_ops: dict[int, list[int]] = defaultdict(list)
+    first_layer: dict[int, int] = {}
+    for rank, instrs in enumerate(schedule.ranks):
+        layers = [i.layer for i in instrs if i.op == Op.FWD]
+        if layers:
+            first_layer[rank] = min(layers)
+    cap = schedule.max_in_flight
+    for rank, instrs in enumerate(schedule.ranks):
+        for index, ins in enumerate(instrs):
+            if not ins.is_compute:
+                continue
+            lane = lane_ops[(rank, ins.lane)]
+            deps = [lane[-1]] if lane else []
+            if ins.op == Op.BWD:
+                deps.append(task_op[(rank, ("F", ins.comp, ins.layer, ins.slot))])
+            elif ins.layer == first_layer[rank] and ins.slot >= cap:
+                deps.append(task_op[(rank, ("B", ins.comp, ins.layer, ins.slot - cap))])
+            op = prog.add(
+                COMPUTE,
+                rank,
+                ins.lane,
+                costs.compute_s(ins.op, ins.comp, ins.layer),
+                _category(ins.comp),
+                f"{ins.op.value}{ins.comp} l{ins.layer} s{ins.slot}",
+                deps,
+                {"layer": ins.layer, "slot": ins.slot, "step": 0, "index": index},
+            )
+            task_op[(rank, ins.task)] = op
+            lane.append(op)
+            rank_ops[rank].append(op)
+    stream_last: dict[tuple[int, int, str], int] = {}
+    load_cache: dict[tuple[str, bool, int, int], list[tuple[int, float]]] = {}
+    for rank, instrs in enumerate(schedule.ranks):
+        for ins in instrs:
+            if ins.op != Op.SEND or ins.msg is None:
+                continue
+            msg = ins.msg
+            op_p, comp_p, layer_p = message_producer(msg)
+            deps = [task_op[(rank, (op_p.value, comp_p, layer_p, msg.slot))]]
+            stream = (msg.src, msg.dst, msg.channel)
+            if stream in stream_last:
+                deps.append(stream_last[stream])
+            key = (msg.kind, workload.model.is_moe_layer(msg.layer), msg.src, msg.dst)
+            if key not in load_cache:
+                load_cache[key] = _loads(msg, layout, full, workload, net, ports, replicas)
+            loads = load_cache[key]
+            xop = prog.add_xfer(
+                msg.src,
+                msg.dst,
+                loads,
+                f"{msg.kind} l{msg.layer} s{msg.slot}",
+                deps,
+                {
+                    "kind": msg.kind,
+                    "layer": msg.layer,
+                    "slot": msg.slot,
+                    "step": 0,
+                    "src": real(msg.src),
+                    "dst": real(msg.dst),
+                },
+            )
+            stream_last[stream] = xop
+            op_c, comp_c, layer_c = message_consumer(msg)
+            prog.deps[task_op[(msg.dst, (op_c.value, comp_c, layer_c, msg.slot))]].append(xop)
+            rank_ops[msg.src].append(xop)
+            rank_ops[msg.dst].append(xop)
+    if sync:
+        _add_sync(prog, layout, full, workload, ports, rank_ops, step_s, grad_bytes)
+    return prog
+
+
+def _loads(
+    msg: Msg,
+    layout: Layout,
+    full: Layout,
+    workload: Workload,
+    net: Network,
+    ports: Ports,
+    replicas: Replicas | None,
+) -> list[tuple[int, float]]:
+    nbytes = workload.message_bytes(msg.kind, msg.layer, full.expert_workers)
+    if replicas is None:
+        return ports.message(msg.src, msg.dst, nbytes)
+    src, dst = layout.role(msg.src), layout.role(msg.dst)
+    a, b = (src.comp, src.group), (dst.comp, dst.group)
+    fan_out = len(replicas.peers(*b)) if src.comp != dst.comp else 1
+    fan_in = len(replicas.peers(*a)) if src.comp != dst.comp else 1
+    return ports.bundle(
+        replicas.real_rank(msg.src),
+        replicas.real_rank(msg.dst),
+        nbytes * fan_out,
+        nbytes * fan_in,
+        replicas.local_fraction(net, a, b),
+        replicas.local_fraction(net, b, a),
+    )
+
+
+def _add_sync(
+    prog: Program,
+    layout: Layout,
+    full: Layout,
+    workload: Workload,
+    ports: Ports,
+    rank_ops: dict[int, list[int]],
+    step_s: float,
+    grad_bytes: int,
+) -> None:
+    """SYNC: ring all-reduce of the A gradients over the m replicas; expert grads need none."""
+    for rank in range(prog.num_ranks):
+        role = layout.role(rank)
+        group = role.group
+        seconds = 0.0
+        if role.comp == "A":
+            params = sum(
+                workload.attn_param_count(l) for l in full.layers_of(full.attn_rank(group, 0))
+            )
+            seconds = ports.allreduce_s(full.attn_replicas(group), params * grad_bytes)
+        sync = prog.add(
+            DELAY, rank, "sync", seconds, "comm", "SYNC grads", rank_ops[rank], {"step": 0}
+        )
+        prog.add(DELAY, rank, "sync", step_s, "other", "STEP", [sync], {"step": 0})
+
+
+def instr_count(schedule: Schedule) -> int:
+    return sum(len(r) for r in schedule.ranks)
+
+
+def compute_instrs(schedule: Schedule, rank: int) -> list[Instr]:
+    return [i for i in schedule.ranks[rank] if i.is_compute]

@@ -1,0 +1,186 @@
+"""Turn a simulated timeline into the numbers and the trace a user reads.
+
+Breakdown (seconds, averaged over real workers, so that
+`attn + ffn + other + comm_exposed + bubble == step_time_s` on every worker):
+
+* `attn`, `ffn`, `other` — the worker's GPU busy time (union of its compute
+  ops) split by the work of each category (`other`: optimizer step);
+* `comm_overlapped` — time the worker has a message or collective in flight
+  while its GPU computes;
+* `comm_exposed` — time a message or collective is in flight and the GPU idles;
+* `bubble` — the rest: the worker waits with nothing in flight.
+
+`trace.json` uses the real runs' format (runtime/observe.py): one process per
+worker, one thread per lane, one complete event per operation; a message
+appears as "send ..." on the sender's send lane and "recv ..." on the
+receiver's recv lane, from when its bytes start moving to its arrival.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..runtime.observe import Tracer, write_trace
+from .engine import A2A, COMPUTE, DELAY, XFER, Program, Timeline
+
+BREAKDOWN_KEYS = ("attn", "ffn", "other", "comm_overlapped", "comm_exposed", "bubble")
+Interval = tuple[float, float]
+
+
+def _union(spans: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for s, e in sorted(spans):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def _length(spans: list[Interval]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def _intersection(a: list[Interval], b: list[Interval]) -> float:
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+@dataclass
+class SimResult:
+    runtime: str
+    step_time_s: float
+    tokens_per_step: int
+    num_workers: int
+    breakdown: dict[str, float]
+    workers: list[dict[str, Any]]  # one entry per simulated rank (it may stand for several)
+    config: dict[str, Any] = field(default_factory=dict)
+    program: Program | None = None
+    timeline: Timeline | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    def share(self, key: str) -> float:
+        return self.breakdown[key] / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def comm_share(self) -> float:
+        """Communication in flight (hidden or not) as a share of step time."""
+        return self.share("comm_overlapped") + self.share("comm_exposed")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "runtime": self.runtime,
+            "step_time_s": self.step_time_s,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_s,
+            "num_workers": self.num_workers,
+            "breakdown": self.breakdown,
+            "shares": {k: self.share(k) for k in BREAKDOWN_KEYS},
+            "workers": self.workers,
+            "config": self.config,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def write_trace(self, path: str | Path) -> None:
+        assert self.program is not None and self.timeline is not None
+        write_trace(Path(path), trace_events(self.program, self.timeline, self.workers))
+
+
+def summarize(
+    runtime: str,
+    program: Program,
+    timeline: Timeline,
+    *,
+    tokens_per_step: int,
+    roles: list[str],
+    real_ranks: list[int],
+    config: dict[str, Any],
+) -> SimResult:
+    """Per-worker busy time and breakdown of a finished simulation."""
+    n = program.num_ranks
+    compute: list[list[Interval]] = [[] for _ in range(n)]
+    comm: list[list[Interval]] = [[] for _ in range(n)]
+    work: list[dict[str, float]] = [{"attn": 0.0, "ffn": 0.0, "other": 0.0} for _ in range(n)]
+    for op, kind in enumerate(program.kind):
+        s, e = timeline.start[op], timeline.end[op]
+        cat = program.category[op]
+        if kind == XFER:
+            span = (timeline.xfer_begin.get(op, s), e)
+            for r in program.xfer_ranks[op]:
+                comm[r].append(span)
+        elif kind == A2A or (kind == DELAY and cat == "comm"):
+            comm[program.rank[op]].append((s, e))
+        elif kind in (COMPUTE, DELAY):
+            compute[program.rank[op]].append((s, e))
+            work[program.rank[op]][cat] += program.work[op]
+    step = timeline.makespan
+    mult = program.multiplicity or [1] * n
+    total = float(sum(mult))
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
+    workers = []
+    for r in range(n):
+        busy_spans, comm_spans = _union(compute[r]), _union(comm[r])
+        busy = _length(busy_spans)
+        overlapped = _intersection(busy_spans, comm_spans)
+        exposed = _length(comm_spans) - overlapped
+        done = sum(work[r].values())
+        scale = busy / done if done > 0 else 0.0
+        row = {k: v * scale for k, v in work[r].items()}
+        row.update(
+            comm_overlapped=overlapped, comm_exposed=exposed, bubble=max(step - busy - exposed, 0.0)
+        )
+        for key in BREAKDOWN_KEYS:
+            breakdown[key] += row[key] * mult[r] / total
+        workers.append(
+            {
+                "rank": real_ranks[r],
+                "role": roles[r],
+                "count": mult[r],
+                "busy_s": busy,
+                **{k: row[k] for k in BREAKDOWN_KEYS},
+            }
+        )
+    return SimResult(
+        runtime, step, tokens_per_step, int(total), breakdown, workers, config, program, timeline
+    )
+
+
+def trace_events(
+    program: Program, timeline: Timeline, workers: list[dict[str, Any]]
+) -> list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]:
+    tracers = []
+    for w in workers:
+        role = w["role"] + (f" x{w['count']}" if w["count"] > 1 else "")
+        tracers.append(Tracer(w["rank"], role))
+    for op, kind in enumerate(program.kind):
+        s, e = timeline.start[op] * 1e6, timeline.end[op] * 1e6
+        args = program.args[op]
+        if kind == XFER:
+            s = timeline.xfer_begin.get(op, timeline.start[op]) * 1e6
+            ranks = program.xfer_ranks[op]
+            tracers[ranks[0]].add(f"send {program.label[op]}", "send", s, e, **args)
+            if len(ranks) > 1:
+                tracers[ranks[1]].add(f"recv {program.label[op]}", "recv", s, e, **args)
+        else:
+            tracers[program.rank[op]].add(program.label[op], program.lane[op], s, e, **args)
+    return [(t.metadata(), t.events) for t in tracers]

@@ -1,0 +1,245 @@
+"""Reliability: exact and re-layout resume, restart after a killed worker, hang reports, NaN guard."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
+from disagmoe.testing.spawn import run_ranks
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def _cfg(run_dir: Path, **train: Any) -> RunConfig:
+    base = TrainConfig(dtype="float64", progress=False, steps=4, run_dir=str(run_dir), seq_len=32)
+    return RunConfig(
+        parallel=ParallelConfig(groups=1, attn_workers=2, expert_workers=2),
+        train=dataclasses.replace(base, **train),
+    )
+
+
+def _train_disagg(cfgs: list[RunConfig]) -> list[list[float]]:
+    import torch.distributed as dist
+
+    from disagmoe.runtime.disagg import DisaggTrainer
+    from disagmoe.runtime.loop import run_training
+
+    out = []
+    for cfg in cfgs:
+        Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+        records = run_training(DisaggTrainer(cfg), cfg, Path(cfg.train.run_dir))
+        out.append([r["loss"] for r in records])
+        dist.barrier()
+    return out
+
+
+def _reference(cfg: RunConfig) -> list[float]:
+    from disagmoe.runtime.loop import run_training
+    from disagmoe.runtime.reference import ReferenceTrainer
+
+    Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
+    return [r["loss"] for r in run_training(ReferenceTrainer(cfg), cfg, Path(cfg.train.run_dir))]
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-10 * abs(x) for x, y in zip(a, b, strict=True))
+
+
+def test_exact_and_relayout_resume(tmp_path: Path) -> None:
+    full = _cfg(tmp_path / "full", checkpoint_every=2)
+    first = _cfg(tmp_path / "part", steps=2, checkpoint_every=2)
+    second = _cfg(tmp_path / "part", checkpoint_every=2, resume="latest")
+    step2 = str(tmp_path / "full" / "checkpoints" / "step-00000002")
+    # Re-layout: the 4-rank disagg checkpoint continued by the reference trainer and by p=2.
+    by_reference = dataclasses.replace(
+        _cfg(tmp_path / "ref", resume=step2), parallel=ParallelConfig(runtime="reference")
+    )
+    ring = dataclasses.replace(
+        _cfg(tmp_path / "ring", resume=step2),
+        parallel=ParallelConfig(groups=2, attn_workers=1, expert_workers=1),
+    )
+    losses = run_ranks(_train_disagg, 4, [full, first, second])[0]
+    full_losses, resumed = losses[0], losses[2]
+    assert _close(resumed, full_losses[2:]), (resumed, full_losses)
+    metrics = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(m)["step"] for m in metrics] == [1, 2, 3, 4]
+    assert _close(_reference(by_reference), full_losses[2:])
+    # ... and a reference checkpoint continued by the disaggregated runtime.
+    ref_full = dataclasses.replace(
+        _cfg(tmp_path / "rf", checkpoint_every=2), parallel=ParallelConfig(runtime="reference")
+    )
+    ref_losses = _reference(ref_full)
+    assert _close(ref_losses, full_losses)
+    from_ref = _cfg(tmp_path / "fr", resume=str(tmp_path / "rf" / "checkpoints" / "step-00000002"))
+    ring_losses, from_ref_losses = run_ranks(_train_disagg, 4, [ring, from_ref])[0]
+    assert _close(ring_losses, full_losses[2:])
+    assert _close(from_ref_losses, ref_losses[2:])
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path: Path) -> None:
+    cfg = dataclasses.replace(
+        _cfg(tmp_path / "a", steps=1, checkpoint_every=1),
+        parallel=ParallelConfig(runtime="reference"),
+    )
+    _reference(cfg)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disagmoe.cli",
+            "train",
+            "--runtime",
+            "reference",
+            "--set",
+            "model.dim=32",
+            "--resume",
+            str(tmp_path / "a"),
+            "--run-dir",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "model.dim is 64 there, 32 here" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_killed_worker_restarts_from_checkpoint(tmp_path: Path) -> None:
+    common = ["--dtype", "float64", "--no-progress", "--steps", "5", "--checkpoint-every", "2"]
+
+    def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "disagmoe.cli",
+                "train",
+                *common,
+                "--run-dir",
+                str(tmp_path / name),
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            env=ENV,
+            timeout=300,
+        )
+
+    clean = run("clean")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    failed = run("failed", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2")
+    assert failed.returncode == 0, failed.stderr[-2000:]
+    assert "SIGKILL" in failed.stderr and "resumed from" in failed.stdout
+    clean_m = [
+        json.loads(x) for x in (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()
+    ]
+    fail_m = [
+        json.loads(x) for x in (tmp_path / "failed" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [m["step"] for m in fail_m] == [1, 2, 3, 4, 5]
+    assert _close([m["loss"] for m in fail_m], [m["loss"] for m in clean_m])
+
+
+def test_lost_message_is_diagnosed(tmp_path: Path) -> None:
+    """combine of the last layer, last slot, last step never sent: the receiver times out."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disagmoe.cli",
+            "train",
+            "--no-progress",
+            "--steps",
+            "2",
+            "--comm-timeout",
+            "4",
+            "--set",
+            "train.drop_message=combine:3:1:1",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("disagmoe: error: rank ") and "failed" in line, line
+    # The waiting workers name their role, the message and the peer. Which wait times out
+    # first is a race: rank 0 waiting for the lost combine, or rank 2 for the gradient
+    # that rank 0 therefore never sends.
+    assert (
+        "rank 0 A(g0,r0): receiving combine[l3,s1] 2->0 from rank 2" in result.stderr
+        or "rank 2 F(g0,j0): receiving grad_combine[l3,s1] 0->2 from rank 0" in result.stderr
+    ), result.stderr[-3000:]
+    assert time.monotonic() - start < 60
+
+
+def _dead_peer(timeout_s: float) -> str:
+    import torch.distributed as dist
+
+    from disagmoe.runtime.disagg import DisaggTrainer
+
+    cfg = dataclasses.replace(_cfg(Path("unused"), comm_timeout_s=timeout_s))
+    trainer = DisaggTrainer(cfg)
+    trainer.step(0)
+    if dist.get_rank() == 3:
+        os._exit(0)  # an expert worker dies between steps
+    try:
+        trainer.step(1)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_dead_peer_is_diagnosed() -> None:
+    """Expert worker rank 3 exits; its attention peers report whom they waited for."""
+    start = time.monotonic()
+    reports = run_ranks(_dead_peer, 4, 4.0, timeout_s=90, may_vanish={3})
+    assert reports[3] is None
+    for rank in (0, 1):
+        assert "from rank 3" in reports[rank] and f"rank {rank} A(g0,r{rank})" in reports[rank], (
+            reports
+        )
+    assert time.monotonic() - start < 60
+
+
+def test_non_finite_loss_stops_and_keeps_checkpoint(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "disagmoe.cli",
+            "train",
+            "--no-progress",
+            "--steps",
+            "4",
+            "--lr",
+            "1e36",
+            "--set",
+            "train.warmup_steps=1000",
+            "--checkpoint-every",
+            "1",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    line = result.stderr.strip().splitlines()[-1]
+    assert "non-finite" in line and "at step 2" in line and "rank(s) [" in line, line
+    assert (tmp_path / "r" / "checkpoints" / "latest").read_text().strip() == "step-00000001"

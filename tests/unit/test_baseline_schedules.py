@@ -1,0 +1,169 @@
+"""Schedules of the ep-* baselines as data: PyTorch's orders, the IR export and its replay."""
+
+from __future__ import annotations
+
+from collections import Counter
+from unittest import mock
+
+import pytest
+import torch.distributed.pipelining.schedules as pt
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+from disagmoe.baselines.layout import EPLayout, split_layers
+from disagmoe.baselines.schedules import (
+    build_baseline_schedule,
+    one_f_one_b_order,
+    pytorch_order,
+    replay,
+)
+from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig, model_preset
+from disagmoe.schedule.ir import Instr, Op
+
+RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
+
+
+def _layout(
+    runtime: str,
+    world: int,
+    pp: int,
+    ep: int,
+    num_micro: int,
+    model: ModelConfig | None = None,
+    v: int = 2,
+) -> EPLayout:
+    model = model or ModelConfig()
+    train = TrainConfig(global_batch_size=2 * num_micro, micro_batch_size=2)
+    return EPLayout.build(
+        model, ParallelConfig(runtime=runtime, pp=pp, ep=ep, virtual_stages=v), train, world
+    )
+
+
+def _executed_1f1b(pp: int, n: int) -> dict[int, list[tuple[int, str, int]]]:
+    """Run PyTorch's Schedule1F1B loop on mock stages and record the stage calls it makes."""
+    order: dict[int, list[tuple[int, str, int]]] = {}
+    for rank in range(pp):
+        stage = mock.create_autospec(PipelineStage, instance=True)
+        stage.group_rank, stage.group_size, stage.num_stages = rank, pp, pp
+        stage.stage_index, stage.is_first, stage.is_last = rank, rank == 0, rank == pp - 1
+        calls: list[tuple[int, str, int]] = []
+        stage.forward_one_chunk.side_effect = lambda i, *a, _c=calls, _r=rank, **k: _c.append(
+            (_r, "F", i)
+        )
+        stage.backward_one_chunk.side_effect = lambda i, *a, _c=calls, _r=rank, **k: _c.append(
+            (_r, "B", i)
+        )
+        sched = Schedule1F1B(stage, n, loss_fn=None)
+        sched._has_backward = True
+        with (
+            mock.patch.object(pt, "_batch_p2p", return_value=[]),
+            mock.patch.object(sched, "_initialize_stage"),
+        ):
+            sched._step_microbatches([()] * n, [{}] * n, None, None, return_outputs=False)
+        order[rank] = calls
+    return order
+
+
+@pytest.mark.parametrize(("pp", "n"), [(1, 3), (2, 2), (2, 5), (4, 4), (4, 9)])
+def test_1f1b_order_is_what_pytorch_executes(pp: int, n: int) -> None:
+    assert one_f_one_b_order(pp, n) == _executed_1f1b(pp, n)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "pp", "n"),
+    [
+        ("ep-1f1b", 2, 4),
+        ("ep-interleaved", 2, 4),
+        ("ep-interleaved", 4, 8),
+        ("ep-dualpipev", 2, 4),
+        ("ep-dualpipev", 4, 8),
+        ("ep-overlap", 4, 6),
+    ],
+)
+def test_orders_cover_every_stage_and_micro_batch_once(runtime: str, pp: int, n: int) -> None:
+    layout = _layout(runtime, pp, pp, 1, n, ModelConfig(num_layers=8))
+    order = pytorch_order(layout)
+    where = layout.stage_to_pp_rank()
+    for r, acts in order.items():
+        assert all(where[s] == r for s, _, _ in acts), (
+            "an action ran on a rank that lacks its stage"
+        )
+        seen: set[tuple[int, str, int]] = set()
+        for s, kind, mb in acts:
+            if kind in ("B", "I"):
+                assert (s, "F", mb) in seen, f"{kind}{mb} of stage {s} before its forward"
+            if kind == "W":
+                assert (s, "I", mb) in seen
+            seen.add((s, kind, mb))
+        counts = Counter((s, "F" if k == "F" else "B") for s, k, _ in acts if k in ("F", "B", "I"))
+        assert set(counts.values()) == {n}
+    if runtime == "ep-dualpipev":
+        kinds = {k for acts in order.values() for _, k, _ in acts}
+        assert {"I", "W"} <= kinds  # zero-bubble split backward
+        assert layout.stages_of(0) == [0, 2 * pp - 1]  # the V: first and last stage on rank 0
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_export_matches_messages_and_replays(runtime: str) -> None:
+    model = model_preset("tiny-shared")
+    layout = _layout(runtime, 4, 2, 2, 8, model)
+    sched = build_baseline_schedule(layout, model)
+    sends = Counter(i.msg for r in sched.ranks for i in r if i.op == Op.SEND)
+    recvs = Counter(i.msg for r in sched.ranks for i in r if i.op == Op.RECV)
+    assert sends == recvs and sends and set(sends.values()) == {1}
+    for rank, instrs in enumerate(sched.ranks):
+        for i in instrs:
+            if i.op == Op.A2A:
+                assert rank in i.group and len(i.group) == 2
+            if i.msg is not None:
+                assert rank in (i.msg.src, i.msg.dst)
+    # every EP group issues its all-to-alls in one order (else the real run would hang)
+    for instrs in sched.ranks:
+        mine = [(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.A2A]
+        for peer in next(i.group for i in instrs if i.op == Op.A2A):
+            theirs = [(i.comp, i.layer, i.slot) for i in sched.ranks[peer] if i.op == Op.A2A]
+            assert mine == theirs
+    # per micro-batch: every layer's attention and experts forward and backward once per replica
+    dense_layers = model.num_dense_layers
+    for instrs in sched.ranks[:1]:
+        fwd_f = [i for i in instrs if i.op == Op.FWD and i.comp == "F"]
+        assert all(i.layer >= dense_layers for i in fwd_f)
+    finish = replay(sched, lambda i: 1.0 if i.is_compute or i.op == Op.A2A else 0.0)
+    assert len(finish) == 4 and min(finish) > 0
+
+
+def test_1f1b_replay_has_the_published_bubble() -> None:
+    """Uniform stage costs f, b: 1F1B takes (M + p - 1)(f + b) (one layer per stage, no EP)."""
+    pp, n = 4, 6
+    model = ModelConfig(num_layers=4)
+    sched = build_baseline_schedule(_layout("ep-1f1b", pp, pp, 1, n, model), model)
+
+    def cost(i: Instr) -> float:
+        if i.layer == model.num_layers:  # fold the head into the last stage's layer cost
+            return 0.0
+        return {Op.FWD: 0.5, Op.BWD: 1.0}.get(i.op, 0.0)  # FWD A + FWD F = 1, BWD = 2
+
+    finish = replay(sched, cost)
+    assert max(finish) == pytest.approx((n + pp - 1) * (1.0 + 2.0))
+
+
+def test_replay_detects_a_deadlock() -> None:
+    model = ModelConfig()
+    sched = build_baseline_schedule(_layout("ep-1f1b", 2, 2, 1, 2, model), model)
+    swapped = (tuple(reversed(sched.ranks[0])), sched.ranks[1])
+    broken = type(sched)(sched.name, 2, sched.num_slots, 0, sched.roles, swapped, sched.meta)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        replay(broken, lambda i: 1.0)
+
+
+def test_split_layers_and_layout_checks() -> None:
+    assert [list(r) for r in split_layers(5, 2)] == [[0, 1, 2], [3, 4]]
+    layout = _layout("ep-1f1b", 8, 2, 2, 8)
+    assert (layout.dp, layout.ep, layout.num_local_micro_batches) == (4, 2, 2)
+    assert layout.coords(7) == (1, 3, 1, 1)
+    assert layout.ep_group_ranks(1, 1) == [6, 7]
+    with pytest.raises(ValueError, match="micro-batches per replica"):
+        _layout("ep-dualpipev", 2, 2, 1, 2)
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        _layout("ep-1f1b", 2, 2, 1, 4, ModelConfig(tie_embeddings=True))
+    with pytest.raises(ValueError, match="exceed model.num_layers"):
+        _layout("ep-interleaved", 4, 4, 1, 8, ModelConfig(num_layers=4))

@@ -1,0 +1,242 @@
+"""Simulator: AF-Pipe replay against closed forms, validator gate, symmetry reduction, speed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig, ParallelConfig
+from disagmoe.distributed.layout import Layout
+from disagmoe.runtime.observe import LANES
+from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_graph
+from disagmoe.schedule.graph import list_schedule
+from disagmoe.schedule.ir import Op, Schedule
+from disagmoe.simulator import (
+    BREAKDOWN_KEYS,
+    AnalyticCosts,
+    Network,
+    ScheduleRejected,
+    Workload,
+    simulate_disagg,
+    simulate_schedule,
+)
+from disagmoe.simulator.cli import add_simulate_arguments, simulate_from_args
+
+TINY = ModelConfig(num_layers=4)
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Every A and F stage costs `fwd` forward and `bwd` backward; the loss head `head`x that."""
+
+    fwd: float
+    bwd: float
+    num_layers: int
+    head: float = 0.0
+
+    def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        scale = self.head if layer == self.num_layers else 1.0
+        return scale * (self.fwd if op == Op.FWD else self.bwd)
+
+
+def _layout(model: ModelConfig, p: int, m: int = 1, n: int = 1) -> Layout:
+    return Layout.build(model, ParallelConfig(groups=p, attn_workers=m, expert_workers=n))
+
+
+def _replay(
+    model: ModelConfig, p: int, slots: int, costs: StageCosts, latency: float, share: bool = False
+) -> float:
+    layout = _layout(model, p)
+    net = Network.single_node(1e30, latency, layout.world_size)  # bytes are free
+    result = simulate_schedule(
+        build_afpipe(layout, slots),
+        layout,
+        costs,
+        Workload(model, 8, 1),
+        net,
+        share_compute=share,
+        sync=False,
+    )
+    return result.step_time_s
+
+
+@pytest.mark.parametrize(
+    ("layers", "slots", "fwd", "bwd", "latency"),
+    [
+        (4, 8, 1.0, 2.0, 0.5),
+        (4, 3, 1.0, 2.0, 0.5),
+        (8, 16, 1.0, 2.0, 0.5),
+        (4, 8, 1.0, 1.0, 0.0),
+        (6, 5, 0.3, 0.6, 0.1),
+    ],
+)
+def test_afpipe_chain_matches_closed_form(
+    layers: int, slots: int, fwd: float, bwd: float, latency: float
+) -> None:
+    """p = L groups (one layer per group): the ring unrolls into a chain of 2L stages.
+
+    Slot 0 reaches the (free) loss head after 2L stages and 2L hops; the backward
+    chain is bottlenecked by its first stage (bwd >= fwd), which then runs all S
+    backward tasks back to back, and the last slot still crosses 2L - 1 stages:
+        T = 2L*fwd + (S + 2L - 1)*bwd + 4L*latency.
+    """
+    model = ModelConfig(num_layers=layers)
+    got = _replay(model, layers, slots, StageCosts(fwd, bwd, layers), latency)
+    want = 2 * layers * fwd + (slots + 2 * layers - 1) * bwd + 4 * layers * latency
+    assert got == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("layers", "groups", "slots"), [(4, 1, 8), (4, 2, 8), (8, 2, 16), (8, 4, 16)]
+)
+def test_afpipe_ring_reproduces_generator_timeline(layers: int, groups: int, slots: int) -> None:
+    """With the generator's own nominal costs (F 1, B 2, latency 0.5) and independent lanes the
+    replay of the emitted lists ends exactly when the generator's list schedule ends."""
+    model = ModelConfig(num_layers=layers)
+    timeline = list_schedule(build_afpipe_graph(_layout(model, groups), slots, 0), 0.5)
+    got = _replay(model, groups, slots, StageCosts(1.0, 2.0, layers, head=1.0), 0.5)
+    assert got == pytest.approx(max(timeline.end.values()), rel=1e-9)
+
+
+def test_single_slot_is_the_critical_path() -> None:
+    """One micro-batch: 2L+1 forward and 2L+1 backward stages, 4L hops, shared GPU or not."""
+    for share in (False, True):
+        got = _replay(TINY, 2, 1, StageCosts(1.0, 2.0, 4, head=1.0), 0.25, share)
+        assert got == pytest.approx(9 * 3.0 + 16 * 0.25)
+
+
+def _deadlocked(schedule: Schedule) -> Schedule:
+    """Rank 0 runs the forward of layer 2 before that of layer 0 (which layer 2 depends on)."""
+    instrs = list(schedule.ranks[0])
+    first = next(k for k, i in enumerate(instrs) if i.op == Op.FWD and i.layer == 0)
+    later = next(k for k, i in enumerate(instrs) if i.op == Op.FWD and i.layer == 2 and i.slot == 0)
+    instrs[first], instrs[later] = instrs[later], instrs[first]
+    return dataclasses.replace(schedule, ranks=(tuple(instrs), *schedule.ranks[1:]))
+
+
+def test_deadlocking_schedule_is_reported_not_simulated() -> None:
+    layout = _layout(TINY, 2)
+    bad = _deadlocked(build_afpipe(layout, 2))
+    net = Network.single_node(1e9, 0.0, layout.world_size)
+    with pytest.raises(ScheduleRejected, match="deadlock"):
+        simulate_schedule(bad, layout, StageCosts(1.0, 2.0, 4), Workload(TINY, 8, 1), net)
+
+
+def test_reduced_replay_matches_full_replay() -> None:
+    """One replica + one shard with bundled messages predicts the full m x n schedule."""
+    model = MODEL_PRESETS["small"]
+    cluster = dataclasses.replace(CLUSTER_PRESETS["h800"], gpus_per_node=4, nics_per_node=4)
+    kw = dict(
+        groups=2,
+        attn_workers=2,
+        expert_workers=4,
+        seq_len=4096,
+        micro_batch_size=1,
+        num_micro_batches=8,
+    )
+    full = simulate_disagg(model, cluster, reduce=False, **kw)
+    reduced = simulate_disagg(model, cluster, reduce=True, **kw)
+    assert reduced.num_workers == full.num_workers == 12
+    assert reduced.step_time_s == pytest.approx(full.step_time_s, rel=0.02)
+    for key in ("attn", "ffn"):
+        assert reduced.breakdown[key] == pytest.approx(full.breakdown[key], rel=1e-6)
+
+
+def test_breakdown_adds_up_and_trace_has_run_format(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = simulate_disagg(
+        MODEL_PRESETS["small"],
+        CLUSTER_PRESETS["h800"],
+        groups=2,
+        attn_workers=2,
+        expert_workers=2,
+        seq_len=2048,
+        micro_batch_size=2,
+        num_micro_batches=8,
+    )
+    assert set(BREAKDOWN_KEYS) <= set(result.breakdown)
+    for w in result.workers:
+        total = w["attn"] + w["ffn"] + w["other"] + w["comm_exposed"] + w["bubble"]
+        assert total == pytest.approx(result.step_time_s, rel=1e-9)
+    assert result.tokens_per_s == pytest.approx(8 * 2 * 2048 / result.step_time_s)
+    path = tmp_path / "trace.json"
+    result.write_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    pids = {e["pid"] for e in events if e["ph"] == "X"}
+    assert pids == set(range(8))
+    compute = [e for e in events if e["ph"] == "X" and e["cat"] in ("fwd", "bwd")]
+    assert all(e["tid"] == LANES.index(e["cat"]) and "layer" in e["args"] for e in compute)
+    assert len(compute) == sum(
+        1
+        for i in build_afpipe(_layout(MODEL_PRESETS["small"], 2, 2, 2), 4).ranks
+        for x in i
+        if x.is_compute
+    )
+
+
+def test_analytic_costs_agree_with_planner_cost_model() -> None:
+    costmodel = pytest.importorskip("disagmoe.planner.costmodel")
+    for name in ("deepseek-moe-16b", "qwen3-30b-a3b"):
+        model = MODEL_PRESETS[name]
+        w = Workload(model, 4096, 1)
+        per_layer = [sum(w.attn_flops(l)) for l in range(model.num_layers)]
+        ref = costmodel.detailed_costs(model, 4096)
+        assert sum(per_layer) / model.num_layers == pytest.approx(ref.attn_flops, rel=1e-9)
+        costs = AnalyticCosts(w, 1.0, 1, 1)
+        expert = costs.compute_s(Op.FWD, "F", model.num_layers - 1)
+        assert expert * model.num_moe_layers / model.num_layers == pytest.approx(ref.ffn_flops)
+
+
+def test_cli_json_and_user_errors() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--model",
+            "small",
+            "--nodes",
+            "1",
+            "--seq-len",
+            "1024",
+            "--groups",
+            "2",
+            "--attn-workers",
+            "2",
+            "--expert-workers",
+            "2",
+        ]
+    )
+    out = simulate_from_args(args).to_dict()
+    assert {"step_time_s", "tokens_per_s", "breakdown"} <= set(out)
+    assert set(BREAKDOWN_KEYS) <= set(out["breakdown"])
+    for bad in (
+        ["--groups", "3"],
+        ["--seq-len", "0"],
+        ["--model", "nope"],
+        ["--groups", "2", "--attn-workers", "1", "--expert-workers", "1"],
+    ):
+        with pytest.raises(ValueError):
+            simulate_from_args(parser.parse_args(["--model", "small", *bad]))
+
+
+def test_sixteen_nodes_sixty_four_micro_batches_is_fast() -> None:
+    """128 GPUs (p=4, m=16, n=16), 64 micro-batches per replica, 48 layers: < 5 s."""
+    t0 = time.perf_counter()
+    result = simulate_disagg(
+        MODEL_PRESETS["qwen3-30b-a3b"],
+        CLUSTER_PRESETS["h800"],
+        groups=4,
+        attn_workers=16,
+        expert_workers=16,
+        seq_len=8192,
+        micro_batch_size=1,
+        num_micro_batches=64 * 16,
+    )
+    elapsed = time.perf_counter() - t0
+    assert result.num_workers == 128 and result.config["reduced"]
+    assert elapsed < 5.0, f"simulating 16 nodes took {elapsed:.1f} s"

@@ -1,0 +1,136 @@
+"""EP baselines in the simulator: pipeline orders and their published bubble formulas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig
+from disagmoe.simulator import EP_RUNTIMES, Network, simulate_ep
+from disagmoe.simulator.baseline_schedules import Action, Overlap, dualpipev, interleaved_1f1b
+
+H800 = CLUSTER_PRESETS["h800"]
+FREE_NET = Network.single_node(1e30, 0.0, 1 << 12)
+
+
+@dataclass
+class ChunkCosts:
+    """Each pipeline stage (one layer here) costs F forward, B backward (W of it for weights)."""
+
+    F: float
+    B: float
+    W: float
+    num_layers: int
+    pp: int
+    a2a_s: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.a2a_s = [0.0] * self.pp
+
+    def attn(self, layer: int, kind: str) -> float:
+        if layer == self.num_layers:
+            return 0.0
+        return {"F": self.F, "B": self.B, "I": self.B - self.W, "W": self.W}[kind]
+
+    def experts(self, kind: str) -> float:
+        return 0.0
+
+
+def _step(
+    runtime: str, pp: int, mb: int, stages: int, F: float, B: float, W: float = 0.0, chunks: int = 1
+) -> float:
+    model = ModelConfig(num_layers=stages, num_experts=8)
+    result = simulate_ep(
+        runtime,
+        model,
+        H800,
+        gpus=pp,
+        pp=pp,
+        ep=1,
+        seq_len=8,
+        micro_batch_size=1,
+        num_micro_batches=mb,
+        chunks=chunks,
+        sync=False,
+        costs=ChunkCosts(F, B, W, stages, pp),
+        net=FREE_NET,
+    )
+    return result.step_time_s
+
+
+@pytest.mark.parametrize(("pp", "mb"), [(1, 4), (4, 8), (4, 3), (8, 32)])
+def test_1f1b_uniform(pp: int, mb: int) -> None:
+    assert _step("ep-1f1b", pp, mb, pp, 1.0, 2.0) == pytest.approx((mb + pp - 1) * 3.0)
+
+
+@pytest.mark.parametrize(("pp", "mb", "chunks"), [(4, 8, 2), (4, 16, 4), (2, 4, 2), (4, 12, 3)])
+def test_interleaved_bubble_shrinks_by_chunks(pp: int, mb: int, chunks: int) -> None:
+    """Megatron: bubble (p - 1)(F + B) / v of the per-rank stage time v(F + B)."""
+    F, B = 0.5, 1.25  # per chunk
+    got = _step("ep-interleaved", pp, mb, pp * chunks, F, B, chunks=chunks)
+    assert got == pytest.approx(chunks * mb * (F + B) + (pp - 1) * (F + B))
+
+
+@pytest.mark.parametrize(("pp", "mb"), [(2, 4), (2, 8), (3, 12), (4, 8), (4, 16), (5, 20)])
+def test_dualpipev_bubble_matches_published_formula(pp: int, mb: int) -> None:
+    """DualPipe README: bubble (PP/2 - 1)(F&B + B - 3W), PP = 2p stages on p ranks, in its
+    setting F = W = B/2; an F&B pair on one GPU takes F + B (compute shared, no comm)."""
+    F, B, W = 1.0, 2.0, 1.0
+    got = _step("ep-dualpipev", pp, mb, 2 * pp, F, B, W)
+    assert got - 2 * mb * (F + B) == pytest.approx((pp - 1) * ((F + B) + B - 3 * W))
+
+
+def test_orders_cover_every_action_once() -> None:
+    for orders, stages, mb in ((interleaved_1f1b(4, 8, 2), 8, 8), (dualpipev(4, 10), 8, 10)):
+        seen: dict[str, set[tuple[int, int]]] = {"F": set(), "BI": set(), "W": set()}
+        for steps in orders:
+            for step in steps:
+                for act in [step.forward, step.backward] if isinstance(step, Overlap) else [step]:
+                    assert isinstance(act, Action)
+                    key = "BI" if act.kind in "BI" else act.kind
+                    assert (act.stage, act.mb) not in seen[key]
+                    seen[key].add((act.stage, act.mb))
+        everything = {(s, i) for s in range(stages) for i in range(mb)}
+        assert seen["F"] == seen["BI"] == everything
+
+
+def test_all_to_all_share_grows_with_nodes_and_top_k() -> None:
+    model = MODEL_PRESETS["deepseek-moe-16b"]
+    shares = []
+    for nodes in (1, 4):
+        gpus = 8 * nodes
+        r = simulate_ep(
+            "ep-1f1b",
+            model,
+            H800,
+            gpus=gpus,
+            pp=1,
+            ep=gpus,
+            seq_len=8192,
+            micro_batch_size=1,
+            num_micro_batches=gpus,
+        )
+        shares.append(r.comm_share)
+    assert shares[0] < shares[1]
+
+
+@pytest.mark.parametrize("runtime", EP_RUNTIMES)
+def test_ep_runtimes_run_at_scale(runtime: str) -> None:
+    t0 = time.perf_counter()
+    r = simulate_ep(
+        runtime,
+        MODEL_PRESETS["qwen3-30b-a3b"],
+        H800,
+        gpus=128,
+        pp=4,
+        ep=32,
+        seq_len=8192,
+        micro_batch_size=1,
+        num_micro_batches=32 * 16,
+    )
+    assert r.num_workers == 128 and r.step_time_s > 0
+    total = sum(r.breakdown[k] for k in ("attn", "ffn", "other", "comm_exposed", "bubble"))
+    assert total == pytest.approx(r.step_time_s, rel=1e-9)
+    assert time.perf_counter() - t0 < 5.0
