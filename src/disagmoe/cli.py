@@ -118,6 +118,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
         "--fail-at-step", type=int, help="fault injection: kill --fail-rank before this step"
     )
     p.add_argument("--fail-rank", type=int, help="fault injection: the rank to kill (default 0)")
+    p.add_argument(
+        "--plan",
+        choices=("auto",),
+        help="disagg: let the planner choose p, m, n "
+        "for --world-size workers (default 4) on the [cluster] config",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -145,7 +151,17 @@ def resolve_train_config(args: argparse.Namespace) -> RunConfig:
             cfg = replace_section(cfg, section, **{name: value})
     if args.no_progress:
         cfg = replace_section(cfg, "train", progress=False)
-    return apply_overrides(cfg, args.set)
+    cfg = apply_overrides(cfg, args.set)
+    if getattr(args, "plan", None) == "auto":
+        from .planner.layout_plan import auto_layout
+
+        cfg, plan = auto_layout(cfg, cfg.parallel.world_size or 4)
+        print(
+            f"plan: p={plan.groups} m={plan.attn_gpus_per_group} n={plan.ffn_gpus_per_group} "
+            f"(predicted stage {plan.t_stage_s * 1e3:.3g} ms, binding: {plan.binding})",
+            file=sys.stderr,
+        )
+    return cfg
 
 
 def _cmd_train(args: argparse.Namespace) -> int:

@@ -1,0 +1,51 @@
+"""`train --plan auto`: only runnable layouts, and the split follows the workload."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from disagmoe.config import MODEL_PRESETS, RunConfig, TrainConfig
+from disagmoe.planner.layout_plan import auto_layout, runnable_layouts
+
+
+def _cfg(**model: object) -> RunConfig:
+    # A cluster with ample bandwidth, so that compute decides the split.
+    return RunConfig(
+        cluster=dataclasses.replace(RunConfig().cluster, nic_gbps=1e5, latency_us=0.0),
+        model=dataclasses.replace(MODEL_PRESETS["small"], max_seq_len=32768, **model),  # type: ignore[arg-type]
+        train=TrainConfig(seq_len=1024, global_batch_size=16, micro_batch_size=1),
+    )
+
+
+def test_runnable_layouts_respect_runtime_constraints() -> None:
+    cfg = _cfg()
+    layouts = runnable_layouts(cfg, 12)
+    assert layouts
+    for p, m, n in layouts:
+        assert p * (m + n) == 12 and cfg.model.num_layers % p == 0
+        assert cfg.model.num_experts % n == 0 and cfg.train.num_micro_batches % m == 0
+    assert (1, 4, 8) in layouts and (1, 5, 7) not in layouts
+
+
+def test_split_follows_the_workload() -> None:
+    attention_heavy = dataclasses.replace(
+        _cfg(), train=TrainConfig(seq_len=16384, global_batch_size=16, micro_batch_size=1)
+    )
+    expert_heavy = _cfg(expert_dim=4096, top_k=4)
+    a, plan_a = auto_layout(attention_heavy, 12)
+    f, plan_f = auto_layout(expert_heavy, 12)
+    def share(c: RunConfig) -> float:
+        return c.parallel.attn_workers / (c.parallel.attn_workers + c.parallel.expert_workers)
+
+    assert share(a) > share(f), (a.parallel, f.parallel)
+    assert plan_a.step_time_s > 0 and plan_f.step_time_s > 0
+
+
+def test_no_runnable_layout_is_a_clear_error() -> None:
+    cfg = dataclasses.replace(
+        _cfg(num_experts=5), train=TrainConfig(seq_len=64, global_batch_size=3, micro_batch_size=1)
+    )
+    with pytest.raises(ValueError, match="no runnable disaggregated layout for 3 workers"):
+        auto_layout(cfg, 3)
