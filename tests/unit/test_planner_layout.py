@@ -36,6 +36,7 @@ def test_split_follows_the_workload() -> None:
     expert_heavy = _cfg(expert_dim=4096, top_k=4)
     a, plan_a = auto_layout(attention_heavy, 12)
     f, plan_f = auto_layout(expert_heavy, 12)
+
     def share(c: RunConfig) -> float:
         return c.parallel.attn_workers / (c.parallel.attn_workers + c.parallel.expert_workers)
 
