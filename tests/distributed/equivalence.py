@@ -12,12 +12,27 @@ from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
 
 
-def trainer_steps(cfg: RunConfig, steps: int, trainer_path: str) -> dict[str, Any]:
+def collapse_routing(named_params: Any) -> None:
+    """Zero every router: uniform probabilities, so top-k picks the same k experts for
+    every token of the first step — all other experts get no token at all."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in named_params:
+            if name.endswith("router.weight"):
+                param.zero_()
+
+
+def trainer_steps(
+    cfg: RunConfig, steps: int, trainer_path: str, prepare: bool = False
+) -> dict[str, Any]:
     """Runs inside each rank: `steps` steps of the trainer class at `module:Class`."""
     import importlib
 
     module, name = trainer_path.split(":")
     trainer = getattr(importlib.import_module(module), name)(cfg)
+    if prepare:
+        collapse_routing(trainer.named_params)
     out = []
     for step in range(steps):
         result = trainer.step(step, capture_grads=True)
@@ -26,8 +41,10 @@ def trainer_steps(cfg: RunConfig, steps: int, trainer_path: str) -> dict[str, An
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
 
-def reference_steps(cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
+def reference_steps(cfg: RunConfig, steps: int, prepare: bool = False) -> list[dict[str, Any]]:
     ref = ReferenceTrainer(cfg)
+    if prepare:
+        collapse_routing(ref.named_params)
     out = []
     for step in range(steps):
         result = ref.step(step, capture_grads=True)
@@ -36,13 +53,15 @@ def reference_steps(cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
 
 
 def max_rel_errors(
-    cfgs: list[RunConfig], world: int, steps: int, trainer_path: str
+    cfgs: list[RunConfig], world: int, steps: int, trainer_path: str, prepare: bool = False
 ) -> list[tuple[float, float, int]]:
-    """For each config: (max loss rel err, max grad rel err, #params compared)."""
-    results = run_ranks(_run_many, world, cfgs, steps, trainer_path)
+    """For each config: (max loss rel err, max grad rel err, #params compared).
+
+    With `prepare`, every router starts at zero (`collapse_routing`)."""
+    results = run_ranks(_run_many, world, cfgs, steps, trainer_path, prepare)
     report = []
     for k, cfg in enumerate(cfgs):
-        ref = reference_steps(cfg, steps)
+        ref = reference_steps(cfg, steps, prepare)
         loss_err = grad_err = 0.0
         names: set[str] = set()
         for step in range(steps):
@@ -66,12 +85,14 @@ def max_rel_errors(
     return report
 
 
-def _run_many(cfgs: list[RunConfig], steps: int, trainer_path: str) -> list[dict[str, Any]]:
+def _run_many(
+    cfgs: list[RunConfig], steps: int, trainer_path: str, prepare: bool
+) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     out = []
     for cfg in cfgs:
-        out.append(trainer_steps(cfg, steps, trainer_path))
+        out.append(trainer_steps(cfg, steps, trainer_path, prepare))
         dist.barrier()
     return out
 

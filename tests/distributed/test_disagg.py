@@ -33,9 +33,9 @@ def case(p: int, m: int, n: int, **model_changes: object) -> RunConfig:
     )
 
 
-def assert_equivalent(cfgs: list[RunConfig], world: int) -> None:
+def assert_equivalent(cfgs: list[RunConfig], world: int, prepare: bool = False) -> None:
     for cfg, (loss_err, grad_err, count) in zip(
-        cfgs, max_rel_errors(cfgs, world, STEPS, TRAINER), strict=True
+        cfgs, max_rel_errors(cfgs, world, STEPS, TRAINER, prepare), strict=True
     ):
         label = f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} n={cfg.parallel.expert_workers} {cfg.model}"
         assert loss_err < TOL, f"{label}: loss rel err {loss_err}"
@@ -66,6 +66,12 @@ def test_four_ranks_p2_m1_n1() -> None:
         ],
         world=4,
     )
+
+
+def test_extreme_routing_all_tokens_to_one_shard() -> None:
+    """Zeroed routers: step 1 routes every token to the same k experts (one shard); the
+    other shard and all other experts see no token for the whole step; still exact."""
+    assert_equivalent([case(1, 2, 2), case(1, 2, 2, top_k=1)], world=4, prepare=True)
 
 
 def test_four_ranks_p1_m1_n3_in_flight_cap() -> None:

@@ -28,13 +28,15 @@ def _cfg(run_dir: Path, **train: Any) -> RunConfig:
 def _train_disagg(cfgs: list[RunConfig]) -> list[list[float]]:
     import torch.distributed as dist
 
+    from disagmoe.baselines import EPTrainer
     from disagmoe.runtime.disagg import DisaggTrainer
     from disagmoe.runtime.loop import run_training
 
     out = []
     for cfg in cfgs:
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-        records = run_training(DisaggTrainer(cfg), cfg, Path(cfg.train.run_dir))
+        trainer = DisaggTrainer(cfg) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
+        records = run_training(trainer, cfg, Path(cfg.train.run_dir))
         out.append([r["loss"] for r in records])
         dist.barrier()
     return out
@@ -80,6 +82,30 @@ def test_exact_and_relayout_resume(tmp_path: Path) -> None:
     from_ref = _cfg(tmp_path / "fr", resume=str(tmp_path / "rf" / "checkpoints" / "step-00000002"))
     ring_losses, from_ref_losses = run_ranks(_train_disagg, 4, [ring, from_ref])[0]
     assert _close(ring_losses, full_losses[2:])
+    assert _close(from_ref_losses, ref_losses[2:])
+
+
+def test_baseline_resume_and_relayout(tmp_path: Path) -> None:
+    """ep-1f1b (pp=2, ep=2): exact resume, and continuing the reference trainer's checkpoint."""
+    ref = dataclasses.replace(
+        _cfg(tmp_path / "ref", checkpoint_every=2), parallel=ParallelConfig(runtime="reference")
+    )
+    ref_losses = _reference(ref)
+    ep = ParallelConfig(runtime="ep-1f1b", pp=2, ep=2)
+    full = dataclasses.replace(_cfg(tmp_path / "ep", checkpoint_every=2), parallel=ep)
+    resumed = dataclasses.replace(
+        _cfg(tmp_path / "ep2", resume=str(tmp_path / "ep" / "checkpoints" / "step-00000002")),
+        parallel=ep,
+    )
+    from_ref = dataclasses.replace(
+        _cfg(tmp_path / "ep3", resume=str(tmp_path / "ref" / "checkpoints" / "step-00000002")),
+        parallel=ep,
+    )
+    full_losses, resumed_losses, from_ref_losses = run_ranks(
+        _train_disagg, 4, [full, resumed, from_ref]
+    )[0]
+    assert _close(full_losses, ref_losses)
+    assert _close(resumed_losses, ref_losses[2:])
     assert _close(from_ref_losses, ref_losses[2:])
 
 
