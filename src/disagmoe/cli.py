@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -259,20 +258,12 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write("disagmoe: interrupted\n")
         return 130
     except Exception as err:  # a failed rank: say which and why, in one line
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from .train import TrainingFailed
 
-        if isinstance(err, ChildFailedError):
-            rank, failure = err.get_first_failure()
-            sys.stderr.write(f"disagmoe: error: rank {rank} failed: {_failure_line(failure)}\n")
+        if isinstance(err, TrainingFailed):
+            sys.stderr.write(f"disagmoe: error: {err}\n")
             return 1
         raise
-
-
-def _failure_line(failure: Any) -> str:
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", json.dumps(message))
-    return str(message).strip().splitlines()[-1] if message else f"exit code {failure.exitcode}"
 
 
 if __name__ == "__main__":

@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import sys
 import uuid
 from datetime import timedelta
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .config import RunConfig, from_dict, to_dict
 from .distributed.layout import Layout
@@ -79,13 +82,24 @@ def _init_process_group(cfg: RunConfig) -> None:
 
 
 def _worker(cfg_dict: dict[str, Any], run_dir: str) -> list[dict[str, Any]]:
-    """Elastic-launch entry point of one local rank."""
+    """Elastic-launch entry point of one local rank.
+
+    On failure the exception is recorded for the launcher (error file) and the process
+    exits at once: communication threads blocked in a dead exchange must not turn a clean
+    error into an abort at interpreter shutdown.
+    """
     cfg = from_dict(cfg_dict)
-    _init_process_group(cfg)
     try:
-        return run_rank(cfg, Path(run_dir))
-    finally:
-        dist.destroy_process_group()
+        _init_process_group(cfg)
+        records = run_rank(cfg, Path(run_dir))
+    except BaseException as err:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
+    return records
 
 
 def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, Any]]:
@@ -94,6 +108,10 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
 
     from .testing.spawn import free_port
 
+    # A failed rank is reported once, in one line, by the CLI (full report in the run dir),
+    # not by the elastic agent's log of every rank's traceback.
+    for name in ("torch.distributed.elastic", "torch.multiprocessing"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     config = LaunchConfig(
@@ -119,19 +137,49 @@ def check_inputs(cfg: RunConfig) -> None:
     build_data(cfg)
     if cfg.train.init_from_hf:
         build_initial_model(cfg)
+    if cfg.train.resume and cfg.train.resume not in ("latest", "auto"):
+        from .runtime.checkpoint import check_compatible, read_meta
+
+        check_compatible(read_meta(cfg.train.resume), cfg.model, cfg.train.resume)
 
 
 def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
     """Train as configured from a plain process (the CLI); returns the run dir and rank-0 records."""
     nprocs = world_size_for(cfg)
-    if cfg.parallel.runtime != "reference":
-        check_inputs(cfg)
+    check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
     if cfg.parallel.runtime == "reference":
         from .runtime.reference import run_reference
 
         return run_dir, run_reference(cfg, run_dir)
-    return run_dir, launch_local(cfg, run_dir, nprocs)
+    try:
+        return run_dir, launch_local(cfg, run_dir, nprocs)
+    except ChildFailedError as err:
+        raise TrainingFailed(err, run_dir) from None
+
+
+class TrainingFailed(RuntimeError):
+    """A rank failed; the one-line reason, with every rank's report written to the run dir."""
+
+    def __init__(self, err: ChildFailedError, run_dir: Path) -> None:
+        rank, failure = err.get_first_failure()
+        reports = []
+        for r, f in sorted(err.failures.items()):
+            reports.append(f"=== rank {r} (exit code {f.exitcode})\n{_failure_text(f)}")
+        path = run_dir / "failure.txt"
+        path.write_text("\n".join(reports) + "\n")
+        lines = _failure_text(failure).strip().splitlines()
+        reason = lines[-1] if lines else f"exit code {failure.exitcode}"
+        reason = re.sub(r"^(?:\w+\.)+(\w+: )", r"\1", reason)  # drop the module path
+        super().__init__(f"rank {rank} failed: {reason} (all reports: {path})")
+
+
+def _failure_text(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        extra = message.get("extraInfo", {}).get("py_callstack", "")
+        message = extra or message.get("message", "")
+    return str(message or f"exit code {failure.exitcode}, signal {failure.signal_name()}")
 
 
 def torchrun_main(argv: list[str] | None = None) -> int:

@@ -83,7 +83,7 @@ INT_FLAGS = ["--steps", "--seed", "--seq-len", "--global-batch-size", "--micro-b
 @given(
     flags=st.lists(
         st.tuples(
-            st.sampled_from(INT_FLAGS + ["--lr", "--dtype", "--runtime", "--model", "--data"]),
+            st.sampled_from([*INT_FLAGS, "--lr", "--dtype", "--runtime", "--model", "--data"]),
             st.one_of(
                 st.integers(-3, 70).map(str),
                 st.sampled_from(["x", "", "1.5", "tiny", "ep-1f1b", "float16"]),

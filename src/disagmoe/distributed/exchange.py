@@ -89,6 +89,8 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
     try:
         ok = work.wait(timedelta(seconds=timeout_s))
     except RuntimeError as err:
+        if "Timed out" in str(err):
+            raise CommTimeout(f"{what}: nothing arrived within {timeout_s:g} s") from err
         raise CommTimeout(f"{what}: {err}") from err
     if ok is False:
         raise CommTimeout(f"{what}: no data after {timeout_s:.0f} s")

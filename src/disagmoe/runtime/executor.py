@@ -19,6 +19,7 @@ error names the rank, its role, the instruction and the missing messages.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -36,6 +37,10 @@ from .observe import Tracer
 Payload = list[torch.Tensor]
 KINDS = FORWARD_KINDS + BACKWARD_KINDS
 TaskKey = tuple[str, str, int, int]
+# The lanes are Python threads: a receive thread whose message just arrived must get the
+# GIL back from a computing lane quickly, or every message pays up to one switch interval
+# (CPython's default 5 ms) per handoff, several times — longer than the transfer itself.
+GIL_SWITCH_INTERVAL_S = 2e-4
 
 
 class StageWorker(Protocol):
@@ -76,6 +81,7 @@ class Executor:
         timeout_s: float,
         drop_message: str = "",
     ) -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.rank = topo.rank
         self.role = schedule.roles[self.rank]
         self.topo = topo
@@ -149,8 +155,9 @@ class Executor:
                 try:
                     work.wait()
                 except RuntimeError as err:
+                    reason = str(err).splitlines()[0][:200]
                     raise CommTimeout(
-                        f"rank {self.rank} {self.role}: sending {msg}: {err}"
+                        f"rank {self.rank} {self.role}: sending {msg} to rank {msg.dst}: {reason}"
                     ) from err
             self.tracer.add(
                 f"send {msg.kind} l{msg.layer} s{msg.slot}",

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,6 +103,13 @@ def run_training(
     world = dist.get_world_size() if _dist() else 1
     train = cfg.train
     start_step = 0
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart and rank == 0:
+        print(
+            f"restart {restart}: a worker failed; all workers restarted",
+            file=sys.stderr,
+            flush=True,
+        )
     resume = resume_path(cfg, run_dir)
     if resume:
         start_step = load_checkpoint(
@@ -116,7 +124,6 @@ def run_training(
         else None
     )
     tokens_per_step = train.global_batch_size * train.seq_len
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
