@@ -29,17 +29,16 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
+from ..distributed.topology import world_sum
 from ..runtime.objective import (
     LossScale,
+    StepResult,
     build_optimizer,
-    clip_gradients,
     fill_missing_grads,
-    lr_at,
-    set_lr,
+    finish_step,
     torch_dtype,
 )
 from ..runtime.observe import Tracer
-from ..runtime.reference import StepResult
 from ..runtime.setup import build_data, build_initial_model, set_threads
 from ..schedule.ir import Schedule
 from .layout import EPGroups, EPLayout
@@ -187,7 +186,6 @@ class EPTrainer:
         )
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
-        train = self.cfg.train
         self.optimizer.zero_grad(set_to_none=True)
         self.comm.step = step
         for st in self.stages:
@@ -215,27 +213,20 @@ class EPTrainer:
             self.groups.edp,
             "experts",
         )
-        grads = (
-            {n: p.grad.detach().clone() for n, p in self.named_params if p.grad is not None}
-            if capture_grads
-            else {}
-        )
-
-        def world_sum(t: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(t)
-            return t
-
         t0 = Tracer.now_us()
-        norm = clip_gradients(self.params, self.counted, train.grad_clip, world_sum)
-        set_lr(self.optimizer, lr_at(train, step))
-        self.optimizer.step()
+        result = finish_step(
+            step=step,
+            train=self.cfg.train,
+            named_params=self.named_params,
+            counted=self.counted,
+            optimizer=self.optimizer,
+            ce=sum(float(x.detach()) for x in losses) if self.has_last else 0.0,
+            aux=sum(m.aux_sum for m in self.modules),
+            capture_grads=capture_grads,
+            reduce_sum=world_sum,
+        )
         self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
-        totals = torch.zeros(2, dtype=torch.float64)
-        totals[0] = sum(float(x.detach()) for x in losses) if self.has_last else 0.0
-        totals[1] = sum(m.aux_sum for m in self.modules)
-        dist.all_reduce(totals)
-        ce, aux = float(totals[0]), float(totals[1])
-        return StepResult(ce + aux, ce, aux, norm, grads)
+        return result
 
     def expert_shard(self) -> tuple[int, int] | None:
         """Global expert ids [lo, hi) of this rank's shard (every rank holds one)."""

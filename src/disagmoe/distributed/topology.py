@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from ..schedule.ir import Op, Schedule
@@ -56,3 +57,9 @@ class Topology:
 
     def stream(self, src: int, dst: int, channel: str) -> dist.ProcessGroup:
         return self.streams[(src, dst, channel)]
+
+
+def world_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over every worker (in place; returns it)."""
+    dist.all_reduce(t)
+    return t

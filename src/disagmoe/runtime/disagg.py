@@ -24,21 +24,19 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
-from ..distributed.topology import Topology
+from ..distributed.topology import Topology, world_sum
 from ..schedule.afpipe import build_afpipe
 from ..schedule.validate import validate
 from .executor import Executor
 from .objective import (
     LossScale,
+    StepResult,
     build_optimizer,
-    clip_gradients,
     fill_missing_grads,
-    lr_at,
-    set_lr,
+    finish_step,
     torch_dtype,
 )
 from .observe import Tracer
-from .reference import StepResult
 from .setup import build_data, build_initial_model, set_threads
 from .stages import AttnWorker, ExpertWorker
 
@@ -119,7 +117,6 @@ class DisaggTrainer:
         )
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
-        train = self.cfg.train
         self.optimizer.zero_grad(set_to_none=True)
         self._load_micro_batches(step)
         if isinstance(self.worker, AttnWorker):
@@ -127,27 +124,21 @@ class DisaggTrainer:
         self.executor.run_step(step)
         fill_missing_grads(self.params)
         self._sync_grads()
-        grads = (
-            {n: p.grad.detach().clone() for n, p in self.named_params if p.grad is not None}
-            if capture_grads
-            else {}
-        )
-
-        def world_sum(t: torch.Tensor) -> torch.Tensor:
-            dist.all_reduce(t)
-            return t
-
         t0 = Tracer.now_us()
-        norm = clip_gradients(self.params, self.counted, train.grad_clip, world_sum)
-        set_lr(self.optimizer, lr_at(train, step))
-        self.optimizer.step()
+        attn = self.worker if isinstance(self.worker, AttnWorker) else None
+        result = finish_step(
+            step=step,
+            train=self.cfg.train,
+            named_params=self.named_params,
+            counted=self.counted,
+            optimizer=self.optimizer,
+            ce=attn.ce_sum if attn else 0.0,
+            aux=attn.aux_sum if attn else 0.0,
+            capture_grads=capture_grads,
+            reduce_sum=world_sum,
+        )
         self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
-        losses = torch.zeros(2, dtype=torch.float64)
-        if isinstance(self.worker, AttnWorker):
-            losses[0], losses[1] = self.worker.ce_sum, self.worker.aux_sum
-        dist.all_reduce(losses)
-        ce, aux = float(losses[0]), float(losses[1])
-        return StepResult(ce + aux, ce, aux, norm, grads)
+        return result
 
     def expert_shard(self) -> tuple[int, int] | None:
         """Global expert ids [lo, hi) held by this rank (None on attention ranks)."""

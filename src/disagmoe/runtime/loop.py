@@ -28,9 +28,8 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from .objective import lr_at
+from .objective import StepResult, lr_at
 from .observe import MetricsLog, Tracer, write_trace
-from .reference import StepResult
 
 
 class Trainer(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -131,3 +131,47 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}[name]
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (losses summed over every worker)."""
+
+    loss: float
+    ce_loss: float
+    aux_loss: float
+    grad_norm: float
+    grads: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def finish_step(
+    *,
+    step: int,
+    train: TrainConfig,
+    named_params: list[tuple[str, torch.nn.Parameter]],
+    counted: list[bool],
+    optimizer: torch.optim.Optimizer,
+    ce: float,
+    aux: float,
+    capture_grads: bool,
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> StepResult:
+    """The end of every runtime's step, once gradients are complete and synchronised.
+
+    Captures the gradients (tests), clips by the global norm, sets the learning rate,
+    takes the AdamW step, and sums this worker's loss shares over all workers.
+    """
+    params = [p for _, p in named_params]
+    grads = (
+        {n: p.grad.detach().clone() for n, p in named_params if p.grad is not None}
+        if capture_grads
+        else {}
+    )
+    norm = clip_gradients(params, counted, train.grad_clip, reduce_sum)
+    set_lr(optimizer, lr_at(train, step))
+    optimizer.step()
+    totals = torch.tensor([ce, aux], dtype=torch.float64)
+    if reduce_sum is not None:
+        totals = reduce_sum(totals)
+    ce_sum, aux_sum = float(totals[0]), float(totals[1])
+    return StepResult(ce_sum + aux_sum, ce_sum, aux_sum, norm, grads)

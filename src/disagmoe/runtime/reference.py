@@ -2,33 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
-from .objective import (
-    LossScale,
-    build_optimizer,
-    clip_gradients,
-    fill_missing_grads,
-    lr_at,
-    set_lr,
-)
+from .objective import LossScale, StepResult, build_optimizer, fill_missing_grads, finish_step
 from .observe import Tracer
 from .setup import build_data, build_initial_model, set_threads
-
-
-@dataclass
-class StepResult:
-    loss: float
-    ce_loss: float
-    aux_loss: float
-    grad_norm: float
-    grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ReferenceTrainer:
@@ -68,21 +49,17 @@ class ReferenceTrainer:
             self.tracer.add(f"B mb{mb}", "bwd", t1, t2, micro_batch=mb, step=step)
             ce_total += float(ce.detach())
             aux_total += 0.0 if aux_term is None else float(aux_term.detach())
-        params = list(self.model.parameters())
-        fill_missing_grads(params)
-        grads = (
-            {
-                n: p.grad.detach().clone()
-                for n, p in self.model.named_parameters()
-                if p.grad is not None
-            }
-            if capture_grads
-            else {}
+        fill_missing_grads(p for _, p in self.named_params)
+        return finish_step(
+            step=step,
+            train=train,
+            named_params=self.named_params,
+            counted=[True] * len(self.named_params),
+            optimizer=self.optimizer,
+            ce=ce_total,
+            aux=aux_total,
+            capture_grads=capture_grads,
         )
-        norm = clip_gradients(params, [True] * len(params), train.grad_clip)
-        set_lr(self.optimizer, lr_at(train, step))
-        self.optimizer.step()
-        return StepResult(ce_total + aux_total, ce_total, aux_total, norm, grads)
 
 
 def run_reference(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
