@@ -1,0 +1,242 @@
+"""What a measured run's trace says: compute, exposed communication, bubble; and what the
+simulator predicts for the same run from a cost table built out of that trace.
+
+Per rank and measured step (trace lanes of `runtime.observe`):
+
+* compute  = union of the fwd / bwd / compute lanes and the optimizer STEP, minus the
+  blocking waits on all-to-alls inside them (the ep-* stages block in collectives; an
+  event flagged `blocking` is communication, not compute);
+* comm     = union of the send / recv lanes and the gradient all-reduce (SYNC);
+* exposed  = comm not covered by compute on that rank;
+* bubble   = step time minus (compute ∪ comm): the rank waits with nothing in flight.
+
+Values are means over ranks and measured steps. The step time is rank 0's wall time of
+the step (metrics.jsonl), which includes the loss / norm reductions.
+
+Prediction: compute seconds come from the trace (AF-Pipe: median per (op, component,
+layer kind), the `simulator_fidelity` recipe; ep-*: seconds per FLOP of forward and of
+backward fitted over the stage computations), the network is the emulated one (the tbf
+rate per NIC, loopback inside a node), and the measured median SYNC + STEP is added.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import ClusterConfig, RunConfig
+from ..distributed.layout import Layout
+from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
+from ..simulator.ep import EPCosts
+from ..simulator.report import _intersection, _length, _union
+
+Event = dict[str, Any]
+COMPUTE_LANES = ("fwd", "bwd", "compute")
+COMM_LANES = ("send", "recv")
+TCP_EFFICIENCY = 0.94  # goodput / tbf rate of a bulk TCP stream (headers, acks)
+LOOPBACK_BYTES_PER_S = 1.5e9  # gloo over a namespace's local route, measured order
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+    bubble_s: float
+
+
+def _spans(events: list[Event]) -> list[tuple[float, float]]:
+    return _union([(e["ts"], e["ts"] + e["dur"]) for e in events])
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intervals of `a` not covered by `b` (both unions)."""
+    out: list[tuple[float, float]] = []
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def rank_breakdown(events: list[Event], step_s: float) -> Breakdown:
+    """Breakdown of one rank's events of one step (seconds)."""
+    compute = _spans(
+        [
+            e
+            for e in events
+            if e["cat"] in COMPUTE_LANES or (e["cat"] == "sync" and e["name"] == "STEP")
+        ]
+    )
+    compute = _minus(compute, _spans([e for e in events if e["args"].get("blocking")]))
+    comm = _spans(
+        [
+            e
+            for e in events
+            if e["cat"] in COMM_LANES or (e["cat"] == "sync" and e["name"] != "STEP")
+        ]
+    )
+    compute_s, comm_s = _length(compute) / 1e6, _length(comm) / 1e6
+    exposed = comm_s - _intersection(compute, comm) / 1e6
+    busy = compute_s + exposed
+    return Breakdown(compute_s, comm_s, exposed, max(step_s - busy, 0.0))
+
+
+def trace_breakdown(events: list[Event], step_times: dict[int, float]) -> Breakdown:
+    """Mean breakdown over ranks and the given steps ({trace step index: step seconds})."""
+    by_key: dict[tuple[int, int], list[Event]] = defaultdict(list)
+    for e in events:
+        step = e.get("args", {}).get("step")
+        if e.get("ph") == "X" and step in step_times:
+            by_key[(e["pid"], step)].append(e)
+    parts = [rank_breakdown(evs, step_times[step]) for (_, step), evs in by_key.items()]
+    if not parts:
+        return Breakdown(0.0, 0.0, 0.0, 0.0)
+    return Breakdown(
+        *(statistics.fmean(getattr(p, f) for p in parts) for f in Breakdown.__dataclass_fields__)
+    )
+
+
+def _sync_step_s(events: list[Event]) -> float:
+    """Median over steps of the slowest rank's SYNC + STEP seconds."""
+    per: dict[tuple[int, int], float] = defaultdict(float)
+    for e in events:
+        if e["cat"] == "sync":
+            per[(e["args"].get("step", -1), e["pid"])] += e["dur"] / 1e6
+    steps: dict[int, float] = defaultdict(float)
+    for (step, _), s in per.items():
+        steps[step] = max(steps[step], s)
+    return statistics.median(steps.values()) if steps else 0.0
+
+
+def emulated_network(nic_gbps: float, ranks_per_node: int, loopback: bool) -> Network:
+    if loopback:
+        return Network.single_node(LOOPBACK_BYTES_PER_S, 50e-6, ranks_per_node)
+    return Network(
+        gpus_per_node=ranks_per_node,
+        nics_per_node=ranks_per_node,
+        nic_bytes_per_s=nic_gbps * 1e9 / 8 * TCP_EFFICIENCY,
+        nvlink_bytes_per_s=LOOPBACK_BYTES_PER_S,
+        latency_s=100e-6,
+    )
+
+
+def _workload(cfg: RunConfig) -> Workload:
+    act = 8 if cfg.train.dtype == "float64" else 4 if cfg.train.dtype == "float32" else 2
+    return Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, act, 8)
+
+
+def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
+    """Simulated step seconds of an AF-Pipe run with its measured instruction medians."""
+    from ..runtime.disagg import num_slots
+    from ..schedule.afpipe import build_afpipe
+
+    workload = _workload(cfg)
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e["cat"] in ("fwd", "bwd"):
+            op, comp = e["name"][0], e["name"][1]  # e.g. "FA l3 s1"
+            kind = workload.layer_kind(comp, e["args"]["layer"])
+            groups[(op, comp, kind)].append(e["dur"] / 1e6)
+    table = {k: statistics.median(v) for k, v in groups.items()}
+    layout = Layout.build(cfg.model, cfg.parallel, world)
+    schedule = build_afpipe(layout, num_slots(cfg, layout), cfg.schedule.max_in_flight)
+    sim = simulate_schedule(
+        schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
+        sync=False,
+    )  # fmt: skip
+    return sim.step_time_s + _sync_step_s(events)
+
+
+@dataclass(frozen=True)
+class _FittedEP:
+    """`EPCostModel` with analytic FLOPs times fitted seconds per FLOP (forward, backward)."""
+
+    base: EPCosts
+    s_per_flop: dict[str, float]
+    a2a_s: list[float]
+
+    def attn(self, layer: int, kind: str) -> float:
+        return self.base.attn(layer, kind) * self.s_per_flop["F" if kind == "F" else "B"]
+
+    def experts(self, kind: str) -> float:
+        return self.base.experts(kind) * self.s_per_flop["F" if kind == "F" else "B"]
+
+
+def predict_ep(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
+    """Simulated step seconds of an ep-* run: measured compute rate, emulated network."""
+    from ..baselines.layout import EPLayout
+
+    workload = _workload(cfg)
+    lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
+    flops = EPCosts(workload, 1.0, [0.0])  # seconds == FLOPs at 1 FLOP/s
+    model = cfg.model
+
+    def stage_flops(stage: int, kind: str) -> float:
+        total = 0.0
+        for layer in lay.layers_of_stage(stage):
+            total += flops.attn(layer, kind)
+            total += flops.experts(kind) if model.is_moe_layer(layer) else 0.0
+        if stage == lay.num_stages - 1:
+            total += flops.attn(model.num_layers, kind)
+        return total
+
+    blocking: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for e in events:
+        if e["args"].get("blocking"):
+            blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
+    waits = {pid: _union(spans) for pid, spans in blocking.items()}
+    seconds: dict[str, float] = defaultdict(float)
+    work: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
+            continue
+        kind = e["name"].split()[0]
+        span = [(e["ts"], e["ts"] + e["dur"])]
+        own = (_length(span) - _intersection(span, waits.get(e["pid"], []))) / 1e6
+        fam = "F" if kind == "F" else "B"
+        seconds[fam] += own
+        work[fam] += stage_flops(e["args"]["stage"], kind)
+    s_per_flop = {f: seconds[f] / work[f] if work[f] else 0.0 for f in ("F", "B")}
+    # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
+    per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
+    a2a = []
+    for pp_rank in range(lay.pp):
+        me = lay.rank_of(pp_rank, 0)
+        peers = [r for r in lay.ep_group_ranks(pp_rank, 0) if r != me]
+        remote = sum(1 for r in peers if not net.same_node(r, me))
+        local = len(peers) - remote
+        a2a.append(
+            net.latency_s
+            + max(
+                local * per_peer / net.nvlink_bytes_per_s, remote * per_peer / net.nic_bytes_per_gpu
+            )
+            if peers
+            else 0.0
+        )
+    costs = _FittedEP(flops, s_per_flop, a2a)
+    sim = simulate_ep(
+        cfg.parallel.runtime, model, ClusterConfig(), gpus=world, pp=lay.pp, ep=lay.ep,
+        seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+        num_micro_batches=cfg.train.num_micro_batches, chunks=cfg.parallel.virtual_stages,
+        overlap_chunks=cfg.parallel.overlap_chunks, sync=False, costs=costs, net=net,
+    )  # fmt: skip
+    return sim.step_time_s + _sync_step_s(events)
+
+
+def predict(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
+    """Simulator's step seconds for a measured run (events of its measured steps only)."""
+    if cfg.parallel.runtime == "disagg":
+        return predict_disagg(cfg, world, events, net)
+    return predict_ep(cfg, world, events, net)
+
+
+__all__ = ["Breakdown", "emulated_network", "predict", "trace_breakdown"]

@@ -1,0 +1,203 @@
+"""`disagmoe bench`: runtimes side by side on an emulated bandwidth-limited cluster.
+
+    disagmoe bench                                   # 2 nodes x 1 rank, 0.2 Gbit/s NICs
+    disagmoe bench --runtimes disagg,ep-1f1b --steps 5 --json
+    disagmoe bench --plots docs/figures              # + bar chart and trace pair
+
+Every runtime gets the same model, global batch and number of workers; each worker has
+one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg` uses the
+planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise.
+Compute is real, one thread per rank, so the number of ranks may not exceed the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..config import RUNTIMES, ClusterConfig, model_preset
+from .netns import EmulatedCluster, LoopbackCluster, available
+from .runner import BenchSpec, RuntimeResult, run_all, summarize
+
+DEFAULT_RUNTIMES = ("disagg", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
+    p.add_argument("--ranks-per-node", type=int, default=1)
+    p.add_argument("--nic-gbps", type=float, default=0.2, help="NIC rate per worker, Gbit/s")
+    p.add_argument("--model", default="small", help="model preset")
+    p.add_argument("--runtimes", default=",".join(DEFAULT_RUNTIMES), help="comma-separated")
+    p.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
+    p.add_argument("--warmup", type=int, default=2, help="first steps excluded from numbers")
+    p.add_argument("--repeats", type=int, default=2, help="interleaved repetitions per runtime")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch-size", type=int, default=16)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--groups", type=int, default=0, help="disagg p (0: planner)")
+    p.add_argument("--attn-workers", type=int, default=0, help="disagg m (0: planner)")
+    p.add_argument("--expert-workers", type=int, default=0, help="disagg n (0: planner)")
+    p.add_argument("--pp", type=int, default=1, help="ep-*: pipeline ranks")
+    p.add_argument("--ep", type=int, default=0, help="ep-*: expert-parallel ranks (0: W/pp)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="config override for every runtime (repeatable)")  # fmt: skip
+    p.add_argument("--out", help="directory of the runs (default runs/bench-<time>)")
+    p.add_argument("--plots", metavar="DIR", help="write bench_tokens.png and bench_trace.png")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def planner_split(spec: BenchSpec) -> tuple[int, int, int, str]:
+    """(p, m, n, note): the planner's split for this emulated cluster, or an even one."""
+    from ..planner import plan_for
+
+    model = model_preset(spec.model)
+    world = spec.world
+    cluster = ClusterConfig(
+        name="emulated", gpus_per_node=spec.ranks_per_node, nics_per_node=spec.ranks_per_node,
+        nic_gbps=spec.nic_gbps / 8, nvlink_gbps=1.5, peak_tflops=0.02, gpu_mem_gib=8.0,
+        mfu=0.5, bw_efficiency=0.94, latency_us=100.0,
+    )  # fmt: skip
+    num_micro = spec.global_batch_size // spec.micro_batch_size
+    try:
+        plan = plan_for(model, cluster, gpus=world, seq_len=spec.seq_len,
+                        micro_batch_size=spec.micro_batch_size, search_moves=0)  # fmt: skip
+        p, m, n = plan.groups, plan.attn_gpus_per_group, plan.ffn_gpus_per_group
+        if (
+            p * (m + n) == world
+            and num_micro % m == 0
+            and model.num_experts % n == 0
+            and model.num_layers % p == 0
+        ):
+            return p, m, n, f"planner: p={p} m={m} n={n} ({plan.binding} binds)"
+        reason = f"planner's p={p} m={m} n={n} does not fit this batch/model"
+    except ValueError as err:
+        reason = f"planner: {str(err).split(';')[0]}"
+    if world % 2:
+        raise ValueError(f"disagg needs an even worker count here, got {world}; set --groups ...")
+    return 1, world // 2, world // 2, f"{reason}; even split m=n={world // 2}"
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    runtimes = tuple(r.strip() for r in args.runtimes.split(",") if r.strip())
+    unknown = [r for r in runtimes if r not in RUNTIMES or r == "reference"]
+    if unknown or not runtimes:
+        raise ValueError(f"--runtimes: unknown {unknown}; choose from disagg, ep-1f1b, ...")
+    if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbps <= 0:
+        raise ValueError("--nodes, --ranks-per-node must be >= 1 and --nic-gbps > 0")
+    if not 0 <= args.warmup < args.steps:
+        raise ValueError(f"--warmup ({args.warmup}) must be < --steps ({args.steps})")
+    world = args.nodes * args.ranks_per_node
+    cores = os.cpu_count() or 1
+    if world > cores:
+        raise ValueError(
+            f"{world} ranks with real compute on {cores} cores would measure CPU contention, "
+            "not scheduling; use fewer --nodes/--ranks-per-node"
+        )
+    model_preset(args.model)
+    out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    spec = BenchSpec(
+        runtimes=runtimes, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+        nic_gbps=args.nic_gbps, model=args.model, seq_len=args.seq_len,
+        global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
+        steps=args.steps, warmup=args.warmup, repeats=max(args.repeats, 1), groups=args.groups,
+        attn_workers=args.attn_workers, expert_workers=args.expert_workers, pp=args.pp,
+        ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
+        loopback=args.loopback,
+    )  # fmt: skip
+    if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):
+        p, m, n, note = planner_split(spec)
+        spec = dataclasses.replace(spec, groups=p, attn_workers=m, expert_workers=n,
+                                   split_note=note)  # fmt: skip
+    elif "disagg" in runtimes:
+        spec = dataclasses.replace(spec, groups=args.groups or 1, split_note="given")
+    return spec
+
+
+def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) -> str:
+    lines = [
+        f"# {spec.model}, {spec.world} workers ({network}), global batch "
+        f"{spec.global_batch_size}x{spec.seq_len}, {spec.steps - spec.warmup} measured steps "
+        f"x {spec.repeats} repeats (real compute)",
+        f"{'runtime':15s} {'tokens/s':>9s} {'vs 1f1b':>8s} {'step s':>7s} {'exposed':>8s} "
+        f"{'comm%':>6s} {'bubble':>7s} {'sim s':>7s} {'sim err':>8s}  layout",
+    ]
+    for r in results:
+        if not r.ok:
+            lines.append(f"{r.runtime:15s} FAILED: {r.error}")
+            continue
+        b = r.breakdown
+        assert b is not None
+        ratio = f"{r.ratio_vs_ep_1f1b:.2f}x" if r.ratio_vs_ep_1f1b else "-"
+        lines.append(
+            f"{r.runtime:15s} {r.tokens_per_s:9.0f} {ratio:>8s} {r.step_time_s:7.3f} "
+            f"{b.exposed_comm_s:8.3f} {100 * b.exposed_comm_s / r.step_time_s:5.0f}% "
+            f"{b.bubble_s:7.3f} {r.predicted_step_s:7.3f} {100 * r.prediction_error:+7.0f}%  "
+            f"{r.layout}"
+        )
+    lines.append("exposed = communication not covered by compute (s/step, mean over ranks); "
+                 "comm% = exposed / step; sim = simulator with the trace's cost table")  # fmt: skip
+    return "\n".join(lines)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    reason = "" if args.loopback else available()
+    log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    if reason or args.loopback:
+        spec = dataclasses.replace(spec, loopback=True)
+        print(f"bench: {reason or '--loopback'}: plain loopback, NICs are NOT rate-limited",
+              file=sys.stderr)  # fmt: skip
+        cluster: EmulatedCluster | LoopbackCluster = LoopbackCluster(spec.nodes, reason)
+        network = "loopback, no rate limit"
+    else:
+        cluster = EmulatedCluster([spec.nic_gbps * 1000 * spec.ranks_per_node] * spec.nodes)
+        network = (
+            f"{spec.nodes} nodes x {spec.ranks_per_node} ranks, "
+            f"{spec.nic_gbps:g} Gbit/s NIC per worker (tbf)"
+        )
+    if log and spec.split_note:
+        log(f"bench: disagg split — {spec.split_note}")
+    with cluster:
+        outcomes = run_all(spec, cluster, log)
+    results = summarize(spec, outcomes)
+    if args.plots:
+        from .plots import plot_bars, plot_trace_pair
+
+        plot_bars(results, Path(args.plots) / "bench_tokens.png", network)
+        plot_trace_pair(results, Path(args.plots) / "bench_trace.png", spec.steps - 1)
+    if args.json:
+        print(json.dumps({
+            "network": network, "emulated_compute": False, "spec": _spec_dict(spec),
+            "results": [r.to_dict() for r in results],
+        }, indent=2))  # fmt: skip
+    else:
+        print(format_table(spec, results, network))
+    return 0 if all(r.ok for r in results) else 1
+
+
+def _spec_dict(spec: BenchSpec) -> dict[str, object]:
+    out = dataclasses.asdict(spec)
+    out["out_dir"] = str(spec.out_dir)
+    out["world"] = spec.world
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="disagmoe bench", description=__doc__)
+    add_bench_arguments(parser)
+    try:
+        return run_bench(parser.parse_args(argv))
+    except ValueError as err:
+        sys.stderr.write(f"disagmoe: error: {err}\n")
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Figures of a bench: tokens/s bars with exposed communication, and an AF-Pipe / ep-1f1b
+trace pair on one time axis (`plots.trace.plot_traces`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from ..plots.trace import plot_traces
+from .runner import RuntimeResult
+
+
+def plot_bars(results: list[RuntimeResult], out: Path, network: str) -> None:
+    """Tokens/s per runtime (left) and step time split into compute-side / exposed comm."""
+    ok = [r for r in results if r.ok and r.breakdown is not None]
+    names = [r.runtime for r in ok]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    colors = ["#C44E52" if n == "disagg" else "#4C72B0" for n in names]
+    ax1.bar(names, [r.tokens_per_s for r in ok], color=colors)
+    for k, r in enumerate(ok):
+        label = f"{r.ratio_vs_ep_1f1b:.2f}x" if r.ratio_vs_ep_1f1b else ""
+        ax1.text(k, r.tokens_per_s, label, ha="center", va="bottom", fontsize=8)
+    ax1.set_ylabel("tokens/s (measured)")
+    ax1.set_title("throughput (ratio to ep-1f1b)", fontsize=9)
+    exposed = [r.breakdown.exposed_comm_s for r in ok if r.breakdown]
+    rest = [r.step_time_s - e for r, e in zip(ok, exposed, strict=True)]
+    ax2.bar(names, rest, color="#8C8C8C", label="compute, bubble, overlapped comm")
+    ax2.bar(names, exposed, bottom=rest, color="#DD8452", label="exposed communication")
+    ax2.scatter(names, [r.predicted_step_s for r in ok], color="black", marker="_", s=300,
+                label="simulator prediction", zorder=3)  # fmt: skip
+    ax2.set_ylabel("seconds per step")
+    ax2.set_title("step time", fontsize=9)
+    ax2.legend(fontsize=7)
+    for ax in (ax1, ax2):
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+    fig.suptitle(network, fontsize=9)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=130)
+    plt.close(fig)
+
+
+def plot_trace_pair(results: list[RuntimeResult], out: Path, step: int) -> None:
+    """One measured step of AF-Pipe above one of ep-1f1b (first repetition), same axis."""
+    by_name = {r.runtime: r for r in results if r.ok}
+    pair = [("AF-Pipe (disagg)", "disagg"), ("ep-1f1b (EP all-to-all + 1F1B)", "ep-1f1b")]
+    traces: list[tuple[str, str | Path]] = []
+    for title, name in pair:
+        if name in by_name:
+            dirs = [Path(d) for d in by_name[name].run_dirs if (Path(d) / "trace.json").exists()]
+            traces.append((title, dirs[0] / "trace.json"))
+    if traces:
+        plot_traces(traces, out, step=step)

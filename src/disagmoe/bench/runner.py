@@ -1,0 +1,287 @@
+"""Run several runtimes side by side on one (emulated) cluster and collect their numbers.
+
+Every runtime trains the same model on the same global batch with the same number of
+workers (`nodes * ranks_per_node`), started exactly as a multi-node job is:
+
+    ip netns exec dmoe-<pid>-n<k> python -m torch.distributed.run --nnodes N --node-rank k
+        --nproc-per-node R --rdzv-backend c10d --rdzv-endpoint <node 0>:29500
+        --local-addr <node k> -m disagmoe.train <train flags>
+
+(c10d assigns node ranks in the order of the nodes' addresses, which are zero-padded so
+that node k gets node rank k.) Repetitions are interleaved (rep 1 of every runtime, then
+rep 2, ...) so that slow drifts of the machine hit all runtimes alike; the first
+`warmup` steps of every run are excluded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import load_toml
+from .analysis import Breakdown, emulated_network, predict, trace_breakdown
+from .netns import EmulatedCluster, LoopbackCluster
+
+RDZV_PORT = 29500
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """One benchmark: the cluster, the workload, and the layouts of the runtimes."""
+
+    runtimes: tuple[str, ...]
+    nodes: int
+    ranks_per_node: int
+    nic_gbps: float
+    model: str
+    seq_len: int
+    global_batch_size: int
+    micro_batch_size: int
+    steps: int
+    warmup: int
+    repeats: int
+    groups: int
+    attn_workers: int
+    expert_workers: int
+    pp: int
+    ep: int
+    out_dir: Path
+    overrides: tuple[str, ...] = ()
+    disagg_overrides: tuple[str, ...] = ()
+    timeout_s: float = 300.0
+    loopback: bool = False
+    split_note: str = ""
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def layout_flags(self, runtime: str) -> list[str]:
+        if runtime == "disagg":
+            return ["--groups", str(self.groups), "--attn-workers", str(self.attn_workers),
+                    "--expert-workers", str(self.expert_workers)]  # fmt: skip
+        ep = self.ep or self.world // self.pp
+        return ["--pp", str(self.pp), "--ep", str(ep), "--world-size", str(self.world)]
+
+    def train_flags(self, runtime: str, run_dir: Path) -> list[str]:
+        flags = [
+            "--runtime", runtime, "--model", self.model, "--seq-len", str(self.seq_len),
+            "--global-batch-size", str(self.global_batch_size),
+            "--micro-batch-size", str(self.micro_batch_size), "--steps", str(self.steps),
+            "--threads-per-rank", "1", "--no-progress", "--run-dir", str(run_dir),
+            "--comm-timeout", str(max(self.timeout_s / 2, 30.0)),
+            *self.layout_flags(runtime),
+        ]  # fmt: skip
+        extra = self.disagg_overrides if runtime == "disagg" else ()
+        for item in (*self.overrides, *extra):
+            flags += ["--set", item]
+        return flags
+
+
+@dataclass
+class RunOutcome:
+    """One launch of one runtime."""
+
+    runtime: str
+    repeat: int
+    run_dir: Path
+    ok: bool
+    error: str = ""
+    wall_s: float = 0.0
+    step_times: dict[int, float] = field(default_factory=dict)  # trace step -> seconds
+
+
+Cluster = EmulatedCluster | LoopbackCluster
+
+
+def launch(cluster: Cluster, spec: BenchSpec, runtime: str, run_dir: Path) -> tuple[bool, str]:
+    """Start one torchrun agent per node, wait for all; (ok, error line)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": cluster.iface,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
+    rdzv = f"{cluster.addr(0)}:{RDZV_PORT}"
+    nodes = spec.nodes
+    per_node = spec.ranks_per_node
+    if isinstance(cluster, LoopbackCluster):  # one host: one agent with every rank
+        from ..testing.spawn import free_port
+
+        rdzv = f"127.0.0.1:{free_port()}"
+        nodes, per_node = 1, spec.world
+    rdzv_id = f"bench-{uuid.uuid4().hex[:8]}"
+    started = []
+    for k in range(nodes):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            "--node-rank", str(k), "--nproc-per-node", str(per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv,
+            "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60",
+            "--local-addr", cluster.addr(k), "--max-restarts", "0", "--monitor-interval", "0.2",
+            "-m", "disagmoe.train", *spec.train_flags(runtime, run_dir),
+        ]  # fmt: skip
+        log = (run_dir / f"node{k}.log").open("w")
+        proc = subprocess.Popen(
+            cluster.wrap(k, argv), stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        cluster.track(proc)
+        started.append(proc)
+    deadline = time.monotonic() + spec.timeout_s
+    failed = ""
+    while any(p.poll() is None for p in started):
+        bad = [k for k, p in enumerate(started) if p.poll() not in (None, 0)]
+        if bad:
+            failed = f"node {bad[0]} exited with code {started[bad[0]].returncode}"
+            break
+        if time.monotonic() > deadline:
+            failed = f"timed out after {spec.timeout_s:.0f} s"
+            break
+        time.sleep(0.2)
+    if not failed:
+        bad = [k for k, p in enumerate(started) if p.returncode != 0]
+        failed = f"node {bad[0]} exited with code {started[bad[0]].returncode}" if bad else ""
+    if failed:
+        from .netns import kill_all
+
+        kill_all(started)
+        return False, f"{failed}: {_error_line(run_dir)}"
+    return True, ""
+
+
+def _error_line(run_dir: Path) -> str:
+    """The most telling line of the nodes' logs (the raised error, if any)."""
+    for log in sorted(run_dir.glob("node*.log")):
+        lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
+        for line in reversed(lines):
+            if line.startswith(("RuntimeError", "ValueError", "torch.", "disagmoe")) or (
+                "Error" in line.split(":")[0]
+            ):
+                return line[:300]
+    return "see node*.log in the run dir"
+
+
+def read_steps(run_dir: Path, warmup: int) -> dict[int, float]:
+    """{trace step index: step seconds} of the measured steps (after the warm-up)."""
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x]
+    return {r["step"] - 1: r["step_time_s"] for r in records if r["step"] > warmup}
+
+
+def run_all(spec: BenchSpec, cluster: Cluster, log: Any = None) -> list[RunOutcome]:
+    """Every runtime `repeats` times, interleaved; failures are recorded, not raised."""
+    outcomes = []
+    for rep in range(spec.repeats):
+        for runtime in spec.runtimes:
+            run_dir = spec.out_dir / f"{runtime}-r{rep}"
+            t0 = time.perf_counter()
+            if log:
+                log(f"bench: {runtime} (repeat {rep + 1}/{spec.repeats}) -> {run_dir}")
+            ok, error = launch(cluster, spec, runtime, run_dir)
+            out = RunOutcome(runtime, rep, run_dir, ok, error, time.perf_counter() - t0)
+            if ok:
+                out.step_times = read_steps(run_dir, spec.warmup)
+            elif log:
+                log(f"bench: {runtime} failed: {error}")
+            outcomes.append(out)
+    return outcomes
+
+
+@dataclass
+class RuntimeResult:
+    """The numbers of one runtime over all its measured steps and repetitions."""
+
+    runtime: str
+    ok: bool
+    error: str
+    layout: str
+    step_time_s: float = 0.0
+    step_time_spread_s: tuple[float, float] = (0.0, 0.0)  # min, max of per-repeat medians
+    tokens_per_s: float = 0.0
+    ratio_vs_ep_1f1b: float | None = None
+    breakdown: Breakdown | None = None
+    predicted_step_s: float = 0.0
+    prediction_error: float = 0.0
+    run_dirs: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        b = self.breakdown
+        return {
+            "runtime": self.runtime,
+            "ok": self.ok,
+            "error": self.error,
+            "layout": self.layout,
+            "tokens_per_s": self.tokens_per_s,
+            "ratio_vs_ep_1f1b": self.ratio_vs_ep_1f1b,
+            "step_time_s": self.step_time_s,
+            "step_time_spread_s": list(self.step_time_spread_s),
+            "compute_s": b.compute_s if b else None,
+            "comm_s": b.comm_s if b else None,
+            "exposed_comm_s": b.exposed_comm_s if b else None,
+            "exposed_comm_share": b.exposed_comm_s / self.step_time_s if b and self.ok else None,
+            "bubble_s": b.bubble_s if b else None,
+            "predicted_step_s": self.predicted_step_s if self.ok else None,
+            "prediction_error": self.prediction_error if self.ok else None,
+            "run_dirs": self.run_dirs,
+        }
+
+
+def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult]:
+    """Pool each runtime's measured steps; breakdown and prediction from its traces."""
+    results = []
+    net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
+    tokens = spec.global_batch_size * spec.seq_len
+    for runtime in spec.runtimes:
+        mine = [o for o in outcomes if o.runtime == runtime]
+        layout = " ".join(spec.layout_flags(runtime)).replace("--", "")
+        res = RuntimeResult(runtime, False, "", layout, run_dirs=[str(o.run_dir) for o in mine])
+        good = [o for o in mine if o.ok and o.step_times]
+        if not good:
+            res.error = next((o.error for o in mine if o.error), "no measured steps")
+            results.append(res)
+            continue
+        res.ok = True
+        times = [t for o in good for t in o.step_times.values()]
+        res.step_time_s = statistics.median(times)
+        medians = [statistics.median(o.step_times.values()) for o in good]
+        res.step_time_spread_s = (min(medians), max(medians))
+        res.tokens_per_s = tokens / res.step_time_s
+        parts, predictions = [], []
+        for o in good:
+            events = _events(o.run_dir, set(o.step_times))
+            parts.append(trace_breakdown(events, o.step_times))
+            cfg = load_toml(o.run_dir / "config.toml")
+            predictions.append(predict(cfg, spec.world, events, net))
+        res.breakdown = Breakdown(
+            *(
+                statistics.fmean(getattr(p, f) for p in parts)
+                for f in Breakdown.__dataclass_fields__
+            )
+        )
+        res.predicted_step_s = statistics.median(predictions)
+        res.prediction_error = res.predicted_step_s / res.step_time_s - 1.0
+        results.append(res)
+    base = next((r for r in results if r.runtime == "ep-1f1b" and r.ok), None)
+    for r in results:
+        if base is not None and r.ok:
+            r.ratio_vs_ep_1f1b = r.tokens_per_s / base.tokens_per_s
+    return results
+
+
+def _events(run_dir: Path, steps: set[int]) -> list[dict[str, Any]]:
+    data = json.loads((run_dir / "trace.json").read_text())
+    return [
+        e
+        for e in data["traceEvents"]
+        if e.get("ph") == "X" and e.get("args", {}).get("step") in steps
+    ]
