@@ -1,12 +1,17 @@
 """Point-to-point messages of variable size: a fixed-size header, then the payload.
 
 A message is a list of tensors of two kinds — "float" (the run's dtype) and
-int64. The header carries each tensor's kind and shape, so a receiver can
-allocate buffers before the payload arrives ("counts first, then payloads");
-all float tensors travel as one flat buffer and all int tensors as another.
-Empty tensors (a worker that routed no token to a shard) are fine.
+int64. The header carries the message's identity and each tensor's kind and
+shape, so a receiver can allocate buffers before the payload arrives ("counts
+first, then payloads"); all float tensors travel as one flat buffer and all
+int tensors as another. Empty tensors (a worker that routed no token to a
+shard) are fine.
 
-Only `isend` / `irecv` on the stream's dedicated 2-rank group are used — no
+Headers and payloads travel on the stream's two dedicated 2-rank groups, each
+FIFO: a `Receiver` posts the receives of all its headers up front, so a
+sender's header is never held up waiting for the receiver to ask for it (with
+gloo, a send waits for the receiver's "ready" notice, which would otherwise
+queue behind payload data on a busy link). Only `isend` / `irecv` — no
 collective.
 """
 
@@ -18,6 +23,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from .topology import Stream
 
 HEADER_LEN = 64
 _FLOAT, _INT = 0, 1
@@ -66,17 +73,17 @@ def decode_header(
 def send_message(
     tensors: list[torch.Tensor],
     dst: int,
-    group: dist.ProcessGroup,
+    stream: Stream,
     ident: tuple[int, ...] = (0, 0, 0, 0),
 ) -> list[dist.Work]:
     """Post the header and payload sends; the caller waits on the returned works."""
-    works = [_posted(dist.isend(encode_header(tensors, ident), dst, group=group))]
+    works = [_posted(dist.isend(encode_header(tensors, ident), dst, group=stream.header))]
     floats = [t.reshape(-1) for t in tensors if t.dtype != torch.int64]
     ints = [t.reshape(-1) for t in tensors if t.dtype == torch.int64]
     for parts in (floats, ints):
         flat = torch.cat(parts) if parts else None
         if flat is not None and flat.numel() > 0:
-            works.append(_posted(dist.isend(flat.contiguous(), dst, group=group)))
+            works.append(_posted(dist.isend(flat.contiguous(), dst, group=stream.payload)))
     return works
 
 
@@ -96,43 +103,49 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
         raise CommTimeout(f"{what}: no data after {timeout_s:.0f} s")
 
 
-def recv_message(
-    src: int,
-    group: dist.ProcessGroup,
-    float_dtype: torch.dtype,
-    timeout_s: float,
-    what: str = "",
-    arrived: list[float] | None = None,
-    expect: tuple[int, ...] | None = None,
-) -> list[torch.Tensor]:
-    """Receive one message from `src` on `group` (blocking, with a timeout).
+class Receiver:
+    """Receives the `count` messages of one stream in order; all headers are posted at once."""
 
-    If `arrived` is given, the wall-clock time (us) at which the
-    header arrived is appended to it, separating waiting from transfer time.
-    """
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    _wait(_posted(dist.irecv(header, src, group=group)), timeout_s, what)
-    if arrived is not None:
-        arrived.append(time.time_ns() / 1000.0)
-    ident, specs = decode_header(header)
-    if expect is not None and ident != tuple(expect):
-        raise ProtocolError(
-            f"{what}: got message {ident} instead of {tuple(expect)} (lost or reordered)", ident
-        )
-    sizes = [math.prod(shape) for _, shape in specs]
-    n_float = sum(s for (k, _), s in zip(specs, sizes, strict=True) if k == _FLOAT)
-    n_int = sum(s for (k, _), s in zip(specs, sizes, strict=True) if k == _INT)
-    flat_f = torch.empty(n_float, dtype=float_dtype)
-    flat_i = torch.empty(n_int, dtype=torch.int64)
-    for flat in (flat_f, flat_i):
-        if flat.numel() > 0:
-            _wait(_posted(dist.irecv(flat, src, group=group)), timeout_s, what)
-    out, pos_f, pos_i = [], 0, 0
-    for (kind, shape), size in zip(specs, sizes, strict=True):
-        if kind == _FLOAT:
-            out.append(flat_f[pos_f : pos_f + size].view(shape))
-            pos_f += size
-        else:
-            out.append(flat_i[pos_i : pos_i + size].view(shape))
-            pos_i += size
-    return out
+    def __init__(self, src: int, stream: Stream, float_dtype: torch.dtype, count: int) -> None:
+        self.src = src
+        self.stream = stream
+        self.float_dtype = float_dtype
+        self.headers = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in range(count)]
+        self.works = [_posted(dist.irecv(h, src, group=stream.header)) for h in self.headers]
+        self.next = 0
+
+    def receive(
+        self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None
+    ) -> tuple[list[torch.Tensor], float]:
+        """The next message and the wall-clock time (us) its header arrived."""
+        k = self.next
+        self.next += 1
+        _wait(self.works[k], timeout_s, what)
+        arrived = time.time_ns() / 1000.0
+        ident, specs = decode_header(self.headers[k])
+        if expect is not None and ident != tuple(expect):
+            raise ProtocolError(
+                f"{what}: got message {ident} instead of {tuple(expect)} (lost or reordered)",
+                ident,
+            )
+        sizes = [math.prod(shape) for _, shape in specs]
+        n_float = sum(s for (kind, _), s in zip(specs, sizes, strict=True) if kind == _FLOAT)
+        n_int = sum(s for (kind, _), s in zip(specs, sizes, strict=True) if kind == _INT)
+        flat_f = torch.empty(n_float, dtype=self.float_dtype)
+        flat_i = torch.empty(n_int, dtype=torch.int64)
+        works = [
+            _posted(dist.irecv(flat, self.src, group=self.stream.payload))
+            for flat in (flat_f, flat_i)
+            if flat.numel() > 0
+        ]
+        for work in works:
+            _wait(work, timeout_s, what)
+        out, pos_f, pos_i = [], 0, 0
+        for (kind, shape), size in zip(specs, sizes, strict=True):
+            if kind == _FLOAT:
+                out.append(flat_f[pos_f : pos_f + size].view(shape))
+                pos_f += size
+            else:
+                out.append(flat_i[pos_i : pos_i + size].view(shape))
+                pos_i += size
+        return out, arrived

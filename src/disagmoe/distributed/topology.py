@@ -1,9 +1,11 @@
 """Process groups of a disaggregated run, built once and passed explicitly.
 
-* one 2-rank group per (sender, receiver, channel) message stream of the
+* two 2-rank groups per (sender, receiver, channel) message stream of the
   schedule — the dedicated send/receive groups of DESIGN.md §2.3, so that
   forward activations and backward gradients between the same two workers
-  never queue behind each other;
+  never queue behind each other. Of each pair, one carries the fixed-size
+  headers and one the payloads: each is FIFO on its own, so a receiver can
+  post the headers of all its messages ahead of time, on any backend;
 * per attention group, the group of its m data-parallel replicas (gradient
   all-reduce);
 * the world group (loss/metrics reduction, global gradient norm).
@@ -23,12 +25,20 @@ from ..schedule.ir import Op, Schedule
 from .layout import Layout, Role
 
 
+@dataclass(frozen=True)
+class Stream:
+    """The process groups of one (sender, receiver, channel) stream."""
+
+    header: dist.ProcessGroup
+    payload: dist.ProcessGroup
+
+
 @dataclass
 class Topology:
     layout: Layout
     rank: int
     role: Role
-    streams: dict[tuple[int, int, str], dist.ProcessGroup]  # (src, dst, channel) -> group
+    streams: dict[tuple[int, int, str], Stream]  # (src, dst, channel) -> its groups
     replica_group: dist.ProcessGroup | None  # this A rank's replicas (None for F ranks)
 
     @classmethod
@@ -44,9 +54,9 @@ class Topology:
         )
         streams = {}
         for src, dst, channel in keys:
-            group = dist.new_group([src, dst])
+            header, payload = dist.new_group([src, dst]), dist.new_group([src, dst])
             if rank in (src, dst):
-                streams[(src, dst, channel)] = group
+                streams[(src, dst, channel)] = Stream(header, payload)
         replica_group = None
         role = layout.role(rank)
         for g in range(layout.groups):
@@ -55,7 +65,7 @@ class Topology:
                 replica_group = group
         return cls(layout, rank, role, streams, replica_group)
 
-    def stream(self, src: int, dst: int, channel: str) -> dist.ProcessGroup:
+    def stream(self, src: int, dst: int, channel: str) -> Stream:
         return self.streams[(src, dst, channel)]
 
 

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from ..distributed.exchange import CommTimeout, ProtocolError, recv_message, send_message
+from ..distributed.exchange import CommTimeout, ProtocolError, Receiver, send_message
 from ..distributed.topology import Topology
 from ..schedule.afpipe import message_consumer, message_producer
 from ..schedule.ir import BACKWARD_KINDS, FORWARD_KINDS, Instr, Msg, Op, Schedule
@@ -113,15 +113,12 @@ class Executor:
     # ------------------------------------------------------------------ lanes
 
     def _recv_lane(self, sh: _Shared, src: int, channel: str, msgs: list[Msg], step: int) -> None:
-        group = self.topo.stream(src, self.rank, channel)
+        receiver = Receiver(src, self.topo.stream(src, self.rank, channel), self.dtype, len(msgs))
         for msg in msgs:
             t_wait = Tracer.now_us()
             what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
-            arrived: list[float] = []
             try:
-                payload = recv_message(
-                    src, group, self.dtype, self.timeout_s, what, arrived, expect=_ident(msg, step)
-                )
+                payload, arrived = receiver.receive(self.timeout_s, what, expect=_ident(msg, step))
             except ProtocolError as err:
                 kind, layer, slot, got_step = err.got
                 raise ProtocolError(
@@ -132,13 +129,13 @@ class Executor:
             self.tracer.add(
                 f"recv {msg.kind} l{msg.layer} s{msg.slot}",
                 "recv",
-                arrived[0],
+                arrived,
                 Tracer.now_us(),
                 src=src,
                 layer=msg.layer,
                 slot=msg.slot,
                 step=step,
-                waited_us=round(arrived[0] - t_wait, 1),
+                waited_us=round(arrived - t_wait, 1),
                 bytes=sum(t.numel() * t.element_size() for t in payload),
             )
             with sh.cond:
