@@ -4,7 +4,10 @@
 
 Cluster presets are nominal (datasheet peaks scaled by the preset's mfu and
 bw_efficiency); no GPU measurement backs them. Every runtime of one sweep point
-gets the same GPUs and the same global batch (micro-batch size 1).
+gets the same GPUs and about the same global batch (micro-batch size 1; disagg
+rounds it to a multiple of its m replicas). disagg uses the planner's p, m, n and
+NIC split and the node-aware placement (`simulator.placement`) unless a sweep
+says otherwise.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 
 from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig
 from disagmoe.simulator import EP_RUNTIMES, SimResult, simulate_disagg, simulate_ep
 from disagmoe.simulator.cli import default_disagg_split
+from disagmoe.simulator.placement import planned_split, runnable_in_flight
 
 PRESETS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 H800 = CLUSTER_PRESETS["h800"]
@@ -34,32 +39,73 @@ def pp_for(model: ModelConfig, nodes: int, gpus: int) -> int:
     return max(d for d in range(1, nodes + 1) if model.num_layers % d == 0 and gpus % d == 0)
 
 
+def disagg_micro(target: int, m: int) -> int:
+    """The global batch nearest `target` that m replicas can share evenly."""
+    return max(m, round(target / m) * m)
+
+
+def peak_memory_gib(
+    model: ModelConfig, groups: int, m: int, n: int, seq_len: int, peak: int, recompute: bool
+) -> float:
+    """Worst worker's memory (planner's model) with `peak` micro-batches in flight."""
+    from disagmoe.planner import costmodel as cm
+
+    rc = "full" if recompute else "none"
+    kw = dict(groups=groups, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute=rc)
+    attn = cm.attn_worker_memory(model, **kw).total  # type: ignore[arg-type]
+    a, b = cm.ffn_memory_terms(model, **kw)  # type: ignore[arg-type]
+    return max(attn, (a + b * m) / n) / GIB
+
+
 def run(
     runtime: str,
     model: ModelConfig,
     nodes: int,
     seq_len: int,
     per_replica: int,
-    groups: int = 2,
+    groups: int = 0,
     split: tuple[int, int] | None = None,
     pp: int = 0,
     ep: int = 0,
+    placement: str = "node-aware",
+    nic: str = "planner",
+    cap: bool = True,
 ) -> SimResult:
-    """One step; the global batch is `per_replica` micro-batches per GPU-pair of work."""
+    """One step; the global batch is about `per_replica` micro-batches per pair of GPUs.
+
+    disagg: `split` (m, n) with `groups`, else the planner's (p, m, n); `nic` "planner"
+    (its M_a : M_f, node-aware placement only) or "even" (one NIC share per GPU);
+    `cap`: hold at most the planner's in-flight micro-batches (its memory limit).
+    """
     gpus = nodes * H800.gpus_per_node
     micro = per_replica * gpus // 2
     if runtime == "disagg":
-        m, n = split or default_disagg_split(model, H800, gpus, seq_len, groups, micro)
-        return simulate_disagg(
+        plan = planned_split(model, H800, gpus=gpus, seq_len=seq_len, micro_batch_size=1,
+                             groups=groups)  # fmt: skip
+        p, (m, n), k = plan.groups, (plan.attn_workers, plan.expert_workers), plan.in_flight
+        if split:  # another split: its own memory limit
+            p, (m, n) = groups or p, split
+            k = runnable_in_flight(model, H800, gpus=gpus, seq_len=seq_len, micro_batch_size=1,
+                                   groups=p, attn_workers=m, recompute=plan.recompute)  # fmt: skip
+        use_nic = nic == "planner" and placement == "node-aware" and not split
+        result = simulate_disagg(
             model,
             H800,
-            groups=groups,
+            groups=p,
             attn_workers=m,
             expert_workers=n,
             seq_len=seq_len,
             micro_batch_size=1,
-            num_micro_batches=micro,
+            num_micro_batches=disagg_micro(micro, m),
+            placement=placement,
+            nic_split=(plan.attn_nics, plan.ffn_nics) if use_nic else None,
+            max_in_flight=k if cap else 0,
+            recompute=plan.recompute,
         )
+        result.config["split_note"] = plan.note if not split else "given"
+        peak = int(result.config["peak_in_flight"])
+        result.config["memory_gib"] = peak_memory_gib(model, p, m, n, seq_len, peak, plan.recompute)
+        return result
     pp = pp or pp_for(model, nodes, gpus)
     dp = gpus // pp
     ep = ep or max(d for d in range(1, dp + 1) if dp % d == 0 and model.num_experts % d == 0)
@@ -99,6 +145,44 @@ def sweep_seq_len(nodes: int, lens: list[int], per_replica: int) -> list[dict[st
     return rows
 
 
+def sweep_placement(nodes: int, seq_len: int, per_replica: int) -> list[dict[str, Any]]:
+    """disagg variants (split x placement x NIC split) against EP 1F1B with growing ep."""
+    rows = []
+    for name in PRESETS:
+        model = MODEL_PRESETS[name]
+        gpus = nodes * 8
+        p2 = default_disagg_split(model, H800, gpus, seq_len, 2)
+        variants = [
+            ("flop split p=2, packed", dict(groups=2, split=p2, placement="packed")),
+            ("flop split p=2, node-aware", dict(groups=2, split=p2)),
+            ("planner, packed", dict(placement="packed")),
+            ("planner, node-aware, even NICs", dict(nic="even")),
+            ("planner, node-aware, planner NICs", {}),
+            ("same, no in-flight cap (memory!)", dict(cap=False)),
+        ]
+        for label, kw in variants:
+            r = run("disagg", model, nodes, seq_len, per_replica, **kw)  # type: ignore[arg-type]
+            rows.append(row(r, model=name, runtime="disagg", variant=label))
+        for pp in (8, 4, 2, 1):
+            dp = gpus // pp
+            ep = max(d for d in range(1, dp + 1) if dp % d == 0 and model.num_experts % d == 0)
+            if model.num_layers % pp:
+                continue
+            r = run("ep-1f1b", model, nodes, seq_len, per_replica, pp=pp, ep=ep)
+            rows.append(row(r, model=name, runtime="ep-1f1b", variant=f"pp={pp} ep={ep}"))
+        for r in (r for r in rows if r["model"] == name):
+            c = r["config"]
+            print(
+                f"  {name:17s} {r['variant']:34s} {r['tokens_per_s']:10.0f} tok/s "
+                f"comm {100 * r['comm_share']:4.1f}% exposed "
+                f"{100 * r['shares']['comm_exposed']:4.1f}% "
+                + (f"p={c['groups']} m={c['attn_workers']} n={c['expert_workers']} in flight "
+                   f"{c['peak_in_flight']} {c['memory_gib']:.0f} GiB"
+                   if r["runtime"] == "disagg" else "")
+            )  # fmt: skip
+    return rows
+
+
 def sweep_a2a(per_replica: int) -> list[dict[str, Any]]:
     """Megatron-style EP across all GPUs (pp = 1, ep = GPUs): all-to-all share of step time."""
     model = MODEL_PRESETS["deepseek-moe-16b"]
@@ -114,13 +198,18 @@ def sweep_a2a(per_replica: int) -> list[dict[str, Any]]:
 
 
 def sweep_split(nodes: int, seq_len: int, slots: int) -> list[dict[str, Any]]:
+    """Every runnable m : n per p, node-aware, even NICs, each at its memory's in-flight limit
+    (the planner's recompute choice for that p); `planner` marks the planner's split."""
     model = MODEL_PRESETS["qwen3-30b-a3b"]
     gpus = nodes * 8
     rows = []
     for p in (1, 2, 4):
+        plan = planned_split(model, H800, gpus=gpus, seq_len=seq_len, micro_batch_size=1, groups=p)
         per = gpus // p
         for n in (d for d in range(1, per) if model.num_experts % d == 0):
             m = per - n
+            k = runnable_in_flight(model, H800, gpus=gpus, seq_len=seq_len, micro_batch_size=1,
+                                   groups=p, attn_workers=m, recompute=plan.recompute)  # fmt: skip
             r = simulate_disagg(
                 model,
                 H800,
@@ -130,19 +219,30 @@ def sweep_split(nodes: int, seq_len: int, slots: int) -> list[dict[str, Any]]:
                 seq_len=seq_len,
                 micro_batch_size=1,
                 num_micro_batches=slots * m,
+                max_in_flight=k,
+                recompute=plan.recompute,
             )
-            rows.append(row(r, groups=p, attn_workers=m, expert_workers=n, ffn_fraction=n / per))
+            rows.append(
+                row(
+                    r,
+                    groups=p,
+                    attn_workers=m,
+                    expert_workers=n,
+                    ffn_fraction=n / per,
+                    in_flight=k,
+                    planner=m == plan.attn_workers,
+                )
+            )
     return rows
 
 
 def sweep_virtual(nodes: int, seq_len: int, slots: int) -> list[dict[str, Any]]:
-    from disagmoe.planner import costmodel as cm
-
     model = MODEL_PRESETS["qwen3-30b-a3b"]
     gpus = nodes * 8
     rows = []
     for p in (d for d in range(1, 49) if model.num_layers % d == 0 and gpus % d == 0):
-        m, n = default_disagg_split(model, H800, gpus, seq_len, p)
+        plan = planned_split(model, H800, gpus=gpus, seq_len=seq_len, micro_batch_size=1, groups=p)
+        m, n = plan.attn_workers, plan.expert_workers
         r = simulate_disagg(
             model,
             H800,
@@ -152,15 +252,12 @@ def sweep_virtual(nodes: int, seq_len: int, slots: int) -> list[dict[str, Any]]:
             seq_len=seq_len,
             micro_batch_size=1,
             num_micro_batches=slots * m,
+            nic_split=(plan.attn_nics, plan.ffn_nics),
+            max_in_flight=plan.in_flight,
+            recompute=plan.recompute,
         )
         peak = int(r.config["peak_in_flight"])
-        attn = cm.attn_worker_memory(
-            model, groups=p, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute="none"
-        ).total
-        a, b = cm.ffn_memory_terms(
-            model, groups=p, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute="none"
-        )
-        worst = max(attn, (a + b * m) / n) / GIB
+        worst = peak_memory_gib(model, p, m, n, seq_len, peak, plan.recompute)
         rows.append(
             row(
                 r,
@@ -195,6 +292,7 @@ def plot(out: Path, data: dict[str, Any]) -> None:
             xticks=[4096, 8192, 16384, 32768],
         )
         ax.set_xticklabels(["4K", "8K", "16K", "32K"])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(out / "sim_throughput_vs_seq.png", dpi=110)
@@ -230,6 +328,7 @@ def plot(out: Path, data: dict[str, Any]) -> None:
             ylabel="share of step time (%)",
             xscale="log",
         )
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / "sim_shares_vs_seq.png", dpi=110)
@@ -243,8 +342,10 @@ def plot(out: Path, data: dict[str, Any]) -> None:
             "o-",
             label=f"p = {p}",
         )
+        for r in (r for r in pts if r["planner"]):
+            ax.plot(r["ffn_fraction"], r["tokens_per_s"] / 1e3, "k*", ms=12)
     ax.set(
-        title="Qwen3-30B-A3B 8K, 8 nodes: A:F split",
+        title="Qwen3-30B-A3B 8K, 8 nodes: A:F split (*: planner)",
         xlabel="FFN share n/(m+n) of GPUs",
         ylabel="k tokens/s",
     )
@@ -278,7 +379,7 @@ def main() -> None:
     t0 = time.perf_counter()
     lens = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768]
     print("throughput vs sequence length (8 nodes)")
-    data = {"seq_len": sweep_seq_len(8, lens, 16)}
+    data: dict[str, Any] = {"seq_len": sweep_seq_len(8, lens, 16)}
     print("all-to-all share")
     data["a2a"] = sweep_a2a(16)
     for r in data["a2a"]:
@@ -286,6 +387,8 @@ def main() -> None:
             f"  {r['sweep']:6s} nodes {r['nodes']} top-k {r['top_k']}: "
             f"{100 * r['comm_share']:5.1f}% of step in all-to-all"
         )
+    print("placement and NIC split (8K, 8 nodes) against EP 1F1B with growing ep")
+    data["placement"] = sweep_placement(8, 8192, 16)
     print("A:F split and virtual stages")
     data["split"] = sweep_split(8, 8192, 32)
     data["virtual"] = sweep_virtual(8, 8192, 32)
@@ -298,7 +401,8 @@ def main() -> None:
     data["meta"] = {
         "cluster": dataclasses.asdict(H800),
         "seconds": time.perf_counter() - t0,
-        "note": "nominal cluster preset, no measured calibration",
+        "note": "nominal cluster preset, no measured calibration; disagg: planner split, "
+        "node-aware placement, planner NIC split unless the row says otherwise",
     }
     (out / "simulator_sweeps.json").write_text(json.dumps(data, indent=1))
     plot(out, data)

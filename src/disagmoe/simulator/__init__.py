@@ -6,7 +6,7 @@
 * results: step time, tokens/s, per-worker busy time, breakdown, Chrome trace.
 """
 
-from .costs import AnalyticCosts, TableCosts, Workload
+from .costs import AnalyticCosts, MessageOverheads, TableCosts, Workload
 from .disagg import ScheduleRejected, simulate_disagg, simulate_schedule
 from .ep import EP_RUNTIMES, simulate_ep
 from .network import Network
@@ -16,6 +16,7 @@ __all__ = [
     "BREAKDOWN_KEYS",
     "EP_RUNTIMES",
     "AnalyticCosts",
+    "MessageOverheads",
     "Network",
     "ScheduleRejected",
     "SimResult",

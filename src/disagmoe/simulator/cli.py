@@ -15,6 +15,7 @@ from ..config import ClusterConfig, ModelConfig, cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import EP_RUNTIMES, simulate_ep
+from .placement import PLACEMENTS, planned_split
 from .report import BREAKDOWN_KEYS, SimResult
 
 SIM_RUNTIMES = ("disagg", *EP_RUNTIMES)
@@ -39,6 +40,20 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--expert-workers", type=int, default=0, help="disagg: n per group (0: auto)"
     )
     parser.add_argument("--max-in-flight", type=int, default=0, help="disagg: slot cap (0: none)")
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="node-aware",
+        help="disagg: node-aware mixes a group's A and F workers on its nodes; packed "
+        "keeps rank order (see docs/simulator.md)",
+    )
+    parser.add_argument(
+        "--nic-split",
+        choices=("planner", "even"),
+        default="planner",
+        help="disagg: NIC bandwidth of A vs F workers: the planner's M_a:M_f (with "
+        "node-aware placement) or one fair share per GPU",
+    )
     parser.add_argument("--pp", type=int, default=0, help="ep-*: pipeline ranks (0: auto)")
     parser.add_argument("--ep", type=int, default=0, help="ep-*: expert-parallel size (0: auto)")
     parser.add_argument("--chunks", type=int, default=2, help="ep-interleaved: stages per rank")
@@ -110,13 +125,32 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     gpus = args.nodes * cluster.gpus_per_node
     out: dict[str, Any] = {"model": model, "cluster": cluster, "gpus": gpus}
     if args.runtime == "disagg":
-        p = args.groups or next(g for g in (2, 1) if model.num_layers % g == 0)
-        if gpus % p:
-            raise ValueError(f"--groups {p} must divide the {gpus} GPUs")
+        if args.groups and gpus % args.groups:
+            raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
+        nic: tuple[int, int] | None = None
+        in_flight, recompute = args.max_in_flight, False
         if args.attn_workers and args.expert_workers:
             m, n = args.attn_workers, args.expert_workers
+            p = args.groups or max(1, gpus // (m + n))
+            note = "user split, one NIC share per GPU"
         else:
-            m, n = default_disagg_split(model, cluster, gpus, args.seq_len, p, args.micro_batches)
+            split = planned_split(
+                model, cluster, gpus=gpus, seq_len=args.seq_len,
+                micro_batch_size=args.micro_batch_size, groups=args.groups,
+                micro_batches=args.micro_batches,
+            )  # fmt: skip
+            p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
+            in_flight = args.max_in_flight or split.in_flight
+            recompute = split.recompute
+            if args.nic_split == "planner" and args.placement == "node-aware":
+                nic = (split.attn_nics, split.ffn_nics)
+        out.update(
+            nic_split=nic,
+            placement=args.placement,
+            split_note=note,
+            max_in_flight=in_flight,
+            recompute=recompute,
+        )
         if p * (m + n) != gpus:
             raise ValueError(
                 f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
@@ -146,16 +180,21 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
     )
     if args.runtime == "disagg":
         reduce = {"auto": None, "on": True, "off": False}[args.reduce]
-        return simulate_disagg(
+        result = simulate_disagg(
             r["model"],
             r["cluster"],
             groups=r["groups"],
             attn_workers=r["attn_workers"],
             expert_workers=r["expert_workers"],
-            max_in_flight=args.max_in_flight,
+            max_in_flight=r["max_in_flight"],
             reduce=reduce,
+            placement=r["placement"],
+            nic_split=r["nic_split"],
+            recompute=r["recompute"],
             **common,
         )
+        result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])
+        return result
     return simulate_ep(
         args.runtime,
         r["model"],

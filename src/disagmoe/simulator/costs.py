@@ -19,13 +19,16 @@ q / kv = query / key-value widths, k = top-k, E experts, D_e expert width):
   `N*H` plus the per-shard token ids.
 
 `AnalyticCosts` turns FLOPs into seconds with `peak * mfu`; `TableCosts` looks
-instructions up in a table of measured medians keyed by (op, comp, layer kind).
+instructions up in a table of measured times keyed by (op, comp, layer) or
+(op, comp, layer kind). `MessageOverheads` are the per-message software costs
+of a host runtime (posting a send, receiving and decoding the payload, waking
+the waiting lane), zero for the nominal GPU clusters.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..config import ClusterConfig, ModelConfig
@@ -145,12 +148,14 @@ class InstrCosts(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class AnalyticCosts:
-    """FLOPs / (peak * mfu). `attn_workers` / `expert_workers` set the F shard's load."""
+    """FLOPs / (peak * mfu). `attn_workers` / `expert_workers` set the F shard's load;
+    `recompute` (full activation recomputation) adds one forward to every backward."""
 
     workload: Workload
     flops_per_s: float
     attn_workers: int = 1
     expert_workers: int = 1
+    recompute: bool = False
 
     @classmethod
     def for_cluster(
@@ -159,20 +164,23 @@ class AnalyticCosts:
         cluster: ClusterConfig,
         attn_workers: int = 1,
         expert_workers: int = 1,
+        recompute: bool = False,
     ) -> AnalyticCosts:
         rate = cluster.peak_tflops * 1e12 * cluster.mfu
-        return cls(workload, rate, attn_workers, expert_workers)
+        return cls(workload, rate, attn_workers, expert_workers, recompute)
 
     def attn_s(self, op: Op, layer: int) -> float:
         gemm, core = self.workload.attn_flops(layer)
         if op == Op.BWD:
-            gemm, core = GEMM_BACKWARD * gemm, CORE_BACKWARD * core
+            extra = 1.0 if self.recompute else 0.0
+            gemm, core = (GEMM_BACKWARD + extra) * gemm, (CORE_BACKWARD + extra) * core
         return (gemm + core) / self.flops_per_s
 
     def expert_s(self, op: Op, pairs: float) -> float:
         c = self.workload.model
         flops = pairs * 6.0 * c.dim * c.expert_dim
-        return flops * (GEMM_BACKWARD if op == Op.BWD else 1.0) / self.flops_per_s
+        factor = GEMM_BACKWARD + (1.0 if self.recompute else 0.0) if op == Op.BWD else 1.0
+        return flops * factor / self.flops_per_s
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
         if comp == "A":
@@ -183,15 +191,50 @@ class AnalyticCosts:
 
 @dataclass(frozen=True, slots=True)
 class TableCosts:
-    """Measured seconds per (op "F"/"B", comp "A"/"F", layer kind), e.g. medians of a trace."""
+    """Measured seconds per (op "F"/"B", comp "A"/"F", layer kind), e.g. means of a trace.
+
+    `layers` (keyed by (op, comp, layer index)) takes precedence where it has an entry.
+    """
 
     workload: Workload
     table: dict[tuple[str, str, str], float]
+    layers: dict[tuple[str, str, int], float] = field(default_factory=dict)
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        exact = self.layers.get((op.value, comp, layer))
+        if exact is not None:
+            return exact
         key = (op.value, comp, self.workload.layer_kind(comp, layer))
         if key not in self.table:
             raise ValueError(
                 f"cost table has no entry for {key}; measured keys: {sorted(self.table)}"
             )
         return self.table[key]
+
+
+@dataclass(frozen=True, slots=True)
+class MessageOverheads:
+    """Per-message software costs of a runtime on a host (fit from a real trace).
+
+    * `post_s`: the producing lane encodes the header, flattens the payload and
+      posts the `isend`s before it may start its next instruction;
+    * `recv_s + recv_s_per_byte * bytes`: the receiver's stream thread takes the
+      payload off the wire and decodes it (one message at a time per stream);
+    * `handoff_s`: from the message in the mailbox to the waiting lane running.
+    """
+
+    post_s: float = 0.0
+    recv_s: float = 0.0
+    recv_s_per_byte: float = 0.0
+    handoff_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.post_s, self.recv_s, self.recv_s_per_byte, self.handoff_s) < 0:
+            raise ValueError("message overheads must be >= 0")
+
+    @property
+    def any(self) -> bool:
+        return max(self.post_s, self.recv_s, self.recv_s_per_byte, self.handoff_s) > 0
+
+    def receive_s(self, nbytes: float) -> float:
+        return self.recv_s + self.recv_s_per_byte * nbytes + self.handoff_s

@@ -16,9 +16,10 @@ from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe
 from ..schedule.ir import Schedule
 from ..schedule.validate import ScheduleError, validate
-from .costs import AnalyticCosts, InstrCosts, Workload
+from .costs import AnalyticCosts, InstrCosts, MessageOverheads, Workload
 from .engine import run_program
 from .network import Network
+from .placement import disagg_placement, nic_shares
 from .replay import Replicas, lower_schedule
 from .report import SimResult, summarize
 
@@ -52,13 +53,26 @@ def simulate_schedule(
     sync: bool = True,
     step_s: float = 0.0,
     config: dict[str, Any] | None = None,
+    overheads: MessageOverheads | None = None,
+    cores: int = 0,
 ) -> SimResult:
-    """Validate, lower and simulate an AF-Pipe schedule (reduced if `replicas` is given)."""
+    """Validate, lower and simulate an AF-Pipe schedule (reduced if `replicas` is given).
+
+    `overheads` and `cores` model a host runtime (see `replay` and `engine.run_program`).
+    """
     peak = check_schedule(schedule)
     program = lower_schedule(
-        schedule, layout, costs, workload, net, replicas=replicas, sync=sync, step_s=step_s
+        schedule,
+        layout,
+        costs,
+        workload,
+        net,
+        replicas=replicas,
+        sync=sync,
+        step_s=step_s,
+        overheads=overheads,
     )
-    timeline = run_program(program, share_compute=share_compute)
+    timeline = run_program(program, share_compute=share_compute, cores=cores)
     full = replicas.full if replicas else layout
     real = [replicas.real_rank(r) if replicas else r for r in range(schedule.num_ranks)]
     roles = [str(full.role(r)) for r in real]
@@ -103,6 +117,9 @@ def simulate_disagg(
     max_in_flight: int = 0,
     reduce: bool | None = None,
     costs: InstrCosts | None = None,
+    placement: str = "node-aware",
+    nic_split: tuple[int, int] | None = None,
+    recompute: bool = False,
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -110,6 +127,9 @@ def simulate_disagg(
     micro_batch_size); each replica runs `num_micro_batches / m` slots.
     `reduce`: replay the one-replica-one-shard schedule with bundled messages
     (None: only when the full schedule has more than REDUCE_ABOVE_MESSAGES messages).
+    `placement` / `nic_split` (the planner's M_a, M_f per group; None: one fair NIC
+    share per GPU): see `simulator.placement`; the split needs `node-aware`.
+    `recompute`: full activation recomputation (analytic costs: backward + one forward).
     """
     parallel = ParallelConfig(
         groups=groups, attn_workers=attn_workers, expert_workers=expert_workers
@@ -126,8 +146,15 @@ def simulate_disagg(
     if reduce is None:
         reduce = message_count(layout, slots) > REDUCE_ABOVE_MESSAGES
     workload = Workload(model, seq_len, micro_batch_size)
-    costs = costs or AnalyticCosts.for_cluster(workload, cluster, attn_workers, expert_workers)
+    costs = costs or AnalyticCosts.for_cluster(
+        workload, cluster, attn_workers, expert_workers, recompute
+    )
     net = Network.from_cluster(cluster)
+    net = dataclasses.replace(net, gpu_of=disagg_placement(layout, placement))
+    if nic_split is not None:
+        if placement != "node-aware":
+            raise ValueError("a NIC split pools a node's NICs: use placement 'node-aware'")
+        net = dataclasses.replace(net, nic_share=nic_shares(layout, net, *nic_split))
     run_layout = dataclasses.replace(layout, attn_workers=1, expert_workers=1) if reduce else layout
     schedule = build_afpipe(run_layout, slots, max_in_flight)
     cfg = {
@@ -139,6 +166,9 @@ def simulate_disagg(
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
         "micro_batches": num_micro_batches,
+        "placement": placement,
+        "nic_split": list(nic_split) if nic_split else None,
+        "recompute": recompute,
     }
     return simulate_schedule(
         schedule,

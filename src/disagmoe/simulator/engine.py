@@ -5,7 +5,9 @@ A `Program` is what every front end (AF-Pipe replay, EP baselines) lowers to:
 * `COMPUTE` — `work` seconds of GPU time at full rate. The compute ops of one
   rank share its GPU by processor sharing (two lanes active at once each run at
   half rate), unless `share_compute=False` (measured tables already contain the
-  contention of their own run).
+  contention of their own run). With `cores=C` (a CPU host calibrated from a
+  real run) the compute ops of *all* ranks share one pool of C processors
+  instead: each runs at `min(1, C / active)`.
 * `A2A` — a collective of `work` seconds when alone; the A2As of one rank share
   its network by processor sharing (two lanes exchanging at once each get half).
 * `XFER` — a point-to-point message. It occupies ports (NIC or NVLink, out and
@@ -119,17 +121,21 @@ class Timeline:
 
 
 class _Sharing:
-    """Processor sharing of one resource among the ops active on it."""
+    """Processor sharing of `capacity` processors among the ops active on it (each <= 1)."""
 
-    __slots__ = ("active", "last")
+    __slots__ = ("active", "capacity", "last")
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: float = 1.0) -> None:
         self.active: dict[int, float] = {}  # op -> remaining work
+        self.capacity = capacity
         self.last = 0.0
+
+    def _rate(self) -> float:
+        return min(1.0, self.capacity / len(self.active)) if self.active else 1.0
 
     def _advance(self, now: float) -> None:
         if self.active:
-            done = (now - self.last) / len(self.active)
+            done = (now - self.last) * self._rate()
             for op in self.active:
                 self.active[op] -= done
         self.last = now
@@ -142,12 +148,16 @@ class _Sharing:
             self.active[add] = work
 
     def finishes(self, now: float) -> list[tuple[float, int]]:
-        k = len(self.active)
-        return [(now + max(rem, 0.0) * k, op) for op, rem in self.active.items()]
+        rate = self._rate()
+        return [(now + max(rem, 0.0) / rate, op) for op, rem in self.active.items()]
 
 
-def run_program(program: Program, *, share_compute: bool = True) -> Timeline:
-    """Simulate `program`; every op starts as soon as its dependencies have finished."""
+def run_program(program: Program, *, share_compute: bool = True, cores: int = 0) -> Timeline:
+    """Simulate `program`; every op starts as soon as its dependencies have finished.
+
+    `cores > 0`: the compute ops of all ranks share one pool of `cores` processors
+    (overrides `share_compute`).
+    """
     n = len(program)
     remaining = [len(d) for d in program.deps]
     dependents: list[list[int]] = [[] for _ in range(n)]
@@ -160,7 +170,12 @@ def run_program(program: Program, *, share_compute: bool = True) -> Timeline:
     version = [0] * n
     heap: list[tuple[float, int, int, int]] = []  # (time, seq, op, version)
     seq = 0
-    gpus = [_Sharing() for _ in range(program.num_ranks)]
+    if cores > 0:
+        pool = _Sharing(float(cores))
+        gpus = [pool] * program.num_ranks
+        share_compute = True
+    else:
+        gpus = [_Sharing() for _ in range(program.num_ranks)]
     nets = [_Sharing() for _ in range(program.num_ranks)]
     port_free = [0.0] * len(program.ports)
     kinds, work, ranks = program.kind, program.work, program.rank

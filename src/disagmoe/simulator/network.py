@@ -5,6 +5,13 @@ node has fewer NICs than GPUs, neighbouring GPUs share one NIC (its ports are
 shared objects, so their messages queue behind each other); with more NICs
 than GPUs a GPU's ports aggregate its NICs. Out and in are separate ports: full
 duplex. Bandwidths are achievable ones (`nic_gbps * bw_efficiency`).
+
+Placement (`gpu_of`): rank r runs on physical GPU `gpu_of[r]` (node
+`gpu_of[r] // gpus_per_node`); by default GPU r. NIC split (`nic_share`): with
+one or more NICs per GPU, rank r's NIC ports run at `nic_share[r]` bytes/s per
+direction instead of the fair share — a node's NICs used as one pool (NCCL
+routes a GPU's inter-node traffic through another GPU's NIC over NVLink, "PXN"),
+split unevenly between the workers on the node (`simulator.placement`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ class Network:
     nic_bytes_per_s: float  # one NIC, one direction
     nvlink_bytes_per_s: float  # one GPU, one direction
     latency_s: float
+    gpu_of: tuple[int, ...] = ()  # physical GPU of each rank (empty: rank r on GPU r)
+    nic_share: tuple[float, ...] = ()  # per rank NIC bytes/s per direction (empty: fair share)
 
     @classmethod
     def from_cluster(cls, cluster: ClusterConfig) -> Network:
@@ -39,8 +48,11 @@ class Network:
         """All workers on one host linked at `bytes_per_s` each (e.g. gloo over loopback)."""
         return cls(gpus, gpus, bytes_per_s, bytes_per_s, latency_s)
 
+    def gpu(self, rank: int) -> int:
+        return self.gpu_of[rank] if self.gpu_of else rank
+
     def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
+        return self.gpu(rank) // self.gpus_per_node
 
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of(a) == self.node_of(b)
@@ -50,10 +62,14 @@ class Network:
         """A GPU's fair share of its node's NIC bandwidth."""
         return self.nic_bytes_per_s * self.nics_per_node / self.gpus_per_node
 
+    def nic_bw(self, rank: int) -> float:
+        """Rank's NIC bandwidth per direction (its share of the node's NICs)."""
+        return self.nic_share[rank] if self.nic_share else self.nic_bytes_per_gpu
+
     def nic_of(self, rank: int) -> int:
-        local = rank % self.gpus_per_node
+        local = self.gpu(rank) % self.gpus_per_node
         if self.nics_per_node >= self.gpus_per_node:
-            return rank
+            return self.gpu(rank)
         return (
             self.node_of(rank) * self.nics_per_node
             + local * self.nics_per_node // self.gpus_per_node
@@ -76,7 +92,7 @@ class Ports:
     def nic(self, rank: int, direction: str) -> int:
         net = self.net
         if net.nics_per_node >= net.gpus_per_node:
-            return self._get(f"nic_{direction}", rank, net.nic_bytes_per_gpu)
+            return self._get(f"nic_{direction}", rank, net.nic_bw(rank))
         return self._get(f"nic_{direction}", net.nic_of(rank), net.nic_bytes_per_s)
 
     def nvlink(self, rank: int, direction: str) -> int:
@@ -103,13 +119,13 @@ class Ports:
 
         `out_bytes` leave the sender (to all its peers), `in_bytes` reach the receiver
         (from all its peers); `*_local` is the fraction of them that stays on the node.
-        Each representative has its own fair share of the NIC bandwidth.
+        Each representative has its own NIC ports (`Network.nic_bw`).
         """
-        bw = self.net.nic_bytes_per_gpu
+        net = self.net
         return [
-            (self._get("nic_out", src, bw), out_bytes * (1.0 - out_local)),
+            (self._get("nic_out", src, net.nic_bw(src)), out_bytes * (1.0 - out_local)),
             (self.nvlink(src, "out"), out_bytes * out_local),
-            (self._get("nic_in", dst, bw), in_bytes * (1.0 - in_local)),
+            (self._get("nic_in", dst, net.nic_bw(dst)), in_bytes * (1.0 - in_local)),
             (self.nvlink(dst, "in"), in_bytes * in_local),
         ]
 
@@ -119,7 +135,11 @@ class Ports:
         if k <= 1 or nbytes <= 0:
             return 0.0
         nodes = {self.net.node_of(r) for r in ranks}
-        bw = self.net.nvlink_bytes_per_s if len(nodes) == 1 else self.net.nic_bytes_per_gpu
+        bw = (
+            self.net.nvlink_bytes_per_s
+            if len(nodes) == 1
+            else min(self.net.nic_bw(r) for r in ranks)
+        )
         return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.net.latency_s
 
     def a2a_s(self, ranks: list[int], me: int, bytes_per_peer: float) -> float:
@@ -131,5 +151,5 @@ class Ports:
         remote = len(peers) - local
         return self.net.latency_s + max(
             local * bytes_per_peer / self.net.nvlink_bytes_per_s,
-            remote * bytes_per_peer / self.net.nic_bytes_per_gpu,
+            remote * bytes_per_peer / self.net.nic_bw(me),
         )

@@ -10,7 +10,11 @@ The semantics are the executor's (runtime/executor.py):
   channel) stream messages move in FIFO order (the receive thread takes one at
   a time), so a message also waits for the previous one of its stream;
 * SYNC (gradient all-reduce over the attention replicas) starts once every
-  compute and message of the rank is done; STEP follows it.
+  compute and message of the rank is done; STEP follows it;
+* with `MessageOverheads` (a host runtime): after a compute its lane spends
+  `post_s` per outgoing message before its next instruction (the sends leave
+  after that), and a message reaches its consumer only after the receiver's
+  stream thread has spent `receive_s(bytes)` on it, FIFO per stream.
 
 Symmetry reduction (`Replicas`): all m attention replicas of a group and all n
 expert shards run identical lists with identical costs, so a schedule generated
@@ -29,7 +33,7 @@ from dataclasses import dataclass, field
 from ..distributed.layout import Layout
 from ..schedule.afpipe import message_consumer, message_producer
 from ..schedule.ir import Instr, Msg, Op, Schedule
-from .costs import InstrCosts, Workload
+from .costs import InstrCosts, MessageOverheads, Workload
 from .engine import COMPUTE, DELAY, Program
 from .network import Network, Ports
 
@@ -82,9 +86,18 @@ def lower_schedule(
     sync: bool = True,
     step_s: float = 0.0,
     grad_bytes: int = 2,
+    overheads: MessageOverheads | None = None,
 ) -> Program:
     """Program of one optimizer step of `schedule` (for `layout`, or `replicas.full` if reduced)."""
     full = replicas.full if replicas else layout
+    over = overheads if overheads is not None and overheads.any else None
+    posts: dict[tuple[int, tuple[str, str, int, int]], int] = defaultdict(int)
+    for rank, instrs in enumerate(schedule.ranks):
+        for ins in instrs:
+            if ins.op == Op.SEND and ins.msg is not None:
+                op_p, comp_p, layer_p = message_producer(ins.msg)
+                posts[(rank, (op_p.value, comp_p, layer_p, ins.msg.slot))] += 1
+    post_op: dict[tuple[int, tuple[str, str, int, int]], int] = {}
 
     def real(rank: int) -> int:
         return replicas.real_rank(rank) if replicas else rank
@@ -129,7 +142,23 @@ def lower_schedule(
             task_op[(rank, ins.task)] = op
             lane.append(op)
             rank_ops[rank].append(op)
+            count = posts.get((rank, ins.task), 0)
+            if over is not None and count:
+                post = prog.add(
+                    DELAY,
+                    rank,
+                    ins.lane,
+                    count * over.post_s,
+                    "comm",
+                    f"post {count} send(s) l{ins.layer} s{ins.slot}",
+                    [op],
+                    {"layer": ins.layer, "slot": ins.slot, "step": 0},
+                )
+                post_op[(rank, ins.task)] = post
+                lane.append(post)
+                rank_ops[rank].append(post)
     stream_last: dict[tuple[int, int, str], int] = {}
+    recv_last: dict[tuple[int, int, str], int] = {}
     load_cache: dict[tuple[str, bool, int, int], list[tuple[int, float]]] = {}
     for rank, instrs in enumerate(schedule.ranks):
         for ins in instrs:
@@ -137,7 +166,8 @@ def lower_schedule(
                 continue
             msg = ins.msg
             op_p, comp_p, layer_p = message_producer(msg)
-            deps = [task_op[(rank, (op_p.value, comp_p, layer_p, msg.slot))]]
+            producer = (rank, (op_p.value, comp_p, layer_p, msg.slot))
+            deps = [post_op.get(producer, task_op[producer])]
             stream = (msg.src, msg.dst, msg.channel)
             if stream in stream_last:
                 deps.append(stream_last[stream])
@@ -161,10 +191,25 @@ def lower_schedule(
                 },
             )
             stream_last[stream] = xop
-            op_c, comp_c, layer_c = message_consumer(msg)
-            prog.deps[task_op[(msg.dst, (op_c.value, comp_c, layer_c, msg.slot))]].append(xop)
             rank_ops[msg.src].append(xop)
             rank_ops[msg.dst].append(xop)
+            ready = xop
+            if over is not None:
+                nbytes = workload.message_bytes(msg.kind, msg.layer, full.expert_workers)
+                ready = prog.add(
+                    DELAY,
+                    msg.dst,
+                    "recv",
+                    over.receive_s(nbytes),
+                    "comm",
+                    f"take {msg.kind} l{msg.layer} s{msg.slot}",
+                    [xop, recv_last.get(stream, -1)],
+                    {"layer": msg.layer, "slot": msg.slot, "step": 0},
+                )
+                recv_last[stream] = ready
+                rank_ops[msg.dst].append(ready)
+            op_c, comp_c, layer_c = message_consumer(msg)
+            prog.deps[task_op[(msg.dst, (op_c.value, comp_c, layer_c, msg.slot))]].append(ready)
     if sync:
         _add_sync(prog, layout, full, workload, ports, rank_ops, step_s, grad_bytes)
     return prog
