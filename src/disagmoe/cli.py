@@ -13,6 +13,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
 from .config import (
     RUNTIMES,
     RunConfig,
@@ -136,14 +138,18 @@ def resolve_train_config(args: argparse.Namespace) -> RunConfig:
     cfg = RunConfig()
     if args.model:
         cfg = dataclasses.replace(cfg, model=model_preset(args.model))
-    if args.config:
-        cfg = load_toml(args.config, cfg)
-    hf_dir = args.init_from_hf or cfg.train.init_from_hf
-    if hf_dir:
+    if args.init_from_hf:  # the checkpoint's shape; a --config file may still adjust it
         from .models.hf_import import read_hf_config
 
-        cfg = dataclasses.replace(cfg, model=read_hf_config(hf_dir))
-        cfg = replace_section(cfg, "train", init_from_hf=str(hf_dir))
+        cfg = dataclasses.replace(cfg, model=read_hf_config(args.init_from_hf))
+        cfg = replace_section(cfg, "train", init_from_hf=str(args.init_from_hf))
+    if args.config:
+        cfg = load_toml(args.config, cfg)
+        if cfg.train.init_from_hf and not args.init_from_hf:
+            from .models.hf_import import read_hf_config
+
+            hf_model = read_hf_config(cfg.train.init_from_hf)
+            cfg = load_toml(args.config, dataclasses.replace(cfg, model=hf_model))
     for flag, (section, name) in _TRAIN_FLAGS.items():
         value = getattr(args, flag, None)
         if value is not None:
@@ -256,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("disagmoe: interrupted\n")
+        return 130
+    except SignalException as err:  # Ctrl-C / SIGTERM while the elastic agent runs
+        sys.stderr.write(f"disagmoe: interrupted ({err.sigval.name})\n")
         return 130
     except Exception as err:  # a failed rank: say which and why, in one line
         from .train import TrainingFailed

@@ -16,6 +16,7 @@ message that says what to change.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -155,10 +156,6 @@ class ParallelConfig:
         _require(self.threads_per_rank >= 0, "parallel.threads_per_rank must be >= 0")
         _require(self.world_size >= 0, "parallel.world_size must be >= 0 (0: derived)")
 
-    @property
-    def disagg_world_size(self) -> int:
-        return self.groups * (self.attn_workers + self.expert_workers)
-
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleConfig:
@@ -193,7 +190,6 @@ class TrainConfig:
     data_dtype: str = "uint16"
     init_from_hf: str = ""
     run_dir: str = ""
-    log_every: int = 1
     comm_timeout_s: float = 300.0
     progress: bool = True
     checkpoint_every: int = 0  # save every N steps and at the end; 0 disables checkpoints
@@ -220,8 +216,11 @@ class TrainConfig:
         _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
         _require(self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup_steps, grad_clip >= 0")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2 in [0, 1)")
-        _require(self.log_every >= 1, "train.log_every must be >= 1")
-        _require(self.comm_timeout_s > 0, "train.comm_timeout_s must be > 0")
+        _require(
+            math.isfinite(self.comm_timeout_s) and self.comm_timeout_s > 0,
+            "train.comm_timeout_s must be a finite number > 0",
+        )
+        _require(math.isfinite(self.lr), "train.lr must be finite")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")

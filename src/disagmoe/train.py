@@ -183,25 +183,49 @@ def _failure_text(failure: Any) -> str:
 
 
 def torchrun_main(argv: list[str] | None = None) -> int:
-    """`python -m disagmoe.train` under torchrun: one rank of the job."""
-    from .cli import resolve_train_config, train_parser
+    """`python -m disagmoe.train` under torchrun: one rank of the job.
 
-    args = train_parser().parse_args(argv)
-    cfg = resolve_train_config(args)
+    Without torchrun around it, this is `disagmoe train`. Rank 0 checks the inputs and
+    creates the run dir, then tells every rank its path (or the error, so that all
+    ranks exit with the same one-line message). A failure is recorded for torchrun
+    and the process exits at once (see `_worker`).
+    """
+    args_list = argv if argv is not None else sys.argv[1:]
     if "RANK" not in os.environ:
         from .cli import main
 
-        return main(["train", *(argv if argv is not None else sys.argv[1:])])
-    _init_process_group(cfg)
+        return main(["train", *args_list])
+    from .cli import resolve_train_config, train_parser
+
     try:
-        world_size_for(cfg)
-        run_dir = Path(cfg.train.run_dir or "runs/torchrun")
+        cfg = resolve_train_config(train_parser().parse_args(args_list))
+        _init_process_group(cfg)
+        decision: list[Any] = [None]
         if dist.get_rank() == 0:
-            run_dir = prepare_run_dir(from_dict({"train": {"run_dir": str(run_dir)}}, cfg))
-        dist.barrier()
-        run_rank(cfg, run_dir)
-    finally:
-        dist.destroy_process_group()
+            try:
+                world_size_for(cfg)
+                check_inputs(cfg)
+                decision = [str(prepare_run_dir(cfg))]
+            except ValueError as err:
+                decision = [ValueError(str(err))]
+        dist.broadcast_object_list(decision, src=0)
+        if isinstance(decision[0], ValueError):
+            if dist.get_rank() == 0:
+                sys.stderr.write(f"disagmoe: error: {decision[0]}\n")
+            dist.destroy_process_group()
+            return 2
+        run_rank(cfg, Path(decision[0]))
+    except ValueError as err:  # configuration errors: the same line on every rank
+        sys.stderr.write(f"disagmoe: error: {err}\n")
+        return 2
+    except BaseException as err:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        ErrorHandler().record_exception(err)
+        sys.stderr.write(f"disagmoe: error: rank {os.environ['RANK']} failed: {err}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    dist.destroy_process_group()
     return 0
 
 

@@ -50,6 +50,13 @@ class Layout:
                 f"model.num_experts ({model.num_experts}) must be divisible by "
                 f"parallel.expert_workers ({n})"
             )
+        moe = [l for l in range(model.num_layers) if model.is_moe_layer(l)]
+        idle = sorted({g for g in range(p)} - {l % p for l in moe})
+        if idle:
+            raise ValueError(
+                f"expert group(s) {idle} would hold no MoE layer (MoE layers {moe[0]}..{moe[-1]}, "
+                f"p={p}); use parallel.groups <= {len(moe)} or fewer dense layers"
+            )
         if world_size is not None and world_size != p * (m + n):
             raise ValueError(
                 f"world size is {world_size} but groups*(attn_workers+expert_workers) = "

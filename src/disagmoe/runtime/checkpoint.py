@@ -134,14 +134,21 @@ def save_checkpoint(
         pointer = root / f"latest.tmp-{token[0]}"
         pointer.write_text(final.name + "\n")
         os.replace(pointer, root / "latest")
-        _prune(root, keep)
+        _prune(root, keep, step)
     _barrier()
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
+def _prune(root: Path, keep: int, current: int) -> None:
+    """Keep the newest `keep` checkpoints up to `current`; drop later ones.
+
+    Checkpoints after `current` belong to a run that was resumed from an earlier
+    step (an abandoned future); `latest` already names `current`.
+    """
     done = sorted(p for p in root.glob("step-*") if ".tmp-" not in p.name)
-    for old in done[:-keep] if keep > 0 else []:
+    later = [p for p in done if int(p.name.split("-")[1]) > current]
+    kept = [p for p in done if p not in later]
+    for old in later + kept[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob("*.tmp-*"):
         if stale.is_dir():

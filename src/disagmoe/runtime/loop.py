@@ -115,8 +115,9 @@ def run_training(
             resume, trainer.named_params, trainer.optimizer, trainer.expert_shard(), cfg.model
         )
         if rank == 0:
-            _truncate_metrics(run_dir / "metrics.jsonl", start_step)
             print(f"resumed from {resolve_checkpoint(resume)} at step {start_step}", flush=True)
+    if rank == 0:
+        _truncate_metrics(run_dir / "metrics.jsonl", start_step)
     log = (
         MetricsLog(run_dir, train.steps, progress=train.progress, start_step=start_step)
         if rank == 0

@@ -26,16 +26,35 @@ LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
 def new_run_dir(base: str = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(base)
+    root.mkdir(parents=True, exist_ok=True)
     for i in range(1000):
         path = root / (stamp if i == 0 else f"{stamp}-{i}")
-        if not path.exists():
-            return path
+        try:
+            path.mkdir()  # atomic: two runs started in the same second get two dirs
+        except FileExistsError:
+            continue
+        return path
     raise RuntimeError("could not find a free run directory name")
 
 
 def prepare_run_dir(cfg: RunConfig) -> Path:
-    """Create the run directory and write the resolved config (rank 0 only)."""
+    """Create the run directory and write the resolved config (rank 0 only).
+
+    A run dir that already holds a run (metrics or checkpoints) is only reused to
+    resume it: a fresh run there would mix two runs' metrics and checkpoints.
+    """
     path = Path(cfg.train.run_dir) if cfg.train.run_dir else new_run_dir()
+    used = (path / "metrics.jsonl").exists() or (path / "checkpoints" / "latest").exists()
+    if used and not cfg.train.resume:
+        raise ValueError(
+            f"run dir {str(path)!r} already holds a run; continue it with --resume or choose "
+            "another --run-dir"
+        )
+    if cfg.train.resume == "latest" and not (path / "checkpoints" / "latest").exists():
+        raise ValueError(
+            f"--resume: run dir {str(path)!r} has no checkpoint; name one with --resume DIR "
+            "(or --set train.resume=auto to start fresh when there is none)"
+        )
     path.mkdir(parents=True, exist_ok=True)
     save_toml(cfg, path / "config.toml")
     return path

@@ -6,7 +6,8 @@ a stash, and its backward runs `torch.autograd.backward(outputs, grads)` with
 the gradients that arrived, then sends the leaves' `.grad` upstream.
 
 Messages (lists of tensors, see schedule.ir for who sends what to whom):
-* act[l]           residual_BSH, then token_ids of each expert shard (MoE layers)
+* act[l]           residual_BSH; on MoE layers also the token count per expert shard
+                   and all shards' token ids, concatenated (a header size independent of n)
 * dispatch[l]      u_RH, weights_A, rows_A, local experts_A
 * combine[l]       y_RH (rows in the order of the matching dispatch)
 * grad_act[l]      d residual_BSH
@@ -140,10 +141,11 @@ class AttnWorker:
             if combines:
                 B, S, H = x.shape
                 x_TH = x.reshape(B * S, H)
+                token_ids = act[2].split(act[1].tolist())
                 for j in sorted(combines):
                     y_leaf = _leaf(combines[j][0])
                     st.combine_leaves[j] = y_leaf
-                    x_TH = x_TH.index_add(0, act[1 + j], y_leaf)
+                    x_TH = x_TH.index_add(0, token_ids[j], y_leaf)
                 x = x_TH.view(B, S, H)
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
@@ -159,7 +161,8 @@ class AttnWorker:
             if res.routing is not None:
                 assert res.u_TH is not None and res.aux is not None
                 plans = split_by_owner(res.routing, self.layout.expert_workers)
-                act_payload += [plan.token_ids for plan in plans]
+                counts = torch.tensor([plan.token_ids.numel() for plan in plans], dtype=torch.long)
+                act_payload += [counts, torch.cat([plan.token_ids for plan in plans])]
                 for j, plan in enumerate(plans):
                     st.dispatched[j] = (res.u_TH[plan.token_ids], plan.weights_A)
                 for msg in outgoing:

@@ -123,9 +123,6 @@ class Schedule:
     ranks: tuple[tuple[Instr, ...], ...]
     meta: dict[str, int | str] = field(default_factory=dict)
 
-    def compute_count(self) -> int:
-        return sum(1 for instrs in self.ranks for i in instrs if i.is_compute)
-
     def to_text(self) -> str:
         lines = [
             f"# schedule {self.name}: {self.num_ranks} ranks, {self.num_slots} slots, "
