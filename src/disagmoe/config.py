@@ -26,6 +26,8 @@ from typing import Any
 
 import tomli_w
 
+from .schedule.ir import BACKWARD_KINDS, FORWARD_KINDS
+
 RUNTIMES = ("disagg", "reference", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
@@ -225,9 +227,16 @@ class TrainConfig:
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
         _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")
+        parts = self.drop_message.split(":")
         _require(
-            not self.drop_message or len(self.drop_message.split(":")) == 4,
-            "train.drop_message must look like KIND:LAYER:SLOT:STEP, e.g. combine:0:0:1",
+            not self.drop_message
+            or (
+                len(parts) == 4
+                and parts[0] in FORWARD_KINDS + BACKWARD_KINDS
+                and all(p.isdigit() for p in parts[1:])
+            ),
+            "train.drop_message must look like KIND:LAYER:SLOT:STEP with KIND one of "
+            f"{', '.join(FORWARD_KINDS + BACKWARD_KINDS)}, e.g. combine:0:0:1",
         )
 
     @property

@@ -27,6 +27,15 @@ from .runtime.observe import prepare_run_dir
 
 def world_size_for(cfg: RunConfig) -> int:
     """Ranks a runtime needs; validates the layout so errors surface before any spawn."""
+    world = _world_size(cfg)
+    if cfg.train.fail_at_step >= 0 and cfg.train.fail_rank >= world:
+        raise ValueError(
+            f"train.fail_rank ({cfg.train.fail_rank}) must be < the world size ({world})"
+        )
+    return world
+
+
+def _world_size(cfg: RunConfig) -> int:
     par = cfg.parallel
     if par.runtime == "reference":
         return 1

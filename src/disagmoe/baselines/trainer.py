@@ -234,7 +234,7 @@ class EPTrainer:
         return self.ep_rank * per, (self.ep_rank + 1) * per
 
     def busy_seconds(self, step: int) -> float:
-        return busy_us([e for e in self.tracer.events if e["args"].get("step") == step]) / 1e6
+        return busy_us(self.tracer.step_events(step)) / 1e6
 
 
 # ------------------------------------------------------------------------------------ runner

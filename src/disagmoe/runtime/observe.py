@@ -97,13 +97,18 @@ class MetricsLog:
 
 
 class Tracer:
-    """Collects complete ("X") trace events for one worker; thread-safe."""
+    """Collects complete ("X") trace events for one worker; thread-safe.
 
-    def __init__(self, rank: int, role: str, enabled: bool = True) -> None:
+    Events are indexed by their `step` argument; only the last `keep_steps` steps are
+    kept (and written to trace.json), so long runs use bounded memory and per-step
+    busy time costs the same at step 10 and at step 100,000.
+    """
+
+    def __init__(self, rank: int, role: str, keep_steps: int = 50) -> None:
         self.rank = rank
         self.role = role
-        self.enabled = enabled
-        self.events: list[dict[str, Any]] = []
+        self.keep_steps = keep_steps
+        self._by_step: dict[int | None, list[dict[str, Any]]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -111,8 +116,6 @@ class Tracer:
         return time.time_ns() / 1000.0
 
     def add(self, name: str, lane: str, start_us: float, end_us: float, **args: Any) -> None:
-        if not self.enabled:
-            return
         event = {
             "name": name,
             "cat": lane,
@@ -123,8 +126,25 @@ class Tracer:
             "tid": LANES.index(lane),
             "args": args,
         }
+        step = args.get("step")
         with self._lock:
-            self.events.append(event)
+            if step not in self._by_step:
+                self._by_step[step] = []
+                if step is not None:
+                    for old in [
+                        s for s in self._by_step if s is not None and s <= step - self.keep_steps
+                    ]:
+                        del self._by_step[old]
+            self._by_step[step].append(event)
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [e for evs in self._by_step.values() for e in evs]
+
+    def step_events(self, step: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._by_step.get(step, []))
 
     def metadata(self) -> list[dict[str, Any]]:
         meta: list[dict[str, Any]] = [
@@ -157,11 +177,8 @@ class Tracer:
         self, lanes: Iterable[str] = ("compute", "fwd", "bwd"), step: int | None = None
     ) -> float:
         """Union length of this worker's compute events (overlapping lanes counted once)."""
-        spans = sorted(
-            (e["ts"], e["ts"] + e["dur"])
-            for e in self.events
-            if e["cat"] in set(lanes) and (step is None or e["args"].get("step") == step)
-        )
+        events = self.events if step is None else self.step_events(step)
+        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in set(lanes))
         total, cur_s, cur_e = 0.0, None, None
         for s, e in spans:
             if cur_e is None or s > cur_e:
