@@ -20,9 +20,9 @@ from .config import (
     RunConfig,
     apply_overrides,
     load_toml,
-    model_preset,
     replace_section,
 )
+from .presets import model_preset
 
 # flag name -> (section, field)
 _TRAIN_FLAGS: dict[str, tuple[str, str]] = {

@@ -20,7 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import RUNTIMES, ClusterConfig, model_preset
+from ..config import RUNTIMES, ClusterConfig
+from ..presets import model_preset
 from .netns import EmulatedCluster, LoopbackCluster, available
 from .runner import BenchSpec, RuntimeResult, run_all, summarize
 

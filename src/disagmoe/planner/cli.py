@@ -10,8 +10,8 @@ import argparse
 import dataclasses
 import json
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 from disagmoe.planner import Plan, plan_for
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:

@@ -11,7 +11,8 @@ import math
 import sys
 from typing import Any
 
-from ..config import ClusterConfig, ModelConfig, cluster_preset, model_preset
+from ..config import ClusterConfig, ModelConfig
+from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import EP_RUNTIMES, simulate_ep
