@@ -7,15 +7,13 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
+from disagmoe.testing.cli import run_cli
 from disagmoe.testing.spawn import run_ranks
-
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _cfg(run_dir: Path, **train: Any) -> RunConfig:
@@ -116,24 +114,16 @@ def test_incompatible_checkpoint_is_refused(tmp_path: Path) -> None:
         parallel=ParallelConfig(runtime="reference"),
     )
     _reference(cfg)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "disagmoe.cli",
-            "train",
-            "--runtime",
-            "reference",
-            "--set",
-            "model.dim=32",
-            "--resume",
-            str(tmp_path / "a"),
-            "--run-dir",
-            str(tmp_path / "b"),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
+    result = run_cli(
+        "train",
+        "--runtime",
+        "reference",
+        "--set",
+        "model.dim=32",
+        "--resume",
+        str(tmp_path / "a"),
+        "--run-dir",
+        str(tmp_path / "b"),
         timeout=120,
     )
     assert result.returncode == 2
@@ -144,22 +134,7 @@ def test_killed_worker_restarts_from_checkpoint(tmp_path: Path) -> None:
     common = ["--dtype", "float64", "--no-progress", "--steps", "5", "--checkpoint-every", "2"]
 
     def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "disagmoe.cli",
-                "train",
-                *common,
-                "--run-dir",
-                str(tmp_path / name),
-                *extra,
-            ],
-            capture_output=True,
-            text=True,
-            env=ENV,
-            timeout=300,
-        )
+        return run_cli("train", *common, "--run-dir", str(tmp_path / name), *extra, timeout=300)
 
     clean = run("clean")
     assert clean.returncode == 0, clean.stderr[-2000:]
@@ -179,25 +154,17 @@ def test_killed_worker_restarts_from_checkpoint(tmp_path: Path) -> None:
 def test_lost_message_is_diagnosed(tmp_path: Path) -> None:
     """combine of the last layer, last slot, last step never sent: the receiver times out."""
     start = time.monotonic()
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "disagmoe.cli",
-            "train",
-            "--no-progress",
-            "--steps",
-            "2",
-            "--comm-timeout",
-            "4",
-            "--set",
-            "train.drop_message=combine:3:1:1",
-            "--run-dir",
-            str(tmp_path / "r"),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
+    result = run_cli(
+        "train",
+        "--no-progress",
+        "--steps",
+        "2",
+        "--comm-timeout",
+        "4",
+        "--set",
+        "train.drop_message=combine:3:1:1",
+        "--run-dir",
+        str(tmp_path / "r"),
         timeout=120,
     )
     assert result.returncode == 1
@@ -251,27 +218,19 @@ def test_dead_peer_is_diagnosed() -> None:
 
 
 def test_non_finite_loss_stops_and_keeps_checkpoint(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "disagmoe.cli",
-            "train",
-            "--no-progress",
-            "--steps",
-            "4",
-            "--lr",
-            "1e36",
-            "--set",
-            "train.warmup_steps=1000",
-            "--checkpoint-every",
-            "1",
-            "--run-dir",
-            str(tmp_path / "r"),
-        ],
-        capture_output=True,
-        text=True,
-        env=ENV,
+    result = run_cli(
+        "train",
+        "--no-progress",
+        "--steps",
+        "4",
+        "--lr",
+        "1e36",
+        "--set",
+        "train.warmup_steps=1000",
+        "--checkpoint-every",
+        "1",
+        "--run-dir",
+        str(tmp_path / "r"),
         timeout=120,
     )
     assert result.returncode == 1

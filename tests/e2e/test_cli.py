@@ -3,24 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+from disagmoe.testing.cli import run_cli
 
 
 def disagmoe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "disagmoe.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=ENV,
-    )
+    return run_cli(*args, timeout=timeout)
 
 
 def losses(run_dir: Path) -> list[float]:
