@@ -120,7 +120,10 @@ def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> to
 
     One GEMM per non-empty expert (no per-token loop); the result is [A, O].
     """
-    outs = [xe @ w_EIO[e] for e, xe in enumerate(x_AI.split(counts)) if counts[e] > 0]
+    # unbind, not w_EIO[e]: the backward of E selects would materialise E full-size
+    # zero gradients; unbind's backward stacks the E slices once.
+    w_e = w_EIO.unbind(0)
+    outs = [xe @ w_e[e] for e, xe in enumerate(x_AI.split(counts)) if counts[e] > 0]
     if not outs:
         return x_AI.new_zeros(0, w_EIO.shape[-1])
     return torch.cat(outs, dim=0)
