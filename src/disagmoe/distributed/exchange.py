@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -103,8 +104,41 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
         raise CommTimeout(f"{what}: no data after {timeout_s:.0f} s")
 
 
+@dataclass
+class Incoming:
+    """A message whose header has arrived and whose payload receives are posted."""
+
+    specs: list[tuple[int, tuple[int, ...]]]
+    flats: tuple[torch.Tensor, torch.Tensor]  # float buffer, int buffer
+    works: list[dist.Work]
+    arrived: float  # wall-clock time (us) the header arrived
+
+    def wait(self, timeout_s: float, what: str) -> list[torch.Tensor]:
+        """Block until the payload is in; the message's tensors (views of two flat buffers)."""
+        for work in self.works:
+            _wait(work, timeout_s, what)
+        flat_f, flat_i = self.flats
+        out, pos_f, pos_i = [], 0, 0
+        for kind, shape in self.specs:
+            size = math.prod(shape)
+            if kind == _FLOAT:
+                out.append(flat_f[pos_f : pos_f + size].view(shape))
+                pos_f += size
+            else:
+                out.append(flat_i[pos_i : pos_i + size].view(shape))
+                pos_i += size
+        return out
+
+
 class Receiver:
-    """Receives the `count` messages of one stream in order; all headers are posted at once."""
+    """Receives the `count` messages of one stream in order; all headers are posted at once.
+
+    `post` waits for the next header and posts that message's payload receives without
+    waiting for the previous payload: with gloo a payload leaves the sender only once
+    its receive is posted, so posting it while the previous payload is still on the
+    wire keeps the link busy back to back instead of idling for one round trip (through
+    the, possibly congested, reverse direction) per message.
+    """
 
     def __init__(self, src: int, stream: Stream, float_dtype: torch.dtype, count: int) -> None:
         self.src = src
@@ -114,10 +148,8 @@ class Receiver:
         self.works = [_posted(dist.irecv(h, src, group=stream.header)) for h in self.headers]
         self.next = 0
 
-    def receive(
-        self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None
-    ) -> tuple[list[torch.Tensor], float]:
-        """The next message and the wall-clock time (us) its header arrived."""
+    def post(self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None) -> Incoming:
+        """Wait for the next header, check it is `expect`, post its payload receives."""
         k = self.next
         self.next += 1
         _wait(self.works[k], timeout_s, what)
@@ -128,24 +160,22 @@ class Receiver:
                 f"{what}: got message {ident} instead of {tuple(expect)} (lost or reordered)",
                 ident,
             )
-        sizes = [math.prod(shape) for _, shape in specs]
-        n_float = sum(s for (kind, _), s in zip(specs, sizes, strict=True) if kind == _FLOAT)
-        n_int = sum(s for (kind, _), s in zip(specs, sizes, strict=True) if kind == _INT)
-        flat_f = torch.empty(n_float, dtype=self.float_dtype)
-        flat_i = torch.empty(n_int, dtype=torch.int64)
+        n_float = sum(math.prod(shape) for kind, shape in specs if kind == _FLOAT)
+        n_int = sum(math.prod(shape) for kind, shape in specs if kind == _INT)
+        flats = (
+            torch.empty(n_float, dtype=self.float_dtype),
+            torch.empty(n_int, dtype=torch.int64),
+        )
         works = [
             _posted(dist.irecv(flat, self.src, group=self.stream.payload))
-            for flat in (flat_f, flat_i)
+            for flat in flats
             if flat.numel() > 0
         ]
-        for work in works:
-            _wait(work, timeout_s, what)
-        out, pos_f, pos_i = [], 0, 0
-        for (kind, shape), size in zip(specs, sizes, strict=True):
-            if kind == _FLOAT:
-                out.append(flat_f[pos_f : pos_f + size].view(shape))
-                pos_f += size
-            else:
-                out.append(flat_i[pos_i : pos_i + size].view(shape))
-                pos_i += size
-        return out, arrived
+        return Incoming(specs, flats, works, arrived)
+
+    def receive(
+        self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None
+    ) -> tuple[list[torch.Tensor], float]:
+        """The next message and the wall-clock time (us) its header arrived."""
+        incoming = self.post(timeout_s, what, expect)
+        return incoming.wait(timeout_s, what), incoming.arrived

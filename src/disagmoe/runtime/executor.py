@@ -4,8 +4,10 @@ Lanes (threads on CPU; on GPU they would be CUDA streams):
 
 * "fwd"  — the rank's FWD instructions in list order,
 * "bwd"  — its BWD instructions in list order,
-* "recv" — one thread per (sender, channel) stream, receiving that stream's
-           messages in FIFO order into a mailbox,
+* "recv" — two threads per (sender, channel) stream: one takes the stream's headers
+           in FIFO order and posts each payload's receive at once (while the previous
+           payload may still be on the wire), one waits for the payloads in order and
+           puts them into a mailbox,
 * "send" — sends are posted (`isend`) by the compute lane right after the
            producing compute; one thread waits for their completion.
 
@@ -112,30 +114,43 @@ class Executor:
 
     # ------------------------------------------------------------------ lanes
 
-    def _recv_lane(self, sh: _Shared, src: int, channel: str, msgs: list[Msg], step: int) -> None:
+    def _recv_lane(
+        self, sh: _Shared, src: int, channel: str, msgs: list[Msg], step: int, posted: queue.Queue
+    ) -> None:
+        """Headers of one stream in order; each message's payload receive is posted at once."""
         receiver = Receiver(src, self.topo.stream(src, self.rank, channel), self.dtype, len(msgs))
-        for msg in msgs:
-            t_wait = Tracer.now_us()
-            what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
-            try:
-                payload, arrived = receiver.receive(self.timeout_s, what, expect=_ident(msg, step))
-            except ProtocolError as err:
-                kind, layer, slot, got_step = err.got
-                raise ProtocolError(
-                    f"{what}: got {KINDS[kind]}[l{layer},s{slot}] of step {got_step + 1} instead "
-                    f"(a message was lost or reordered)",
-                    err.got,
-                ) from None
+        try:
+            for msg in msgs:
+                t_wait = Tracer.now_us()
+                what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
+                try:
+                    incoming = receiver.post(self.timeout_s, what, expect=_ident(msg, step))
+                except ProtocolError as err:
+                    kind, layer, slot, got_step = err.got
+                    raise ProtocolError(
+                        f"{what}: got {KINDS[kind]}[l{layer},s{slot}] of step {got_step + 1} "
+                        f"instead (a message was lost or reordered)",
+                        err.got,
+                    ) from None
+                posted.put((msg, incoming, what, t_wait))
+        finally:
+            posted.put(None)
+
+    def _deliver_lane(self, sh: _Shared, src: int, step: int, posted: queue.Queue) -> None:
+        """Payloads of one stream in order, into the mailbox."""
+        while (item := posted.get()) is not None:
+            msg, incoming, what, t_wait = item
+            payload = incoming.wait(self.timeout_s, what)
             self.tracer.add(
                 f"recv {msg.kind} l{msg.layer} s{msg.slot}",
                 "recv",
-                arrived,
+                incoming.arrived,
                 Tracer.now_us(),
                 src=src,
                 layer=msg.layer,
                 slot=msg.slot,
                 step=step,
-                waited_us=round(arrived - t_wait, 1),
+                waited_us=round(incoming.arrived - t_wait, 1),
                 bytes=sum(t.numel() * t.element_size() for t in payload),
             )
             with sh.cond:
@@ -243,12 +258,19 @@ class Executor:
                     sh.errors.append(err)
                     sh.cond.notify_all()
 
-        recv_threads = [
-            threading.Thread(
-                target=guard, args=(self._recv_lane, sh, src, ch, msgs, step), daemon=True
-            )
-            for (src, ch), msgs in self.streams.items()
-        ]
+        recv_threads = []
+        for (src, ch), msgs in self.streams.items():
+            posted: queue.Queue = queue.Queue()
+            recv_threads += [
+                threading.Thread(
+                    target=guard,
+                    args=(self._recv_lane, sh, src, ch, msgs, step, posted),
+                    daemon=True,
+                ),
+                threading.Thread(
+                    target=guard, args=(self._deliver_lane, sh, src, step, posted), daemon=True
+                ),
+            ]
         sender = threading.Thread(
             target=guard, args=(self._send_waiter, sh, pending, step), daemon=True
         )
