@@ -193,7 +193,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
     cfg = resolve_train_config(args)
     layout = Layout.build(cfg.model, cfg.parallel)
-    schedule = build_afpipe(layout, num_slots(cfg, layout), cfg.schedule.max_in_flight)
+    schedule = build_afpipe(
+        layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
+    )
     peak = validate(schedule)
     if args.format == "csv":
         sys.stdout.write(schedule.to_csv())

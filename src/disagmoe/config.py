@@ -161,12 +161,22 @@ class ParallelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleConfig:
-    """Pipeline limits: how many micro-batch slots a worker may hold activations for."""
+    """AF-Pipe shape: slots a worker may hold activations for, and each lane's order.
+
+    `order`: "breadth" runs every slot of a layer before the next layer (best when
+    the network is the bottleneck); "depth" runs a slot ahead through the layers
+    (fewer slots in flight, forward and backward overlap; best when compute is).
+    """
 
     max_in_flight: int = 0  # 0 means no cap beyond the number of micro-batch slots
+    order: str = "breadth"  # which ready compute a lane runs first: "breadth" | "depth"
 
     def __post_init__(self) -> None:
         _require(self.max_in_flight >= 0, "schedule.max_in_flight must be >= 0")
+        _require(
+            self.order in ("breadth", "depth"),
+            f"schedule.order must be 'breadth' or 'depth', got {self.order!r}",
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -201,6 +211,7 @@ class TrainConfig:
     fail_at_step: int = -1  # fault injection: SIGKILL `fail_rank` before this step (first attempt)
     fail_rank: int = 0
     drop_message: str = ""  # fault injection: "KIND:LAYER:SLOT:STEP" is never sent (hang test)
+    emulate_compute: str = ""  # costs JSON: attention/experts become calibrated waits (bench)
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")

@@ -50,9 +50,34 @@ def test_bench_reports_every_runtime_and_cleans_up(tmp_path: Path) -> None:
         assert 0 <= r["exposed_comm_s"] <= r["step_time_s"] * 1.05
         assert r["predicted_step_s"] > 0
     assert rows["ep-1f1b"]["ratio_vs_ep_1f1b"] == pytest.approx(1.0)
-    assert "Gbit/s NIC per worker (tbf)" in report["network"]
+    assert "Gbit/s NIC per worker (tbf, MTU 9000)" in report["network"]
+    assert report["emulated_compute"] is False
     assert ours(proc.pid) == []
     assert (tmp_path / "disagg-r0" / "trace.json").exists()
+
+
+def test_emulated_compute_runs_more_ranks_than_cores_and_says_so(tmp_path: Path) -> None:
+    """4 ranks on a 2-core machine: each attention/expert call waits its calibrated
+    duration x the time scale, so the traces' compute spans are at least that long."""
+    proc = bench("--compute", "emulated", "--time-scale", "2", "--nodes", "2",
+                 "--ranks-per-node", "2", "--runtimes", "disagg,ep-1f1b", "--steps", "3",
+                 "--warmup", "1", "--json", "--out", str(tmp_path))  # fmt: skip
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    report = json.loads(out)
+    assert report["emulated_compute"] is True and report["time_scale"] == 2.0
+    assert "EMULATED compute" in report["compute"] and "at 1/2" in report["network"]
+    assert all(r["ok"] and r["tokens_per_s"] > 0 for r in report["results"])
+    costs = json.loads((tmp_path / "compute_costs.json").read_text())
+    assert "x2" in costs["note"]
+    attn_fwd = costs["attn_fwd"]["fixed"] + costs["attn_fwd"]["per_row"] * 2 * 64
+    trace = json.loads((tmp_path / "disagg-r0" / "trace.json").read_text())
+    fa = [e["dur"] / 1e6 for e in trace["traceEvents"]
+          if e.get("ph") == "X" and e["name"].startswith("FA l0 ")]  # fmt: skip
+    assert fa and min(fa) >= attn_fwd
+    config = (tmp_path / "disagg-r0" / "config.toml").read_text()
+    assert "compute_costs.json" in config
+    assert ours(proc.pid) == []
 
 
 def test_a_failing_run_is_reported_and_cleaned_up(tmp_path: Path) -> None:

@@ -54,6 +54,8 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
         (["train", "--attn-workers", "3"], "divisible by parallel.attn_workers"),
         (["train", "--steps", "-1"], "train.steps must be >= 0"),
         (["train", "--runtime", "nope"], "invalid choice"),
+        (["train", "--set", "train.emulate_compute=/nonexistent.json"], "does not exist"),
+        (["train", "--set", "schedule.order=sideways"], "schedule.order must be"),
     ],
 )
 def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
@@ -62,6 +64,23 @@ def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (["--time-scale", "5"], "--time-scale needs --compute emulated"),
+        (["--compute", "emulated", "--nodes", "40", "--ranks-per-node", "2"], "at most 64"),
+        (["--nodes", "99"], "would measure CPU contention"),
+        (["--mtu", "100"], "--mtu must be in"),
+    ],
+)
+def test_bench_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
+    result = disagmoe("bench", *args, "--out", str(tmp_path / "b"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and match in lines[0], result.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_malformed_toml_and_unsupported_hf(tmp_path: Path) -> None:

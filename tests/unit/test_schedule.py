@@ -31,12 +31,28 @@ CONFIGS = [
 ]
 
 
-def test_validator_accepts_every_generated_schedule() -> None:
+@pytest.mark.parametrize("order", ["breadth", "depth"])
+def test_validator_accepts_every_generated_schedule(order: str) -> None:
     assert len(CONFIGS) > 300
     for p, m, n, layers, slots, cap, dense in random.Random(0).sample(CONFIGS, 150):
-        sched = build_afpipe(layout(p, m, n, layers, dense), slots, cap)
+        sched = build_afpipe(layout(p, m, n, layers, dense), slots, cap, order)
         peak = validate(sched)
         assert 1 <= peak <= (cap or slots), (p, m, n, layers, slots, cap, dense)
+
+
+def _forward_lane(sched: Schedule, rank: int) -> list[tuple[int, int]]:
+    return [(i.layer, i.slot) for i in sched.ranks[rank] if i.is_compute and i.op == Op.FWD]
+
+
+def test_breadth_runs_every_slot_of_a_layer_first_depth_runs_a_slot_ahead() -> None:
+    lay = layout(1, 1, 1, layers=4)
+    breadth = _forward_lane(build_afpipe(lay, 4, order="breadth"), 0)
+    assert breadth[:4] == [(0, 0), (0, 1), (0, 2), (0, 3)]
+    assert breadth == sorted(breadth)  # layer-major
+    depth = _forward_lane(build_afpipe(lay, 4, order="depth"), 0)
+    assert depth.index((1, 0)) < depth.index((0, 3))  # slot 0 reaches layer 1 first
+    with pytest.raises(ValueError, match="schedule.order"):
+        build_afpipe(lay, 4, order="sideways")
 
 
 @pytest.mark.parametrize("p,m,n", [(1, 2, 2), (2, 1, 1), (2, 2, 2), (4, 1, 2)])

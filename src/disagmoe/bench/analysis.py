@@ -148,7 +148,9 @@ def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network
             groups[(op, comp, kind)].append(e["dur"] / 1e6)
     table = {k: statistics.median(v) for k, v in groups.items()}
     layout = Layout.build(cfg.model, cfg.parallel, world)
-    schedule = build_afpipe(layout, num_slots(cfg, layout), cfg.schedule.max_in_flight)
+    schedule = build_afpipe(
+        layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
+    )
     sim = simulate_schedule(
         schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
         sync=False,

@@ -7,7 +7,11 @@
 Every runtime gets the same model, global batch and number of workers; each worker has
 one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg` uses the
 planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise.
-Compute is real, one thread per rank, so the number of ranks may not exceed the cores.
+Compute is real, one thread per rank, so the number of ranks may not exceed the cores;
+`--compute emulated` replaces attention and expert math by waits of their durations
+measured on this machine (`models.emulation`), so that 16-32 workers fit on a few cores:
+
+    disagmoe bench --compute emulated --nodes 8 --ranks-per-node 2 --global-batch-size 64
 """
 
 from __future__ import annotations
@@ -15,17 +19,26 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ..config import RUNTIMES, ClusterConfig
 from ..presets import model_preset
-from .netns import EmulatedCluster, LoopbackCluster, available
+from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import BenchSpec, RuntimeResult, run_all, summarize
 
 DEFAULT_RUNTIMES = ("disagg", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
+MAX_EMULATED_RANKS = 64
+RANK_MEMORY_BYTES = 400 * 2**20  # a rank's Python + torch + gloo, measured ~250-350 MB
+DEFAULT_EMULATED_TIME_SCALE = 10.0
+
+
+def _memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,6 +65,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     p.add_argument("--loopback", action="store_true", help="no namespaces: plain loopback")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--compute", choices=("real", "emulated"), default="real",
+                   help="emulated: attention/expert math replaced by calibrated waits")  # fmt: skip
+    p.add_argument("--time-scale", type=float, default=0.0,
+                   help="emulated: run waits and transfers K times slower, report /K "
+                   "(default 1 for real compute, 10 for emulated)")  # fmt: skip
+    p.add_argument("--mtu", type=int, default=9000, help="emulated NICs' MTU (bytes)")
 
 
 def planner_split(spec: BenchSpec) -> tuple[int, int, int, str]:
@@ -96,11 +115,26 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise ValueError(f"--warmup ({args.warmup}) must be < --steps ({args.steps})")
     world = args.nodes * args.ranks_per_node
     cores = os.cpu_count() or 1
-    if world > cores:
+    emulated = args.compute == "emulated"
+    if not emulated and world > cores:
         raise ValueError(
             f"{world} ranks with real compute on {cores} cores would measure CPU contention, "
-            "not scheduling; use fewer --nodes/--ranks-per-node"
+            "not scheduling; use fewer --nodes/--ranks-per-node, or --compute emulated"
         )
+    if emulated and world > MAX_EMULATED_RANKS:
+        raise ValueError(f"--compute emulated runs at most {MAX_EMULATED_RANKS} ranks, got {world}")
+    if emulated and world * RANK_MEMORY_BYTES > _memory_bytes():
+        raise ValueError(
+            f"{world} ranks need about {world * RANK_MEMORY_BYTES / 2**30:.0f} GiB of memory, "
+            f"more than this machine has ({_memory_bytes() / 2**30:.0f} GiB)"
+        )
+    time_scale = args.time_scale or (DEFAULT_EMULATED_TIME_SCALE if emulated else 1.0)
+    if not emulated and time_scale != 1.0:
+        raise ValueError("--time-scale needs --compute emulated (real compute runs at its speed)")
+    if not (math.isfinite(time_scale) and time_scale >= 1.0):
+        raise ValueError(f"--time-scale must be >= 1, got {args.time_scale}")
+    if not 1280 <= args.mtu <= 65000:
+        raise ValueError(f"--mtu must be in [1280, 65000], got {args.mtu}")
     model_preset(args.model)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     spec = BenchSpec(
@@ -110,7 +144,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         steps=args.steps, warmup=args.warmup, repeats=max(args.repeats, 1), groups=args.groups,
         attn_workers=args.attn_workers, expert_workers=args.expert_workers, pp=args.pp,
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
-        loopback=args.loopback,
+        loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
     )  # fmt: skip
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):
         p, m, n, note = planner_split(spec)
@@ -125,7 +159,7 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
     lines = [
         f"# {spec.model}, {spec.world} workers ({network}), global batch "
         f"{spec.global_batch_size}x{spec.seq_len}, {spec.steps - spec.warmup} measured steps "
-        f"x {spec.repeats} repeats (real compute)",
+        f"x {spec.repeats} repeats ({compute_label(spec)})",
         f"{'runtime':15s} {'tokens/s':>9s} {'vs 1f1b':>8s} {'step s':>7s} {'exposed':>8s} "
         f"{'comm%':>6s} {'bubble':>7s} {'sim s':>7s} {'sim err':>8s}  layout",
     ]
@@ -147,6 +181,38 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
     return "\n".join(lines)
 
 
+def compute_label(spec: BenchSpec) -> str:
+    if spec.compute == "real":
+        return "real compute"
+    return (
+        f"EMULATED compute: calibrated waits, run {spec.time_scale:g}x slower, "
+        f"times reported /{spec.time_scale:g}"
+    )
+
+
+def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
+    """Measure this machine's compute once; every rank then waits those durations x scale."""
+    import torch
+
+    from ..models import build_model, emulation
+
+    model = build_model(model_preset(spec.model), seed=0, dtype=torch.float32)
+    costs = emulation.calibrate(model, seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size)
+    tokens = spec.seq_len * spec.micro_batch_size
+    assignments = tokens * model.cfg.top_k
+    if log:
+        log(
+            f"bench: emulated compute per micro-batch and layer (measured here): attention "
+            f"{1e3 * costs.attn_fwd(tokens):.2f} / {1e3 * costs.attn_bwd(tokens):.2f} ms fwd/bwd, "
+            f"experts {1e3 * costs.expert_fwd(assignments):.2f} / "
+            f"{1e3 * costs.expert_bwd(assignments):.2f} ms; run {spec.time_scale:g}x slower"
+        )
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    path = (spec.out_dir / "compute_costs.json").resolve()
+    path.write_text(costs.scaled(spec.time_scale).to_json())
+    return dataclasses.replace(spec, costs_path=str(path))
+
+
 def run_bench(args: argparse.Namespace) -> int:
     spec = spec_from_args(args)
     reason = "" if args.loopback else available()
@@ -158,24 +224,37 @@ def run_bench(args: argparse.Namespace) -> int:
         cluster: EmulatedCluster | LoopbackCluster = LoopbackCluster(spec.nodes, reason)
         network = "loopback, no rate limit"
     else:
-        cluster = EmulatedCluster([spec.nic_gbps * 1000 * spec.ranks_per_node] * spec.nodes)
+        k = spec.time_scale
+        cluster = EmulatedCluster(
+            [spec.nic_gbps * 1000 * spec.ranks_per_node / k] * spec.nodes,
+            mtu=spec.mtu,
+            queue_ms=QUEUE_MS * k,
+        )
         network = (
             f"{spec.nodes} nodes x {spec.ranks_per_node} ranks, "
-            f"{spec.nic_gbps:g} Gbit/s NIC per worker (tbf)"
+            f"{spec.nic_gbps:g} Gbit/s NIC per worker (tbf"
+            + (f" at 1/{k:g} of it" if k != 1 else "")
+            + f", MTU {spec.mtu})"
         )
     if log and spec.split_note:
         log(f"bench: disagg split — {spec.split_note}")
+    if spec.compute == "emulated":
+        spec = prepare_emulation(spec, log)
     with cluster:
         outcomes = run_all(spec, cluster, log)
     results = summarize(spec, outcomes)
     if args.plots:
         from .plots import plot_bars, plot_trace_pair
 
-        plot_bars(results, Path(args.plots) / "bench_tokens.png", network)
-        plot_trace_pair(results, Path(args.plots) / "bench_trace.png", spec.steps - 1)
+        emulated = spec.compute == "emulated"
+        label = f"{network}; {compute_label(spec)}" if emulated else network
+        note = f" [emulated compute, wall clock = {spec.time_scale:g}x]" if emulated else ""
+        plot_bars(results, Path(args.plots) / "bench_tokens.png", label)
+        plot_trace_pair(results, Path(args.plots) / "bench_trace.png", spec.steps - 1, note)
     if args.json:
         print(json.dumps({
-            "network": network, "emulated_compute": False, "spec": _spec_dict(spec),
+            "network": network, "emulated_compute": spec.compute == "emulated",
+            "time_scale": spec.time_scale, "compute": compute_label(spec), "spec": _spec_dict(spec),
             "results": [r.to_dict() for r in results],
         }, indent=2))  # fmt: skip
     else:

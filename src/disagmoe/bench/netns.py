@@ -82,17 +82,19 @@ def reap_stale() -> list[str]:
 
 
 QUEUE_MS = float(os.environ.get("DISAGMOE_BENCH_QUEUE_MS", "5"))
+MTU = 9000
 
 
-def tbf_args(mbit: float, queue_ms: float = QUEUE_MS) -> list[str]:
+def tbf_args(mbit: float, queue_ms: float = QUEUE_MS, mtu: int = MTU) -> list[str]:
     """`tc` arguments of a token bucket at `mbit` Mbit/s: ~1 ms of burst, a short queue.
 
     The queue is kept short (a few ms, like a switch port, not a 100 ms home router):
     gloo's small control messages (and TCP acks) of one stream share a direction with
     another stream's bulk data, and a deep FIFO would delay them by its whole length.
+    The bucket holds at least two frames of `mtu` bytes.
     """
     rate_bytes = mbit * 1e6 / 8
-    burst = max(int(rate_bytes * 1e-3), 16 * 1024)
+    burst = max(int(rate_bytes * 1e-3), 16 * 1024, 2 * mtu)
     return ["tbf", "rate", f"{mbit:.3f}mbit", "burst", str(burst), "latency", f"{queue_ms}ms"]
 
 
@@ -101,6 +103,8 @@ class EmulatedCluster:
     """`num_nodes` namespaces on a bridge; node k's NIC limited to `node_mbit[k]` Mbit/s."""
 
     node_mbit: list[float]
+    mtu: int = MTU  # jumbo frames: a sixth of the packets (and kernel CPU) of 1500
+    queue_ms: float = QUEUE_MS
     name: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     kind: str = "netns"
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list, repr=False)
@@ -161,13 +165,16 @@ class EmulatedCluster:
             port = f"v{k}"
             _run("ip", "-n", hub, "link", "add", port, "type", "veth", "peer", "name", "eth0",
                  "netns", ns)  # fmt: skip
+            _run("ip", "-n", hub, "link", "set", port, "mtu", str(self.mtu))
+            _run("ip", "-n", ns, "link", "set", "eth0", "mtu", str(self.mtu))
             _run("ip", "-n", hub, "link", "set", port, "master", "br0", "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("ip", "-n", ns, "addr", "add", f"{self.addr(k)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             # egress of the node (its NIC sending) and egress of the hub port (NIC receiving)
-            _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf_args(mbit))
-            _run("tc", "-n", hub, "qdisc", "add", "dev", port, "root", *tbf_args(mbit))
+            tbf = tbf_args(mbit, self.queue_ms, self.mtu)
+            _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf)
+            _run("tc", "-n", hub, "qdisc", "add", "dev", port, "root", *tbf)
 
     def _add_ns(self, name: str) -> None:
         _run("ip", "netns", "add", name)

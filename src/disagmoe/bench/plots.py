@@ -44,7 +44,7 @@ def plot_bars(results: list[RuntimeResult], out: Path, network: str) -> None:
     plt.close(fig)
 
 
-def plot_trace_pair(results: list[RuntimeResult], out: Path, step: int) -> None:
+def plot_trace_pair(results: list[RuntimeResult], out: Path, step: int, note: str = "") -> None:
     """One measured step of AF-Pipe above one of ep-1f1b (first repetition), same axis."""
     by_name = {r.runtime: r for r in results if r.ok}
     pair = [("AF-Pipe (disagg)", "disagg"), ("ep-1f1b (EP all-to-all + 1F1B)", "ep-1f1b")]
@@ -52,6 +52,6 @@ def plot_trace_pair(results: list[RuntimeResult], out: Path, step: int) -> None:
     for title, name in pair:
         if name in by_name:
             dirs = [Path(d) for d in by_name[name].run_dirs if (Path(d) / "trace.json").exists()]
-            traces.append((title, dirs[0] / "trace.json"))
+            traces.append((f"{title}{note}", dirs[0] / "trace.json"))
     if traces:
         plot_traces(traces, out, step=step)

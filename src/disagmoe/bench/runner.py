@@ -58,6 +58,10 @@ class BenchSpec:
     disagg_overrides: tuple[str, ...] = ()
     timeout_s: float = 300.0
     loopback: bool = False
+    mtu: int = 9000
+    compute: str = "real"  # "real" | "emulated" (calibrated waits, see models.emulation)
+    time_scale: float = 1.0  # emulated: waits and transfers run this many times slower
+    costs_path: str = ""  # emulated: the costs JSON every rank loads
     split_note: str = ""
 
     @property
@@ -80,6 +84,8 @@ class BenchSpec:
             "--comm-timeout", str(max(self.timeout_s / 2, 30.0)),
             *self.layout_flags(runtime),
         ]  # fmt: skip
+        if self.costs_path:
+            flags += ["--set", f"train.emulate_compute={self.costs_path}"]
         extra = self.disagg_overrides if runtime == "disagg" else ()
         for item in (*self.overrides, *extra):
             flags += ["--set", item]
@@ -239,7 +245,8 @@ class RuntimeResult:
 def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult]:
     """Pool each runtime's measured steps; breakdown and prediction from its traces."""
     results = []
-    net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
+    k = spec.time_scale  # wall times are k x the emulated cluster's; results are divided by k
+    net = emulated_network(spec.nic_gbps / k, spec.ranks_per_node, spec.loopback)
     tokens = spec.global_batch_size * spec.seq_len
     for runtime in spec.runtimes:
         mine = [o for o in outcomes if o.runtime == runtime]
@@ -251,9 +258,9 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
             results.append(res)
             continue
         res.ok = True
-        times = [t for o in good for t in o.step_times.values()]
+        times = [t / k for o in good for t in o.step_times.values()]
         res.step_time_s = statistics.median(times)
-        medians = [statistics.median(o.step_times.values()) for o in good]
+        medians = [statistics.median(o.step_times.values()) / k for o in good]
         res.step_time_spread_s = (min(medians), max(medians))
         res.tokens_per_s = tokens / res.step_time_s
         parts, predictions = [], []
@@ -264,11 +271,11 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
             predictions.append(predict(cfg, spec.world, events, net))
         res.breakdown = Breakdown(
             *(
-                statistics.fmean(getattr(p, f) for p in parts)
+                statistics.fmean(getattr(p, f) for p in parts) / k
                 for f in Breakdown.__dataclass_fields__
             )
         )
-        res.predicted_step_s = statistics.median(predictions)
+        res.predicted_step_s = statistics.median(predictions) / k
         res.prediction_error = res.predicted_step_s / res.step_time_s - 1.0
         results.append(res)
     base = next((r for r in results if r.runtime == "ep-1f1b" and r.ok), None)

@@ -57,7 +57,7 @@ class DisaggTrainer:
         self.rank = dist.get_rank()
         self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
         self.schedule = build_afpipe(
-            self.layout, num_slots(cfg, self.layout), cfg.schedule.max_in_flight
+            self.layout, num_slots(cfg, self.layout), cfg.schedule.max_in_flight, cfg.schedule.order
         )
         validate(self.schedule)
         self.topo = Topology.build(self.layout, self.schedule)

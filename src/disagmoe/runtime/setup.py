@@ -8,7 +8,7 @@ import torch
 
 from ..config import RunConfig
 from ..data import TokenBatches, build_batches
-from ..models import MoETransformer, build_model
+from ..models import MoETransformer, build_model, emulation
 from .objective import torch_dtype
 
 
@@ -49,7 +49,15 @@ def build_data(cfg: RunConfig) -> TokenBatches:
 
 
 def set_threads(cfg: RunConfig, local_world_size: int) -> int:
-    """Give each local rank `cores / local ranks` intra-op threads (at least one)."""
+    """Give each local rank `cores / local ranks` intra-op threads (at least one), and turn
+    on emulated compute if the run asks for it (`train.emulate_compute`)."""
     threads = cfg.parallel.threads_per_rank or max((os.cpu_count() or 1) // local_world_size, 1)
     torch.set_num_threads(threads)
+    emulation.activate(load_emulation(cfg))
     return threads
+
+
+def load_emulation(cfg: RunConfig) -> emulation.ComputeCosts | None:
+    """The run's emulated compute costs, or None for real compute."""
+    path = cfg.train.emulate_compute
+    return emulation.ComputeCosts.load(path) if path else None

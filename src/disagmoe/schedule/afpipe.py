@@ -10,6 +10,16 @@ residual hops A(l) -> A(l+1) in the same stage (a local hand-over when p = 1).
 `max_in_flight` caps how many slots a rank holds activations for: the forward
 of a rank's first stage for slot s waits for that stage's backward of slot
 s - max_in_flight.
+
+`order` says which ready compute a lane prefers:
+
+* "breadth" (default) — the lowest layer (forward) / highest layer (backward), then
+  the lowest slot: every slot of a layer goes before the next layer, so a layer's
+  messages of all slots are on the wire while the next ones compute. Best when
+  communication is the bottleneck (the links stay busy back to back).
+* "depth" — the lowest slot, then the layer: a slot runs ahead through the layers
+  and its backward starts early (less in flight at once, forward and backward
+  lanes overlap). Best when compute is the bottleneck.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from .ir import Msg, Op, Schedule
 # Nominal costs used only to order each lane (the executor follows the order,
 # not the times): forward 1, backward 2, loss head 1, message latency 0.5.
 _FWD_COST, _BWD_COST, _LATENCY = 1.0, 2.0, 0.5
+ORDERS = ("breadth", "depth")
 
 
 def message_producer(msg: Msg) -> tuple[Op, str, int]:
@@ -47,10 +58,20 @@ def message_consumer(msg: Msg) -> tuple[Op, str, int]:
     }[msg.kind]
 
 
-def build_afpipe_graph(layout: Layout, num_slots: int, max_in_flight: int) -> TaskGraph:
+def build_afpipe_graph(
+    layout: Layout, num_slots: int, max_in_flight: int, order: str = "breadth"
+) -> TaskGraph:
+    if order not in ORDERS:
+        raise ValueError(f"schedule.order must be one of {', '.join(ORDERS)}, got {order!r}")
     p, m, n, L = layout.groups, layout.attn_workers, layout.expert_workers, layout.num_layers
     cap = max_in_flight or num_slots
     g = TaskGraph()
+
+    def fwd_key(l: int, s: int) -> tuple[int, int]:
+        return (l, s) if order == "breadth" else (s, l)
+
+    def bwd_key(l: int, s: int) -> tuple[int, int]:
+        return (-l, s) if order == "breadth" else (s, -l)
 
     def fa(l: int, s: int, r: int) -> Task:
         return Task(Op.FWD, "A", l, s, layout.attn_rank(l % p, r))
@@ -67,12 +88,12 @@ def build_afpipe_graph(layout: Layout, num_slots: int, max_in_flight: int) -> Ta
     for s in range(num_slots):
         for l in range(L + 1):
             for r in range(m):
-                g.add(fa(l, s, r), _FWD_COST, (s, l))
-                g.add(ba(l, s, r), _BWD_COST, (s, -l))
+                g.add(fa(l, s, r), _FWD_COST, fwd_key(l, s))
+                g.add(ba(l, s, r), _BWD_COST, bwd_key(l, s))
             if l in layout.moe_layers:
                 for j in range(n):
-                    g.add(ff(l, s, j), _FWD_COST, (s, l))
-                    g.add(bf(l, s, j), _BWD_COST, (s, -l))
+                    g.add(ff(l, s, j), _FWD_COST, fwd_key(l, s))
+                    g.add(bf(l, s, j), _BWD_COST, bwd_key(l, s))
 
     for s in range(num_slots):
         for l in range(L + 1):
@@ -110,11 +131,13 @@ def build_afpipe_graph(layout: Layout, num_slots: int, max_in_flight: int) -> Ta
     return g
 
 
-def build_afpipe(layout: Layout, num_slots: int, max_in_flight: int = 0) -> Schedule:
+def build_afpipe(
+    layout: Layout, num_slots: int, max_in_flight: int = 0, order: str = "breadth"
+) -> Schedule:
     """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots."""
     if num_slots < 1:
         raise ValueError("AF-Pipe needs at least one micro-batch slot per attention replica")
-    graph = build_afpipe_graph(layout, num_slots, max_in_flight)
+    graph = build_afpipe_graph(layout, num_slots, max_in_flight, order)
     timeline = list_schedule(graph, _LATENCY)
     return emit_schedule(
         graph,
@@ -129,5 +152,6 @@ def build_afpipe(layout: Layout, num_slots: int, max_in_flight: int = 0) -> Sche
             "attn_workers": layout.attn_workers,
             "expert_workers": layout.expert_workers,
             "num_layers": layout.num_layers,
+            "order": order,
         },
     )

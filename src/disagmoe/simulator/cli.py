@@ -42,6 +42,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-in-flight", type=int, default=0, help="disagg: slot cap (0: none)")
     parser.add_argument(
+        "--order",
+        choices=("breadth", "depth"),
+        default="breadth",
+        help="disagg: lane order (schedule.order)",
+    )
+    parser.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default="node-aware",
@@ -192,6 +198,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             placement=r["placement"],
             nic_split=r["nic_split"],
             recompute=r["recompute"],
+            order=args.order,
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])

@@ -120,6 +120,7 @@ def simulate_disagg(
     placement: str = "node-aware",
     nic_split: tuple[int, int] | None = None,
     recompute: bool = False,
+    order: str = "breadth",
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -156,7 +157,7 @@ def simulate_disagg(
             raise ValueError("a NIC split pools a node's NICs: use placement 'node-aware'")
         net = dataclasses.replace(net, nic_share=nic_shares(layout, net, *nic_split))
     run_layout = dataclasses.replace(layout, attn_workers=1, expert_workers=1) if reduce else layout
-    schedule = build_afpipe(run_layout, slots, max_in_flight)
+    schedule = build_afpipe(run_layout, slots, max_in_flight, order)
     cfg = {
         "model": model.name,
         "cluster": cluster.name,
@@ -169,6 +170,7 @@ def simulate_disagg(
         "placement": placement,
         "nic_split": list(nic_split) if nic_split else None,
         "recompute": recompute,
+        "order": order,
     }
     return simulate_schedule(
         schedule,

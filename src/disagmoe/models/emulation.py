@@ -1,0 +1,242 @@
+"""Emulated compute: the model's heavy math replaced by calibrated waits.
+
+With emulation active (`activate(costs)`), `AttentionBlock` and `Experts` do not
+compute: each sleeps for its cost-model duration in forward and in backward and
+returns tensors of the right shapes (the attention output is its input; routing is
+uniformly random top-k; expert outputs are their inputs). Everything else is real:
+the runtimes' code, the messages and their sizes, the optimizer. A sleeping lane
+holds no CPU and releases the GIL, as a GPU kernel would, so many workers fit on
+a few cores and what is measured is the runtime's overlap of compute and
+communication, not the CPU's arithmetic. Losses and gradients are meaningless.
+
+Durations are `fixed + per_row * rows` seconds (rows: tokens for attention,
+(token, expert) assignments for experts), usually measured on this machine with
+`calibrate` and multiplied by a time scale (see `disagmoe bench --compute emulated`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_COSTS: ComputeCosts | None = None
+
+
+@dataclass(frozen=True)
+class Linear:
+    """`fixed + per_row * rows` seconds."""
+
+    fixed: float
+    per_row: float
+
+    def __call__(self, rows: int) -> float:
+        return max(self.fixed + self.per_row * rows, 0.0)
+
+    def scaled(self, factor: float) -> Linear:
+        return Linear(self.fixed * factor, self.per_row * factor)
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """Forward and backward durations of the two emulated units."""
+
+    attn_fwd: Linear  # one layer's A component, per token
+    attn_bwd: Linear
+    expert_fwd: Linear  # one layer's experts on one worker, per (token, expert) assignment
+    expert_bwd: Linear
+    note: str = ""  # where the numbers come from
+
+    def scaled(self, factor: float) -> ComputeCosts:
+        return ComputeCosts(
+            self.attn_fwd.scaled(factor),
+            self.attn_bwd.scaled(factor),
+            self.expert_fwd.scaled(factor),
+            self.expert_bwd.scaled(factor),
+            f"{self.note} x{factor:g}" if factor != 1 else self.note,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def load(path: str | Path) -> ComputeCosts:
+        """Read a costs file; a clear ValueError if it is missing or malformed."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            units = {
+                k: Linear(float(raw[k]["fixed"]), float(raw[k]["per_row"]))
+                for k in ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd")
+            }
+        except FileNotFoundError:
+            raise ValueError(f"emulated compute costs file {str(path)!r} does not exist") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"emulated compute costs file {str(path)!r} is not a costs JSON "
+                f"(attn_fwd/attn_bwd/expert_fwd/expert_bwd with fixed and per_row): {err}"
+            ) from None
+        for name, unit in units.items():
+            if not all(math.isfinite(v) and v >= 0 for v in (unit.fixed, unit.per_row)):
+                raise ValueError(f"emulated compute costs: {name} must be finite and >= 0")
+        return ComputeCosts(**units, note=str(raw.get("note", "")))
+
+
+def activate(costs: ComputeCosts | None) -> None:
+    """Turn emulation on for this process (None turns it off)."""
+    global _COSTS
+    _COSTS = costs
+
+
+def active() -> ComputeCosts | None:
+    return _COSTS
+
+
+class _Wait(torch.autograd.Function):
+    """Identity that sleeps `fwd_s` in forward and `bwd_s` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.bwd_s = bwd_s
+        time.sleep(fwd_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        time.sleep(ctx.bwd_s)
+        return grad, None, None
+
+
+def wait(x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:
+    """`x`, after `fwd_s` seconds; its gradient passes back after `bwd_s` seconds."""
+    return _Wait.apply(x, fwd_s, bwd_s)  # type: ignore[no-any-return]
+
+
+def random_top_k(
+    rows: int, num_experts: int, top_k: int, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniformly random distinct top-k experts per row, equal weights tied to `like`.
+
+    The weights depend on `like` (times zero) so that they have a gradient path,
+    as the router's weights do.
+    """
+    indices = torch.rand(rows, num_experts).topk(top_k, dim=-1).indices
+    weights = torch.full((rows, top_k), 1.0 / top_k, dtype=like.dtype)
+    weights = weights + like.reshape(rows, -1)[:, :1] * 0.0
+    return indices, weights
+
+
+def calibrate(
+    model: torch.nn.Module, *, seq_len: int, micro_batch_size: int, repeats: int = 8
+) -> ComputeCosts:
+    """Measure this machine's real attention and expert durations for `model` (1 thread).
+
+    Times forward and forward+backward of the first four MoE layers' `AttentionBlock`
+    at two token counts (one micro-batch and half of one) and of their `Experts` at
+    two assignment counts, cycling through the layers as a runtime does, and fits
+    `fixed + per_row * rows` through the two medians.
+    """
+    from .model import MoETransformer
+    from .moe import flatten_routing
+
+    assert isinstance(model, MoETransformer)
+    previous = active()
+    activate(None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cfg = model.cfg
+        layers = [l for l in range(cfg.num_layers) if cfg.is_moe_layer(l)][:4]
+        if not layers:
+            raise ValueError("calibrate: the model has no MoE layer")
+        # micro-batch shapes (B, S): a whole one, and half of one (fewer sequences if it
+        # has several, else a shorter sequence)
+        shapes = [(micro_batch_size, seq_len)]
+        shapes.append(
+            (micro_batch_size // 2, seq_len) if micro_batch_size > 1 else (1, max(seq_len // 2, 1))
+        )
+        sizes = (shapes[0][0] * shapes[0][1], shapes[1][0] * shapes[1][1])
+        gen = torch.Generator().manual_seed(0)
+        dtype = next(model.parameters()).dtype
+
+        def attn_times(shape: tuple[int, int]) -> tuple[float, float]:
+            x = torch.randn(*shape, cfg.dim, generator=gen, dtype=dtype)
+            cos, sin = model.rope(shape[1], x)
+            fwd, both = [], []
+            for rep in range(repeats + _WARMUP):
+                for l in layers:
+                    block = model.decoder_layer(l).attn_block
+                    leaf = x.detach().requires_grad_()
+                    t0 = time.perf_counter()
+                    out = block(leaf, cos, sin)
+                    t1 = time.perf_counter()
+                    assert out.u_TH is not None and out.routing is not None
+                    torch.autograd.backward(
+                        [out.residual_BSH, out.u_TH, out.routing.weights_TK],
+                        [torch.ones_like(out.residual_BSH), torch.ones_like(out.u_TH),
+                         torch.ones_like(out.routing.weights_TK)],
+                    )  # fmt: skip
+                    t2 = time.perf_counter()
+                    if rep >= _WARMUP:
+                        fwd.append(t1 - t0)
+                        both.append(t2 - t0)
+            model.zero_grad(set_to_none=True)
+            return _median(fwd), _median(both) - _median(fwd)
+
+        def expert_times(tokens: int) -> tuple[float, float, int]:
+            u = torch.randn(tokens, cfg.dim, generator=gen, dtype=dtype)
+            block = model.decoder_layer(layers[0]).attn_block
+            assert block.router is not None
+            with torch.no_grad():
+                routing = block.router(u)
+            plan = flatten_routing(routing)
+            fwd, both = [], []
+            for rep in range(repeats + _WARMUP):
+                for l in layers:
+                    experts = model.decoder_layer(l).experts
+                    assert experts is not None
+                    leaf = u.detach().requires_grad_()
+                    t0 = time.perf_counter()
+                    y = experts(leaf, plan)
+                    t1 = time.perf_counter()
+                    y.backward(torch.ones_like(y))
+                    t2 = time.perf_counter()
+                    if rep >= _WARMUP:
+                        fwd.append(t1 - t0)
+                        both.append(t2 - t0)
+            model.zero_grad(set_to_none=True)
+            return _median(fwd), _median(both) - _median(fwd), plan.rows_A.numel()
+
+        a_big, a_small = attn_times(shapes[0]), attn_times(shapes[1])
+        e_big, e_small = expert_times(sizes[0]), expert_times(sizes[1])
+        return ComputeCosts(
+            attn_fwd=_fit(sizes, (a_big[0], a_small[0])),
+            attn_bwd=_fit(sizes, (a_big[1], a_small[1])),
+            expert_fwd=_fit((e_big[2], e_small[2]), (e_big[0], e_small[0])),
+            expert_bwd=_fit((e_big[2], e_small[2]), (e_big[1], e_small[1])),
+            note=f"measured: model {cfg.name}, {micro_batch_size}x{seq_len} tokens, 1 thread",
+        )
+    finally:
+        torch.set_num_threads(threads)
+        activate(previous)
+
+
+_WARMUP = 4  # passes over the layers before timing (allocator and caches settle)
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _fit(rows: tuple[int, int], secs: tuple[float, float]) -> Linear:
+    """The line through two (rows, seconds) points, clamped to be non-negative."""
+    (r1, r2), (s1, s2) = rows, secs
+    if r1 == r2:
+        return Linear(0.0, s1 / max(r1, 1))
+    per_row = max((s1 - s2) / (r1 - r2), 0.0)
+    return Linear(max(s1 - per_row * r1, 0.0), per_row)

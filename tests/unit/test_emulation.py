@@ -1,0 +1,107 @@
+"""Emulated compute: calibrated waits in place of the attention and expert math."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagmoe.models import build_model, emulation, split_by_owner
+from disagmoe.models.emulation import ComputeCosts, Linear
+from disagmoe.presets import model_preset
+
+ZERO = Linear(0.0, 0.0)
+
+
+@pytest.fixture(autouse=True)
+def _off_afterwards() -> Iterator[None]:
+    yield
+    emulation.activate(None)
+
+
+def test_wait_sleeps_in_forward_and_in_backward() -> None:
+    x = torch.randn(4, 3, requires_grad=True)
+    t0 = time.perf_counter()
+    y = emulation.wait(x, 0.05, 0.08)
+    t1 = time.perf_counter()
+    y.backward(torch.full_like(y, 2.0))
+    t2 = time.perf_counter()
+    assert t1 - t0 >= 0.05 and t2 - t1 >= 0.08
+    assert torch.equal(y, x) and torch.equal(x.grad, torch.full_like(x, 2.0))  # type: ignore[arg-type]
+
+
+def test_emulated_layer_keeps_shapes_routing_and_gradient_paths() -> None:
+    model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+    cfg = model.cfg
+    costs = ComputeCosts(Linear(0.0, 1e-5), ZERO, Linear(0.001, 0.0), ZERO)
+    emulation.activate(costs)
+    block = model.decoder_layer(0).attn_block
+    x = torch.randn(2, 16, cfg.dim, requires_grad=True)
+    cos, sin = model.rope(16, x)
+    t0 = time.perf_counter()
+    out = block(x, cos, sin)
+    assert time.perf_counter() - t0 >= costs.attn_fwd(32)
+    assert out.residual_BSH.shape == x.shape and out.u_TH is not None and out.routing is not None
+    idx = out.routing.indices_TK
+    assert idx.shape == (32, cfg.top_k) and int(idx.max()) < cfg.num_experts
+    assert all(len(set(row)) == cfg.top_k for row in idx.tolist())  # distinct experts per token
+    plans = split_by_owner(out.routing, 2)
+    assert sum(int(p.rows_A.numel()) for p in plans) == 32 * cfg.top_k
+    experts = model.decoder_layer(0).experts
+    assert experts is not None
+    u = out.u_TH[plans[0].token_ids]
+    y = experts(u, plans[0])
+    assert y.shape == u.shape
+    (y.sum() + out.residual_BSH.sum()).backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    assert experts.gate_up.grad is None  # no math, no parameter gradient (zero-filled later)
+
+
+def test_real_compute_is_untouched_when_off() -> None:
+    model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+    x = torch.randn(1, 8, model.cfg.dim)
+    cos, sin = model.rope(8, x)
+    block = model.decoder_layer(0).attn_block
+    assert not torch.equal(block(x, cos, sin).residual_BSH, x)
+
+
+def test_calibrate_measures_and_round_trips(tmp_path: Path) -> None:
+    model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+    costs = emulation.calibrate(model, seq_len=16, micro_batch_size=2, repeats=2)
+    for unit in (costs.attn_fwd, costs.attn_bwd, costs.expert_fwd, costs.expert_bwd):
+        assert unit.fixed >= 0 and unit.per_row >= 0 and unit(64) > 0
+    assert emulation.active() is None  # calibration measures real compute, then restores
+    path = tmp_path / "costs.json"
+    path.write_text(costs.scaled(3.0).to_json())
+    loaded = ComputeCosts.load(path)
+    assert loaded.attn_fwd(64) == pytest.approx(3.0 * costs.attn_fwd(64))
+    assert "x3" in loaded.note
+
+
+@pytest.mark.parametrize(
+    "content,match",
+    [
+        (None, "does not exist"),
+        ("{not json", "not a costs JSON"),
+        (json.dumps({"attn_fwd": {"fixed": 0}}), "not a costs JSON"),
+        (
+            json.dumps(
+                {
+                    k: {"fixed": -1, "per_row": 0}
+                    for k in ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd")
+                }
+            ),
+            "finite and >= 0",
+        ),
+    ],
+)
+def test_bad_costs_files_say_what_is_wrong(tmp_path: Path, content: str | None, match: str) -> None:
+    path = tmp_path / "costs.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        ComputeCosts.load(path)
