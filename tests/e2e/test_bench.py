@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe.bench.netns import available, list_namespaces
+from disagmoe.bench.netns import EmulatedCluster, available, list_namespaces
 
 pytestmark = pytest.mark.skipif(bool(available()), reason=available() or "")
 
@@ -78,6 +78,19 @@ def test_emulated_compute_runs_more_ranks_than_cores_and_says_so(tmp_path: Path)
     config = (tmp_path / "disagg-r0" / "config.toml").read_text()
     assert "compute_costs.json" in config
     assert ours(proc.pid) == []
+
+
+def test_nic_rates_change_in_place_between_runs() -> None:
+    with EmulatedCluster([100.0, 100.0], mtu=9000) as cluster:
+        assert all("rate 100Mbit" in q for q in cluster.qdiscs()), cluster.qdiscs()
+        cluster.set_rates([50.0, 150.0])
+        lines = cluster.qdiscs()
+        node0 = [q for q in lines if q.startswith(cluster.node(0)) or " dev v0 " in q]
+        node1 = [q for q in lines if q.startswith(cluster.node(1)) or " dev v1 " in q]
+        assert len(node0) == len(node1) == 2  # the node's egress and the hub port towards it
+        assert all("rate 50Mbit" in q for q in node0) and all("rate 150Mbit" in q for q in node1)
+        name = cluster.name
+    assert list_namespaces(f"{name}-") == []
 
 
 def test_a_failing_run_is_reported_and_cleaned_up(tmp_path: Path) -> None:

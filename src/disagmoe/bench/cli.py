@@ -71,10 +71,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: run waits and transfers K times slower, report /K "
                    "(default 1 for real compute, 10 for emulated)")  # fmt: skip
     p.add_argument("--mtu", type=int, default=9000, help="emulated NICs' MTU (bytes)")
+    p.add_argument("--nic-split", default="auto", metavar="A:F|auto",
+                   help="disagg: NIC rate of an attention vs an expert worker, same total as "
+                   "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
 
 
-def planner_split(spec: BenchSpec) -> tuple[int, int, int, str]:
-    """(p, m, n, note): the planner's split for this emulated cluster, or an even one."""
+def planner_split(spec: BenchSpec) -> tuple[int, int, int, str, tuple[int, int] | None]:
+    """(p, m, n, note, (attention NICs, expert NICs) per group or None): the planner's
+    split for this emulated cluster, or an even one (with no NIC split)."""
     from ..planner import plan_for
 
     model = model_preset(spec.model)
@@ -95,13 +99,33 @@ def planner_split(spec: BenchSpec) -> tuple[int, int, int, str]:
             and model.num_experts % n == 0
             and model.num_layers % p == 0
         ):
-            return p, m, n, f"planner: p={p} m={m} n={n} ({plan.binding} binds)"
+            nics = (plan.attn_nics_per_group, plan.ffn_nics_per_group)
+            note = f"planner: p={p} m={m} n={n}, NICs {nics[0]}:{nics[1]} ({plan.binding} binds)"
+            return p, m, n, note, nics
         reason = f"planner's p={p} m={m} n={n} does not fit this batch/model"
     except ValueError as err:
         reason = f"planner: {str(err).split(';')[0]}"
     if world % 2:
         raise ValueError(f"disagg needs an even worker count here, got {world}; set --groups ...")
-    return 1, world // 2, world // 2, f"{reason}; even split m=n={world // 2}"
+    return 1, world // 2, world // 2, f"{reason}; even split m=n={world // 2}", None
+
+
+def nic_split(text: str, m: int, n: int, planned: tuple[int, int] | None) -> tuple[float, float]:
+    """Per-worker NIC rate of attention and expert workers (units of --nic-gbps), scaled so
+    that m * a + n * f = m + n: disagg gets the same total NIC bandwidth as the EP runs."""
+    if text == "auto":
+        if planned is None:
+            return 1.0, 1.0
+        ratio = (planned[0] / m, planned[1] / n)
+    else:
+        try:
+            ratio = tuple(float(x) for x in text.split(":"))  # type: ignore[assignment]
+        except ValueError:
+            ratio = ()  # type: ignore[assignment]
+        if len(ratio) != 2 or not all(math.isfinite(x) and x > 0 for x in ratio):
+            raise ValueError(f"--nic-split must be 'auto' or A:F with A, F > 0, got {text!r}")
+    scale = (m + n) / (m * ratio[0] + n * ratio[1])
+    return ratio[0] * scale, ratio[1] * scale
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
@@ -146,12 +170,17 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
         loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
     )  # fmt: skip
+    planned = None
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):
-        p, m, n, note = planner_split(spec)
+        p, m, n, note, planned = planner_split(spec)
         spec = dataclasses.replace(spec, groups=p, attn_workers=m, expert_workers=n,
                                    split_note=note)  # fmt: skip
     elif "disagg" in runtimes:
         spec = dataclasses.replace(spec, groups=args.groups or 1, split_note="given")
+    if "disagg" in runtimes:
+        m, n = spec.attn_workers, spec.expert_workers
+        shares = nic_split(args.nic_split, m, n, planned)
+        spec = dataclasses.replace(spec, nic_split=shares)
     return spec
 
 
@@ -236,6 +265,9 @@ def run_bench(args: argparse.Namespace) -> int:
             + (f" at 1/{k:g} of it" if k != 1 else "")
             + f", MTU {spec.mtu})"
         )
+        a, f = spec.nic_split
+        if "disagg" in spec.runtimes and (a, f) != (1.0, 1.0):
+            network += f"; disagg NICs {a:.2f}x (attention) / {f:.2f}x (experts) per worker"
     if log and spec.split_note:
         log(f"bench: disagg split — {spec.split_note}")
     if spec.compute == "emulated":

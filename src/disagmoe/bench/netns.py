@@ -176,6 +176,18 @@ class EmulatedCluster:
             _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf)
             _run("tc", "-n", hub, "qdisc", "add", "dev", port, "root", *tbf)
 
+    def set_rates(self, node_mbit: list[float]) -> None:
+        """Change the nodes' NIC rates in place (both directions), e.g. between runtimes."""
+        if len(node_mbit) != self.num_nodes:
+            raise ValueError(f"{len(node_mbit)} rates for {self.num_nodes} nodes")
+        for k, (old, new) in enumerate(zip(self.node_mbit, node_mbit, strict=True)):
+            if abs(old - new) < 1e-9:
+                continue
+            tbf = tbf_args(new, self.queue_ms, self.mtu)
+            _run("tc", "-n", self.node(k), "qdisc", "change", "dev", "eth0", "root", *tbf)
+            _run("tc", "-n", self.hub, "qdisc", "change", "dev", f"v{k}", "root", *tbf)
+        self.node_mbit = list(node_mbit)
+
     def _add_ns(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._created.append(name)
@@ -253,6 +265,9 @@ class LoopbackCluster:
 
     def qdiscs(self) -> list[str]:
         return []
+
+    def set_rates(self, node_mbit: list[float]) -> None:
+        """Nothing to limit on loopback."""
 
     def __enter__(self) -> LoopbackCluster:
         atexit.register(self.close)

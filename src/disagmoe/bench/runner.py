@@ -15,6 +15,7 @@ rep 2, ...) so that slow drifts of the machine hit all runtimes alike; the first
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -62,11 +63,29 @@ class BenchSpec:
     compute: str = "real"  # "real" | "emulated" (calibrated waits, see models.emulation)
     time_scale: float = 1.0  # emulated: waits and transfers run this many times slower
     costs_path: str = ""  # emulated: the costs JSON every rank loads
+    # disagg: NIC rate of an attention / expert worker, in units of nic_gbps, with
+    # m * a + n * f = m + n (the EP runs' total NIC bandwidth); EP runs: 1 everywhere
+    nic_split: tuple[float, float] = (1.0, 1.0)
     split_note: str = ""
 
     @property
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    def worker_gbps(self, runtime: str) -> list[float]:
+        """NIC Gbit/s of every rank in this runtime's run (disagg: the NIC split)."""
+        if runtime != "disagg" or self.nic_split == (1.0, 1.0):
+            return [self.nic_gbps] * self.world
+        m, n = self.attn_workers, self.expert_workers
+        a, f = self.nic_split
+        # ranks go group by group, a group's m attention replicas before its n shards
+        return [self.nic_gbps * (a if r % (m + n) < m else f) for r in range(self.world)]
+
+    def node_mbit(self, runtime: str) -> list[float]:
+        """Each node's tbf rate (Mbit/s): its ranks' NICs, slowed by the time scale."""
+        rates = self.worker_gbps(runtime)
+        R = self.ranks_per_node
+        return [sum(rates[k * R : (k + 1) * R]) * 1000 / self.time_scale for k in range(self.nodes)]
 
     def layout_flags(self, runtime: str) -> list[str]:
         if runtime == "disagg":
@@ -193,6 +212,7 @@ def run_all(spec: BenchSpec, cluster: Cluster, log: Any = None) -> list[RunOutco
             t0 = time.perf_counter()
             if log:
                 log(f"bench: {runtime} (repeat {rep + 1}/{spec.repeats}) -> {run_dir}")
+            cluster.set_rates(spec.node_mbit(runtime))
             ok, error = launch(cluster, spec, runtime, run_dir)
             out = RunOutcome(runtime, rep, run_dir, ok, error, time.perf_counter() - t0)
             if ok:
@@ -268,7 +288,12 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
             events = _events(o.run_dir, set(o.step_times))
             parts.append(trace_breakdown(events, o.step_times))
             cfg = load_toml(o.run_dir / "config.toml")
-            predictions.append(predict(cfg, spec.world, events, net))
+            rates = spec.worker_gbps(runtime)
+            run_net = net
+            if len(set(rates)) > 1:  # the NIC split, as the simulator's per-rank NIC rates
+                scale = net.nic_bytes_per_s / (spec.nic_gbps / k)
+                run_net = dataclasses.replace(net, nic_share=tuple(g / k * scale for g in rates))
+            predictions.append(predict(cfg, spec.world, events, run_net))
         res.breakdown = Breakdown(
             *(
                 statistics.fmean(getattr(p, f) for p in parts) / k

@@ -1,0 +1,46 @@
+"""The bench's NIC split: which rank gets which rate, and the same total as the EP runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from disagmoe.bench.cli import nic_split
+from disagmoe.bench.runner import BenchSpec
+from disagmoe.config import ParallelConfig
+from disagmoe.distributed.layout import Layout
+from disagmoe.presets import model_preset
+
+SPEC = BenchSpec(
+    runtimes=("disagg", "ep-1f1b"), nodes=4, ranks_per_node=2, nic_gbps=0.2, model="small",
+    seq_len=64, global_batch_size=16, micro_batch_size=2, steps=3, warmup=1, repeats=1,
+    groups=2, attn_workers=2, expert_workers=2, pp=1, ep=0, out_dir=Path("unused"),
+)  # fmt: skip
+
+
+def test_split_keeps_the_total_and_gives_each_role_its_rate() -> None:
+    a, f = nic_split("1:3", 2, 2, None)
+    assert 2 * a + 2 * f == pytest.approx(4) and f == pytest.approx(3 * a)
+    spec = dataclasses.replace(SPEC, nic_split=(a, f), time_scale=10.0)
+    rates = spec.worker_gbps("disagg")
+    layout = Layout.build(
+        model_preset("small"), ParallelConfig(groups=2, attn_workers=2, expert_workers=2), 8
+    )
+    for rank, gbps in enumerate(rates):
+        want = a if layout.role(rank).comp == "A" else f
+        assert gbps == pytest.approx(0.2 * want)
+    assert spec.worker_gbps("ep-1f1b") == [0.2] * 8
+    nodes = spec.node_mbit("disagg")
+    assert len(nodes) == 4 and sum(nodes) == pytest.approx(sum(spec.node_mbit("ep-1f1b")))
+    assert sum(spec.node_mbit("ep-1f1b")) == pytest.approx(8 * 200 / 10)
+
+
+def test_auto_follows_the_planner_or_stays_even() -> None:
+    assert nic_split("auto", 3, 1, None) == (1.0, 1.0)
+    a, f = nic_split("auto", 3, 1, (2, 2))  # 2 NICs for 3 attention workers, 2 for 1 shard
+    assert 3 * a + f == pytest.approx(4) and f / a == pytest.approx(3.0)
+    for bad in ("2", "1:0", "a:b", "1:2:3"):
+        with pytest.raises(ValueError, match="--nic-split"):
+            nic_split(bad, 1, 1, None)
