@@ -24,7 +24,9 @@ def plot_bars(results: list[RuntimeResult], out: Path, network: str) -> None:
     for k, r in enumerate(ok):
         label = f"{r.ratio_vs_ep_1f1b:.2f}x" if r.ratio_vs_ep_1f1b else ""
         ax1.text(k, r.tokens_per_s, label, ha="center", va="bottom", fontsize=8)
-    ax1.set_ylabel("tokens/s (measured)")
+    ax1.set_ylabel(
+        "tokens/s (emulated compute)" if "EMULATED" in network else "tokens/s (measured)"
+    )
     ax1.set_title("throughput (ratio to ep-1f1b)", fontsize=9)
     exposed = [r.breakdown.exposed_comm_s for r in ok if r.breakdown]
     rest = [r.step_time_s - e for r, e in zip(ok, exposed, strict=True)]
