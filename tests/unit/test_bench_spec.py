@@ -44,3 +44,9 @@ def test_auto_follows_the_planner_or_stays_even() -> None:
     for bad in ("2", "1:0", "a:b", "1:2:3"):
         with pytest.raises(ValueError, match="--nic-split"):
             nic_split(bad, 1, 1, None)
+
+
+def test_emulated_time_scale_grows_with_the_ranks_sharing_the_cores() -> None:
+    from disagmoe.bench.cli import default_time_scale
+
+    assert default_time_scale(2) == 10.0 and default_time_scale(16) == 64.0
