@@ -187,15 +187,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
     from .distributed.layout import Layout
-    from .runtime.disagg import num_slots
-    from .schedule.afpipe import build_afpipe
+    from .runtime.disagg import run_schedule
     from .schedule.validate import validate
 
     cfg = resolve_train_config(args)
     layout = Layout.build(cfg.model, cfg.parallel)
-    schedule = build_afpipe(
-        layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
-    )
+    schedule = run_schedule(cfg, layout)
     peak = validate(schedule)
     if args.format == "csv":
         sys.stdout.write(schedule.to_csv())

@@ -159,13 +159,16 @@ class ParallelConfig:
         _require(self.world_size >= 0, "parallel.world_size must be >= 0 (0: derived)")
 
 
+SCHEDULE_ORDERS = ("breadth", "depth")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleConfig:
     """AF-Pipe shape: slots a worker may hold activations for, and each lane's order.
 
-    `order`: "breadth" runs every slot of a layer before the next layer (best when
-    the network is the bottleneck); "depth" runs a slot ahead through the layers
-    (fewer slots in flight, forward and backward overlap; best when compute is).
+    `order`: "breadth" runs every slot of a layer before the next layer (the links stay
+    busy back to back); "depth" runs a slot ahead through the layers (its backward
+    starts earlier, forward and backward lanes overlap).
     """
 
     max_in_flight: int = 0  # 0 means no cap beyond the number of micro-batch slots
@@ -174,8 +177,8 @@ class ScheduleConfig:
     def __post_init__(self) -> None:
         _require(self.max_in_flight >= 0, "schedule.max_in_flight must be >= 0")
         _require(
-            self.order in ("breadth", "depth"),
-            f"schedule.order must be 'breadth' or 'depth', got {self.order!r}",
+            self.order in SCHEDULE_ORDERS,
+            f"schedule.order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}",
         )
 
 

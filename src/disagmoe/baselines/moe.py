@@ -285,6 +285,27 @@ def overlapped_moe(
     return u_TH.new_zeros(u_TH.shape).index_add(0, token_ids, y_flat.view(-1, H))
 
 
+def _post_chunks(
+    flat: torch.Tensor,
+    out_sizes: list[list[int]],
+    in_sizes: list[list[int]],
+    group: dist.ProcessGroup | None,
+) -> list[tuple[torch.Tensor, float, Any]]:
+    """One async all_to_all_single per chunk c of `flat` (laid out chunk after chunk, chunk c
+    split by `in_sizes[c]`); (receive buffer, post time, work) per chunk, all posted at once
+    so that they complete in order on `group`."""
+    pieces = flat.split([sum(s) for s in in_sizes])
+    posted = []
+    for c, piece in enumerate(pieces):
+        buf = flat.new_empty(sum(out_sizes[c]))
+        t_post = Tracer.now_us()
+        work = dist.all_to_all_single(
+            buf, piece.contiguous(), out_sizes[c], in_sizes[c], group=group, async_op=True
+        )
+        posted.append((buf, t_post, work))
+    return posted
+
+
 class OverlappedExperts(torch.autograd.Function):
     """Chunk-pipelined dispatch -> experts -> combine; input/output laid out [chunk][peer]."""
 
@@ -308,24 +329,7 @@ class OverlappedExperts(torch.autograd.Function):
         where = (layer, comm.step, comm.micro_batch)
         tag = f"l{layer} mb{comm.micro_batch}"
         # Post every chunk's dispatch at once; they complete in order on the a2a group.
-        sends = send_f.detach().split([sum(s) for s in in_sizes])
-        posted = []
-        for c in range(C):
-            buf = send_f.new_empty(sum(out_sizes[c]))
-            posted.append(
-                (
-                    buf,
-                    Tracer.now_us(),
-                    dist.all_to_all_single(
-                        buf,
-                        sends[c].contiguous(),
-                        out_sizes[c],
-                        in_sizes[c],
-                        group=group,
-                        async_op=True,
-                    ),
-                )
-            )
+        posted = _post_chunks(send_f.detach(), out_sizes, in_sizes, group)
         # Assignment ints per (peer, chunk), in the sender's [peer][chunk] order.
         ints_of: dict[tuple[int, int], torch.Tensor] = {}
         pos = 0
@@ -392,19 +396,7 @@ class OverlappedExperts(torch.autograd.Function):
         ep, C, group = len(sc), len(sc[0]), comm.overlap_group
         mine = [[sc[j][c][0] * H for j in range(ep)] for c in range(C)]
         theirs = [[rc[j][c][0] * H for j in range(ep)] for c in range(C)]
-        pieces = grad.contiguous().split([sum(m) for m in mine])
-        posted = []
-        for c in range(C):
-            buf = grad.new_empty(sum(theirs[c]))
-            posted.append(
-                (
-                    buf,
-                    Tracer.now_us(),
-                    dist.all_to_all_single(
-                        buf, pieces[c].contiguous(), theirs[c], mine[c], group=group, async_op=True
-                    ),
-                )
-            )
+        posted = _post_chunks(grad.contiguous(), theirs, mine, group)
         returns = []
         for c in range(C):
             buf, t_post, work = posted[c]

@@ -136,8 +136,7 @@ def _workload(cfg: RunConfig) -> Workload:
 
 def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
     """Simulated step seconds of an AF-Pipe run with its measured instruction medians."""
-    from ..runtime.disagg import num_slots
-    from ..schedule.afpipe import build_afpipe
+    from ..runtime.disagg import run_schedule
 
     workload = _workload(cfg)
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
@@ -148,9 +147,7 @@ def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network
             groups[(op, comp, kind)].append(e["dur"] / 1e6)
     table = {k: statistics.median(v) for k, v in groups.items()}
     layout = Layout.build(cfg.model, cfg.parallel, world)
-    schedule = build_afpipe(
-        layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
-    )
+    schedule = run_schedule(cfg, layout)
     sim = simulate_schedule(
         schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
         sync=False,

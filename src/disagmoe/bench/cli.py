@@ -129,11 +129,12 @@ def nic_split(text: str, m: int, n: int, planned: tuple[int, int] | None) -> tup
         ratio = (planned[0] / m, planned[1] / n)
     else:
         try:
-            ratio = tuple(float(x) for x in text.split(":"))  # type: ignore[assignment]
+            a, f = (float(x) for x in text.split(":"))
         except ValueError:
-            ratio = ()  # type: ignore[assignment]
-        if len(ratio) != 2 or not all(math.isfinite(x) and x > 0 for x in ratio):
+            a = f = math.nan
+        if not all(math.isfinite(x) and x > 0 for x in (a, f)):
             raise ValueError(f"--nic-split must be 'auto' or A:F with A, F > 0, got {text!r}")
+        ratio = (a, f)
     scale = (m + n) / (m * ratio[0] + n * ratio[1])
     return ratio[0] * scale, ratio[1] * scale
 

@@ -284,15 +284,15 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         res.step_time_spread_s = (min(medians), max(medians))
         res.tokens_per_s = tokens / res.step_time_s
         parts, predictions = [], []
+        rates = spec.worker_gbps(runtime)
+        run_net = net
+        if len(set(rates)) > 1:  # the NIC split, as the simulator's per-rank NIC rates
+            per_gbps = net.nic_bytes_per_s / (spec.nic_gbps / k)
+            run_net = dataclasses.replace(net, nic_share=tuple(g / k * per_gbps for g in rates))
         for o in good:
             events = _events(o.run_dir, set(o.step_times))
             parts.append(trace_breakdown(events, o.step_times))
             cfg = load_toml(o.run_dir / "config.toml")
-            rates = spec.worker_gbps(runtime)
-            run_net = net
-            if len(set(rates)) > 1:  # the NIC split, as the simulator's per-rank NIC rates
-                scale = net.nic_bytes_per_s / (spec.nic_gbps / k)
-                run_net = dataclasses.replace(net, nic_share=tuple(g / k * scale for g in rates))
             predictions.append(predict(cfg, spec.world, events, run_net))
         res.breakdown = Breakdown(
             *(

@@ -172,10 +172,3 @@ class Receiver:
             if flat.numel() > 0
         ]
         return Incoming(specs, flats, works, arrived)
-
-    def receive(
-        self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None
-    ) -> tuple[list[torch.Tensor], float]:
-        """The next message and the wall-clock time (us) its header arrived."""
-        incoming = self.post(timeout_s, what, expect)
-        return incoming.wait(timeout_s, what), incoming.arrived

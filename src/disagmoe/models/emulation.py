@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -166,50 +168,29 @@ def calibrate(
         def attn_times(shape: tuple[int, int]) -> tuple[float, float]:
             x = torch.randn(*shape, cfg.dim, generator=gen, dtype=dtype)
             cos, sin = model.rope(shape[1], x)
-            fwd, both = [], []
-            for rep in range(repeats + _WARMUP):
-                for l in layers:
-                    block = model.decoder_layer(l).attn_block
-                    leaf = x.detach().requires_grad_()
-                    t0 = time.perf_counter()
-                    out = block(leaf, cos, sin)
-                    t1 = time.perf_counter()
-                    assert out.u_TH is not None and out.routing is not None
-                    torch.autograd.backward(
-                        [out.residual_BSH, out.u_TH, out.routing.weights_TK],
-                        [torch.ones_like(out.residual_BSH), torch.ones_like(out.u_TH),
-                         torch.ones_like(out.routing.weights_TK)],
-                    )  # fmt: skip
-                    t2 = time.perf_counter()
-                    if rep >= _WARMUP:
-                        fwd.append(t1 - t0)
-                        both.append(t2 - t0)
-            model.zero_grad(set_to_none=True)
-            return _median(fwd), _median(both) - _median(fwd)
+
+            def call(l: int) -> Callable[[], None]:
+                out = model.decoder_layer(l).attn_block(x.detach().requires_grad_(), cos, sin)
+                assert out.u_TH is not None and out.routing is not None
+                outs = [out.residual_BSH, out.u_TH, out.routing.weights_TK]
+                return lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+            return _fwd_bwd_medians(call, layers, repeats)
 
         def expert_times(tokens: int) -> tuple[float, float, int]:
             u = torch.randn(tokens, cfg.dim, generator=gen, dtype=dtype)
             block = model.decoder_layer(layers[0]).attn_block
             assert block.router is not None
             with torch.no_grad():
-                routing = block.router(u)
-            plan = flatten_routing(routing)
-            fwd, both = [], []
-            for rep in range(repeats + _WARMUP):
-                for l in layers:
-                    experts = model.decoder_layer(l).experts
-                    assert experts is not None
-                    leaf = u.detach().requires_grad_()
-                    t0 = time.perf_counter()
-                    y = experts(leaf, plan)
-                    t1 = time.perf_counter()
-                    y.backward(torch.ones_like(y))
-                    t2 = time.perf_counter()
-                    if rep >= _WARMUP:
-                        fwd.append(t1 - t0)
-                        both.append(t2 - t0)
-            model.zero_grad(set_to_none=True)
-            return _median(fwd), _median(both) - _median(fwd), plan.rows_A.numel()
+                plan = flatten_routing(block.router(u))
+
+            def call(l: int) -> Callable[[], None]:
+                experts = model.decoder_layer(l).experts
+                assert experts is not None
+                y = experts(u.detach().requires_grad_(), plan)
+                return lambda: y.backward(torch.ones_like(y))
+
+            return (*_fwd_bwd_medians(call, layers, repeats), plan.rows_A.numel())
 
         a_big, a_small = attn_times(shapes[0]), attn_times(shapes[1])
         e_big, e_small = expert_times(sizes[0]), expert_times(sizes[1])
@@ -221,6 +202,7 @@ def calibrate(
             note=f"measured: model {cfg.name}, {micro_batch_size}x{seq_len} tokens, 1 thread",
         )
     finally:
+        model.zero_grad(set_to_none=True)
         torch.set_num_threads(threads)
         activate(previous)
 
@@ -228,9 +210,23 @@ def calibrate(
 _WARMUP = 4  # passes over the layers before timing (allocator and caches settle)
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
+def _fwd_bwd_medians(
+    call: Callable[[int], Callable[[], None]], layers: list[int], repeats: int
+) -> tuple[float, float]:
+    """Median forward and backward seconds of `call(layer)` (runs the forward, returns the
+    backward), cycling through `layers` `repeats` times after `_WARMUP` untimed passes."""
+    fwd, both = [], []
+    for rep in range(repeats + _WARMUP):
+        for l in layers:
+            t0 = time.perf_counter()
+            backward = call(l)
+            t1 = time.perf_counter()
+            backward()
+            t2 = time.perf_counter()
+            if rep >= _WARMUP:
+                fwd.append(t1 - t0)
+                both.append(t2 - t0)
+    return statistics.median(fwd), statistics.median(both) - statistics.median(fwd)
 
 
 def _fit(rows: tuple[int, int], secs: tuple[float, float]) -> Linear:

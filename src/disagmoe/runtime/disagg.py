@@ -26,6 +26,7 @@ from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
 from ..distributed.topology import Topology, world_sum
 from ..schedule.afpipe import build_afpipe
+from ..schedule.ir import Schedule
 from ..schedule.validate import validate
 from .executor import Executor
 from .objective import (
@@ -51,14 +52,19 @@ def num_slots(cfg: RunConfig, layout: Layout) -> int:
     return num_micro // layout.attn_workers
 
 
+def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
+    """The AF-Pipe instruction lists a run of `cfg` on `layout` executes."""
+    return build_afpipe(
+        layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
+    )
+
+
 class DisaggTrainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
-        self.schedule = build_afpipe(
-            self.layout, num_slots(cfg, self.layout), cfg.schedule.max_in_flight, cfg.schedule.order
-        )
+        self.schedule = run_schedule(cfg, self.layout)
         validate(self.schedule)
         self.topo = Topology.build(self.layout, self.schedule)
         self.role = self.layout.role(self.rank)

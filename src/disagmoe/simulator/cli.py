@@ -11,7 +11,7 @@ import math
 import sys
 from typing import Any
 
-from ..config import ClusterConfig, ModelConfig
+from ..config import SCHEDULE_ORDERS, ClusterConfig, ModelConfig
 from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
@@ -43,7 +43,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-in-flight", type=int, default=0, help="disagg: slot cap (0: none)")
     parser.add_argument(
         "--order",
-        choices=("breadth", "depth"),
+        choices=SCHEDULE_ORDERS,
         default="breadth",
         help="disagg: lane order (schedule.order)",
     )
