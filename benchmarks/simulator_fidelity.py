@@ -45,8 +45,9 @@ from disagmoe.baselines.layout import EPLayout
 from disagmoe.baselines.schedules import build_baseline_schedule
 from disagmoe.config import RunConfig, load_toml
 from disagmoe.distributed.layout import Layout
-from disagmoe.schedule.afpipe import build_afpipe, message_consumer, message_producer
+from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.ir import Instr, Msg, Op
+from disagmoe.schedule.semantics import consumer, producer
 from disagmoe.simulator import (
     MessageOverheads,
     Network,
@@ -202,12 +203,10 @@ def disagg_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, A
             msg = Msg(kind, a["layer"], a["slot"], src, dst)
             if e["cat"] == "send":
                 sends[(msg, a["step"])] = e
-                op, comp, layer = message_producer(msg)
-                produced[(src, f"{op.value}{comp} l{layer} s{msg.slot}", a["step"])].append(e)
+                produced[(src, "{}{} l{} s{}".format(*producer(msg)), a["step"])].append(e)
             else:
                 recvs[(msg, a["step"])] = e
-                op, comp, layer = message_consumer(msg)
-                consumed[(dst, f"{op.value}{comp} l{layer} s{msg.slot}", a["step"])].append(e)
+                consumed[(dst, "{}{} l{} s{}".format(*consumer(msg)), a["step"])].append(e)
     posts = []
     for key, sent in produced.items():
         t = end(comps[key]) if key in comps else None

@@ -10,8 +10,9 @@ import pytest
 
 from disagmoe.config import MODEL_PRESETS, ParallelConfig
 from disagmoe.distributed.layout import Layout
-from disagmoe.schedule.afpipe import build_afpipe, message_consumer, message_producer
+from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.ir import Instr, Op, Schedule
+from disagmoe.schedule.semantics import consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
 
 
@@ -89,7 +90,7 @@ def test_messages_go_where_the_design_says() -> None:
             assert (src.comp, dst.comp) == ("F", "A") and dst.group == (msg.layer + 1) % 2
         if msg.kind == "act":  # residual hop A(g, r) -> A(g+1, r)
             assert src.index == dst.index and dst.group == (msg.layer + 1) % 2
-        assert message_producer(msg)[1] == src.comp and message_consumer(msg)[1] == dst.comp
+        assert producer(msg)[1] == src.comp and consumer(msg)[1] == dst.comp
     kinds = {m.kind for m in sends}
     assert kinds == {"act", "dispatch", "combine", "grad_act", "grad_combine", "grad_dispatch"}
     # every A replica sends each F shard exactly one dispatch per (layer, slot): M2N

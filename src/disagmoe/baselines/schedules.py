@@ -165,6 +165,7 @@ def build_baseline_schedule(layout: EPLayout, model: ModelConfig) -> Schedule:
         max_in_flight=0,
         roles=tuple(layout.role(r) for r in range(layout.world)),
         ranks=tuple(ranks),
+        execution="in-order",
         meta={
             "runtime": layout.runtime,
             "pp": layout.pp,

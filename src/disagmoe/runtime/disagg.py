@@ -3,7 +3,8 @@
 Per optimizer step:
 1. A ranks of group 0 load their micro-batches: slot s of replica r is
    micro-batch `s*m + r` of the global batch (the reference's numbering);
-2. the executor runs the rank's AF-Pipe instruction list (SYNC/STEP aside);
+2. the executor runs the rank's AF-Pipe instruction list, ending with SYNC and
+   STEP, which it runs through this trainer's hooks (`sync`, `optimizer_step`);
 3. SYNC: gradients of the A components are summed over the group's m
    replicas (one flat all-reduce); expert gradients are already complete on
    their shard, which saw the tokens of every replica;
@@ -85,10 +86,13 @@ class DisaggTrainer:
         self.has_data = self.role.comp == "A" and self.role.group == 0
         self.batches = build_data(cfg) if self.has_data else None
         self.tracer = Tracer(self.rank, str(self.role))
+        self._capture_grads = False
+        self._result: StepResult | None = None  # set by STEP
         self.executor = Executor(
             self.schedule,
             self.topo,
             self.worker,
+            self,
             self.tracer,
             dtype=torch_dtype(cfg.train.dtype),
             timeout_s=cfg.train.comm_timeout_s,
@@ -105,11 +109,12 @@ class DisaggTrainer:
             s: inputs_targets(mbs[s * m + self.role.index]) for s in range(len(mbs) // m)
         }
 
-    def _sync_grads(self) -> None:
+    def sync(self, step: int) -> int:
+        """SYNC: sum the A components' gradients over the group's m replicas."""
+        fill_missing_grads(self.params)
         group = self.topo.replica_group
         if group is None or self.layout.attn_workers == 1 or not self.params:
-            return
-        t0 = Tracer.now_us()
+            return 0
         flat = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
         dist.all_reduce(flat, group=group)
         pos = 0
@@ -118,21 +123,12 @@ class DisaggTrainer:
             n = p.grad.numel()
             p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
             pos += n
-        self.tracer.add(
-            "SYNC grads", "sync", t0, Tracer.now_us(), bytes=flat.numel() * flat.element_size()
-        )
+        return flat.numel() * flat.element_size()
 
-    def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
-        self.optimizer.zero_grad(set_to_none=True)
-        self._load_micro_batches(step)
-        if isinstance(self.worker, AttnWorker):
-            self.worker.ce_sum = self.worker.aux_sum = 0.0
-        self.executor.run_step(step)
-        fill_missing_grads(self.params)
-        self._sync_grads()
-        t0 = Tracer.now_us()
+    def optimizer_step(self, step: int) -> None:
+        """STEP: global gradient norm, clipping, AdamW, loss reduction."""
         attn = self.worker if isinstance(self.worker, AttnWorker) else None
-        result = finish_step(
+        self._result = finish_step(
             step=step,
             train=self.cfg.train,
             named_params=self.named_params,
@@ -140,11 +136,20 @@ class DisaggTrainer:
             optimizer=self.optimizer,
             ce=attn.ce_sum if attn else 0.0,
             aux=attn.aux_sum if attn else 0.0,
-            capture_grads=capture_grads,
+            capture_grads=self._capture_grads,
             reduce_sum=world_sum,
         )
-        self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
-        return result
+
+    def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._load_micro_batches(step)
+        if isinstance(self.worker, AttnWorker):
+            self.worker.ce_sum = self.worker.aux_sum = 0.0
+        self._capture_grads = capture_grads
+        self._result = None
+        self.executor.run_step(step)
+        assert self._result is not None, "the schedule has no STEP instruction"
+        return self._result
 
     def expert_shard(self) -> tuple[int, int] | None:
         """Global expert ids [lo, hi) held by this rank (None on attention ranks)."""

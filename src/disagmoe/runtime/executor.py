@@ -9,12 +9,14 @@ Lanes (threads on CPU; on GPU they would be CUDA streams):
            payload may still be on the wire), one waits for the payloads in order and
            puts them into a mailbox,
 * "send" — sends are posted (`isend`) by the compute lane right after the
-           producing compute; one thread waits for their completion.
+           producing compute; one thread waits for their completion;
+* "sync" — SYNC and STEP, through the trainer's `StepHooks`, once the rest is done.
 
 So an F worker can send the backward result of micro-batch i, compute the
 forward of micro-batch j and receive a gradient for micro-batch q at once.
-A compute waits only for its own inputs (mailbox), for its own forward (a
-backward) and for the in-flight cap. Every wait has a timeout; on timeout the
+When a compute may start is `schedule.semantics.RankProgram.ready` (its
+input messages in the mailbox, its local dependencies done), the same rule
+the validator and the simulator apply. Every wait has a timeout; on timeout the
 error names the rank, its role, the instruction and the missing messages.
 """
 
@@ -24,7 +26,6 @@ import queue
 import sys
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -32,13 +33,12 @@ import torch
 
 from ..distributed.exchange import CommTimeout, ProtocolError, Receiver, send_message
 from ..distributed.topology import Topology
-from ..schedule.afpipe import message_consumer, message_producer
-from ..schedule.ir import BACKWARD_KINDS, FORWARD_KINDS, Instr, Msg, Op, Schedule
+from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, Schedule
+from ..schedule.semantics import RankProgram, TaskKey
 from .observe import Tracer
 
 Payload = list[torch.Tensor]
-KINDS = FORWARD_KINDS + BACKWARD_KINDS
-TaskKey = tuple[str, str, int, int]
+KINDS = tuple(MESSAGE_KINDS)
 # The lanes are Python threads: a receive thread whose message just arrived must get the
 # GIL back from a computing lane quickly, or every message pays up to one switch interval
 # (CPython's default 5 ms) per handoff, several times — longer than the transfer itself.
@@ -46,12 +46,24 @@ GIL_SWITCH_INTERVAL_S = 2e-4
 
 
 class StageWorker(Protocol):
+    """The compute behind FWD and BWD instructions (`runtime.stages`)."""
+
     def forward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]: ...
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]: ...
+
+
+class StepHooks(Protocol):
+    """What SYNC and STEP instructions do (the trainer: gradient all-reduce, optimizer)."""
+
+    def sync(self, step: int) -> int:
+        """Reduce gradients; return the bytes all-reduced (0 if nothing was)."""
+        ...
+
+    def optimizer_step(self, step: int) -> None: ...
 
 
 def _ident(msg: Msg, step: int) -> tuple[int, int, int, int]:
@@ -77,6 +89,7 @@ class Executor:
         schedule: Schedule,
         topo: Topology,
         worker: StageWorker,
+        hooks: StepHooks,
         tracer: Tracer,
         *,
         dtype: torch.dtype,
@@ -88,29 +101,12 @@ class Executor:
         self.role = schedule.roles[self.rank]
         self.topo = topo
         self.worker = worker
+        self.hooks = hooks
         self.tracer = tracer
         self.dtype = dtype
         self.timeout_s = timeout_s
-        self.cap = schedule.max_in_flight
         self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
-        instrs = schedule.ranks[self.rank]
-        self.instrs = instrs
-        self.lanes: dict[str, list[tuple[int, Instr]]] = {"fwd": [], "bwd": []}
-        self.sends_of: dict[TaskKey, list[Msg]] = defaultdict(list)
-        self.recvs_of: dict[TaskKey, list[Msg]] = defaultdict(list)
-        self.streams: dict[tuple[int, str], list[Msg]] = defaultdict(list)
-        for index, instr in enumerate(instrs):
-            if instr.is_compute:
-                self.lanes[instr.lane].append((index, instr))
-            elif instr.op == Op.SEND and instr.msg is not None:
-                op, comp, layer = message_producer(instr.msg)
-                self.sends_of[(op.value, comp, layer, instr.msg.slot)].append(instr.msg)
-            elif instr.op == Op.RECV and instr.msg is not None:
-                op, comp, layer = message_consumer(instr.msg)
-                self.recvs_of[(op.value, comp, layer, instr.msg.slot)].append(instr.msg)
-                self.streams[(instr.msg.src, instr.msg.channel)].append(instr.msg)
-        layers = [i.layer for _, i in self.lanes["fwd"]]
-        self.first_layer = min(layers) if layers else -1
+        self.program = RankProgram.build(schedule, self.rank)
 
     # ------------------------------------------------------------------ lanes
 
@@ -183,40 +179,31 @@ class Executor:
                 bytes=nbytes,
             )
 
-    def _ready(self, sh: _Shared, instr: Instr) -> bool:
-        if not all(m in sh.mailbox for m in self.recvs_of[instr.task]):
-            return False
-        if instr.op == Op.BWD and ("F", instr.comp, instr.layer, instr.slot) not in sh.done:
-            return False
-        if instr.op == Op.FWD and instr.layer == self.first_layer and instr.slot >= self.cap:
-            return ("B", instr.comp, instr.layer, instr.slot - self.cap) in sh.done
-        return True
-
     def _wait_ready(self, sh: _Shared, index: int, instr: Instr) -> dict[Msg, Payload]:
         deadline = time.monotonic() + self.timeout_s
+        arrived = sh.mailbox.__contains__
         with sh.cond:
-            while not self._ready(sh, instr):
+            while not self.program.ready(instr, sh.done, arrived):
                 if sh.errors:
                     raise RuntimeError("another lane failed")
                 if time.monotonic() > deadline:
-                    missing = [m for m in self.recvs_of[instr.task] if m not in sh.mailbox]
+                    missing, tasks = self.program.waiting_for(instr, sh.done, arrived)
                     peers = sorted({m.src for m in missing})
+                    waits = [str(m) for m in missing]
+                    if missing:
+                        waits[-1] += f" from rank(s) {peers}"
+                    waits += ["{}{} l{} s{} of its own".format(*t) for t in tasks]
                     raise HangError(
                         f"rank {self.rank} {self.role}: instruction {index} ({instr}) waited "
-                        f"{self.timeout_s:.0f} s for "
-                        + (
-                            ", ".join(str(m) for m in missing) + f" from rank(s) {peers}"
-                            if missing
-                            else "its local dependencies"
-                        )
+                        f"{self.timeout_s:.0f} s for {', '.join(waits)}"
                     )
                 sh.cond.wait(0.05)
-            return {m: sh.mailbox.pop(m) for m in self.recvs_of[instr.task]}
+            return {m: sh.mailbox.pop(m) for m in self.program.inputs.get(instr.task, ())}
 
     def _compute_lane(self, sh: _Shared, lane: str, pending: queue.Queue, step: int) -> None:
-        for index, instr in self.lanes[lane]:
+        for index, instr in self.program.lanes[lane]:
             received = self._wait_ready(sh, index, instr)
-            outgoing = self.sends_of[instr.task]
+            outgoing = self.program.outputs.get(instr.task, [])
             t0 = Tracer.now_us()
             fn = self.worker.forward if instr.op == Op.FWD else self.worker.backward
             out = fn(instr.layer, instr.slot, received, outgoing)
@@ -246,7 +233,8 @@ class Executor:
     # ------------------------------------------------------------------- step
 
     def run_step(self, step: int) -> None:
-        """Execute every compute and message of this rank for one optimizer step."""
+        """Execute this rank's instruction list for one optimizer step: computes and messages
+        on their lanes, then SYNC and STEP through the hooks (`schedule.semantics`)."""
         sh = _Shared(threading.Condition(), {}, set(), [])
         pending: queue.Queue = queue.Queue()
 
@@ -259,7 +247,7 @@ class Executor:
                     sh.cond.notify_all()
 
         recv_threads = []
-        for (src, ch), msgs in self.streams.items():
+        for (src, ch), msgs in self.program.streams.items():
             posted: queue.Queue = queue.Queue()
             recv_threads += [
                 threading.Thread(
@@ -296,3 +284,11 @@ class Executor:
         if sh.errors:
             primary = next((e for e in sh.errors if str(e) != "another lane failed"), sh.errors[0])
             raise primary
+        for _, instr in self.program.finals:
+            t0 = Tracer.now_us()
+            if instr.op == Op.SYNC:
+                nbytes = self.hooks.sync(step)
+                self.tracer.add("SYNC grads", "sync", t0, Tracer.now_us(), step=step, bytes=nbytes)
+            else:
+                self.hooks.optimizer_step(step)
+                self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)

@@ -9,7 +9,8 @@ residual hops A(l) -> A(l+1) in the same stage (a local hand-over when p = 1).
 
 `max_in_flight` caps how many slots a rank holds activations for: the forward
 of a rank's first stage for slot s waits for that stage's backward of slot
-s - max_in_flight.
+s - max_in_flight (the rule of `schedule.semantics`, which the generator's task
+graph mirrors so that the order it emits can run).
 
 `order` says which ready compute a lane prefers:
 
@@ -26,35 +27,11 @@ from __future__ import annotations
 from ..config import SCHEDULE_ORDERS
 from ..distributed.layout import Layout
 from .graph import Task, TaskGraph, emit_schedule, list_schedule
-from .ir import Msg, Op, Schedule
+from .ir import Op, Schedule
 
 # Nominal costs used only to order each lane (the executor follows the order,
 # not the times): forward 1, backward 2, loss head 1, message latency 0.5.
 _FWD_COST, _BWD_COST, _LATENCY = 1.0, 2.0, 0.5
-
-
-def message_producer(msg: Msg) -> tuple[Op, str, int]:
-    """(op, comp, layer) of the compute that produces `msg` on `msg.src`."""
-    return {
-        "act": (Op.FWD, "A", msg.layer),
-        "dispatch": (Op.FWD, "A", msg.layer),
-        "combine": (Op.FWD, "F", msg.layer),
-        "grad_act": (Op.BWD, "A", msg.layer + 1),
-        "grad_combine": (Op.BWD, "A", msg.layer + 1),
-        "grad_dispatch": (Op.BWD, "F", msg.layer),
-    }[msg.kind]
-
-
-def message_consumer(msg: Msg) -> tuple[Op, str, int]:
-    """(op, comp, layer) of the compute that consumes `msg` on `msg.dst`."""
-    return {
-        "act": (Op.FWD, "A", msg.layer + 1),
-        "dispatch": (Op.FWD, "F", msg.layer),
-        "combine": (Op.FWD, "A", msg.layer + 1),
-        "grad_act": (Op.BWD, "A", msg.layer),
-        "grad_combine": (Op.BWD, "F", msg.layer),
-        "grad_dispatch": (Op.BWD, "A", msg.layer),
-    }[msg.kind]
 
 
 def build_afpipe_graph(

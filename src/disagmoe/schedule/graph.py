@@ -27,7 +27,7 @@ class Task:
 
     @property
     def lane(self) -> str:
-        return "fwd" if self.op == Op.FWD else "bwd"
+        return Instr(self.op).lane
 
 
 @dataclass

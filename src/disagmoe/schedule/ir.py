@@ -18,10 +18,16 @@ Expert-parallel baselines (`disagmoe.baselines`) add two ops:
 * `W` — the weight-gradient part of a backward split into input (`BWD`) and
   weight (`W`) halves (zero-bubble / DualPipeV schedules).
 
-Each instruction runs on a lane: compute on "fwd" or "bwd", messages on the
-channel of their kind ("fwd" for activations, "bwd" for gradients), SYNC and
-STEP on "sync". Per (sender, receiver, channel) messages are FIFO: the order
-of SENDs in the sender's list equals the order of RECVs in the receiver's.
+Every message kind declares itself in `MESSAGE_KINDS`: its channel, the compute
+that produces it, the compute that consumes it, and what it carries. Each
+instruction runs on a lane: compute on "fwd" or "bwd", messages on the channel
+of their kind ("fwd" for activations, "bwd" for gradients), SYNC and STEP on
+"sync". Per (sender, receiver, channel) messages are FIFO: the order of SENDs
+in the sender's list equals the order of RECVs in the receiver's.
+
+How a list executes is `Schedule.execution`, whose rules live in
+`schedule.semantics`: "lanes" (AF-Pipe, `runtime.executor`) or "in-order" (the
+EP baselines, run by PyTorch's pipelining runtime one instruction at a time).
 """
 
 from __future__ import annotations
@@ -43,16 +49,65 @@ class Op(StrEnum):
     WGT = "W"
 
 
-# Message kinds of one layer l (see DESIGN.md §2.2):
-#   act           A(l) -> A(l+1)   residual stream (+ dispatch token ids)
-#   dispatch      A(l) -> F(l)     tokens routed to the shard, local expert ids, weights
-#   combine       F(l) -> A(l+1)   weighted expert outputs of those tokens
-#   grad_act      A(l+1) -> A(l)   gradient of act
-#   grad_combine  A(l+1) -> F(l)   gradient of combine
-#   grad_dispatch F(l) -> A(l)     gradient of the dispatched tokens and weights
-FORWARD_KINDS = ("act", "dispatch", "combine")
-BACKWARD_KINDS = ("grad_act", "grad_combine", "grad_dispatch")
-A2A_PHASES = FORWARD_KINDS[1:] + BACKWARD_KINDS[1:]  # `comp` of an A2A instruction
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """The compute at one end of a message: `op` of `comp` at `msg.layer + layer_offset`."""
+
+    op: Op
+    comp: str
+    layer_offset: int
+
+
+@dataclass(frozen=True, slots=True)
+class MessageKind:
+    """What a message of this kind carries, who produces it and who consumes it.
+
+    `schedule.semantics` derives every rule about messages from this table (which
+    compute posts a SEND, which compute waits for a RECV, the lane and channel), so
+    adding a kind is one entry here plus the worker code that fills and reads its payload.
+    """
+
+    name: str
+    channel: str  # "fwd" (activations) or "bwd" (gradients): a stream of its own
+    producer: Endpoint  # on msg.src
+    consumer: Endpoint  # on msg.dst
+    payload: str
+
+
+# The messages of one layer l (docs/design.md §2.2); payload layouts in runtime/stages.py.
+MESSAGE_KINDS: dict[str, MessageKind] = {
+    k.name: k
+    for k in (
+        MessageKind(
+            "act", "fwd", Endpoint(Op.FWD, "A", 0), Endpoint(Op.FWD, "A", 1),
+            "A(l) -> A(l+1): residual_BSH; on MoE layers also the per-shard token counts "
+            "and every shard's token ids",
+        ),
+        MessageKind(
+            "dispatch", "fwd", Endpoint(Op.FWD, "A", 0), Endpoint(Op.FWD, "F", 0),
+            "A(l) -> F(l): tokens routed to the shard, their rows, local expert ids, weights",
+        ),
+        MessageKind(
+            "combine", "fwd", Endpoint(Op.FWD, "F", 0), Endpoint(Op.FWD, "A", 1),
+            "F(l) -> A(l+1): the weighted expert outputs of the dispatched rows",
+        ),
+        MessageKind(
+            "grad_act", "bwd", Endpoint(Op.BWD, "A", 1), Endpoint(Op.BWD, "A", 0),
+            "A(l+1) -> A(l): gradient of act's residual",
+        ),
+        MessageKind(
+            "grad_combine", "bwd", Endpoint(Op.BWD, "A", 1), Endpoint(Op.BWD, "F", 0),
+            "A(l+1) -> F(l): gradient of combine",
+        ),
+        MessageKind(
+            "grad_dispatch", "bwd", Endpoint(Op.BWD, "F", 0), Endpoint(Op.BWD, "A", 0),
+            "F(l) -> A(l): gradient of the dispatched tokens and of their weights",
+        ),
+    )
+}  # fmt: skip
+FORWARD_KINDS = tuple(k for k, v in MESSAGE_KINDS.items() if v.channel == "fwd")
+BACKWARD_KINDS = tuple(k for k, v in MESSAGE_KINDS.items() if v.channel == "bwd")
+A2A_PHASES = ("dispatch", "combine", "grad_combine", "grad_dispatch")  # `comp` of an A2A
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -65,7 +120,7 @@ class Msg:
 
     @property
     def channel(self) -> str:
-        return "fwd" if self.kind in FORWARD_KINDS else "bwd"
+        return MESSAGE_KINDS[self.kind].channel
 
     def __str__(self) -> str:
         return f"{self.kind}[l{self.layer},s{self.slot}] {self.src}->{self.dst}"
@@ -87,7 +142,7 @@ class Instr:
         if self.op in (Op.BWD, Op.WGT):
             return "bwd"
         if self.op == Op.A2A:
-            return "fwd" if self.comp in FORWARD_KINDS else "bwd"
+            return MESSAGE_KINDS[self.comp].channel
         if self.msg is not None:
             return self.msg.channel
         return "sync"
@@ -122,6 +177,7 @@ class Schedule:
     roles: tuple[str, ...]  # human-readable role per rank, e.g. "A(g0,r1)"
     ranks: tuple[tuple[Instr, ...], ...]
     meta: dict[str, int | str] = field(default_factory=dict)
+    execution: str = "lanes"  # "lanes" or "in-order" (see schedule.semantics)
 
     def to_text(self) -> str:
         lines = [

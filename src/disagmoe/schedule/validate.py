@@ -1,31 +1,24 @@
 """Schedule validator: matching messages, FIFO channels, F before B, in-flight cap, no deadlock.
 
 `validate(schedule)` raises `ScheduleError` naming the first violation. The
-deadlock check executes the lists under the executor's semantics with
-*blocking* sends: every rank runs a "fwd" and a "bwd" compute lane (each
-compute followed by the SENDs it produces) and one receive lane per
-(sender, channel); a SEND completes only when the receiver's lane reaches the
-matching RECV, and a compute starts only when all its input messages arrived,
-its own forward ran (for a backward) and the in-flight cap allows it.
+deadlock check executes the lists under the rules of `schedule.semantics` (the
+ones the executor and the simulator use) with *blocking* sends: every rank runs
+a "fwd" and a "bwd" compute lane (each compute followed by the SENDs it
+produces) and one receive lane per (sender, channel); a SEND completes only when
+the receiver's lane reaches the matching RECV, and a compute starts only when
+`RankProgram.ready` says so.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable
 
-from .afpipe import message_consumer, message_producer
 from .ir import Instr, Msg, Op, Schedule
-
-TaskKey = tuple[str, str, int, int]  # (op, comp, layer, slot)
+from .semantics import TaskKey, compile_ranks
 
 
 class ScheduleError(ValueError):
     pass
-
-
-def _key(op: Op, comp: str, layer: int, slot: int) -> TaskKey:
-    return (op.value, comp, layer, slot)
 
 
 def check_messages(schedule: Schedule) -> None:
@@ -83,81 +76,59 @@ def check_forward_before_backward(schedule: Schedule) -> None:
             )
 
 
-def simulate(
-    schedule: Schedule,
-    producer: Callable[[Msg], tuple[Op, str, int]] = message_producer,
-    consumer: Callable[[Msg], tuple[Op, str, int]] = message_consumer,
-) -> int:
-    """Run the lists under blocking-send semantics; return the peak in-flight slots of any rank."""
-    cap = schedule.max_in_flight
+def simulate(schedule: Schedule) -> int:
+    """Run the lists under `schedule.semantics` with blocking sends; return the peak in-flight
+    slots of any rank. Raises `ScheduleError` naming the stuck instructions on a deadlock."""
+    programs = compile_ranks(schedule)
     lanes: dict[tuple[int, str], deque[Instr]] = {}
-    needs: dict[tuple[int, TaskKey], set[Msg]] = defaultdict(set)
-    sends_of: dict[tuple[int, TaskKey], list[Msg]] = defaultdict(list)
-    for rank, instrs in enumerate(schedule.ranks):
-        for lane in ("fwd", "bwd"):
-            lanes[(rank, lane)] = deque(i for i in instrs if i.is_compute and i.lane == lane)
-        for i in instrs:
-            if i.op == Op.RECV and i.msg is not None:
-                lanes.setdefault((rank, f"recv{i.msg.src}{i.msg.channel}"), deque()).append(i)
-                needs[(rank, _key(*consumer(i.msg), i.msg.slot))].add(i.msg)
-            elif i.op == Op.SEND and i.msg is not None:
-                sends_of[(rank, _key(*producer(i.msg), i.msg.slot))].append(i.msg)
+    recv_lanes: dict[tuple[int, int, str], deque[Msg]] = {}
+    for prog in programs:
+        for lane, items in prog.lanes.items():
+            lanes[(prog.rank, lane)] = deque(ins for _, ins in items)
+        for (src, channel), msgs in prog.streams.items():
+            recv_lanes[(src, prog.rank, channel)] = deque(msgs)
     delivered: set[Msg] = set()
-    posted: set[Msg] = set()  # RECVs at the head of their lane, ready to match a SEND
-    done: set[tuple[int, TaskKey]] = set()
+    done: dict[int, set[TaskKey]] = defaultdict(set)
     pending_sends: dict[tuple[int, str], deque[Msg]] = defaultdict(deque)
     in_flight: dict[int, set[int]] = defaultdict(set)
-    first_layer: dict[int, int] = {}
-    for rank, instrs in enumerate(schedule.ranks):
-        layers = [i.layer for i in instrs if i.is_compute]
-        if layers:
-            first_layer[rank] = min(layers)
     peak = 0
     progress = True
     while progress:
         progress = False
         for (rank, lane), queue in lanes.items():
-            if lane.startswith("recv"):
-                if queue and queue[0].msg is not None:
-                    posted.add(queue[0].msg)
-                continue
-            if pending_sends[(rank, lane)]:
-                msg = pending_sends[(rank, lane)][0]
-                if msg not in posted:
+            prog = programs[rank]
+            sends = pending_sends[(rank, lane)]
+            if sends:  # a blocking send completes when the receiver's lane reaches its RECV
+                msg = sends[0]
+                stream = recv_lanes[(msg.src, msg.dst, msg.channel)]
+                if stream[0] != msg:
                     continue
-                posted.discard(msg)
+                stream.popleft()
+                sends.popleft()
                 delivered.add(msg)
-                pending_sends[(rank, lane)].popleft()
-                lanes_key = (msg.dst, f"recv{msg.src}{msg.channel}")
-                lanes[lanes_key].popleft()
                 progress = True
                 continue
             if not queue:
                 continue
             instr = queue[0]
-            key = instr.task
-            if not needs[(rank, key)] <= delivered:
+            if not prog.ready(instr, done[rank], delivered.__contains__):
                 continue
-            if (
-                instr.op == Op.BWD
-                and (rank, ("F", instr.comp, instr.layer, instr.slot)) not in done
-            ):
-                continue
-            starts_slot = instr.op == Op.FWD and instr.layer == first_layer.get(rank)
-            if starts_slot and len(in_flight[rank]) >= cap:
-                continue
-            if starts_slot:
-                in_flight[rank].add(instr.slot)
-                peak = max(peak, len(in_flight[rank]))
-            if instr.op == Op.BWD and instr.layer == first_layer.get(rank):
-                in_flight[rank].discard(instr.slot)
+            if instr.layer == prog.first_layer:
+                slots = in_flight[rank]
+                slots.add(instr.slot) if instr.op == Op.FWD else slots.discard(instr.slot)
+                peak = max(peak, len(slots))
             queue.popleft()
-            done.add((rank, key))
-            pending_sends[(rank, lane)].extend(sends_of[(rank, key)])
+            done[rank].add(instr.task)
+            sends.extend(prog.outputs.get(instr.task, ()))
             progress = True
-    stuck = [
-        f"rank {rank} {lane}: {queue[0]}" for (rank, lane), queue in lanes.items() if queue
-    ] + [f"rank {r} {lane}: blocked sending {q[0]}" for (r, lane), q in pending_sends.items() if q]
+    stuck = []
+    for (rank, lane), queue in lanes.items():
+        if pending_sends[(rank, lane)]:
+            stuck.append(f"rank {rank} {lane}: blocked sending {pending_sends[(rank, lane)][0]}")
+        elif queue:
+            msgs, tasks = programs[rank].waiting_for(queue[0], done[rank], delivered.__contains__)
+            waits = [str(m) for m in msgs] + ["{}{} l{} s{}".format(*t) for t in tasks]
+            stuck.append(f"rank {rank} {lane}: {queue[0]} waits for {', '.join(waits)}")
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck[:4]))
     return peak

@@ -1,11 +1,10 @@
 """Lower an AF-Pipe `Schedule` (the executor's instruction lists) to a simulator `Program`.
 
-The semantics are the executor's (runtime/executor.py):
+The semantics are the executor's, read from the same `schedule.semantics.RankProgram`:
 
 * per rank a "fwd" and a "bwd" compute lane run their FWD / BWD instructions in
-  list order; a compute waits for its input messages, for its own forward (a
-  backward) and for the in-flight cap (the forward of the rank's first layer
-  for slot s waits for that layer's backward of slot s - max_in_flight);
+  list order; a compute waits for its input messages and its local dependencies
+  (`RankProgram.local`: its own forward, local hand-overs, the in-flight cap);
 * each SEND is posted when the producing compute ends; per (sender, receiver,
   channel) stream messages move in FIFO order (the receive thread takes one at
   a time), so a message also waits for the previous one of its stream;
@@ -31,8 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..distributed.layout import Layout
-from ..schedule.afpipe import message_consumer, message_producer
 from ..schedule.ir import Instr, Msg, Op, Schedule
+from ..schedule.semantics import TaskKey, compile_ranks, consumer, producer
 from .costs import InstrCosts, MessageOverheads, Workload
 from .engine import COMPUTE, DELAY, Program
 from .network import Network, Ports
@@ -91,13 +90,8 @@ def lower_schedule(
     """Program of one optimizer step of `schedule` (for `layout`, or `replicas.full` if reduced)."""
     full = replicas.full if replicas else layout
     over = overheads if overheads is not None and overheads.any else None
-    posts: dict[tuple[int, tuple[str, str, int, int]], int] = defaultdict(int)
-    for rank, instrs in enumerate(schedule.ranks):
-        for ins in instrs:
-            if ins.op == Op.SEND and ins.msg is not None:
-                op_p, comp_p, layer_p = message_producer(ins.msg)
-                posts[(rank, (op_p.value, comp_p, layer_p, ins.msg.slot))] += 1
-    post_op: dict[tuple[int, tuple[str, str, int, int]], int] = {}
+    programs = compile_ranks(schedule)
+    post_op: dict[tuple[int, TaskKey], int] = {}
 
     def real(rank: int) -> int:
         return replicas.real_rank(rank) if replicas else rank
@@ -110,25 +104,13 @@ def lower_schedule(
         for r in range(schedule.num_ranks)
     ]
     ports = Ports(prog, net)
-    task_op: dict[tuple[int, tuple[str, str, int, int]], int] = {}
+    task_op: dict[tuple[int, TaskKey], int] = {}
     lane_ops: dict[tuple[int, str], list[int]] = defaultdict(list)
     rank_ops: dict[int, list[int]] = defaultdict(list)
-    first_layer: dict[int, int] = {}
-    for rank, instrs in enumerate(schedule.ranks):
-        layers = [i.layer for i in instrs if i.op == Op.FWD]
-        if layers:
-            first_layer[rank] = min(layers)
-    cap = schedule.max_in_flight
-    for rank, instrs in enumerate(schedule.ranks):
-        for index, ins in enumerate(instrs):
-            if not ins.is_compute:
-                continue
+    for rp in programs:
+        rank = rp.rank
+        for index, ins in rp.computes():
             lane = lane_ops[(rank, ins.lane)]
-            deps = [lane[-1]] if lane else []
-            if ins.op == Op.BWD:
-                deps.append(task_op[(rank, ("F", ins.comp, ins.layer, ins.slot))])
-            elif ins.layer == first_layer[rank] and ins.slot >= cap:
-                deps.append(task_op[(rank, ("B", ins.comp, ins.layer, ins.slot - cap))])
             op = prog.add(
                 COMPUTE,
                 rank,
@@ -136,13 +118,13 @@ def lower_schedule(
                 costs.compute_s(ins.op, ins.comp, ins.layer),
                 _category(ins.comp),
                 f"{ins.op.value}{ins.comp} l{ins.layer} s{ins.slot}",
-                deps,
+                [lane[-1]] if lane else [],
                 {"layer": ins.layer, "slot": ins.slot, "step": 0, "index": index},
             )
             task_op[(rank, ins.task)] = op
             lane.append(op)
             rank_ops[rank].append(op)
-            count = posts.get((rank, ins.task), 0)
+            count = len(rp.outputs.get(ins.task, ()))
             if over is not None and count:
                 post = prog.add(
                     DELAY,
@@ -157,6 +139,8 @@ def lower_schedule(
                 post_op[(rank, ins.task)] = post
                 lane.append(post)
                 rank_ops[rank].append(post)
+        for _, ins in rp.computes():
+            prog.deps[task_op[(rank, ins.task)]] += [task_op[(rank, t)] for t in rp.local[ins.task]]
     stream_last: dict[tuple[int, int, str], int] = {}
     recv_last: dict[tuple[int, int, str], int] = {}
     load_cache: dict[tuple[str, bool, int, int], list[tuple[int, float]]] = {}
@@ -165,9 +149,8 @@ def lower_schedule(
             if ins.op != Op.SEND or ins.msg is None:
                 continue
             msg = ins.msg
-            op_p, comp_p, layer_p = message_producer(msg)
-            producer = (rank, (op_p.value, comp_p, layer_p, msg.slot))
-            deps = [post_op.get(producer, task_op[producer])]
+            source = (rank, producer(msg))
+            deps = [post_op.get(source, task_op[source])]
             stream = (msg.src, msg.dst, msg.channel)
             if stream in stream_last:
                 deps.append(stream_last[stream])
@@ -208,8 +191,7 @@ def lower_schedule(
                 )
                 recv_last[stream] = ready
                 rank_ops[msg.dst].append(ready)
-            op_c, comp_c, layer_c = message_consumer(msg)
-            prog.deps[task_op[(msg.dst, (op_c.value, comp_c, layer_c, msg.slot))]].append(ready)
+            prog.deps[task_op[(msg.dst, consumer(msg))]].append(ready)
     if sync:
         _add_sync(prog, layout, full, workload, ports, rank_ops, step_s, grad_bytes)
     return prog
