@@ -10,7 +10,7 @@ import pytest
 
 from disagmoe.config import MODEL_PRESETS, ParallelConfig
 from disagmoe.distributed.layout import Layout
-from disagmoe.schedule.afpipe import build_afpipe
+from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import Instr, Op, Schedule
 from disagmoe.schedule.semantics import consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
@@ -166,3 +166,13 @@ def test_layout_errors() -> None:
         Layout.build(model, ParallelConfig(expert_workers=3))
     with pytest.raises(ValueError, match="world size is 3"):
         Layout.build(model, ParallelConfig(), world_size=3)
+
+
+@pytest.mark.parametrize("order", ["breadth", "depth"])
+def test_rank_local_lists_equal_slices_of_the_global_schedule(order: str) -> None:
+    for p, m, n, layers, slots, cap, dense in random.Random(1).sample(CONFIGS, 40):
+        lay = layout(p, m, n, layers, dense)
+        full = build_afpipe(lay, slots, cap, order)
+        for rank in range(lay.world_size):
+            local = build_afpipe_rank(lay, rank, slots, cap, order)
+            assert local == full.ranks[rank], (p, m, n, layers, slots, cap, dense, rank)

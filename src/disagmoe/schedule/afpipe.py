@@ -24,10 +24,12 @@ graph mirrors so that the order it emits can run).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..config import SCHEDULE_ORDERS
 from ..distributed.layout import Layout
 from .graph import Task, TaskGraph, emit_schedule, list_schedule
-from .ir import Op, Schedule
+from .ir import Instr, Msg, Op, Schedule
 
 # Nominal costs used only to order each lane (the executor follows the order,
 # not the times): forward 1, backward 2, loss head 1, message latency 0.5.
@@ -133,3 +135,48 @@ def build_afpipe(
             "order": order,
         },
     )
+
+
+def build_afpipe_rank(
+    layout: Layout, rank: int, num_slots: int, max_in_flight: int = 0, order: str = "breadth"
+) -> tuple[Instr, ...]:
+    """`rank`'s AF-Pipe list without building the whole world's schedule.
+
+    All m replicas of an A-group run the same list, and so do all n shards of an
+    F-group (the generator's costs do not depend on m or n), so the list of one
+    replica and one shard per group (`Layout` with m = n = 1, 2p ranks) is built and
+    `rank`'s list expanded from its representative: a message to or from the other
+    component stands for one message per peer of that group (replicas r or shards j
+    in order); a message to the same component goes to the peer with the same index.
+    Time and memory: the reduced schedule plus `rank`'s own instructions, whatever m
+    and n are. Tests check the result equals `build_afpipe(layout, ...).ranks[rank]`.
+    """
+    reduced = replace(layout, attn_workers=1, expert_workers=1)
+    rep = build_afpipe(reduced, num_slots, max_in_flight, order)
+    role = layout.role(rank)
+    rep_rank = (
+        reduced.attn_rank(role.group, 0) if role.comp == "A" else reduced.expert_rank(role.group, 0)
+    )
+
+    def real_peers(other: int) -> list[int]:
+        peer = reduced.role(other)
+        if peer.comp == role.comp:
+            return [_rank_of(layout, peer.comp, peer.group, role.index)]
+        count = layout.attn_workers if peer.comp == "A" else layout.expert_workers
+        return [_rank_of(layout, peer.comp, peer.group, i) for i in range(count)]
+
+    peers = {r: real_peers(r) for r in range(reduced.world_size)}
+    out: list[Instr] = []
+    for ins in rep.ranks[rep_rank]:
+        m = ins.msg
+        if m is None:
+            out.append(ins)
+        elif ins.op == Op.SEND:
+            out += [Instr(ins.op, msg=Msg(m.kind, m.layer, m.slot, rank, d)) for d in peers[m.dst]]
+        else:
+            out += [Instr(ins.op, msg=Msg(m.kind, m.layer, m.slot, s, rank)) for s in peers[m.src]]
+    return tuple(out)
+
+
+def _rank_of(layout: Layout, comp: str, group: int, index: int) -> int:
+    return layout.attn_rank(group, index) if comp == "A" else layout.expert_rank(group, index)
