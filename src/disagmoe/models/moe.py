@@ -135,8 +135,8 @@ class Experts(nn.Module):
     """`num_experts` SwiGLU experts stored as fused 3-D weights.
 
     `gate_up[e]` is [H, 2I] (gate then up), `down[e]` is [I, H]. An expert
-    worker holds a contiguous slice of the global experts: the runtime narrows
-    these parameters; this module never knows which slice it holds.
+    worker holds a contiguous slice of the global experts (`narrow`); this
+    module never knows which slice it holds.
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
@@ -147,6 +147,14 @@ class Experts(nn.Module):
     @property
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
+
+    def narrow(self, first: int, count: int) -> Experts:
+        """Experts `[first, first + count)` as a new module with its own copy of their weights."""
+        assert 0 <= first <= first + count <= self.num_experts, (first, count, self.num_experts)
+        shard = Experts(count, self.gate_up.shape[1], self.down.shape[1])
+        shard.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
+        shard.down = nn.Parameter(self.down.detach()[first : first + count].clone())
+        return shard
 
     def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
         """Compute and combine: `y[r] = sum_{a: rows[a]=r} w_a * E_{experts[a]}(x[r])`."""
