@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import emulation
-
 
 @dataclass(frozen=True)
 class Routing:
@@ -158,11 +156,6 @@ class Experts(nn.Module):
 
     def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
         """Compute and combine: `y[r] = sum_{a: rows[a]=r} w_a * E_{experts[a]}(x[r])`."""
-        costs = emulation.active()
-        if costs is not None:  # a calibrated wait; weights keep a gradient path
-            A = plan.rows_A.numel()
-            y = emulation.wait(x_RH, costs.expert_fwd(A), costs.expert_bwd(A))
-            return y + plan.weights_A.sum() * 0.0
         order = torch.argsort(plan.experts_A, stable=True)
         counts = torch.bincount(plan.experts_A, minlength=self.num_experts).tolist()
         rows = plan.rows_A[order]
