@@ -4,29 +4,33 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from disagmoe.models import build_model, emulation, split_by_owner
-from disagmoe.models.emulation import ComputeCosts, Linear
+from disagmoe.bench.emulation import (
+    ComputeCosts,
+    EmulatedAttentionBlock,
+    EmulatedExperts,
+    Linear,
+    calibrate,
+    emulate_compute,
+    wait,
+)
+from disagmoe.config import RunConfig, replace_section
+from disagmoe.models import AttentionBlock, Experts, MoETransformer, build_model, split_by_owner
 from disagmoe.presets import model_preset
+from disagmoe.runtime.reference import ReferenceTrainer
+from disagmoe.runtime.setup import set_threads
 
 ZERO = Linear(0.0, 0.0)
-
-
-@pytest.fixture(autouse=True)
-def _off_afterwards() -> Iterator[None]:
-    yield
-    emulation.activate(None)
 
 
 def test_wait_sleeps_in_forward_and_in_backward() -> None:
     x = torch.randn(4, 3, requires_grad=True)
     t0 = time.perf_counter()
-    y = emulation.wait(x, 0.05, 0.08)
+    y = wait(x, 0.05, 0.08)
     t1 = time.perf_counter()
     y.backward(torch.full_like(y, 2.0))
     t2 = time.perf_counter()
@@ -38,7 +42,7 @@ def test_emulated_layer_keeps_shapes_routing_and_gradient_paths() -> None:
     model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
     cfg = model.cfg
     costs = ComputeCosts(Linear(0.0, 1e-5), ZERO, Linear(0.001, 0.0), ZERO)
-    emulation.activate(costs)
+    emulate_compute(model, costs)
     block = model.decoder_layer(0).attn_block
     x = torch.randn(2, 16, cfg.dim, requires_grad=True)
     cos, sin = model.rope(16, x)
@@ -61,20 +65,59 @@ def test_emulated_layer_keeps_shapes_routing_and_gradient_paths() -> None:
     assert experts.gate_up.grad is None  # no math, no parameter gradient (zero-filled later)
 
 
-def test_real_compute_is_untouched_when_off() -> None:
-    model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+def _real_compute(model: MoETransformer) -> bool:
+    """Whether the first attention block of `model` computes (its output is not its input)."""
     x = torch.randn(1, 8, model.cfg.dim)
     cos, sin = model.rope(8, x)
     block = model.decoder_layer(0).attn_block
-    assert not torch.equal(block(x, cos, sin).residual_BSH, x)
+    return not torch.equal(block(x, cos, sin).residual_BSH, x)
+
+
+def test_swap_keeps_parameter_names_and_objects() -> None:
+    model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+    before = [(name, id(p)) for name, p in model.named_parameters()]
+    state = list(model.state_dict())
+    emulate_compute(model, ComputeCosts(ZERO, ZERO, ZERO, ZERO))
+    assert [(name, id(p)) for name, p in model.named_parameters()] == before
+    assert list(model.state_dict()) == state
+    kinds = {type(m) for m in model.modules() if isinstance(m, AttentionBlock | Experts)}
+    assert kinds == {EmulatedAttentionBlock, EmulatedExperts}
+    assert not _real_compute(model)
+
+
+def test_a_fresh_model_after_an_emulated_one_computes_for_real() -> None:
+    emulated = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+    emulate_compute(emulated, ComputeCosts(ZERO, ZERO, ZERO, ZERO))
+    fresh = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
+    assert _real_compute(fresh)
+    assert not any(isinstance(m, EmulatedAttentionBlock | EmulatedExperts) for m in fresh.modules())
+
+
+def test_set_threads_only_sets_threads() -> None:
+    """The costs file is read where modules are built (`apply_emulation`), not here."""
+    cfg = replace_section(RunConfig(), "train", emulate_compute="/nonexistent.json")
+    threads = torch.get_num_threads()
+    try:
+        set_threads(cfg, 1)
+    finally:
+        torch.set_num_threads(threads)
+    assert _real_compute(build_model(model_preset("tiny"), seed=0, dtype=torch.float32))
+
+
+def test_reference_runtime_runs_the_emulated_modules(tmp_path: Path) -> None:
+    path = tmp_path / "costs.json"
+    path.write_text(ComputeCosts(ZERO, ZERO, ZERO, ZERO).to_json())
+    trainer = ReferenceTrainer(replace_section(RunConfig(), "train", emulate_compute=str(path)))
+    assert not _real_compute(trainer.model)
+    assert trainer.step(0).loss > 0
 
 
 def test_calibrate_measures_and_round_trips(tmp_path: Path) -> None:
     model = build_model(model_preset("tiny"), seed=0, dtype=torch.float32)
-    costs = emulation.calibrate(model, seq_len=16, micro_batch_size=2, repeats=2)
+    costs = calibrate(model, seq_len=16, micro_batch_size=2, repeats=2)
     for unit in (costs.attn_fwd, costs.attn_bwd, costs.expert_fwd, costs.expert_bwd):
         assert unit.fixed >= 0 and unit.per_row >= 0 and unit(64) > 0
-    assert emulation.active() is None  # calibration measures real compute, then restores
+    assert _real_compute(model)  # calibration leaves the model as it was
     path = tmp_path / "costs.json"
     path.write_text(costs.scaled(3.0).to_json())
     loaded = ComputeCosts.load(path)

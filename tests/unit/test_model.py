@@ -317,13 +317,21 @@ def _owner_outputs(
     assert len(plans) == num_owners
     total = torch.zeros_like(x_TH)
     for j, plan in enumerate(plans):
-        shard = Experts(per_owner, x_TH.shape[1], experts.down.shape[1]).double()
-        with torch.no_grad():
-            shard.gate_up.copy_(experts.gate_up[j * per_owner : (j + 1) * per_owner])
-            shard.down.copy_(experts.down[j * per_owner : (j + 1) * per_owner])
+        shard = experts.narrow(j * per_owner, per_owner)
         y_RH = shard(x_TH[plan.token_ids], plan)
         total = total.index_add(0, plan.token_ids, y_RH)
     return total
+
+
+def test_narrow_holds_its_own_copy_of_a_contiguous_slice() -> None:
+    experts = random_experts(8, 6, 5)
+    shard = experts.narrow(2, 3)
+    assert shard.num_experts == 3
+    assert torch.equal(shard.gate_up, experts.gate_up[2:5])
+    assert torch.equal(shard.down, experts.down[2:5])
+    with torch.no_grad():
+        shard.down.zero_()
+    assert bool((experts.down[2:5] != 0).any())  # a copy: the full module is untouched
 
 
 @pytest.mark.parametrize("num_owners", [1, 2, 4, 8])

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.pipelining import PipelineStage
 
 from ..models import DecoderLayer, Experts, MoETransformer
@@ -42,15 +41,6 @@ class AuxLossScaler(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         shape, dtype = ctx.aux_meta
         return grad, torch.ones(shape, dtype=dtype)
-
-
-def shard_experts(full: Experts, ep_rank: int, per: int) -> Experts:
-    """This EP rank's contiguous slice [ep_rank*per, (ep_rank+1)*per) of a layer's experts."""
-    lo = ep_rank * per
-    shard = Experts(per, full.gate_up.shape[1], full.down.shape[1])
-    shard.gate_up = nn.Parameter(full.gate_up.detach()[lo : lo + per].clone())
-    shard.down = nn.Parameter(full.down.detach()[lo : lo + per].clone())
-    return shard
 
 
 class StageModule(NamedParts):
@@ -85,10 +75,8 @@ class StageModule(NamedParts):
             assert isinstance(layer, DecoderLayer)
             self.add(f"layers.{l}.attn_block", layer.attn_block)
             if layer.experts is not None:
-                self.add(
-                    f"layers.{l}.experts",
-                    shard_experts(layer.experts, ep_rank, layout.experts_per_rank),
-                )
+                per = layout.experts_per_rank
+                self.add(f"layers.{l}.experts", layer.experts.narrow(ep_rank * per, per))
         if self.is_last:
             self.add("norm", model.norm)
             self.add("lm_head", model.lm_head)

@@ -39,7 +39,7 @@ from ..runtime.objective import (
     torch_dtype,
 )
 from ..runtime.observe import Tracer
-from ..runtime.setup import build_data, build_initial_model, set_threads
+from ..runtime.setup import apply_emulation, build_data, build_initial_model, set_threads
 from ..schedule.ir import Schedule
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
@@ -97,6 +97,7 @@ class EPTrainer:
             for s in self.stage_ids
         ]
         del model
+        apply_emulation(cfg, self.modules)
         self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
         self.stages = [self._stage(m) for m in self.modules]
         self.pipeline = self._build_pipeline()

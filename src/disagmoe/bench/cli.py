@@ -9,7 +9,7 @@ one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg
 planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise.
 Compute is real, one thread per rank, so the number of ranks may not exceed the cores;
 `--compute emulated` replaces attention and expert math by waits of their durations
-measured on this machine (`models.emulation`), so that 16-32 workers fit on a few cores:
+measured on this machine (`bench.emulation`), so that 16-32 workers fit on a few cores:
 
     disagmoe bench --compute emulated --nodes 8 --ranks-per-node 2 --global-batch-size 64
 """
@@ -234,10 +234,11 @@ def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
     """Measure this machine's compute once; every rank then waits those durations x scale."""
     import torch
 
-    from ..models import build_model, emulation
+    from ..models import build_model
+    from .emulation import calibrate
 
     model = build_model(model_preset(spec.model), seed=0, dtype=torch.float32)
-    costs = emulation.calibrate(model, seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size)
+    costs = calibrate(model, seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size)
     tokens = spec.seq_len * spec.micro_batch_size
     assignments = tokens * model.cfg.top_k
     if log:

@@ -60,7 +60,7 @@ class BenchSpec:
     timeout_s: float = 300.0
     loopback: bool = False
     mtu: int = 9000
-    compute: str = "real"  # "real" | "emulated" (calibrated waits, see models.emulation)
+    compute: str = "real"  # "real" | "emulated" (calibrated waits, see bench.emulation)
     time_scale: float = 1.0  # emulated: waits and transfers run this many times slower
     costs_path: str = ""  # emulated: the costs JSON every rank loads
     # disagg: NIC rate of an attention / expert worker, in units of nic_gbps, with

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from . import emulation
 from .layers import Attention, RMSNorm, SwiGLU, rope_tables
 from .moe import Experts, Router, Routing, flatten_routing, load_balancing_loss
 
@@ -68,9 +67,6 @@ class AttentionBlock(nn.Module):
     def forward(
         self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
     ) -> AttnOutput:
-        costs = emulation.active()
-        if costs is not None:
-            return self._emulated(x_BSH, costs)
         h = x_BSH + self.attn(self.norm1(x_BSH), cos_SD, sin_SD)
         u_BSH = self.norm2(h)
         if self.mlp is not None:
@@ -81,18 +77,6 @@ class AttentionBlock(nn.Module):
         residual = h if self.shared is None else h + self.shared(u_BSH)
         aux = load_balancing_loss(routing, self.num_experts)
         return AttnOutput(residual_BSH=residual, u_TH=u_TH, routing=routing, aux=aux)
-
-    def _emulated(self, x_BSH: torch.Tensor, costs: emulation.ComputeCosts) -> AttnOutput:
-        """Shapes of `forward` after a calibrated wait (see `models.emulation`)."""
-        T = x_BSH.shape[0] * x_BSH.shape[1]
-        h = emulation.wait(x_BSH, costs.attn_fwd(T), costs.attn_bwd(T))
-        if self.router is None:
-            return AttnOutput(residual_BSH=h, u_TH=None, routing=None, aux=None)
-        u_TH = h.reshape(T, h.shape[-1])
-        indices, weights = emulation.random_top_k(T, self.num_experts, self.router.top_k, u_TH)
-        probs = torch.zeros(T, self.num_experts, dtype=h.dtype)
-        routing = Routing(indices_TK=indices, weights_TK=weights, probs_TE=probs)
-        return AttnOutput(residual_BSH=h, u_TH=u_TH, routing=routing, aux=h.sum() * 0.0)
 
 
 class DecoderLayer(nn.Module):

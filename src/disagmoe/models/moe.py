@@ -20,8 +20,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import emulation
-
 
 @dataclass(frozen=True)
 class Routing:
@@ -135,8 +133,8 @@ class Experts(nn.Module):
     """`num_experts` SwiGLU experts stored as fused 3-D weights.
 
     `gate_up[e]` is [H, 2I] (gate then up), `down[e]` is [I, H]. An expert
-    worker holds a contiguous slice of the global experts: the runtime narrows
-    these parameters; this module never knows which slice it holds.
+    worker holds a contiguous slice of the global experts (`narrow`); this
+    module never knows which slice it holds.
     """
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
@@ -148,13 +146,16 @@ class Experts(nn.Module):
     def num_experts(self) -> int:
         return self.gate_up.shape[0]
 
+    def narrow(self, first: int, count: int) -> Experts:
+        """Experts `[first, first + count)` as a new module with its own copy of their weights."""
+        assert 0 <= first <= first + count <= self.num_experts, (first, count, self.num_experts)
+        shard = Experts(count, self.gate_up.shape[1], self.down.shape[1])
+        shard.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
+        shard.down = nn.Parameter(self.down.detach()[first : first + count].clone())
+        return shard
+
     def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
         """Compute and combine: `y[r] = sum_{a: rows[a]=r} w_a * E_{experts[a]}(x[r])`."""
-        costs = emulation.active()
-        if costs is not None:  # a calibrated wait; weights keep a gradient path
-            A = plan.rows_A.numel()
-            y = emulation.wait(x_RH, costs.expert_fwd(A), costs.expert_bwd(A))
-            return y + plan.weights_A.sum() * 0.0
         order = torch.argsort(plan.experts_A, stable=True)
         counts = torch.bincount(plan.experts_A, minlength=self.num_experts).tolist()
         rows = plan.rows_A[order]

@@ -39,7 +39,7 @@ from .objective import (
     torch_dtype,
 )
 from .observe import Tracer
-from .setup import build_data, build_initial_model, set_threads
+from .setup import apply_emulation, build_data, build_initial_model, set_threads
 from .stages import AttnWorker, ExpertWorker
 
 
@@ -77,6 +77,7 @@ class DisaggTrainer:
         else:
             self.worker = ExpertWorker(model, self.layout, self.rank)
         del model
+        apply_emulation(cfg, [self.worker.modules])
         self.named_params = self.worker.named_parameters()
         self.params = [p for _, p in self.named_params]
         # Replicated (A) parameters count toward the global norm on replica 0 only.

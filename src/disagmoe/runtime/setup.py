@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 import torch
+from torch import nn
 
+from ..bench.emulation import ComputeCosts, emulate_compute
 from ..config import RunConfig
 from ..data import TokenBatches, build_batches
-from ..models import MoETransformer, build_model, emulation
+from ..models import MoETransformer, build_model
 from .objective import torch_dtype
 
 
@@ -49,15 +52,26 @@ def build_data(cfg: RunConfig) -> TokenBatches:
 
 
 def set_threads(cfg: RunConfig, local_world_size: int) -> int:
-    """Give each local rank `cores / local ranks` intra-op threads (at least one), and turn
-    on emulated compute if the run asks for it (`train.emulate_compute`)."""
+    """Give each local rank `cores / local ranks` intra-op threads (at least one)."""
     threads = cfg.parallel.threads_per_rank or max((os.cpu_count() or 1) // local_world_size, 1)
     torch.set_num_threads(threads)
-    emulation.activate(load_emulation(cfg))
     return threads
 
 
-def load_emulation(cfg: RunConfig) -> emulation.ComputeCosts | None:
+def load_emulation(cfg: RunConfig) -> ComputeCosts | None:
     """The run's emulated compute costs, or None for real compute."""
     path = cfg.train.emulate_compute
-    return emulation.ComputeCosts.load(path) if path else None
+    return ComputeCosts.load(path) if path else None
+
+
+def apply_emulation(cfg: RunConfig, modules: Iterable[nn.Module]) -> None:
+    """If the run asks for emulated compute (`train.emulate_compute`), make the attention
+    blocks and experts under `modules` wait their calibrated durations instead of computing.
+
+    Call on the modules a worker runs, once it has built them (an expert shard is a new
+    module, sliced from the full model's).
+    """
+    costs = load_emulation(cfg)
+    if costs is not None:
+        for module in modules:
+            emulate_compute(module, costs)

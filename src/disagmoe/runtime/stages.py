@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..distributed.layout import Layout
-from ..models import Assignments, Experts, MoETransformer, split_by_owner
+from ..models import Assignments, MoETransformer, split_by_owner
 from ..models.layers import rope_tables
 from ..schedule.ir import Msg
 from .objective import LossScale
@@ -238,10 +238,7 @@ class ExpertWorker:
         for l in layout.layers_of(rank):
             full = model.decoder_layer(l).experts
             assert full is not None
-            shard = Experts(per, full.gate_up.shape[1], full.down.shape[1])
-            shard.gate_up = nn.Parameter(full.gate_up.detach()[lo : lo + per].clone())
-            shard.down = nn.Parameter(full.down.detach()[lo : lo + per].clone())
-            self.modules.add(f"layers.{l}.experts", shard)
+            self.modules.add(f"layers.{l}.experts", full.narrow(lo, per))
         self.expert_offset = lo
         self.stash: dict[tuple[int, int], _ExpertState] = {}
 

@@ -1,17 +1,20 @@
 """Emulated compute: the model's heavy math replaced by calibrated waits.
 
-With emulation active (`activate(costs)`), `AttentionBlock` and `Experts` do not
-compute: each sleeps for its cost-model duration in forward and in backward and
-returns tensors of the right shapes (the attention output is its input; routing is
-uniformly random top-k; expert outputs are their inputs). Everything else is real:
-the runtimes' code, the messages and their sizes, the optimizer. A sleeping lane
-holds no CPU and releases the GIL, as a GPU kernel would, so many workers fit on
-a few cores and what is measured is the runtime's overlap of compute and
-communication, not the CPU's arithmetic. Losses and gradients are meaningless.
+`emulate_compute(module, costs)` turns every `AttentionBlock` and `Experts` under
+`module` into `EmulatedAttentionBlock` / `EmulatedExperts`: they do not compute;
+each sleeps for its cost-model duration in forward and in backward and returns
+tensors of the right shapes (the attention output is its input; routing is uniformly
+random top-k; expert outputs are their inputs). Everything else is real: the
+runtimes' code, the messages and their sizes, the optimizer. A sleeping lane holds
+no CPU and releases the GIL, as a GPU kernel would, so many workers fit on a few
+cores and what is measured is the runtime's overlap of compute and communication,
+not the CPU's arithmetic. Losses and gradients are meaningless.
 
 Durations are `fixed + per_row * rows` seconds (rows: tokens for attention,
 (token, expert) assignments for experts), usually measured on this machine with
 `calibrate` and multiplied by a time scale (see `disagmoe bench --compute emulated`).
+A runtime applies the swap to the modules it runs when `train.emulate_compute`
+names a costs file (`runtime.setup.apply_emulation`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-_COSTS: ComputeCosts | None = None
+from ..models import (
+    Assignments,
+    AttentionBlock,
+    AttnOutput,
+    Experts,
+    MoETransformer,
+    Routing,
+    flatten_routing,
+)
 
 
 @dataclass(frozen=True)
@@ -88,16 +100,6 @@ class ComputeCosts:
         return ComputeCosts(**units, note=str(raw.get("note", "")))
 
 
-def activate(costs: ComputeCosts | None) -> None:
-    """Turn emulation on for this process (None turns it off)."""
-    global _COSTS
-    _COSTS = costs
-
-
-def active() -> ComputeCosts | None:
-    return _COSTS
-
-
 class _Wait(torch.autograd.Function):
     """Identity that sleeps `fwd_s` in forward and `bwd_s` in backward."""
 
@@ -132,8 +134,66 @@ def random_top_k(
     return indices, weights
 
 
+class EmulatedAttentionBlock(AttentionBlock):
+    """An `AttentionBlock` that waits instead of computing (made by `emulate_compute`).
+
+    Its output is its input after `costs.attn_fwd(T)` seconds, with uniformly random
+    top-k routing on MoE layers; gradients flow back to the input after
+    `costs.attn_bwd(T)` seconds. Its parameters stay, unused (their gradients are
+    zero-filled by the runtime).
+    """
+
+    costs: ComputeCosts
+
+    def forward(
+        self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
+    ) -> AttnOutput:
+        T = x_BSH.shape[0] * x_BSH.shape[1]
+        h = wait(x_BSH, self.costs.attn_fwd(T), self.costs.attn_bwd(T))
+        if self.router is None:
+            return AttnOutput(residual_BSH=h, u_TH=None, routing=None, aux=None)
+        u_TH = h.reshape(T, h.shape[-1])
+        indices, weights = random_top_k(T, self.num_experts, self.router.top_k, u_TH)
+        probs = torch.zeros(T, self.num_experts, dtype=h.dtype)
+        routing = Routing(indices_TK=indices, weights_TK=weights, probs_TE=probs)
+        return AttnOutput(residual_BSH=h, u_TH=u_TH, routing=routing, aux=h.sum() * 0.0)
+
+
+class EmulatedExperts(Experts):
+    """`Experts` that wait instead of computing (made by `emulate_compute`): the output is
+    the input after `costs.expert_fwd(A)` seconds for A assignments; the combine
+    weights keep a gradient path, as the real combine's do."""
+
+    costs: ComputeCosts
+
+    def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
+        A = plan.rows_A.numel()
+        y = wait(x_RH, self.costs.expert_fwd(A), self.costs.expert_bwd(A))
+        return y + plan.weights_A.sum() * 0.0
+
+
+def emulate_compute(module: nn.Module, costs: ComputeCosts) -> None:
+    """Make every `AttentionBlock` and `Experts` under `module` (itself included) wait
+    `costs` instead of computing.
+
+    In place: each such module changes class to its emulated variant (as FSDP2's
+    `fully_shard` does), so it stays the same object with the same parameters and
+    submodules — parameter names, optimizer state and checkpoints are unchanged, and
+    every holder of a reference (the model, a worker's parts) sees the swap. Modules
+    built later from these (e.g. `Experts.narrow`) are real again: swap the modules a
+    worker runs once it has built them.
+    """
+    for sub in module.modules():
+        if isinstance(sub, AttentionBlock):
+            sub.__class__ = EmulatedAttentionBlock
+        elif isinstance(sub, Experts):
+            sub.__class__ = EmulatedExperts
+        if isinstance(sub, EmulatedAttentionBlock | EmulatedExperts):
+            sub.costs = costs
+
+
 def calibrate(
-    model: torch.nn.Module, *, seq_len: int, micro_batch_size: int, repeats: int = 8
+    model: MoETransformer, *, seq_len: int, micro_batch_size: int, repeats: int = 8
 ) -> ComputeCosts:
     """Measure this machine's real attention and expert durations for `model` (1 thread).
 
@@ -142,12 +202,8 @@ def calibrate(
     two assignment counts, cycling through the layers as a runtime does, and fits
     `fixed + per_row * rows` through the two medians.
     """
-    from .model import MoETransformer
-    from .moe import flatten_routing
-
-    assert isinstance(model, MoETransformer)
-    previous = active()
-    activate(None)
+    emulated = (EmulatedAttentionBlock, EmulatedExperts)
+    assert not any(isinstance(m, emulated) for m in model.modules()), "calibrate a real model"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -204,7 +260,6 @@ def calibrate(
     finally:
         model.zero_grad(set_to_none=True)
         torch.set_num_threads(threads)
-        activate(previous)
 
 
 _WARMUP = 4  # passes over the layers before timing (allocator and caches settle)
