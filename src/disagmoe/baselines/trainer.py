@@ -47,30 +47,6 @@ from .schedules import build_baseline_schedule
 from .stage import StageModule, TracedStage
 
 
-def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def busy_us(events: list[dict]) -> float:
-    """Compute time of a rank: union of fwd/bwd/compute events minus the blocking waits on
-    all-to-alls inside them (a blocking collective is communication, not compute)."""
-    compute = _merge(
-        [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("fwd", "bwd", "compute")]
-    )
-    waits = _merge([(e["ts"], e["ts"] + e["dur"]) for e in events if e["args"].get("blocking")])
-    total = sum(e - s for s, e in compute)
-    for ws, we in waits:
-        for cs, ce in compute:
-            total -= max(0.0, min(we, ce) - max(ws, cs))
-    return total
-
-
 class EPTrainer:
     """One rank of an expert-parallel pipeline run; same interface as `DisaggTrainer`."""
 
@@ -234,7 +210,7 @@ class EPTrainer:
         return self.ep_rank * per, (self.ep_rank + 1) * per
 
     def busy_seconds(self, step: int) -> float:
-        return busy_us(self.tracer.step_events(step)) / 1e6
+        return self.tracer.busy_us(step=step) / 1e6
 
 
 # ------------------------------------------------------------------------------------ runner
