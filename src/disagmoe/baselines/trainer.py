@@ -40,6 +40,7 @@ from ..runtime.objective import (
 )
 from ..runtime.observe import Tracer
 from ..runtime.setup import build_data, build_initial_model, set_threads
+from ..runtime.stages import unique_named_parameters
 from ..schedule.ir import Schedule
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
@@ -77,13 +78,7 @@ class EPTrainer:
         self.stages = [self._stage(m) for m in self.modules]
         self.pipeline = self._build_pipeline()
         self.schedule: Schedule = build_baseline_schedule(self.layout, cfg.model)
-        seen: set[int] = set()
-        self.named_params = []
-        for m in self.modules:
-            for name, p in m.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.named_params.append((name, p))
+        self.named_params = unique_named_parameters(*self.modules)
         self.params = [p for _, p in self.named_params]
         self.is_expert = [".experts." in n for n, _ in self.named_params]
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
