@@ -29,7 +29,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
-from ..distributed.topology import world_sum
+from ..distributed.topology import allreduce_grads, world_sum
 from ..runtime.objective import (
     LossScale,
     StepResult,
@@ -139,21 +139,9 @@ class EPTrainer:
         if group is None or not params:
             return
         t0 = Tracer.now_us()
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-        dist.all_reduce(flat, group=group)
-        pos = 0
-        for p in params:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
-            pos += n
+        nbytes = allreduce_grads(params, group)
         self.tracer.add(
-            f"SYNC {name}",
-            "sync",
-            t0,
-            Tracer.now_us(),
-            bytes=flat.numel() * flat.element_size(),
-            step=self.comm.step,
+            f"SYNC {name}", "sync", t0, Tracer.now_us(), bytes=nbytes, step=self.comm.step
         )
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
