@@ -45,6 +45,7 @@ from disagmoe.baselines.layout import EPLayout
 from disagmoe.baselines.schedules import build_baseline_schedule
 from disagmoe.config import RunConfig, load_toml
 from disagmoe.distributed.layout import Layout
+from disagmoe.runtime.observe import compute_event_name, parse_event_name
 from disagmoe.schedule.afpipe import build_afpipe, message_consumer, message_producer
 from disagmoe.schedule.ir import Instr, Msg, Op
 from disagmoe.simulator import (
@@ -197,17 +198,19 @@ def disagg_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, A
         if e["cat"] in ("fwd", "bwd"):
             comps[(e["pid"], e["name"], a["step"])] = e
         elif e["cat"] in ("send", "recv"):
-            kind = e["name"].split()[1]
+            kind = parse_event_name(e["name"]).what
             src, dst = (e["pid"], a["dst"]) if e["cat"] == "send" else (a["src"], e["pid"])
             msg = Msg(kind, a["layer"], a["slot"], src, dst)
             if e["cat"] == "send":
                 sends[(msg, a["step"])] = e
                 op, comp, layer = message_producer(msg)
-                produced[(src, f"{op.value}{comp} l{layer} s{msg.slot}", a["step"])].append(e)
+                task = compute_event_name(op.value, comp, layer, msg.slot)
+                produced[(src, task, a["step"])].append(e)
             else:
                 recvs[(msg, a["step"])] = e
                 op, comp, layer = message_consumer(msg)
-                consumed[(dst, f"{op.value}{comp} l{layer} s{msg.slot}", a["step"])].append(e)
+                task = compute_event_name(op.value, comp, layer, msg.slot)
+                consumed[(dst, task, a["step"])].append(e)
     posts = []
     for key, sent in produced.items():
         t = end(comps[key]) if key in comps else None
@@ -238,7 +241,8 @@ def disagg_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, A
     per_layer: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in ("fwd", "bwd"):
-            per_layer[(e["name"][0], e["name"][1], e["args"]["layer"])].append(work[id(e)])
+            name = parse_event_name(e["name"])
+            per_layer[(name.op, name.comp, e["args"]["layer"])].append(work[id(e)])
     return {
         "table": {k: mean(v) + lane_gap for k, v in per_layer.items()},
         "overheads": MessageOverheads(
@@ -265,7 +269,7 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
     for e in events:
         if e["cat"] in ("send", "recv"):
             a = e["args"]
-            kind = e["name"].split()[1]  # act | grad
+            kind = parse_event_name(e["name"]).what  # act | grad
             stage = a["stage"] if e["cat"] == "recv" else a["stage"] + (1 if kind == "act" else -1)
             (sends if e["cat"] == "send" else recvs)[(kind, stage, a["micro_batch"], a["step"])] = e
     # post -> consumer start, for messages whose receiver was already waiting (posted first)
@@ -277,7 +281,7 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
 
     def inputs_ready(e: Event) -> float | None:
         a = e["args"]
-        kind = "act" if e["name"][0] == "F" else "grad"
+        kind = "act" if parse_event_name(e["name"]).op == "F" else "grad"
         r = recvs.get((kind, a["stage"], a["micro_batch"], a["step"]))
         return end(r) if r else None
 
@@ -286,7 +290,7 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
     per_stage: dict[tuple[str, int], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in COMPUTE_CATS:
-            per_stage[(e["name"].split()[0], e["args"]["stage"])].append(work[id(e)])
+            per_stage[(parse_event_name(e["name"]).what, e["args"]["stage"])].append(work[id(e)])
     return {
         "table": {k: mean(v) + lane_gap for k, v in per_stage.items()},
         "overheads": MessageOverheads(handoff_s=mean(handoffs)),

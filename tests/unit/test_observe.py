@@ -1,4 +1,4 @@
-"""Trace helpers: the time covered by events, busy time."""
+"""Trace helpers: event names, the time covered by events, busy time."""
 
 from __future__ import annotations
 
@@ -7,10 +7,16 @@ from typing import Any
 import pytest
 
 from disagmoe.runtime.observe import (
+    EventName,
     Tracer,
     busy_us,
+    compute_event_name,
     event_spans,
+    message_event_name,
+    message_label,
     overlap_length,
+    parse_event_name,
+    stage_event_name,
     subtract_intervals,
     total_length,
     union_intervals,
@@ -49,3 +55,25 @@ def test_tracer_busy_time_per_step() -> None:
     tracer.add("FA l0 s0", "fwd", 10.0, 13.0, step=1)
     assert tracer.busy_us(step=0) == 4.0 and tracer.busy_us(step=1) == 3.0
     assert tracer.busy_us() == 7.0
+
+
+def test_event_names_and_their_parser() -> None:
+    assert compute_event_name("F", "A", 3, 1) == "FA l3 s1"
+    assert message_event_name("recv", message_label("grad_combine", 2, 0)) == (
+        "recv grad_combine l2 s0"
+    )
+    assert stage_event_name("W", 1, 4) == "W s1 mb4"
+    assert message_event_name("send", stage_event_name("act", 0, 2)) == "send act s0 mb2"
+    cases = {
+        "BF l12 s7": EventName("BF", layer=12, slot=7),
+        "send act l3 s1": EventName("act", "send", layer=3, slot=1),
+        "recv grad_combine l2 s0": EventName("grad_combine", "recv", layer=2, slot=0),
+        "I s1 mb4": EventName("I", stage=1, micro_batch=4),
+        "recv grad s0 mb2": EventName("grad", "recv", stage=0, micro_batch=2),
+    }
+    for name, parsed in cases.items():
+        assert parse_event_name(name) == parsed
+    assert (parse_event_name("BF l12 s7").op, parse_event_name("BF l12 s7").comp) == ("B", "F")
+    for other in ("SYNC grads", "STEP", "a2a dispatch l0 mb1", "send act[l3,s1] 0->1"):
+        with pytest.raises(ValueError, match="not a computation or message"):
+            parse_event_name(other)

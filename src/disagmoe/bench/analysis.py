@@ -34,6 +34,7 @@ from ..runtime.observe import (
     Interval,
     event_spans,
     overlap_length,
+    parse_event_name,
     subtract_intervals,
     total_length,
     union_intervals,
@@ -125,7 +126,8 @@ def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in ("fwd", "bwd"):
-            op, comp = e["name"][0], e["name"][1]  # e.g. "FA l3 s1"
+            name = parse_event_name(e["name"])
+            op, comp = name.op, name.comp
             kind = workload.layer_kind(comp, e["args"]["layer"])
             groups[(op, comp, kind)].append(e["dur"] / 1e6)
     table = {k: statistics.median(v) for k, v in groups.items()}
@@ -181,7 +183,7 @@ def predict_ep(cfg: RunConfig, world: int, events: list[Event], net: Network) ->
     for e in events:
         if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
             continue
-        kind = e["name"].split()[0]
+        kind = parse_event_name(e["name"]).what
         span = [(e["ts"], e["ts"] + e["dur"])]
         own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
         fam = "F" if kind == "F" else "B"

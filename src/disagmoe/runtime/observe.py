@@ -4,15 +4,20 @@
 * `metrics.jsonl` — one JSON object per optimizer step,
 * `trace.json`    — Chrome / Perfetto trace events: one process per worker,
                     one thread per lane, one event per executed instruction.
+
+Also what every writer and reader of traces shares: the event names (formatters and
+their parser) and the time events cover (interval union, overlap, busy time).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +29,73 @@ LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
 COMPUTE_LANES = ("compute", "fwd", "bwd")
 COMM_LANES = ("send", "recv")
 Interval = tuple[float, float]
+
+
+# ------------------------------------------------------------------ trace event names
+# One format for the runtimes, the simulator and the trace readers:
+#   a computation        "FA l3 s1"        op (F / B / W) + component (A / F), layer, slot
+#   a message's events   "send act l3 s1"  "send" / "recv" + the message: kind, layer, slot
+#   a pipeline stage's   "F s0 mb1"        ep-* runtimes: stage action (F / B / I / W) or
+#   work / messages      "recv act s0 mb1" message kind (act / grad), stage, micro-batch
+_EVENT_NAME = re.compile(r"(?:(send|recv) )?(\S+) (?:l(\d+) s(\d+)|s(\d+) mb(\d+))")
+
+
+def compute_event_name(op: str, comp: str, layer: int, slot: int) -> str:
+    """A computation of the AF-Pipe IR: `compute_event_name("F", "A", 3, 1)` == "FA l3 s1"."""
+    return f"{op}{comp} l{layer} s{slot}"
+
+
+def message_label(kind: str, layer: int, slot: int) -> str:
+    """A message of the AF-Pipe IR, "act l3 s1"; its trace events: `message_event_name`."""
+    return f"{kind} l{layer} s{slot}"
+
+
+def stage_event_name(what: str, stage: int, micro_batch: int) -> str:
+    """Work of a pipeline stage on a micro-batch (ep-* runtimes), "F s0 mb1", or the label of
+    a message between stages, "act s0 mb1"."""
+    return f"{what} s{stage} mb{micro_batch}"
+
+
+def message_event_name(side: str, label: str) -> str:
+    """The sender's ("send") or the receiver's ("recv") event of the message `label`; the
+    side is also the event's lane."""
+    assert side in COMM_LANES, side
+    return f"{side} {label}"
+
+
+@dataclass(frozen=True, slots=True)
+class EventName:
+    """A trace event name taken apart (`parse_event_name`)."""
+
+    what: str  # "FA" (op + component), a message kind ("act"), a stage action ("F")
+    side: str | None = None  # "send" / "recv" for a message's events
+    layer: int | None = None
+    slot: int | None = None
+    stage: int | None = None
+    micro_batch: int | None = None
+
+    @property
+    def op(self) -> str:
+        """F / B / W of a computation ("FA l3 s1") or the action of a stage ("F s0 mb1")."""
+        return self.what[0]
+
+    @property
+    def comp(self) -> str:
+        """A / F: the component of an AF-Pipe computation."""
+        return self.what[1:]
+
+
+def parse_event_name(name: str) -> EventName:
+    """Inverse of the formatters above; ValueError for any other name (SYNC, STEP, a2a ...)."""
+    match = _EVENT_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a computation or message event name: {name!r}")
+    side, what, layer, slot, stage, micro_batch = match.groups()
+
+    def number(text: str | None) -> int | None:
+        return None if text is None else int(text)
+
+    return EventName(what, side, number(layer), number(slot), number(stage), number(micro_batch))
 
 
 def new_run_dir(base: str = "runs") -> Path:

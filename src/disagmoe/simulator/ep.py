@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from ..config import ClusterConfig, ModelConfig
 from ..flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
+from ..runtime.observe import compute_event_name
 from .baseline_schedules import (
     Action,
     Overlap,
@@ -193,7 +194,7 @@ class _Lowering:
                 lane,
                 self.costs.attn(layer, act.kind),
                 "attn",
-                f"{act.kind}A l{layer} s{act.mb}",
+                compute_event_name(act.kind, "A", layer, act.mb),
                 d,
                 args,
             )

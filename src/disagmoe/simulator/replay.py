@@ -31,6 +31,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..distributed.layout import Layout
+from ..runtime.observe import compute_event_name, message_label
 from ..schedule.afpipe import message_consumer, message_producer
 from ..schedule.ir import Instr, Msg, Op, Schedule
 from .costs import InstrCosts, MessageOverheads, Workload
@@ -135,7 +136,7 @@ def lower_schedule(
                 ins.lane,
                 costs.compute_s(ins.op, ins.comp, ins.layer),
                 _category(ins.comp),
-                f"{ins.op.value}{ins.comp} l{ins.layer} s{ins.slot}",
+                compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot),
                 deps,
                 {"layer": ins.layer, "slot": ins.slot, "step": 0, "index": index},
             )
@@ -179,7 +180,7 @@ def lower_schedule(
                 msg.src,
                 msg.dst,
                 loads,
-                f"{msg.kind} l{msg.layer} s{msg.slot}",
+                message_label(msg.kind, msg.layer, msg.slot),
                 deps,
                 {
                     "kind": msg.kind,

@@ -26,6 +26,7 @@ from typing import Any
 from ..runtime.observe import (
     Interval,
     Tracer,
+    message_event_name,
     overlap_length,
     total_length,
     union_intervals,
@@ -153,9 +154,13 @@ def trace_events(
         if kind == XFER:
             s = timeline.xfer_begin.get(op, timeline.start[op]) * 1e6
             ranks = program.xfer_ranks[op]
-            tracers[ranks[0]].add(f"send {program.label[op]}", "send", s, e, **args)
+            tracers[ranks[0]].add(
+                message_event_name("send", program.label[op]), "send", s, e, **args
+            )
             if len(ranks) > 1:
-                tracers[ranks[1]].add(f"recv {program.label[op]}", "recv", s, e, **args)
+                tracers[ranks[1]].add(
+                    message_event_name("recv", program.label[op]), "recv", s, e, **args
+                )
         else:
             tracers[program.rank[op]].add(program.label[op], program.lane[op], s, e, **args)
     return [(t.metadata(), t.events) for t in tracers]
