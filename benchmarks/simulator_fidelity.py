@@ -45,8 +45,9 @@ from disagmoe.baselines.layout import EPLayout
 from disagmoe.baselines.schedules import build_baseline_schedule
 from disagmoe.config import RunConfig, load_toml
 from disagmoe.distributed.layout import Layout
+from disagmoe.runtime.observe import parse_event_name
 from disagmoe.schedule.afpipe import build_afpipe
-from disagmoe.schedule.ir import Instr, Msg, Op
+from disagmoe.schedule.ir import Instr, Msg, Op, compute_event_name
 from disagmoe.schedule.semantics import consumer, producer
 from disagmoe.simulator import (
     MessageOverheads,
@@ -198,15 +199,15 @@ def disagg_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, A
         if e["cat"] in ("fwd", "bwd"):
             comps[(e["pid"], e["name"], a["step"])] = e
         elif e["cat"] in ("send", "recv"):
-            kind = e["name"].split()[1]
+            kind = parse_event_name(e["name"]).what
             src, dst = (e["pid"], a["dst"]) if e["cat"] == "send" else (a["src"], e["pid"])
             msg = Msg(kind, a["layer"], a["slot"], src, dst)
             if e["cat"] == "send":
                 sends[(msg, a["step"])] = e
-                produced[(src, "{}{} l{} s{}".format(*producer(msg)), a["step"])].append(e)
+                produced[(src, compute_event_name(*producer(msg)), a["step"])].append(e)
             else:
                 recvs[(msg, a["step"])] = e
-                consumed[(dst, "{}{} l{} s{}".format(*consumer(msg)), a["step"])].append(e)
+                consumed[(dst, compute_event_name(*consumer(msg)), a["step"])].append(e)
     posts = []
     for key, sent in produced.items():
         t = end(comps[key]) if key in comps else None
@@ -237,7 +238,8 @@ def disagg_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, A
     per_layer: dict[tuple[str, str, int], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in ("fwd", "bwd"):
-            per_layer[(e["name"][0], e["name"][1], e["args"]["layer"])].append(work[id(e)])
+            name = parse_event_name(e["name"])
+            per_layer[(name.op, name.comp, e["args"]["layer"])].append(work[id(e)])
     return {
         "table": {k: mean(v) + lane_gap for k, v in per_layer.items()},
         "overheads": MessageOverheads(
@@ -264,7 +266,7 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
     for e in events:
         if e["cat"] in ("send", "recv"):
             a = e["args"]
-            kind = e["name"].split()[1]  # act | grad
+            kind = parse_event_name(e["name"]).what  # act | grad
             stage = a["stage"] if e["cat"] == "recv" else a["stage"] + (1 if kind == "act" else -1)
             (sends if e["cat"] == "send" else recvs)[(kind, stage, a["micro_batch"], a["step"])] = e
     # post -> consumer start, for messages whose receiver was already waiting (posted first)
@@ -276,7 +278,7 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
 
     def inputs_ready(e: Event) -> float | None:
         a = e["args"]
-        kind = "act" if e["name"][0] == "F" else "grad"
+        kind = "act" if parse_event_name(e["name"]).op == "F" else "grad"
         r = recvs.get((kind, a["stage"], a["micro_batch"], a["step"]))
         return end(r) if r else None
 
@@ -285,7 +287,7 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
     per_stage: dict[tuple[str, int], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in COMPUTE_CATS:
-            per_stage[(e["name"].split()[0], e["args"]["stage"])].append(work[id(e)])
+            per_stage[(parse_event_name(e["name"]).what, e["args"]["stage"])].append(work[id(e)])
     return {
         "table": {k: mean(v) + lane_gap for k, v in per_stage.items()},
         "overheads": MessageOverheads(handoff_s=mean(handoffs)),

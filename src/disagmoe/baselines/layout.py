@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from ..config import ModelConfig, ParallelConfig, TrainConfig
+from ..simulator.baseline_schedules import split_layers
 
 # runtime -> (stages per pipeline rank, stage placement style); None = parallel.virtual_stages
 STAGE_STYLE: dict[str, tuple[int | None, str]] = {
@@ -34,17 +35,6 @@ STAGE_STYLE: dict[str, tuple[int | None, str]] = {
     "ep-interleaved": (None, "loop"),
     "ep-dualpipev": (2, "v"),
 }
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges per stage; the first `L mod S` stages get one extra layer."""
-    base, extra = divmod(num_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
 
 
 @dataclass(frozen=True)
@@ -135,7 +125,7 @@ class EPLayout:
     def stages_of(self, pp_rank: int) -> list[int]:
         return sorted(s for s, r in self.stage_to_pp_rank().items() if r == pp_rank)
 
-    def layers_of_stage(self, stage: int) -> range:
+    def layers_of_stage(self, stage: int) -> list[int]:
         return split_layers(self.num_layers, self.num_stages)[stage]
 
     def coords(self, rank: int) -> tuple[int, int, int, int]:

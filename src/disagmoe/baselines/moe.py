@@ -67,6 +67,34 @@ def exchange(
     return out
 
 
+def _traced_exchange(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    comm: EPComm,
+    name: str,
+    layer: int,
+    step: int,
+    mb: int,
+) -> torch.Tensor:
+    """`exchange` over the EP group, traced as a blocking all-to-all on the send lane."""
+    assert comm.group is not None
+    t0 = Tracer.now_us()
+    out = exchange(x, out_splits, in_splits, comm.group)
+    comm.tracer.add(
+        f"a2a {name} l{layer} mb{mb}",
+        "send",
+        t0,
+        Tracer.now_us(),
+        layer=layer,
+        micro_batch=mb,
+        step=step,
+        bytes=_nbytes(x),
+        blocking=True,
+    )
+    return out
+
+
 class AllToAll(torch.autograd.Function):
     """Differentiable all_to_all_single of a 1-D tensor; backward is the reverse exchange."""
 
@@ -80,39 +108,14 @@ class AllToAll(torch.autograd.Function):
         name: str,
         layer: int,
     ) -> torch.Tensor:
-        assert comm.group is not None
-        ctx.meta = (out_splits, in_splits, comm, name, layer, comm.step, comm.micro_batch)
-        t0 = Tracer.now_us()
-        out = exchange(x, out_splits, in_splits, comm.group)
-        comm.tracer.add(
-            f"a2a {name} l{layer} mb{comm.micro_batch}",
-            "send",
-            t0,
-            Tracer.now_us(),
-            layer=layer,
-            micro_batch=comm.micro_batch,
-            step=comm.step,
-            bytes=_nbytes(x),
-            blocking=True,
-        )
-        return out
+        step, mb = comm.step, comm.micro_batch
+        ctx.meta = (out_splits, in_splits, comm, name, layer, step, mb)
+        return _traced_exchange(x, out_splits, in_splits, comm, name, layer, step, mb)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         out_splits, in_splits, comm, name, layer, step, mb = ctx.meta
-        t0 = Tracer.now_us()
-        g = exchange(grad, in_splits, out_splits, comm.group)
-        comm.tracer.add(
-            f"a2a {name}.bwd l{layer} mb{mb}",
-            "send",
-            t0,
-            Tracer.now_us(),
-            layer=layer,
-            micro_batch=mb,
-            step=step,
-            bytes=_nbytes(grad),
-            blocking=True,
-        )
+        g = _traced_exchange(grad, in_splits, out_splits, comm, f"{name}.bwd", layer, step, mb)
         return g, None, None, None, None, None
 
 

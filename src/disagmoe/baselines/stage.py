@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 from ..models import DecoderLayer, Experts, MoETransformer
 from ..models.layers import rope_tables
 from ..runtime.objective import LossScale
-from ..runtime.observe import Tracer
+from ..runtime.observe import Tracer, message_event_name, stage_event_name
 from ..runtime.stages import NamedParts
 from .layout import EPLayout
 from .moe import EPComm, ep_moe
@@ -146,25 +146,24 @@ class TracedStage(PipelineStage):
             )
         self.pending.clear()
 
-    def _p2p(self, ops: list[Any], name: str, lane: str, mb: int) -> list[Any]:
+    def _p2p(self, ops: list[Any], kind: str, lane: str, mb: int) -> list[Any]:
         if ops:
             nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
-            self.pending.append(
-                (f"{name} s{self.stage_index} mb{mb}", lane, Tracer.now_us(), mb, nbytes)
-            )
+            name = message_event_name(lane, stage_event_name(kind, self.stage_index, mb))
+            self.pending.append((name, lane, Tracer.now_us(), mb, nbytes))
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
-        return self._p2p(super().get_fwd_recv_ops(fwd_chunk_id), "recv act", "recv", fwd_chunk_id)
+        return self._p2p(super().get_fwd_recv_ops(fwd_chunk_id), "act", "recv", fwd_chunk_id)
 
     def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[Any]:
-        return self._p2p(super().get_bwd_recv_ops(bwd_chunk_id), "recv grad", "recv", bwd_chunk_id)
+        return self._p2p(super().get_bwd_recv_ops(bwd_chunk_id), "grad", "recv", bwd_chunk_id)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
-        return self._p2p(super().get_fwd_send_ops(fwd_chunk_id), "send act", "send", fwd_chunk_id)
+        return self._p2p(super().get_fwd_send_ops(fwd_chunk_id), "act", "send", fwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
-        return self._p2p(super().get_bwd_send_ops(bwd_chunk_id), "send grad", "send", bwd_chunk_id)
+        return self._p2p(super().get_bwd_send_ops(bwd_chunk_id), "grad", "send", bwd_chunk_id)
 
     def _run(self, kind: str, mb: int, fn: Any) -> Any:
         self._close_p2p()
@@ -174,7 +173,7 @@ class TracedStage(PipelineStage):
         t0 = Tracer.now_us()
         out = fn()
         self.tracer.add(
-            f"{kind} s{self.stage_index} mb{mb}",
+            stage_event_name(kind, self.stage_index, mb),
             lane,
             t0,
             Tracer.now_us(),

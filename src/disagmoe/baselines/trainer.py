@@ -29,7 +29,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
-from ..distributed.topology import world_sum
+from ..distributed.topology import allreduce_grads, world_sum
 from ..runtime.objective import (
     LossScale,
     StepResult,
@@ -40,35 +40,12 @@ from ..runtime.objective import (
 )
 from ..runtime.observe import Tracer
 from ..runtime.setup import apply_emulation, build_data, build_initial_model, set_threads
+from ..runtime.stages import unique_named_parameters
 from ..schedule.ir import Schedule
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
 from .schedules import build_baseline_schedule
 from .stage import StageModule, TracedStage
-
-
-def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for s, e in sorted(spans):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out
-
-
-def busy_us(events: list[dict]) -> float:
-    """Compute time of a rank: union of fwd/bwd/compute events minus the blocking waits on
-    all-to-alls inside them (a blocking collective is communication, not compute)."""
-    compute = _merge(
-        [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in ("fwd", "bwd", "compute")]
-    )
-    waits = _merge([(e["ts"], e["ts"] + e["dur"]) for e in events if e["args"].get("blocking")])
-    total = sum(e - s for s, e in compute)
-    for ws, we in waits:
-        for cs, ce in compute:
-            total -= max(0.0, min(we, ce) - max(ws, cs))
-    return total
 
 
 class EPTrainer:
@@ -102,13 +79,7 @@ class EPTrainer:
         self.stages = [self._stage(m) for m in self.modules]
         self.pipeline = self._build_pipeline()
         self.schedule: Schedule = build_baseline_schedule(self.layout, cfg.model)
-        seen: set[int] = set()
-        self.named_params = []
-        for m in self.modules:
-            for name, p in m.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.named_params.append((name, p))
+        self.named_params = unique_named_parameters(*self.modules)
         self.params = [p for _, p in self.named_params]
         self.is_expert = [".experts." in n for n, _ in self.named_params]
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
@@ -169,21 +140,9 @@ class EPTrainer:
         if group is None or not params:
             return
         t0 = Tracer.now_us()
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-        dist.all_reduce(flat, group=group)
-        pos = 0
-        for p in params:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
-            pos += n
+        nbytes = allreduce_grads(params, group)
         self.tracer.add(
-            f"SYNC {name}",
-            "sync",
-            t0,
-            Tracer.now_us(),
-            bytes=flat.numel() * flat.element_size(),
-            step=self.comm.step,
+            f"SYNC {name}", "sync", t0, Tracer.now_us(), bytes=nbytes, step=self.comm.step
         )
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
@@ -235,7 +194,7 @@ class EPTrainer:
         return self.ep_rank * per, (self.ep_rank + 1) * per
 
     def busy_seconds(self, step: int) -> float:
-        return busy_us(self.tracer.step_events(step)) / 1e6
+        return self.tracer.busy_us(step=step) / 1e6
 
 
 # ------------------------------------------------------------------------------------ runner

@@ -28,13 +28,21 @@ from typing import Any
 
 from ..config import ClusterConfig, RunConfig
 from ..distributed.layout import Layout
+from ..runtime.observe import (
+    COMM_LANES,
+    COMPUTE_LANES,
+    Interval,
+    event_spans,
+    overlap_length,
+    parse_event_name,
+    subtract_intervals,
+    total_length,
+    union_intervals,
+)
 from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
 from ..simulator.ep import EPCosts
-from ..simulator.report import _intersection, _length, _union
 
 Event = dict[str, Any]
-COMPUTE_LANES = ("fwd", "bwd", "compute")
-COMM_LANES = ("send", "recv")
 TCP_EFFICIENCY = 0.94  # goodput / tbf rate of a bulk TCP stream (headers, acks)
 LOOPBACK_BYTES_PER_S = 1.5e9  # gloo over a namespace's local route, measured order
 
@@ -47,45 +55,21 @@ class Breakdown:
     bubble_s: float
 
 
-def _spans(events: list[Event]) -> list[tuple[float, float]]:
-    return _union([(e["ts"], e["ts"] + e["dur"]) for e in events])
-
-
-def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Intervals of `a` not covered by `b` (both unions)."""
-    out: list[tuple[float, float]] = []
-    for s, e in a:
-        cur = s
-        for bs, be in b:
-            if be <= cur or bs >= e:
-                continue
-            if bs > cur:
-                out.append((cur, bs))
-            cur = max(cur, be)
-        if cur < e:
-            out.append((cur, e))
-    return out
-
-
 def rank_breakdown(events: list[Event], step_s: float) -> Breakdown:
     """Breakdown of one rank's events of one step (seconds)."""
-    compute = _spans(
-        [
-            e
-            for e in events
-            if e["cat"] in COMPUTE_LANES or (e["cat"] == "sync" and e["name"] == "STEP")
-        ]
+    compute = event_spans(
+        e
+        for e in events
+        if e["cat"] in COMPUTE_LANES or (e["cat"] == "sync" and e["name"] == "STEP")
     )
-    compute = _minus(compute, _spans([e for e in events if e["args"].get("blocking")]))
-    comm = _spans(
-        [
-            e
-            for e in events
-            if e["cat"] in COMM_LANES or (e["cat"] == "sync" and e["name"] != "STEP")
-        ]
+    compute = subtract_intervals(
+        compute, event_spans(e for e in events if e["args"].get("blocking"))
     )
-    compute_s, comm_s = _length(compute) / 1e6, _length(comm) / 1e6
-    exposed = comm_s - _intersection(compute, comm) / 1e6
+    comm = event_spans(
+        e for e in events if e["cat"] in COMM_LANES or (e["cat"] == "sync" and e["name"] != "STEP")
+    )
+    compute_s, comm_s = total_length(compute) / 1e6, total_length(comm) / 1e6
+    exposed = comm_s - overlap_length(compute, comm) / 1e6
     busy = compute_s + exposed
     return Breakdown(compute_s, comm_s, exposed, max(step_s - busy, 0.0))
 
@@ -142,7 +126,8 @@ def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in ("fwd", "bwd"):
-            op, comp = e["name"][0], e["name"][1]  # e.g. "FA l3 s1"
+            name = parse_event_name(e["name"])
+            op, comp = name.op, name.comp
             kind = workload.layer_kind(comp, e["args"]["layer"])
             groups[(op, comp, kind)].append(e["dur"] / 1e6)
     table = {k: statistics.median(v) for k, v in groups.items()}
@@ -188,19 +173,19 @@ def predict_ep(cfg: RunConfig, world: int, events: list[Event], net: Network) ->
             total += flops.attn(model.num_layers, kind)
         return total
 
-    blocking: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    blocking: dict[int, list[Interval]] = defaultdict(list)
     for e in events:
         if e["args"].get("blocking"):
             blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
-    waits = {pid: _union(spans) for pid, spans in blocking.items()}
+    waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
     seconds: dict[str, float] = defaultdict(float)
     work: dict[str, float] = defaultdict(float)
     for e in events:
         if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
             continue
-        kind = e["name"].split()[0]
+        kind = parse_event_name(e["name"]).what
         span = [(e["ts"], e["ts"] + e["dur"])]
-        own = (_length(span) - _intersection(span, waits.get(e["pid"], []))) / 1e6
+        own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
         fam = "F" if kind == "F" else "B"
         seconds[fam] += own
         work[fam] += stage_flops(e["args"]["stage"], kind)

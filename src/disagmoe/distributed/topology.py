@@ -16,6 +16,7 @@ creation is collective.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,3 +74,22 @@ def world_sum(t: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over every worker (in place; returns it)."""
     dist.all_reduce(t)
     return t
+
+
+def allreduce_grads(params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup) -> int:
+    """Sum the gradients of `params` over `group` in one flat all-reduce, in place.
+
+    Every member passes its copies of the same parameters in the same order, each with
+    a gradient (`runtime.objective.fill_missing_grads`). Returns the bytes reduced.
+    """
+    grads: list[torch.Tensor] = []
+    for p in params:
+        assert p.grad is not None, "allreduce_grads: a parameter has no gradient"
+        grads.append(p.grad)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    pos = 0
+    for g in grads:
+        g.copy_(flat[pos : pos + g.numel()].view_as(g))
+        pos += g.numel()
+    return flat.numel() * flat.element_size()

@@ -1,7 +1,8 @@
 """Roofline cost model of one disaggregated MoE layer, and the per-worker memory model.
 
 Two cost models share one result type, `LayerCosts` (forward pass of one layer for one
-sequence of `S` tokens; bf16 activations on the wire):
+sequence of `S` tokens; bf16 activations on the wire); their FLOP and byte formulas are
+those of `disagmoe.flops`:
 
 * `paper_costs` — exactly the formulas of DESIGN.md §2.4 (H = model dim, g = heads/kv_heads):
   `C_a = S*H^2*(2 + 2/g) + 4*S^2*H`, `C_f = 4*k*S*H*D_e`, `V = 2*S*k*H` bytes.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from disagmoe import flops
 from disagmoe.config import ClusterConfig, ModelConfig
 
 BYTES_ACT = 2  # bf16 activations / wire format
@@ -61,36 +63,27 @@ class LayerCosts:
 
 def paper_costs(model: ModelConfig, seq_len: int) -> LayerCosts:
     """DESIGN.md §2.4 formulas for b = 1 (GEMMs only, projections as written there)."""
-    h, s, k = model.dim, seq_len, model.top_k
-    g = model.num_heads / model.num_kv_heads
-    core = 4.0 * s * s * h
+    proj, core = flops.design_attn_flops(model, seq_len)
     return LayerCosts(
-        attn_flops=s * h * h * (2.0 + 2.0 / g) + core,
+        attn_flops=proj + core,
         attn_core_flops=core,
-        ffn_flops=4.0 * k * s * h * model.expert_dim,
-        dispatch_bytes=2.0 * s * k * h,
+        ffn_flops=flops.design_expert_flops(model, seq_len),
+        dispatch_bytes=flops.routed_bytes(model, seq_len, BYTES_ACT),
         hop_bytes=0.0,
     )
 
 
 def detailed_costs(model: ModelConfig, seq_len: int, groups: int = 1) -> LayerCosts:
     """Per-layer average costs of the kernels actually run (terms listed in the module doc)."""
-    h, s, k = model.dim, seq_len, model.top_k
-    q = model.num_heads * model.head_dim_resolved
-    kv = model.num_kv_heads * model.head_dim_resolved
     moe_frac = model.num_moe_layers / model.num_layers
     dense_frac = model.num_dense_layers / model.num_layers
-    core = 2.0 * s * s * q
-    proj = 4.0 * s * h * (q + kv)
-    router = 2.0 * s * h * model.num_experts * moe_frac
-    shared = 6.0 * s * h * model.expert_dim * model.num_shared_experts * moe_frac
-    dense = 6.0 * s * h * model.dense_dim_resolved * dense_frac
+    gemm, core = flops.attn_flops(model, seq_len, moe=moe_frac, dense=dense_frac)
     return LayerCosts(
-        attn_flops=proj + core + router + shared + dense,
+        attn_flops=gemm + core,
         attn_core_flops=core,
-        ffn_flops=6.0 * k * s * h * model.expert_dim * moe_frac,
-        dispatch_bytes=BYTES_ACT * s * k * h * moe_frac,
-        hop_bytes=BYTES_ACT * s * h if groups > 1 else 0.0,
+        ffn_flops=flops.expert_flops(model, model.top_k * seq_len) * moe_frac,
+        dispatch_bytes=flops.routed_bytes(model, seq_len, BYTES_ACT) * moe_frac,
+        hop_bytes=BYTES_ACT * seq_len * model.dim if groups > 1 else 0.0,
     )
 
 
@@ -100,8 +93,7 @@ def train_time_factors(recompute: str) -> tuple[float, float]:
         raise ValueError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    extra = 1.0 if recompute == "full" else 0.0
-    return 3.0 + extra, 3.5 + extra
+    return flops.train_factors(recompute == "full")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -19,13 +19,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
-from ..distributed.topology import Topology, world_sum
+from ..distributed.topology import Topology, allreduce_grads, world_sum
 from ..schedule.afpipe import build_afpipe
 from ..schedule.ir import Schedule
 from ..schedule.validate import validate
@@ -116,15 +115,7 @@ class DisaggTrainer:
         group = self.topo.replica_group
         if group is None or self.layout.attn_workers == 1 or not self.params:
             return 0
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params if p.grad is not None])
-        dist.all_reduce(flat, group=group)
-        pos = 0
-        for p in self.params:
-            assert p.grad is not None
-            n = p.grad.numel()
-            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
-            pos += n
-        return flat.numel() * flat.element_size()
+        return allreduce_grads(self.params, group)
 
     def optimizer_step(self, step: int) -> None:
         """STEP: global gradient norm, clipping, AdamW, loss reduction."""

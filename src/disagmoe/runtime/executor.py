@@ -33,9 +33,9 @@ import torch
 
 from ..distributed.exchange import CommTimeout, ProtocolError, Receiver, send_message
 from ..distributed.topology import Topology
-from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, Schedule
+from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, Schedule, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey
-from .observe import Tracer
+from .observe import Tracer, message_event_name, message_label
 
 Payload = list[torch.Tensor]
 KINDS = tuple(MESSAGE_KINDS)
@@ -138,7 +138,7 @@ class Executor:
             msg, incoming, what, t_wait = item
             payload = incoming.wait(self.timeout_s, what)
             self.tracer.add(
-                f"recv {msg.kind} l{msg.layer} s{msg.slot}",
+                message_event_name("recv", message_label(msg.kind, msg.layer, msg.slot)),
                 "recv",
                 incoming.arrived,
                 Tracer.now_us(),
@@ -168,7 +168,7 @@ class Executor:
                         f"rank {self.rank} {self.role}: sending {msg} to rank {msg.dst}: {reason}"
                     ) from err
             self.tracer.add(
-                f"send {msg.kind} l{msg.layer} s{msg.slot}",
+                message_event_name("send", message_label(msg.kind, msg.layer, msg.slot)),
                 "send",
                 t0,
                 Tracer.now_us(),
@@ -192,7 +192,7 @@ class Executor:
                     waits = [str(m) for m in missing]
                     if missing:
                         waits[-1] += f" from rank(s) {peers}"
-                    waits += ["{}{} l{} s{} of its own".format(*t) for t in tasks]
+                    waits += [f"{compute_event_name(*t)} of its own" for t in tasks]
                     raise HangError(
                         f"rank {self.rank} {self.role}: instruction {index} ({instr}) waited "
                         f"{self.timeout_s:.0f} s for {', '.join(waits)}"
@@ -209,7 +209,7 @@ class Executor:
             out = fn(instr.layer, instr.slot, received, outgoing)
             t1 = Tracer.now_us()
             self.tracer.add(
-                f"{instr.op.value}{instr.comp} l{instr.layer} s{instr.slot}",
+                str(instr),
                 lane,
                 t0,
                 t1,

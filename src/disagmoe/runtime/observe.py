@@ -4,15 +4,20 @@
 * `metrics.jsonl` — one JSON object per optimizer step,
 * `trace.json`    — Chrome / Perfetto trace events: one process per worker,
                     one thread per lane, one event per executed instruction.
+
+Also what every writer and reader of traces shares: the event names (formatters and
+their parser) and the time events cover (interval union, overlap, busy time).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +26,72 @@ from tqdm import tqdm
 from ..config import RunConfig, save_toml
 
 LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
+COMPUTE_LANES = ("compute", "fwd", "bwd")
+COMM_LANES = ("send", "recv")
+Interval = tuple[float, float]
+
+
+# ------------------------------------------------------------------ trace event names
+# One format for the runtimes, the simulator and the trace readers:
+#   a computation        "FA l3 s1"        op (F / B / W) + component (A / F), layer, slot:
+#                                          the instruction's own text (schedule.ir.compute_event_name)
+#   a message's events   "send act l3 s1"  "send" / "recv" + the message: kind, layer, slot
+#   a pipeline stage's   "F s0 mb1"        ep-* runtimes: stage action (F / B / I / W) or
+#   work / messages      "recv act s0 mb1" message kind (act / grad), stage, micro-batch
+_EVENT_NAME = re.compile(r"(?:(send|recv) )?(\S+) (?:l(\d+) s(\d+)|s(\d+) mb(\d+))")
+
+
+def message_label(kind: str, layer: int, slot: int) -> str:
+    """A message of the AF-Pipe IR, "act l3 s1"; its trace events: `message_event_name`."""
+    return f"{kind} l{layer} s{slot}"
+
+
+def stage_event_name(what: str, stage: int, micro_batch: int) -> str:
+    """Work of a pipeline stage on a micro-batch (ep-* runtimes), "F s0 mb1", or the label of
+    a message between stages, "act s0 mb1"."""
+    return f"{what} s{stage} mb{micro_batch}"
+
+
+def message_event_name(side: str, label: str) -> str:
+    """The sender's ("send") or the receiver's ("recv") event of the message `label`; the
+    side is also the event's lane."""
+    assert side in COMM_LANES, side
+    return f"{side} {label}"
+
+
+@dataclass(frozen=True, slots=True)
+class EventName:
+    """A trace event name taken apart (`parse_event_name`)."""
+
+    what: str  # "FA" (op + component), a message kind ("act"), a stage action ("F")
+    side: str | None = None  # "send" / "recv" for a message's events
+    layer: int | None = None
+    slot: int | None = None
+    stage: int | None = None
+    micro_batch: int | None = None
+
+    @property
+    def op(self) -> str:
+        """F / B / W of a computation ("FA l3 s1") or the action of a stage ("F s0 mb1")."""
+        return self.what[0]
+
+    @property
+    def comp(self) -> str:
+        """A / F: the component of an AF-Pipe computation."""
+        return self.what[1:]
+
+
+def parse_event_name(name: str) -> EventName:
+    """Inverse of the formatters above; ValueError for any other name (SYNC, STEP, a2a ...)."""
+    match = _EVENT_NAME.fullmatch(name)
+    if match is None:
+        raise ValueError(f"not a computation or message event name: {name!r}")
+    side, what, layer, slot, stage, micro_batch = match.groups()
+
+    def number(text: str | None) -> int | None:
+        return None if text is None else int(text)
+
+    return EventName(what, side, number(layer), number(slot), number(stage), number(micro_batch))
 
 
 def new_run_dir(base: str = "runs") -> Path:
@@ -173,23 +244,9 @@ class Tracer:
             )
         return meta
 
-    def busy_us(
-        self, lanes: Iterable[str] = ("compute", "fwd", "bwd"), step: int | None = None
-    ) -> float:
-        """Union length of this worker's compute events (overlapping lanes counted once)."""
-        events = self.events if step is None else self.step_events(step)
-        spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] in set(lanes))
-        total, cur_s, cur_e = 0.0, None, None
-        for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None and cur_s is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
-            else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None and cur_s is not None:
-            total += cur_e - cur_s
-        return total
+    def busy_us(self, lanes: Iterable[str] = COMPUTE_LANES, step: int | None = None) -> float:
+        """This worker's compute time (`busy_us` of its events, of one step or all kept)."""
+        return busy_us(self.events if step is None else self.step_events(step), lanes)
 
 
 def write_trace(
@@ -202,3 +259,73 @@ def write_trace(
     for e in events:
         out.append({**e, "ts": round(e["ts"] - t0, 3), "dur": round(e["dur"], 3)})
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+
+
+# ------------------------------------------------------------------ time covered by events
+
+
+def union_intervals(spans: Iterable[Interval]) -> list[Interval]:
+    """Sorted, disjoint intervals covering what `spans` cover (touching ones merged, empty
+    ones dropped)."""
+    out: list[Interval] = []
+    for s, e in sorted(spans):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e)
+        else:
+            out.append((s, e))
+    return out
+
+
+def total_length(spans: Iterable[Interval]) -> float:
+    return sum(e - s for s, e in spans)
+
+
+def overlap_length(a: list[Interval], b: list[Interval]) -> float:
+    """Time covered by both `a` and `b` (each sorted and disjoint: see `union_intervals`)."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def subtract_intervals(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    """Parts of `a` not covered by `b` (each sorted and disjoint: see `union_intervals`)."""
+    out: list[Interval] = []
+    for s, e in a:
+        cur = s
+        for bs, be in b:
+            if be <= cur or bs >= e:
+                continue
+            if bs > cur:
+                out.append((cur, bs))
+            cur = max(cur, be)
+        if cur < e:
+            out.append((cur, e))
+    return out
+
+
+def event_spans(events: Iterable[dict[str, Any]]) -> list[Interval]:
+    """Time covered by trace events ("X": start `ts`, duration `dur`), as `union_intervals`."""
+    return union_intervals((e["ts"], e["ts"] + e["dur"]) for e in events)
+
+
+def busy_us(events: Iterable[dict[str, Any]], lanes: Iterable[str] = COMPUTE_LANES) -> float:
+    """Compute time of one worker: union of its events on `lanes` minus its blocking waits.
+
+    An event flagged `blocking` (the ep-* stages wait for all-to-alls inside their
+    computations) is communication, not compute; the AF-Pipe executor has none.
+    """
+    listed, chosen = list(events), set(lanes)
+    compute = event_spans(e for e in listed if e["cat"] in chosen)
+    waits = event_spans(e for e in listed if e["args"].get("blocking"))
+    return total_length(compute) - overlap_length(compute, waits)

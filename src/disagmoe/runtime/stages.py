@@ -59,6 +59,19 @@ class NamedParts(nn.Module):
         return True
 
 
+def unique_named_parameters(*modules: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Every distinct parameter of `modules` once, under the first name that reaches it
+    (tied embedding and LM head: one parameter, `embed.weight`), in module order."""
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Parameter]] = []
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append((name, param))
+    return out
+
+
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(t.is_floating_point())
 
@@ -108,13 +121,7 @@ class AttnWorker:
         self.aux_sum = 0.0
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        seen: set[int] = set()
-        out = []
-        for name, param in self.modules.named_parameters(remove_duplicate=False):
-            if id(param) not in seen:
-                seen.add(id(param))
-                out.append((name, param))
-        return out
+        return unique_named_parameters(self.modules)
 
     def _rope(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg

@@ -126,6 +126,11 @@ class Msg:
         return f"{self.kind}[l{self.layer},s{self.slot}] {self.src}->{self.dst}"
 
 
+def compute_event_name(op: str, comp: str, layer: int, slot: int) -> str:
+    """A compute instruction's text, also its trace event's name: "FA l3 s1"."""
+    return f"{op}{comp} l{layer} s{slot}"
+
+
 @dataclass(frozen=True, slots=True)
 class Instr:
     op: Op
@@ -162,7 +167,7 @@ class Instr:
         if self.op == Op.A2A:
             return f"A2A {self.comp} l{self.layer} s{self.slot} {list(self.group)}"
         if self.is_compute:
-            return f"{self.op.value}{self.comp} l{self.layer} s{self.slot}"
+            return compute_event_name(self.op.value, self.comp, self.layer, self.slot)
         return self.op.value
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .ir import Instr, Msg, Op, Schedule
+from .ir import Instr, Msg, Op, Schedule, compute_event_name
 from .semantics import TaskKey, compile_ranks
 
 
@@ -127,7 +127,7 @@ def simulate(schedule: Schedule) -> int:
             stuck.append(f"rank {rank} {lane}: blocked sending {pending_sends[(rank, lane)][0]}")
         elif queue:
             msgs, tasks = programs[rank].waiting_for(queue[0], done[rank], delivered.__contains__)
-            waits = [str(m) for m in msgs] + ["{}{} l{} s{}".format(*t) for t in tasks]
+            waits = [str(m) for m in msgs] + [compute_event_name(*t) for t in tasks]
             stuck.append(f"rank {rank} {lane}: {queue[0]} waits for {', '.join(waits)}")
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck[:4]))

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..schedule.ir import Instr, Msg, Op, Schedule
+from ..runtime.observe import message_event_name
+from ..schedule.ir import Instr, Msg, Op, Schedule, compute_event_name
 from .costs import MessageOverheads
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .report import SimResult, summarize
@@ -53,7 +54,7 @@ def lower_baseline_schedule(
             args = {"layer": ins.layer, "slot": ins.slot, "step": 0}
             if ins.op in (Op.FWD, Op.BWD, Op.WGT):
                 cat = "attn" if ins.comp == "A" else "ffn"
-                label = f"{ins.op.value}{ins.comp} l{ins.layer} s{ins.slot}"
+                label = compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot)
                 last = prog.add(COMPUTE, rank, "compute", cost(ins), cat, label, [last], args)
             elif ins.op == Op.SEND:
                 assert ins.msg is not None
@@ -61,9 +62,8 @@ def lower_baseline_schedule(
                 last = prog.add(
                     DELAY, rank, "compute", over.post_s, "comm", f"post {msg}", [last], args
                 )
-                sent[msg] = prog.add(
-                    DELAY, rank, "send", latency_s, "comm", f"send {msg}", [last], args
-                )
+                name = message_event_name("send", str(msg))
+                sent[msg] = prog.add(DELAY, rank, "send", latency_s, "comm", name, [last], args)
             elif ins.op == Op.RECV:
                 assert ins.msg is not None
                 last = prog.add(DELAY, rank, "compute", 0.0, "comm", f"wait {ins.msg}", [last])

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..config import SCHEDULE_ORDERS, ClusterConfig, ModelConfig
+from ..flops import expert_flops, train_factors
 from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
@@ -98,8 +99,9 @@ def default_disagg_split(
     per = gpus // groups
     w = Workload(model, seq_len, 1)
     gemm, core = w.attn_flops(model.num_layers - 1)
-    a = gemm * 3.0 + core * 3.5
-    f = w.tokens * model.top_k * 6.0 * model.dim * model.expert_dim * 3.0
+    gemm_factor, core_factor = train_factors()
+    a = gemm * gemm_factor + core * core_factor
+    f = expert_flops(model, w.tokens * model.top_k) * gemm_factor
     best: tuple[float, int, int] | None = None
     for n in _divisors(model.num_experts):
         m = per - n

@@ -3,15 +3,11 @@
 Shapes (one micro-batch = b sequences of S tokens, N = b*S tokens, H = model dim,
 q / kv = query / key-value widths, k = top-k, E experts, D_e expert width):
 
-* attention block forward FLOPs of one layer (same terms as
-  `planner.costmodel.detailed_costs`, but per layer instead of averaged):
-  projections `4*N*H*(q + kv)`, causal core `2*b*S^2*q`, router `2*N*H*E` and
-  shared experts `6*N*H*D_e*num_shared` on MoE layers, the dense SwiGLU MLP
-  `6*N*H*D_dense` on dense layers; the LM head `2*N*H*V`; the embedding 0;
-* routed experts: `6*H*D_e` FLOPs per (token, expert) pair; a shard of n gets
-  `N*k/n` pairs per attention replica (balanced routing);
-* backward = 2x forward for GEMMs, 2.5x for the attention core (FlashAttention
-  recomputes QK^T), as in `planner.costmodel.train_time_factors`;
+* FLOPs: `disagmoe.flops` (the planner's formulas), per layer: the attention block
+  of a dense or MoE layer, the LM head (layer L), the embedding 0; routed experts
+  per (token, expert) pair, a shard of n getting `N*k/n` pairs per attention
+  replica (balanced routing); backward = 2x forward for GEMMs, 2.5x for the
+  attention core;
 * messages (runtime/stages.py): a shard receives each token at most once, so an
   A replica sends shard j `u = N*(1 - C(E - E/n, k)/C(E, k))` distinct tokens
   (`act_bytes*H` each) plus `N*k/n` (weight, row, expert id) triples; combine
@@ -31,11 +27,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from .. import flops
 from ..config import ClusterConfig, ModelConfig
 from ..schedule.ir import Op
 
-GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a GEMM
-CORE_BACKWARD = 2.5  # backward / forward FLOPs of the attention core (recomputes QK^T)
 LAYER_KINDS = ("embed", "dense", "moe", "head")
 
 
@@ -69,19 +64,11 @@ class Workload:
 
     def attn_flops(self, layer: int) -> tuple[float, float]:
         """(GEMM FLOPs, attention-core FLOPs) of the A component of `layer`, forward."""
-        c, n = self.model, float(self.tokens)
+        c = self.model
         if layer == c.num_layers:
-            return 2.0 * n * c.dim * c.vocab_size, 0.0
-        q = c.num_heads * c.head_dim_resolved
-        kv = c.num_kv_heads * c.head_dim_resolved
-        gemm = 4.0 * n * c.dim * (q + kv)
-        if c.is_moe_layer(layer):
-            gemm += 2.0 * n * c.dim * c.num_experts
-            gemm += 6.0 * n * c.dim * c.expert_dim * c.num_shared_experts
-        else:
-            gemm += 6.0 * n * c.dim * c.dense_dim_resolved
-        core = 2.0 * self.micro_batch_size * float(self.seq_len) ** 2 * q
-        return gemm, core
+            return flops.lm_head_flops(c, float(self.tokens)), 0.0
+        moe = 1.0 if c.is_moe_layer(layer) else 0.0
+        return flops.attn_flops(c, self.seq_len, self.micro_batch_size, moe=moe, dense=1.0 - moe)
 
     def pairs_per_shard(self, shards: int) -> float:
         """Expected (token, expert) pairs one replica's micro-batch sends to one shard."""
@@ -117,7 +104,7 @@ class Workload:
         Token copies are not deduplicated (Megatron's all-to-all dispatcher sends one
         copy per (token, expert) pair): `N*k/ep` rows of `H` values per peer.
         """
-        return self.tokens * self.model.top_k / ep * self.model.dim * self.act_bytes
+        return flops.routed_bytes(self.model, self.tokens, self.act_bytes) / ep
 
     def attn_param_count(self, layer: int) -> int:
         """Parameters of the A component of `layer` (layer L: final norm + LM head)."""
@@ -172,15 +159,13 @@ class AnalyticCosts:
     def attn_s(self, op: Op, layer: int) -> float:
         gemm, core = self.workload.attn_flops(layer)
         if op == Op.BWD:
-            extra = 1.0 if self.recompute else 0.0
-            gemm, core = (GEMM_BACKWARD + extra) * gemm, (CORE_BACKWARD + extra) * core
+            gemm_factor, core_factor = flops.backward_factors(self.recompute)
+            gemm, core = gemm_factor * gemm, core_factor * core
         return (gemm + core) / self.flops_per_s
 
     def expert_s(self, op: Op, pairs: float) -> float:
-        c = self.workload.model
-        flops = pairs * 6.0 * c.dim * c.expert_dim
-        factor = GEMM_BACKWARD + (1.0 if self.recompute else 0.0) if op == Op.BWD else 1.0
-        return flops * factor / self.flops_per_s
+        factor = flops.backward_factors(self.recompute)[0] if op == Op.BWD else 1.0
+        return flops.expert_flops(self.workload.model, pairs) * factor / self.flops_per_s
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
         if comp == "A":

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import ClusterConfig, ModelConfig
+from ..flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
+from ..schedule.ir import compute_event_name
 from .baseline_schedules import (
     Action,
     Overlap,
@@ -34,7 +36,7 @@ from .baseline_schedules import (
     split_layers,
     stage_rank_map,
 )
-from .costs import CORE_BACKWARD, GEMM_BACKWARD, Workload
+from .costs import Workload
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .network import Network, Ports
 from .report import SimResult, summarize
@@ -87,8 +89,8 @@ class EPCosts:
         return {"B": grad_in + grad_w, "I": grad_in, "W": grad_w}[kind] / self.flops_per_s
 
     def experts(self, kind: str) -> float:
-        c = self.workload.model
-        fwd = self.workload.tokens * c.top_k * 6.0 * c.dim * c.expert_dim / self.flops_per_s
+        pairs = self.workload.tokens * self.workload.model.top_k
+        fwd = expert_flops(self.workload.model, pairs) / self.flops_per_s
         return fwd * {"F": 1.0, "B": GEMM_BACKWARD, "I": 1.0, "W": GEMM_BACKWARD - 1.0}[kind]
 
 
@@ -192,7 +194,7 @@ class _Lowering:
                 lane,
                 self.costs.attn(layer, act.kind),
                 "attn",
-                f"{act.kind}A l{layer} s{act.mb}",
+                compute_event_name(act.kind, "A", layer, act.mb),
                 d,
                 args,
             )

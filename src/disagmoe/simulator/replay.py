@@ -30,7 +30,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from ..distributed.layout import Layout
-from ..schedule.ir import Instr, Msg, Op, Schedule
+from ..runtime.observe import message_label
+from ..schedule.ir import Instr, Msg, Op, Schedule, compute_event_name
 from ..schedule.semantics import TaskKey, compile_ranks, consumer, producer
 from .costs import InstrCosts, MessageOverheads, Workload
 from .engine import COMPUTE, DELAY, Program
@@ -117,7 +118,7 @@ def lower_schedule(
                 ins.lane,
                 costs.compute_s(ins.op, ins.comp, ins.layer),
                 _category(ins.comp),
-                f"{ins.op.value}{ins.comp} l{ins.layer} s{ins.slot}",
+                compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot),
                 [lane[-1]] if lane else [],
                 {"layer": ins.layer, "slot": ins.slot, "step": 0, "index": index},
             )
@@ -162,7 +163,7 @@ def lower_schedule(
                 msg.src,
                 msg.dst,
                 loads,
-                f"{msg.kind} l{msg.layer} s{msg.slot}",
+                message_label(msg.kind, msg.layer, msg.slot),
                 deps,
                 {
                     "kind": msg.kind,

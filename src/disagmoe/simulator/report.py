@@ -23,42 +23,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..runtime.observe import Tracer, write_trace
+from ..runtime.observe import (
+    Interval,
+    Tracer,
+    message_event_name,
+    overlap_length,
+    total_length,
+    union_intervals,
+    write_trace,
+)
 from .engine import A2A, COMPUTE, DELAY, XFER, Program, Timeline
 
 BREAKDOWN_KEYS = ("attn", "ffn", "other", "comm_overlapped", "comm_exposed", "bubble")
-Interval = tuple[float, float]
-
-
-def _union(spans: list[Interval]) -> list[Interval]:
-    out: list[Interval] = []
-    for s, e in sorted(spans):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            if e > out[-1][1]:
-                out[-1] = (out[-1][0], e)
-        else:
-            out.append((s, e))
-    return out
-
-
-def _length(spans: list[Interval]) -> float:
-    return sum(e - s for s, e in spans)
-
-
-def _intersection(a: list[Interval], b: list[Interval]) -> float:
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
 
 
 @dataclass
@@ -139,10 +115,10 @@ def summarize(
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0.0)
     workers = []
     for r in range(n):
-        busy_spans, comm_spans = _union(compute[r]), _union(comm[r])
-        busy = _length(busy_spans)
-        overlapped = _intersection(busy_spans, comm_spans)
-        exposed = _length(comm_spans) - overlapped
+        busy_spans, comm_spans = union_intervals(compute[r]), union_intervals(comm[r])
+        busy = total_length(busy_spans)
+        overlapped = overlap_length(busy_spans, comm_spans)
+        exposed = total_length(comm_spans) - overlapped
         done = sum(work[r].values())
         scale = busy / done if done > 0 else 0.0
         row = {k: v * scale for k, v in work[r].items()}
@@ -178,9 +154,13 @@ def trace_events(
         if kind == XFER:
             s = timeline.xfer_begin.get(op, timeline.start[op]) * 1e6
             ranks = program.xfer_ranks[op]
-            tracers[ranks[0]].add(f"send {program.label[op]}", "send", s, e, **args)
+            tracers[ranks[0]].add(
+                message_event_name("send", program.label[op]), "send", s, e, **args
+            )
             if len(ranks) > 1:
-                tracers[ranks[1]].add(f"recv {program.label[op]}", "recv", s, e, **args)
+                tracers[ranks[1]].add(
+                    message_event_name("recv", program.label[op]), "recv", s, e, **args
+                )
         else:
             tracers[program.rank[op]].add(program.label[op], program.lane[op], s, e, **args)
     return [(t.metadata(), t.events) for t in tracers]

@@ -1,0 +1,86 @@
+"""FLOP and byte formulas of one layer: the planner's and the simulator's single source.
+
+Shapes: b sequences of S tokens (N = b*S tokens), H = model dim, g = heads / kv_heads,
+q / kv = query / key-value widths (heads * head_dim, kv_heads * head_dim), k = top-k,
+E experts of width D_e, D_dense the dense MLP width, V the vocabulary.
+
+* design closed forms (DESIGN.md §2.4, one sequence, forward): attention
+  `C_a = S*H^2*(2 + 2/g) + 4*S^2*H`, routed experts `C_f = 4*k*S*H*D_e`, exchanged
+  bytes `2*S*k*H` (bf16, one copy per (token, expert) pair);
+* kernels of this runtime, forward: projections `4*N*H*(q + kv)` (Q, K, V, O GEMMs),
+  causal attention core `2*b*S^2*q` (QK^T and PV, half the score matrix skipped),
+  router `2*N*H*E` and shared experts `6*N*H*D_e*num_shared` on MoE layers, the dense
+  SwiGLU MLP `6*N*H*D_dense` on dense layers, the LM head `2*N*H*V`, SwiGLU routed
+  experts `6*H*D_e` per (token, expert) pair (gate, up and down GEMMs);
+* backward = 2x forward for GEMMs, 2.5x for the attention core (FlashAttention
+  recomputes QK^T); full activation recomputation adds one forward.
+
+Imports only the config, so that `planner` and `simulator` both import it.
+"""
+
+from __future__ import annotations
+
+from .config import ModelConfig
+
+GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a GEMM
+CORE_BACKWARD = 2.5  # backward / forward FLOPs of the attention core (recomputes QK^T)
+
+
+def design_attn_flops(model: ModelConfig, seq_len: int) -> tuple[float, float]:
+    """(projection FLOPs, attention-core FLOPs) of `C_a`, the design's closed form."""
+    h, s = model.dim, seq_len
+    g = model.num_heads / model.num_kv_heads
+    return s * h * h * (2.0 + 2.0 / g), 4.0 * s * s * h
+
+
+def design_expert_flops(model: ModelConfig, seq_len: int) -> float:
+    """`C_f`, the design's closed form (two GEMMs per expert, no gate)."""
+    return 4.0 * model.top_k * seq_len * model.dim * model.expert_dim
+
+
+def routed_bytes(model: ModelConfig, tokens: float, act_bytes: int) -> float:
+    """Bytes of `tokens` dispatched with one copy per (token, expert) pair."""
+    return float(act_bytes * tokens * model.top_k * model.dim)
+
+
+def attn_flops(
+    model: ModelConfig, seq_len: int, num_seqs: int = 1, *, moe: float, dense: float
+) -> tuple[float, float]:
+    """(GEMM FLOPs, attention-core FLOPs) of one attention block, forward.
+
+    `moe` / `dense`: 1 and 0 for a MoE layer, 0 and 1 for a dense one, or the shares
+    of such layers for a per-layer average (router and shared experts on MoE layers,
+    the dense MLP on dense layers).
+    """
+    n = float(seq_len * num_seqs)
+    h = model.dim
+    q = model.num_heads * model.head_dim_resolved
+    kv = model.num_kv_heads * model.head_dim_resolved
+    gemm = 4.0 * n * h * (q + kv)
+    gemm += 2.0 * n * h * model.num_experts * moe
+    gemm += 6.0 * n * h * model.expert_dim * model.num_shared_experts * moe
+    gemm += 6.0 * n * h * model.dense_dim_resolved * dense
+    core = 2.0 * num_seqs * float(seq_len) ** 2 * q
+    return gemm, core
+
+
+def lm_head_flops(model: ModelConfig, tokens: float) -> float:
+    """Forward FLOPs of the LM head over `tokens` tokens."""
+    return 2.0 * tokens * model.dim * model.vocab_size
+
+
+def expert_flops(model: ModelConfig, pairs: float) -> float:
+    """Forward FLOPs of `pairs` (token, expert) pairs through the SwiGLU experts."""
+    return pairs * 6.0 * model.dim * model.expert_dim
+
+
+def backward_factors(recompute: bool = False) -> tuple[float, float]:
+    """(GEMM, attention core): backward FLOPs / forward FLOPs."""
+    extra = 1.0 if recompute else 0.0
+    return GEMM_BACKWARD + extra, CORE_BACKWARD + extra
+
+
+def train_factors(recompute: bool = False) -> tuple[float, float]:
+    """(GEMM, attention core): forward + backward FLOPs / forward FLOPs."""
+    gemm, core = backward_factors(recompute)
+    return 1.0 + gemm, 1.0 + core

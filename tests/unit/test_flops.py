@@ -1,0 +1,54 @@
+"""The one set of FLOP formulas (planner and simulator) against the design's closed form."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from disagmoe import flops
+from disagmoe.config import ModelConfig
+
+# dim 8 = 4 heads of 2 (q = H), 2 kv heads (g = 2, kv = H/g), 4 experts, top-2, width 16
+TINY = ModelConfig(name="t", dim=8, num_layers=4, num_heads=4, num_kv_heads=2, num_experts=4,
+                   top_k=2, expert_dim=16, vocab_size=32, dense_dim=32)  # fmt: skip
+S, H, G, K, E, D_E = 10, 8, 2, 2, 4, 16
+
+
+def test_design_closed_form_by_hand() -> None:
+    proj, core = flops.design_attn_flops(TINY, S)
+    assert (proj, core) == (S * H**2 * (2 + 2 / G), 4 * S**2 * H)  # C_a = 1920 + 3200
+    assert flops.design_expert_flops(TINY, S) == 4 * K * S * H * D_E  # C_f
+    assert flops.routed_bytes(TINY, S, 2) == 2 * S * K * H  # V
+
+
+def test_kernel_formulas_against_the_design_closed_form() -> None:
+    """The runtime counts 2 FLOPs per multiply-add in the projections (the design counts
+    the multiply-adds), skips the masked half of the causal score matrix, adds the router
+    GEMM, and runs three expert GEMMs (SwiGLU) instead of two."""
+    proj, core = flops.design_attn_flops(TINY, S)
+    gemm, causal = flops.attn_flops(TINY, S, moe=1.0, dense=0.0)
+    assert gemm == 2 * proj + 2 * S * H * E
+    assert causal == core / 2
+    assert flops.expert_flops(TINY, K * S) == 1.5 * flops.design_expert_flops(TINY, S)
+
+
+def test_dense_and_shared_terms_and_their_average() -> None:
+    model = dataclasses.replace(TINY, num_shared_experts=1)
+    proj = 2 * flops.design_attn_flops(model, S)[0]
+    moe_gemm, core = flops.attn_flops(model, S, moe=1.0, dense=0.0)
+    dense_gemm, dense_core = flops.attn_flops(model, S, moe=0.0, dense=1.0)
+    assert moe_gemm == proj + 2 * S * H * E + 6 * S * H * D_E  # router, one shared expert
+    assert dense_gemm == proj + 6 * S * H * 32  # the dense SwiGLU MLP
+    assert dense_core == core
+    mean_gemm, _ = flops.attn_flops(model, S, moe=0.75, dense=0.25)
+    assert mean_gemm == pytest.approx(0.75 * moe_gemm + 0.25 * dense_gemm)
+
+
+def test_sequences_scale_linearly_and_head_and_factors() -> None:
+    one = flops.attn_flops(TINY, S, moe=1.0, dense=0.0)
+    assert flops.attn_flops(TINY, S, 3, moe=1.0, dense=0.0) == (3 * one[0], 3 * one[1])
+    assert flops.lm_head_flops(TINY, S) == 2 * S * H * 32
+    assert flops.backward_factors() == (2.0, 2.5)
+    assert flops.train_factors() == (3.0, 3.5)
+    assert flops.train_factors(recompute=True) == (4.0, 4.5)
