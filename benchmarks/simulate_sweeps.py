@@ -25,7 +25,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig
+from disagmoe.config import ModelConfig
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.simulator import EP_RUNTIMES, SimResult, simulate_disagg, simulate_ep
 from disagmoe.simulator.cli import default_disagg_split
 from disagmoe.simulator.placement import planned_split, runnable_in_flight

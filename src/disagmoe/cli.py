@@ -15,13 +15,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from .config import (
-    RUNTIMES,
-    RunConfig,
-    apply_overrides,
-    load_toml,
-    replace_section,
-)
+from .config import RUNTIMES, RunConfig, replace_section
+from .config_io import apply_overrides, load_toml
 from .presets import model_preset
 
 # flag name -> (section, field)

@@ -20,7 +20,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from .config import RunConfig, from_dict, to_dict
+from .config import RunConfig
+from .config_io import from_dict, to_dict
 from .distributed.layout import Layout
 from .runtime.observe import prepare_run_dir
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe.config import MODEL_PRESETS, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
+from disagmoe.presets import MODEL_PRESETS
 
 from .equivalence import max_rel_errors
 

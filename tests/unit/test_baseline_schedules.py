@@ -16,7 +16,8 @@ from disagmoe.baselines.schedules import (
     pytorch_order,
     replay,
 )
-from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig, model_preset
+from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig
+from disagmoe.presets import model_preset
 from disagmoe.schedule.ir import Instr, Op
 
 RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")

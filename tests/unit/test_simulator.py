@@ -9,8 +9,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig, ParallelConfig
+from disagmoe.config import ModelConfig, ParallelConfig
 from disagmoe.distributed.layout import Layout
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.runtime.observe import LANES
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_graph
 from disagmoe.schedule.graph import list_schedule
