@@ -1,4 +1,4 @@
-"""Run configuration: frozen dataclasses.
+"""Run configuration: frozen dataclasses, and the `disagmoe train` flags declared on them.
 
 A run is described by one `RunConfig` holding five sections:
 
@@ -12,7 +12,9 @@ Every class validates only itself in `__post_init__`; checks that involve two
 sections live in `RunConfig.__post_init__`. Mistakes raise `ValueError` with a
 message that says what to change.
 
-Presets live in `disagmoe.presets`, dicts / TOML / `--set` strings in `disagmoe.config_io`.
+A field that is also a `disagmoe train` flag says so in its metadata (`flag(...)`);
+`disagmoe.command` builds the parser from it. Presets live in `disagmoe.presets`,
+dicts / TOML / `--set` strings in `disagmoe.config_io`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ LR_SCHEDULES = ("constant", "cosine")
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def flag(help: str | None = None, *, name: str = "", **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata that makes a config field a `disagmoe train` flag.
+
+    The flag is `name`, by default `--` and the field name with dashes (`seq_len` ->
+    `--seq-len`); an int or float field parses its value as that type. `argparse_kwargs`
+    (`choices`, `nargs`, `action`, ...) go to `add_argument` as they are. A flag not
+    given leaves the field as the preset / TOML file set it.
+    """
+    return {"flag": {"name": name, "help": help, **argparse_kwargs}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -123,17 +136,21 @@ class ParallelConfig:
     expert-parallel ranks; data parallelism is derived from the world size.
     """
 
-    runtime: str = "disagg"
-    groups: int = 1
-    attn_workers: int = 2
-    expert_workers: int = 2
-    pp: int = 1
-    ep: int = 2
-    virtual_stages: int = 2  # per rank, for ep-interleaved
-    overlap_chunks: int = 2  # ep-overlap: expert compute chunks pipelined with the all-to-all
-    world_size: int = 0  # 0: p*(m+n) for disagg, pp*ep for the baselines
+    runtime: str = field(default="disagg", metadata=flag(choices=RUNTIMES))
+    groups: int = field(default=1, metadata=flag("disagg: interleaved A/F groups p"))
+    attn_workers: int = field(default=2, metadata=flag("disagg: attention replicas m per group"))
+    expert_workers: int = field(default=2, metadata=flag("disagg: expert shards n per group"))
+    pp: int = field(default=1, metadata=flag("baselines: pipeline stages"))
+    ep: int = field(default=2, metadata=flag("baselines: expert-parallel ranks"))
+    virtual_stages: int = field(default=2, metadata=flag("ep-interleaved: stages per rank"))
+    # ep-overlap: expert compute chunks pipelined with the all-to-all
+    overlap_chunks: int = field(default=2, metadata=flag("ep-overlap: expert compute chunks"))
+    world_size: int = field(  # 0: p*(m+n) for disagg, pp*ep for the baselines
+        default=0, metadata=flag("workers (default: p*(m+n), or pp*ep for ep-*)")
+    )
     backend: str = "auto"  # auto | gloo | nccl
-    threads_per_rank: int = 0  # 0 means cores // local world size (at least 1)
+    # 0 means cores // local world size (at least 1)
+    threads_per_rank: int = field(default=0, metadata=flag())
 
     def __post_init__(self) -> None:
         _require(
@@ -167,7 +184,9 @@ class ScheduleConfig:
     starts earlier, forward and backward lanes overlap).
     """
 
-    max_in_flight: int = 0  # 0 means no cap beyond the number of micro-batch slots
+    max_in_flight: int = field(  # 0 means no cap beyond the number of micro-batch slots
+        default=0, metadata=flag("micro-batch slots a worker may hold")
+    )
     order: str = "breadth"  # which ready compute a lane runs first: "breadth" | "depth"
 
     def __post_init__(self) -> None:
@@ -182,13 +201,13 @@ class ScheduleConfig:
 class TrainConfig:
     """Optimisation, data and run outputs. Batch sizes count sequences."""
 
-    steps: int = 100
-    seed: int = 0
-    dtype: str = "float32"
-    seq_len: int = 64
-    global_batch_size: int = 8
-    micro_batch_size: int = 2
-    lr: float = 3e-3
+    steps: int = field(default=100, metadata=flag())
+    seed: int = field(default=0, metadata=flag())
+    dtype: str = field(default="float32", metadata=flag(choices=DTYPES))
+    seq_len: int = field(default=64, metadata=flag())
+    global_batch_size: int = field(default=8, metadata=flag("sequences per optimizer step"))
+    micro_batch_size: int = field(default=2, metadata=flag("sequences per micro-batch"))
+    lr: float = field(default=3e-3, metadata=flag())
     min_lr_ratio: float = 0.1
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -197,18 +216,43 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    data: str = ""  # empty: the built-in corpus
+    data: str = field(  # empty: the built-in corpus
+        default="", metadata=flag(".txt (bytes), .npy or .bin token file; default: built-in corpus")
+    )
     data_dtype: str = "uint16"
-    init_from_hf: str = ""
-    run_dir: str = ""
-    comm_timeout_s: float = 300.0
-    progress: bool = True
-    checkpoint_every: int = 0  # save every N steps and at the end; 0 disables checkpoints
+    init_from_hf: str = ""  # --init-from-hf also takes the model's shape: disagmoe.command
+    run_dir: str = field(default="", metadata=flag())
+    comm_timeout_s: float = field(
+        default=300.0,
+        metadata=flag("seconds before a communication wait fails", name="--comm-timeout"),
+    )
+    progress: bool = field(
+        default=True,
+        metadata=flag("no progress bar", name="--no-progress", action="store_const", const=False),
+    )
+    checkpoint_every: int = field(  # 0 disables checkpoints
+        default=0, metadata=flag("save a checkpoint every N steps and at the end")
+    )
     keep_checkpoints: int = 2
-    resume: str = ""  # "", "latest" (this run dir) or a checkpoint path
-    max_restarts: int = 0
-    fail_at_step: int = -1  # fault injection: SIGKILL `fail_rank` before this step (first attempt)
-    fail_rank: int = 0
+    resume: str = field(  # "", "latest" (this run dir) or a checkpoint path
+        default="",
+        metadata=flag(
+            "resume from DIR (a run dir, its checkpoints/ or a step dir); "
+            "without DIR: the run dir's latest checkpoint",
+            nargs="?",
+            const="latest",
+            metavar="DIR",
+        ),
+    )
+    max_restarts: int = field(
+        default=0, metadata=flag("restart all workers this often after a failure")
+    )
+    fail_at_step: int = field(  # SIGKILL `fail_rank` before this step, first attempt only
+        default=-1, metadata=flag("fault injection: kill --fail-rank before this step")
+    )
+    fail_rank: int = field(
+        default=0, metadata=flag("fault injection: the rank to kill (default 0)")
+    )
     drop_message: str = ""  # fault injection: "KIND:LAYER:SLOT:STEP" is never sent (hang test)
     emulate_compute: str = ""  # costs JSON: attention/experts become calibrated waits (bench)
 
