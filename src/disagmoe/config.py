@@ -26,7 +26,9 @@ from typing import Any
 
 from .schedule.ir import BACKWARD_KINDS, FORWARD_KINDS
 
-RUNTIMES = ("disagg", "reference", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
+EP_RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")  # disagmoe.baselines
+MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` compare
+RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine")

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from disagmoe.config import ModelConfig
+from disagmoe.config import EP_RUNTIMES, ModelConfig
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
-from disagmoe.simulator import EP_RUNTIMES, Network, simulate_ep
+from disagmoe.simulator import Network, simulate_ep
 from disagmoe.simulator.baseline_schedules import Action, Overlap, dualpipev, interleaved_1f1b
 
 H800 = CLUSTER_PRESETS["h800"]

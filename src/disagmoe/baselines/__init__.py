@@ -19,14 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
+from ..config import EP_RUNTIMES, RunConfig
 from .trainer import EPTrainer, run_ep
 
-RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
-
-TRAINERS: dict[str, type[EPTrainer]] = dict.fromkeys(RUNTIMES, EPTrainer)
+TRAINERS: dict[str, type[EPTrainer]] = dict.fromkeys(EP_RUNTIMES, EPTrainer)
 RUNNERS: dict[str, Callable[[RunConfig, Path], list[dict[str, Any]]]] = dict.fromkeys(
-    RUNTIMES, run_ep
+    EP_RUNTIMES, run_ep
 )
 
-__all__ = ["RUNNERS", "RUNTIMES", "TRAINERS", "EPTrainer", "run_ep"]
+__all__ = ["RUNNERS", "TRAINERS", "EPTrainer", "run_ep"]

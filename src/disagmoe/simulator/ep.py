@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import ClusterConfig, ModelConfig
+from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
 from .baseline_schedules import (
     Action,
     Overlap,
@@ -38,8 +38,6 @@ from .costs import CORE_BACKWARD, GEMM_BACKWARD, Workload
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .network import Network, Ports
 from .report import SimResult, summarize
-
-EP_RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 
 
 @dataclass(frozen=True, slots=True)
