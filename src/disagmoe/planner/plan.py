@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import disagmoe.planner.costmodel as cm
 from disagmoe.config import ClusterConfig, ModelConfig
-from disagmoe.planner import costmodel as cm
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
