@@ -137,10 +137,13 @@ def resolve_train_config(args: argparse.Namespace) -> RunConfig:
 
             hf_model = read_hf_config(cfg.train.init_from_hf)
             cfg = load_toml(args.config, dataclasses.replace(cfg, model=hf_model))
+    changes: dict[str, dict[str, Any]] = {}
     for flag in config_flags():
         value = getattr(args, flag.dest)
         if value is not None:
-            cfg = replace_section(cfg, flag.section, **{flag.field: value})
+            changes.setdefault(flag.section, {})[flag.field] = value
+    for section, values in changes.items():  # validated together, like a TOML section
+        cfg = replace_section(cfg, section, **values)
     cfg = apply_overrides(cfg, args.set)
     if args.plan == "auto":
         from .planner.layout_plan import auto_layout
