@@ -11,6 +11,7 @@ import pytest
 
 from disagmoe.config import ModelConfig, ParallelConfig
 from disagmoe.distributed.layout import Layout
+from disagmoe.planner import costmodel
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.runtime.observe import LANES
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_graph
@@ -182,7 +183,6 @@ def test_breakdown_adds_up_and_trace_has_run_format(tmp_path) -> None:  # type: 
 
 
 def test_analytic_costs_agree_with_planner_cost_model() -> None:
-    costmodel = pytest.importorskip("disagmoe.planner.costmodel")
     for name in ("deepseek-moe-16b", "qwen3-30b-a3b"):
         model = MODEL_PRESETS[name]
         w = Workload(model, 4096, 1)
