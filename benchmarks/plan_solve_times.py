@@ -10,8 +10,8 @@ import json
 import time
 from pathlib import Path
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.planner import plan_for
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 MODELS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")

@@ -18,8 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.planner import plan_for
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 MODELS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 SEQS = (2048, 4096, 8192, 16384, 32768)

@@ -25,8 +25,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import matplotlib.ticker
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig
-from disagmoe.simulator import EP_RUNTIMES, SimResult, simulate_disagg, simulate_ep
+from disagmoe.config import MULTI_WORKER_RUNTIMES, ModelConfig
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
+from disagmoe.simulator import SimResult, simulate_disagg, simulate_ep
 from disagmoe.simulator.cli import default_disagg_split
 from disagmoe.simulator.placement import planned_split, runnable_in_flight
 
@@ -138,7 +139,7 @@ def sweep_seq_len(nodes: int, lens: list[int], per_replica: int) -> list[dict[st
     rows = []
     for name in PRESETS:
         for seq in lens:
-            for runtime in ("disagg", *EP_RUNTIMES):
+            for runtime in MULTI_WORKER_RUNTIMES:
                 r = run(runtime, MODEL_PRESETS[name], nodes, seq, per_replica)
                 rows.append(row(r, model=name, runtime=runtime, seq_len=seq, nodes=nodes))
                 print(f"  {name:17s} {seq:6d} {runtime:15s} {r.tokens_per_s:12.0f} tok/s")
@@ -276,7 +277,7 @@ def sweep_virtual(nodes: int, seq_len: int, slots: int) -> list[dict[str, Any]]:
 def plot(out: Path, data: dict[str, Any]) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for ax, name in zip(axes, PRESETS, strict=True):
-        for runtime in ("disagg", *EP_RUNTIMES):
+        for runtime in MULTI_WORKER_RUNTIMES:
             pts = [r for r in data["seq_len"] if r["model"] == name and r["runtime"] == runtime]
             ax.plot(
                 [r["seq_len"] for r in pts],

@@ -43,7 +43,8 @@ import numpy as np
 
 from disagmoe.baselines.layout import EPLayout
 from disagmoe.baselines.schedules import build_baseline_schedule
-from disagmoe.config import RunConfig, load_toml
+from disagmoe.config import RunConfig
+from disagmoe.config_io import load_toml
 from disagmoe.distributed.layout import Layout
 from disagmoe.runtime.observe import parse_event_name
 from disagmoe.schedule.afpipe import build_afpipe

@@ -1,4 +1,4 @@
-"""Run configuration: frozen dataclasses, presets, TOML load/dump and `a.b=v` overrides.
+"""Run configuration: frozen dataclasses, and the `disagmoe train` flags declared on them.
 
 A run is described by one `RunConfig` holding five sections:
 
@@ -11,24 +11,24 @@ A run is described by one `RunConfig` holding five sections:
 Every class validates only itself in `__post_init__`; checks that involve two
 sections live in `RunConfig.__post_init__`. Mistakes raise `ValueError` with a
 message that says what to change.
+
+A field that is also a `disagmoe train` flag says so in its metadata (`flag(...)`);
+`disagmoe.command` builds the parser from it. Presets live in `disagmoe.presets`,
+dicts / TOML / `--set` strings in `disagmoe.config_io`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
-
-import tomli_w
 
 from .schedule.ir import BACKWARD_KINDS, FORWARD_KINDS
 
-RUNTIMES = ("disagg", "reference", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
+EP_RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")  # disagmoe.baselines
+MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` compare
+RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine")
@@ -37,6 +37,17 @@ LR_SCHEDULES = ("constant", "cosine")
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def flag(help: str | None = None, *, name: str = "", **argparse_kwargs: Any) -> dict[str, Any]:
+    """Field metadata that makes a config field a `disagmoe train` flag.
+
+    The flag is `name`, by default `--` and the field name with dashes (`seq_len` ->
+    `--seq-len`); an int or float field parses its value as that type. `argparse_kwargs`
+    (`choices`, `nargs`, `action`, ...) go to `add_argument` as they are. A flag not
+    given leaves the field as the preset / TOML file set it.
+    """
+    return {"flag": {"name": name, "help": help, **argparse_kwargs}}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,17 +138,21 @@ class ParallelConfig:
     expert-parallel ranks; data parallelism is derived from the world size.
     """
 
-    runtime: str = "disagg"
-    groups: int = 1
-    attn_workers: int = 2
-    expert_workers: int = 2
-    pp: int = 1
-    ep: int = 2
-    virtual_stages: int = 2  # per rank, for ep-interleaved
-    overlap_chunks: int = 2  # ep-overlap: expert compute chunks pipelined with the all-to-all
-    world_size: int = 0  # 0: p*(m+n) for disagg, pp*ep for the baselines
+    runtime: str = field(default="disagg", metadata=flag(choices=RUNTIMES))
+    groups: int = field(default=1, metadata=flag("disagg: interleaved A/F groups p"))
+    attn_workers: int = field(default=2, metadata=flag("disagg: attention replicas m per group"))
+    expert_workers: int = field(default=2, metadata=flag("disagg: expert shards n per group"))
+    pp: int = field(default=1, metadata=flag("baselines: pipeline stages"))
+    ep: int = field(default=2, metadata=flag("baselines: expert-parallel ranks"))
+    virtual_stages: int = field(default=2, metadata=flag("ep-interleaved: stages per rank"))
+    # ep-overlap: expert compute chunks pipelined with the all-to-all
+    overlap_chunks: int = field(default=2, metadata=flag("ep-overlap: expert compute chunks"))
+    world_size: int = field(  # 0: p*(m+n) for disagg, pp*ep for the baselines
+        default=0, metadata=flag("workers (default: p*(m+n), or pp*ep for ep-*)")
+    )
     backend: str = "auto"  # auto | gloo | nccl
-    threads_per_rank: int = 0  # 0 means cores // local world size (at least 1)
+    # 0 means cores // local world size (at least 1)
+    threads_per_rank: int = field(default=0, metadata=flag())
 
     def __post_init__(self) -> None:
         _require(
@@ -171,7 +186,9 @@ class ScheduleConfig:
     starts earlier, forward and backward lanes overlap).
     """
 
-    max_in_flight: int = 0  # 0 means no cap beyond the number of micro-batch slots
+    max_in_flight: int = field(  # 0 means no cap beyond the number of micro-batch slots
+        default=0, metadata=flag("micro-batch slots a worker may hold")
+    )
     order: str = "breadth"  # which ready compute a lane runs first: "breadth" | "depth"
 
     def __post_init__(self) -> None:
@@ -186,13 +203,13 @@ class ScheduleConfig:
 class TrainConfig:
     """Optimisation, data and run outputs. Batch sizes count sequences."""
 
-    steps: int = 100
-    seed: int = 0
-    dtype: str = "float32"
-    seq_len: int = 64
-    global_batch_size: int = 8
-    micro_batch_size: int = 2
-    lr: float = 3e-3
+    steps: int = field(default=100, metadata=flag())
+    seed: int = field(default=0, metadata=flag())
+    dtype: str = field(default="float32", metadata=flag(choices=DTYPES))
+    seq_len: int = field(default=64, metadata=flag())
+    global_batch_size: int = field(default=8, metadata=flag("sequences per optimizer step"))
+    micro_batch_size: int = field(default=2, metadata=flag("sequences per micro-batch"))
+    lr: float = field(default=3e-3, metadata=flag())
     min_lr_ratio: float = 0.1
     lr_schedule: str = "constant"
     warmup_steps: int = 0
@@ -201,18 +218,43 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
-    data: str = ""  # empty: the built-in corpus
+    data: str = field(  # empty: the built-in corpus
+        default="", metadata=flag(".txt (bytes), .npy or .bin token file; default: built-in corpus")
+    )
     data_dtype: str = "uint16"
-    init_from_hf: str = ""
-    run_dir: str = ""
-    comm_timeout_s: float = 300.0
-    progress: bool = True
-    checkpoint_every: int = 0  # save every N steps and at the end; 0 disables checkpoints
+    init_from_hf: str = ""  # --init-from-hf also takes the model's shape: disagmoe.command
+    run_dir: str = field(default="", metadata=flag())
+    comm_timeout_s: float = field(
+        default=300.0,
+        metadata=flag("seconds before a communication wait fails", name="--comm-timeout"),
+    )
+    progress: bool = field(
+        default=True,
+        metadata=flag("no progress bar", name="--no-progress", action="store_const", const=False),
+    )
+    checkpoint_every: int = field(  # 0 disables checkpoints
+        default=0, metadata=flag("save a checkpoint every N steps and at the end")
+    )
     keep_checkpoints: int = 2
-    resume: str = ""  # "", "latest" (this run dir) or a checkpoint path
-    max_restarts: int = 0
-    fail_at_step: int = -1  # fault injection: SIGKILL `fail_rank` before this step (first attempt)
-    fail_rank: int = 0
+    resume: str = field(  # "", "latest" (this run dir) or a checkpoint path
+        default="",
+        metadata=flag(
+            "resume from DIR (a run dir, its checkpoints/ or a step dir); "
+            "without DIR: the run dir's latest checkpoint",
+            nargs="?",
+            const="latest",
+            metavar="DIR",
+        ),
+    )
+    max_restarts: int = field(
+        default=0, metadata=flag("restart all workers this often after a failure")
+    )
+    fail_at_step: int = field(  # SIGKILL `fail_rank` before this step, first attempt only
+        default=-1, metadata=flag("fault injection: kill --fail-rank before this step")
+    )
+    fail_rank: int = field(
+        default=0, metadata=flag("fault injection: the rank to kill (default 0)")
+    )
     drop_message: str = ""  # fault injection: "KIND:LAYER:SLOT:STEP" is never sent (hang test)
     emulate_compute: str = ""  # costs JSON: attention/experts become calibrated waits (bench)
 
@@ -313,144 +355,8 @@ SECTIONS: dict[str, type] = {
 }
 
 
-# ---------------------------------------------------------------------------- dict / TOML
-
-
-def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
-    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
-
-
-def dump_toml(cfg: RunConfig) -> str:
-    return tomli_w.dumps(to_dict(cfg))
-
-
-def save_toml(cfg: RunConfig, path: str | Path) -> None:
-    Path(path).write_text(dump_toml(cfg))
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _coerce(value: Any, typ: Any, where: str) -> Any:
-    """Check/convert a TOML or command-line value to a field's declared type."""
-    if isinstance(typ, types.UnionType):
-        typ = next(t for t in typing.get_args(typ) if t is not type(None))
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ValueError(f"{where} must be true or false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{where} must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{where} must be an integer, got {value!r}")
-    if typ is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ValueError(f"{where} must be a number, got {value!r}")
-    if typ is str:
-        if isinstance(value, str):
-            return value
-        raise ValueError(f"{where} must be a string, got {value!r}")
-    raise AssertionError(f"unsupported field type {typ} at {where}")
-
-
-def _build_section(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
-    if not isinstance(values, dict):
-        raise ValueError(f"[{section}] must be a table")
-    types_ = _field_types(cls)
-    changes = {}
-    for key, value in values.items():
-        if key not in types_:
-            raise ValueError(
-                f"unknown key {section}.{key}; valid keys: {', '.join(sorted(types_))}"
-            )
-        changes[key] = _coerce(value, types_[key], f"{section}.{key}")
-    return dataclasses.replace(base, **changes)
-
-
-def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
-    """Build a RunConfig from nested dicts; `model.preset = "name"` starts from a preset."""
-    from .presets import cluster_preset, model_preset
-
-    base = base or RunConfig()
-    for section in data:
-        if section not in SECTIONS:
-            raise ValueError(
-                f"unknown config section [{section}]; valid sections: {', '.join(SECTIONS)}"
-            )
-    sections: dict[str, Any] = {}
-    for name, cls in SECTIONS.items():
-        values = dict(data.get(name, {}))
-        start = getattr(base, name)
-        if name == "model" and "preset" in values:
-            start = model_preset(str(values.pop("preset")))
-        if name == "cluster" and "preset" in values:
-            start = cluster_preset(str(values.pop("preset")))
-        sections[name] = _build_section(cls, start, values, name)
-    return RunConfig(**sections)
-
-
-def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"config file {str(path)!r} does not exist")
-    try:
-        data = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as err:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
-    return from_dict(data, base)
-
-
-def parse_override(text: str) -> tuple[str, str, str]:
-    """Split `section.key=value`."""
-    if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ValueError(f"--set expects section.key=value, got {text!r}")
-    lhs, value = text.split("=", 1)
-    section, key = lhs.strip().split(".", 1)
-    return section, key, value.strip()
-
-
-def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
-    """Apply `--set section.key=value` strings (values are parsed by the field's type)."""
-    nested: dict[str, dict[str, Any]] = {}
-    for text in overrides:
-        section, key, value = parse_override(text)
-        nested.setdefault(section, {})[key] = value
-    return from_dict(nested, cfg)
-
-
 def replace_section(cfg: RunConfig, section: str, **changes: Any) -> RunConfig:
     """`dataclasses.replace` on one section, re-validating the whole RunConfig."""
     return dataclasses.replace(
         cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)}
     )
-
-
-_PRESET_NAMES = ("MODEL_PRESETS", "CLUSTER_PRESETS", "model_preset", "cluster_preset")
-
-
-def __getattr__(name: str) -> Any:
-    """The presets live in `disagmoe.presets`; re-exported here for convenience."""
-    if name in _PRESET_NAMES:
-        from . import presets
-
-        return getattr(presets, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

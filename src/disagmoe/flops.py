@@ -4,7 +4,7 @@ Shapes: b sequences of S tokens (N = b*S tokens), H = model dim, g = heads / kv_
 q / kv = query / key-value widths (heads * head_dim, kv_heads * head_dim), k = top-k,
 E experts of width D_e, D_dense the dense MLP width, V the vocabulary.
 
-* design closed forms (DESIGN.md §2.4, one sequence, forward): attention
+* design closed forms (docs/design.md §2.4, one sequence, forward): attention
   `C_a = S*H^2*(2 + 2/g) + 4*S^2*H`, routed experts `C_f = 4*k*S*H*D_e`, exchanged
   bytes `2*S*k*H` (bf16, one copy per (token, expert) pair);
 * kernels of this runtime, forward: projections `4*N*H*(q + kv)` (Q, K, V, O GEMMs),

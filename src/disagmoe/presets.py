@@ -1,7 +1,6 @@
 """Model and cluster presets: public shapes for planning/simulation, small ones for training.
 
-`disagmoe.config` re-exports these names, so `from disagmoe.config import MODEL_PRESETS`
-keeps working.
+A TOML config starts a section from one with `preset = "name"` (`disagmoe.config_io`).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import re
@@ -20,7 +21,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from .config import RunConfig, from_dict, to_dict
+from .command import CommandFailed, resolve_train_config, run_command, train_parser
+from .config import RunConfig
+from .config_io import from_dict, to_dict
 from .distributed.layout import Layout
 from .runtime.observe import prepare_run_dir
 
@@ -168,7 +171,22 @@ def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
         raise TrainingFailed(err, run_dir) from None
 
 
-class TrainingFailed(RuntimeError):
+def train_command(args: argparse.Namespace) -> int:
+    """`disagmoe train`: train as the flags say, then one line of results."""
+    cfg = resolve_train_config(args)
+    run_dir, records = train(cfg)
+    if records:
+        first, last = records[0], records[-1]
+        print(
+            f"{cfg.parallel.runtime}: {len(records)} steps, loss {first['loss']:.4f} -> "
+            f"{last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s; run dir {run_dir}"
+        )
+    else:
+        print(f"{cfg.parallel.runtime}: 0 steps; run dir {run_dir}")
+    return 0
+
+
+class TrainingFailed(CommandFailed):
     """A rank failed; the one-line reason, with every rank's report written to the run dir."""
 
     def __init__(self, err: ChildFailedError, run_dir: Path) -> None:
@@ -202,11 +220,7 @@ def torchrun_main(argv: list[str] | None = None) -> int:
     """
     args_list = argv if argv is not None else sys.argv[1:]
     if "RANK" not in os.environ:
-        from .cli import main
-
-        return main(["train", *args_list])
-    from .cli import resolve_train_config, train_parser
-
+        return run_command(train_command, train_parser().parse_args(args_list))
     try:
         cfg = resolve_train_config(train_parser().parse_args(args_list))
         _init_process_group(cfg)

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, model_preset
+from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.presets import model_preset
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
 

@@ -12,8 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
 
-from disagmoe.config import MODEL_PRESETS, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
+from disagmoe.models.hf_import import read_hf_config
+from disagmoe.presets import MODEL_PRESETS
 
 from .equivalence import max_rel_errors
 
@@ -88,8 +92,6 @@ def test_eight_ranks_p2_m2_n2() -> None:
 
 def test_init_from_hf_start_point(tmp_path: Path) -> None:
     """Starting from a Hugging Face Qwen3-MoE checkpoint trains identically."""
-    transformers = pytest.importorskip("transformers")
-    torch = pytest.importorskip("torch")
     hf_cfg = transformers.Qwen3MoeConfig(
         vocab_size=256,
         hidden_size=32,
@@ -107,8 +109,6 @@ def test_init_from_hf_start_point(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     transformers.Qwen3MoeForCausalLM(hf_cfg).save_pretrained(tmp_path)
-    from disagmoe.models.hf_import import read_hf_config
-
     base = case(1, 2, 2)
     cfg = dataclasses.replace(
         base,

@@ -16,11 +16,10 @@ from disagmoe.baselines.schedules import (
     pytorch_order,
     replay,
 )
-from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig, model_preset
+from disagmoe.config import EP_RUNTIMES, ModelConfig, ParallelConfig, TrainConfig
+from disagmoe.presets import model_preset
 from disagmoe.schedule.ir import Instr, Op
 from disagmoe.simulator.baseline_schedules import split_layers
-
-RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 
 
 def _layout(
@@ -103,7 +102,7 @@ def test_orders_cover_every_stage_and_micro_batch_once(runtime: str, pp: int, n:
         assert layout.stages_of(0) == [0, 2 * pp - 1]  # the V: first and last stage on rank 0
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", EP_RUNTIMES)
 def test_export_matches_messages_and_replays(runtime: str) -> None:
     model = model_preset("tiny-shared")
     layout = _layout(runtime, 4, 2, 2, 8, model)

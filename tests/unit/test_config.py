@@ -7,20 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe.config import (
-    CLUSTER_PRESETS,
-    MODEL_PRESETS,
-    ModelConfig,
-    ParallelConfig,
-    RunConfig,
-    TrainConfig,
-    apply_overrides,
-    dump_toml,
-    from_dict,
-    load_toml,
-    model_preset,
-    save_toml,
-)
+from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.config_io import apply_overrides, dump_toml, from_dict, load_toml, save_toml
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, model_preset
 
 
 def test_toml_round_trip(tmp_path: Path) -> None:

@@ -16,15 +16,14 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
+from transformers.models.mixtral import modeling_mixtral as hf_mixtral
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
 
 from disagmoe.config import ModelConfig
 from disagmoe.models import MoETransformer, build_model
 from disagmoe.models.hf_import import load_hf_into, load_hf_state_dict, read_hf_config
-
-transformers = pytest.importorskip("transformers")
-from transformers.models.mixtral import modeling_mixtral as hf_mixtral  # noqa: E402
-from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3  # noqa: E402
 
 # float32: HF computes RoPE angles from float32 inverse frequencies, we from
 # float64 ones, and the expert/attention kernels sum in different orders;

@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ClusterConfig, ModelConfig
+from disagmoe.config import ClusterConfig, ModelConfig
 from disagmoe.planner import costmodel as cm
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 # dim 8, 4 heads of 2, 2 kv heads (g = 2), 4 experts, top-2, expert width 16
 TINY = ModelConfig(name="t", dim=8, num_layers=4, num_heads=4, num_kv_heads=2, num_experts=4,

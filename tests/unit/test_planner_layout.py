@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from disagmoe.config import MODEL_PRESETS, RunConfig, TrainConfig
+from disagmoe.config import RunConfig, TrainConfig
 from disagmoe.planner.layout_plan import auto_layout, runnable_layouts
+from disagmoe.presets import MODEL_PRESETS
 
 
 def _cfg(**model: object) -> RunConfig:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.planner import Planner, PlanOptions, plan_for, seed_plan
 from disagmoe.planner import costmodel as cm
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 H800 = CLUSTER_PRESETS["h800"]
 QWEN = MODEL_PRESETS["qwen3-30b-a3b"]

@@ -8,10 +8,10 @@ import zlib
 
 import pytest
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.planner import AnalyticProfile, Plan, Planner, PlanOptions, refine_plan, seed_plan
 from disagmoe.planner.plan import score
 from disagmoe.planner.search import local_search
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 
 def step(x: int, rng: random.Random) -> int | None:

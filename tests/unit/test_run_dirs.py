@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagmoe.config import MODEL_PRESETS, ParallelConfig, RunConfig, replace_section
+from disagmoe.config import ParallelConfig, RunConfig, replace_section
 from disagmoe.distributed.layout import Layout
+from disagmoe.presets import MODEL_PRESETS
 from disagmoe.runtime.checkpoint import resolve_checkpoint, save_checkpoint
 from disagmoe.runtime.observe import prepare_run_dir
 

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from disagmoe.config import MODEL_PRESETS, ParallelConfig
+from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
+from disagmoe.presets import MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import Instr, Op, Schedule
 from disagmoe.schedule.semantics import consumer, producer

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass
 
 import pytest
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig, ParallelConfig
+from disagmoe.config import ModelConfig, ParallelConfig
 from disagmoe.distributed.layout import Layout
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.runtime.observe import LANES
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_graph
 from disagmoe.schedule.graph import list_schedule
@@ -213,9 +213,9 @@ def test_cli_json_and_user_errors() -> None:
             simulate_from_args(parser.parse_args(["--model", "small", *bad]))
 
 
-def test_sixteen_nodes_sixty_four_micro_batches_is_fast() -> None:
-    """128 GPUs (p=4, m=16, n=16), 64 micro-batches per replica, 48 layers: < 5 s."""
-    t0 = time.perf_counter()
+def test_sixteen_nodes_sixty_four_micro_batches() -> None:
+    """128 GPUs (p=4, m=16, n=16), 64 micro-batches per replica, 48 layers, by symmetry
+    reduction; how long it takes: benchmarks/simulate_scale.py."""
     result = simulate_disagg(
         MODEL_PRESETS["qwen3-30b-a3b"],
         CLUSTER_PRESETS["h800"],
@@ -226,6 +226,4 @@ def test_sixteen_nodes_sixty_four_micro_batches_is_fast() -> None:
         micro_batch_size=1,
         num_micro_batches=64 * 16,
     )
-    elapsed = time.perf_counter() - t0
     assert result.num_workers == 128 and result.config["reduced"]
-    assert elapsed < 5.0, f"simulating 16 nodes took {elapsed:.1f} s"

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import pytest
 
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig
-from disagmoe.simulator import EP_RUNTIMES, Network, simulate_ep
+from disagmoe.config import EP_RUNTIMES, ModelConfig
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
+from disagmoe.simulator import Network, simulate_ep
 from disagmoe.simulator.baseline_schedules import Action, Overlap, dualpipev, interleaved_1f1b
 
 H800 = CLUSTER_PRESETS["h800"]
@@ -118,7 +118,7 @@ def test_all_to_all_share_grows_with_nodes_and_top_k() -> None:
 
 @pytest.mark.parametrize("runtime", EP_RUNTIMES)
 def test_ep_runtimes_run_at_scale(runtime: str) -> None:
-    t0 = time.perf_counter()
+    """128 GPUs; how long it takes: benchmarks/simulate_scale.py."""
     r = simulate_ep(
         runtime,
         MODEL_PRESETS["qwen3-30b-a3b"],
@@ -133,4 +133,3 @@ def test_ep_runtimes_run_at_scale(runtime: str) -> None:
     assert r.num_workers == 128 and r.step_time_s > 0
     total = sum(r.breakdown[k] for k in ("attn", "ffn", "other", "comm_exposed", "bubble"))
     assert total == pytest.approx(r.step_time_s, rel=1e-9)
-    assert time.perf_counter() - t0 < 5.0

@@ -9,8 +9,9 @@ import pytest
 
 from disagmoe.baselines.layout import EPLayout
 from disagmoe.baselines.schedules import build_baseline_schedule, pytorch_order
-from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig, ParallelConfig, TrainConfig
+from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig
 from disagmoe.distributed.layout import Layout
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.ir import Instr, Op
 from disagmoe.simulator import MessageOverheads, Network, Workload, simulate_disagg

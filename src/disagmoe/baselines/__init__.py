@@ -1,4 +1,4 @@
-"""Expert-parallel baselines measured in the same runtime as DisagMoE (DESIGN.md §3).
+"""Expert-parallel baselines measured in the same runtime as DisagMoE (docs/design.md §3).
 
 Every worker holds attention (data parallel) and a shard of experts (expert
 parallel, all-to-all dispatch/combine); layers are split into pipeline stages
@@ -19,14 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import RunConfig
+from ..config import EP_RUNTIMES, RunConfig
 from .trainer import EPTrainer, run_ep
 
-RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
-
-TRAINERS: dict[str, type[EPTrainer]] = dict.fromkeys(RUNTIMES, EPTrainer)
+TRAINERS: dict[str, type[EPTrainer]] = dict.fromkeys(EP_RUNTIMES, EPTrainer)
 RUNNERS: dict[str, Callable[[RunConfig, Path], list[dict[str, Any]]]] = dict.fromkeys(
-    RUNTIMES, run_ep
+    EP_RUNTIMES, run_ep
 )
 
-__all__ = ["RUNNERS", "RUNTIMES", "TRAINERS", "EPTrainer", "run_ep"]
+__all__ = ["RUNNERS", "TRAINERS", "EPTrainer", "run_ep"]

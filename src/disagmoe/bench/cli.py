@@ -26,12 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import RUNTIMES, ClusterConfig
+from ..config import MULTI_WORKER_RUNTIMES, ClusterConfig
 from ..presets import model_preset
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import BenchSpec, RuntimeResult, run_all, summarize
 
-DEFAULT_RUNTIMES = ("disagg", "ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 MAX_EMULATED_RANKS = 64
 RANK_MEMORY_BYTES = 400 * 2**20  # a rank's Python + torch + gloo, measured ~250-350 MB
 
@@ -56,7 +55,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks-per-node", type=int, default=1)
     p.add_argument("--nic-gbps", type=float, default=0.2, help="NIC rate per worker, Gbit/s")
     p.add_argument("--model", default="small", help="model preset")
-    p.add_argument("--runtimes", default=",".join(DEFAULT_RUNTIMES), help="comma-separated")
+    p.add_argument("--runtimes", default=",".join(MULTI_WORKER_RUNTIMES), help="comma-separated")
     p.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps excluded from numbers")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repetitions per runtime")
@@ -141,7 +140,7 @@ def nic_split(text: str, m: int, n: int, planned: tuple[int, int] | None) -> tup
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     runtimes = tuple(r.strip() for r in args.runtimes.split(",") if r.strip())
-    unknown = [r for r in runtimes if r not in RUNTIMES or r == "reference"]
+    unknown = [r for r in runtimes if r not in MULTI_WORKER_RUNTIMES]
     if unknown or not runtimes:
         raise ValueError(f"--runtimes: unknown {unknown}; choose from disagg, ep-1f1b, ...")
     if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbps <= 0:

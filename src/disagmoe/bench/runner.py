@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import load_toml
+from ..config_io import load_toml
 from .analysis import Breakdown, emulated_network, predict, trace_breakdown
 from .netns import EmulatedCluster, LoopbackCluster
 

@@ -1,7 +1,7 @@
 """Process groups of a disaggregated run, built once and passed explicitly.
 
 * two 2-rank groups per (sender, receiver, channel) message stream of the
-  schedule — the dedicated send/receive groups of DESIGN.md §2.3, so that
+  schedule — the dedicated send/receive groups of docs/design.md §2.3, so that
   forward activations and backward gradients between the same two workers
   never queue behind each other. Of each pair, one carries the fixed-size
   headers and one the payloads: each is FIFO on its own, so a receiver can

@@ -1,6 +1,6 @@
 """Decoder-only MoE transformer as plain modules, split into the units the runtime places.
 
-Each layer is two components (DESIGN.md §2.1):
+Each layer is two components (docs/design.md §2.1):
 
 * `AttentionBlock` ("A"): `h = x + Attn(Norm1(x))`, `u = Norm2(h)`, the router,
   and whatever needs every token anyway — shared experts (`h + Shared(u)`) or,

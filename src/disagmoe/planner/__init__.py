@@ -1,4 +1,4 @@
-"""Adaptive worker allocation (DESIGN.md §2.4): roofline cost model, MILP, local search.
+"""Adaptive worker allocation (docs/design.md §2.4): roofline cost model, MILP, local search.
 
 `plan_for` is the one-call API used by `disagmoe plan` and `disagmoe train --plan auto`:
 stages 1-2 (MILP or enumeration) for every candidate group count p, the best seed by the

@@ -4,7 +4,7 @@ Two cost models share one result type, `LayerCosts` (forward pass of one layer f
 sequence of `S` tokens; bf16 activations on the wire); their FLOP and byte formulas are
 those of `disagmoe.flops`:
 
-* `paper_costs` — exactly the formulas of DESIGN.md §2.4 (H = model dim, g = heads/kv_heads):
+* `paper_costs` — exactly the formulas of docs/design.md §2.4 (H = model dim, g = heads/kv_heads):
   `C_a = S*H^2*(2 + 2/g) + 4*S^2*H`, `C_f = 4*k*S*H*D_e`, `V = 2*S*k*H` bytes.
 * `detailed_costs` — what the kernels of this runtime execute. Terms beyond the design:
   - projections counted in FLOPs with the real widths q = heads*head_dim and
@@ -62,7 +62,7 @@ class LayerCosts:
 
 
 def paper_costs(model: ModelConfig, seq_len: int) -> LayerCosts:
-    """DESIGN.md §2.4 formulas for b = 1 (GEMMs only, projections as written there)."""
+    """docs/design.md §2.4 formulas for b = 1 (GEMMs only, projections as written there)."""
     proj, core = flops.design_attn_flops(model, seq_len)
     return LayerCosts(
         attn_flops=proj + core,

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import disagmoe.planner.costmodel as cm
 from disagmoe.config import ClusterConfig, ModelConfig
-from disagmoe.planner import costmodel as cm
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
@@ -313,7 +313,7 @@ def score(plan: Plan, seconds: float) -> float:
 
 
 class AnalyticProfile:
-    """A stand-in for a measured run: the AF-Pipe pipeline model of DESIGN.md §2.3.
+    """A stand-in for a measured run: the AF-Pipe pipeline model of docs/design.md §2.3.
 
     Beyond the MILP's roofline it models (so stage 3 has something to find):
     * optionally (`dedup=True`) dispatch de-duplication: a token goes once to each F-worker

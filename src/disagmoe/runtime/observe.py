@@ -23,7 +23,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ..config import RunConfig, save_toml
+from ..config import RunConfig
+from ..config_io import save_toml
 
 LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
 COMPUTE_LANES = ("compute", "fwd", "bwd")

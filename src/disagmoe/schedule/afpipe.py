@@ -1,4 +1,4 @@
-"""AF-Pipe: the disaggregated attention/FFN pipeline of DESIGN.md §2.3 as data.
+"""AF-Pipe: the disaggregated attention/FFN pipeline of docs/design.md §2.3 as data.
 
 Micro-batch slot s passes the ring A0 -> F0 -> A1 -> F1 -> ... (layer l on
 group l mod p) and ends with the loss on A-group 0 ("layer" L), then runs the

@@ -8,13 +8,12 @@
 
 from .costs import AnalyticCosts, MessageOverheads, TableCosts, Workload
 from .disagg import ScheduleRejected, simulate_disagg, simulate_schedule
-from .ep import EP_RUNTIMES, simulate_ep
+from .ep import simulate_ep
 from .network import Network
 from .report import BREAKDOWN_KEYS, SimResult
 
 __all__ = [
     "BREAKDOWN_KEYS",
-    "EP_RUNTIMES",
     "AnalyticCosts",
     "MessageOverheads",
     "Network",

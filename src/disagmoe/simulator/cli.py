@@ -11,21 +11,19 @@ import math
 import sys
 from typing import Any
 
-from ..config import SCHEDULE_ORDERS, ClusterConfig, ModelConfig
+from ..config import MULTI_WORKER_RUNTIMES, SCHEDULE_ORDERS, ClusterConfig, ModelConfig
 from ..flops import expert_flops, train_factors
 from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
-from .ep import EP_RUNTIMES, simulate_ep
+from .ep import simulate_ep
 from .placement import PLACEMENTS, planned_split
 from .report import BREAKDOWN_KEYS, SimResult
-
-SIM_RUNTIMES = ("disagg", *EP_RUNTIMES)
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="qwen3-30b-a3b", help="model preset name")
-    parser.add_argument("--runtime", default="disagg", choices=SIM_RUNTIMES)
+    parser.add_argument("--runtime", default="disagg", choices=MULTI_WORKER_RUNTIMES)
     parser.add_argument("--cluster", default="h800", help="cluster preset (h800, h100, h200)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
     parser.add_argument("--seq-len", type=int, default=8192)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..config import ClusterConfig, ModelConfig
+from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
 from ..flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
 from ..schedule.ir import compute_event_name
 from .baseline_schedules import (
@@ -40,8 +40,6 @@ from .costs import Workload
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .network import Network, Ports
 from .report import SimResult, summarize
-
-EP_RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 
 
 @dataclass(frozen=True, slots=True)

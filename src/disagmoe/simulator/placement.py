@@ -12,7 +12,7 @@ Placement (`disagg_placement`):
   shards on its own node (about GPUs per node / (m + n)) moves over NVLink.
   The N2M combine goes to the *next* group's replicas (p > 1), on other nodes.
 
-NIC split (`nic_shares`): the planner (DESIGN.md §2.4) gives each group's
+NIC split (`nic_shares`): the planner (docs/design.md §2.4) gives each group's
 attention and FFN workers M_a and M_f NICs. Physically a node's NICs form one
 pool that its GPUs reach over NVLink (PXN), so the simulator gives the group's
 attention workers the fraction M_a / (M_a + M_f) of the NIC bandwidth of the

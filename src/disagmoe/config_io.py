@@ -1,0 +1,139 @@
+"""A `RunConfig` to and from nested dicts, TOML files and `--set section.key=value` strings.
+
+Values are checked against each field's declared type (`"3"` becomes 3 for an int
+field; `"x"` is a `ValueError` naming the key). A `preset = "name"` key in `[model]`
+or `[cluster]` starts that section from a preset of `disagmoe.presets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from .config import SECTIONS, RunConfig
+from .presets import cluster_preset, model_preset
+
+
+def to_dict(cfg: RunConfig) -> dict[str, dict[str, Any]]:
+    return {name: dataclasses.asdict(getattr(cfg, name)) for name in SECTIONS}
+
+
+def dump_toml(cfg: RunConfig) -> str:
+    return tomli_w.dumps(to_dict(cfg))
+
+
+def save_toml(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(dump_toml(cfg))
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check/convert a TOML or command-line value to a field's declared type."""
+    if isinstance(typ, types.UnionType):
+        typ = next(t for t in typing.get_args(typ) if t is not type(None))
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ValueError(f"{where} must be true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{where} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ValueError(f"{where} must be a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    raise AssertionError(f"unsupported field type {typ} at {where}")
+
+
+def _build_section(cls: type, base: Any, values: dict[str, Any], section: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"[{section}] must be a table")
+    types_ = _field_types(cls)
+    changes = {}
+    for key, value in values.items():
+        if key not in types_:
+            raise ValueError(
+                f"unknown key {section}.{key}; valid keys: {', '.join(sorted(types_))}"
+            )
+        changes[key] = _coerce(value, types_[key], f"{section}.{key}")
+    return dataclasses.replace(base, **changes)
+
+
+def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
+    """Build a RunConfig from nested dicts; `model.preset = "name"` starts from a preset."""
+    base = base or RunConfig()
+    for section in data:
+        if section not in SECTIONS:
+            raise ValueError(
+                f"unknown config section [{section}]; valid sections: {', '.join(SECTIONS)}"
+            )
+    sections: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        values = dict(data.get(name, {}))
+        start = getattr(base, name)
+        if name == "model" and "preset" in values:
+            start = model_preset(str(values.pop("preset")))
+        if name == "cluster" and "preset" in values:
+            start = cluster_preset(str(values.pop("preset")))
+        sections[name] = _build_section(cls, start, values, name)
+    return RunConfig(**sections)
+
+
+def load_toml(path: str | Path, base: RunConfig | None = None) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {err}") from None
+    return from_dict(data, base)
+
+
+def parse_override(text: str) -> tuple[str, str, str]:
+    """Split `section.key=value`."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ValueError(f"--set expects section.key=value, got {text!r}")
+    lhs, value = text.split("=", 1)
+    section, key = lhs.strip().split(".", 1)
+    return section, key, value.strip()
+
+
+def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `--set section.key=value` strings (values are parsed by the field's type)."""
+    nested: dict[str, dict[str, Any]] = {}
+    for text in overrides:
+        section, key, value = parse_override(text)
+        nested.setdefault(section, {})[key] = value
+    return from_dict(nested, cfg)

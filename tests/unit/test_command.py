@@ -1,0 +1,93 @@
+"""`disagmoe train` flags: generated from the config fields, resolved to a RunConfig."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from disagmoe.command import config_flags, resolve_train_config, train_parser
+from disagmoe.config import RunConfig
+
+# The public flag names; a rename breaks users' scripts.
+CONFIG_FLAGS = {
+    "--runtime": "parallel.runtime",
+    "--groups": "parallel.groups",
+    "--attn-workers": "parallel.attn_workers",
+    "--expert-workers": "parallel.expert_workers",
+    "--pp": "parallel.pp",
+    "--ep": "parallel.ep",
+    "--virtual-stages": "parallel.virtual_stages",
+    "--overlap-chunks": "parallel.overlap_chunks",
+    "--world-size": "parallel.world_size",
+    "--threads-per-rank": "parallel.threads_per_rank",
+    "--max-in-flight": "schedule.max_in_flight",
+    "--steps": "train.steps",
+    "--seed": "train.seed",
+    "--dtype": "train.dtype",
+    "--seq-len": "train.seq_len",
+    "--global-batch-size": "train.global_batch_size",
+    "--micro-batch-size": "train.micro_batch_size",
+    "--lr": "train.lr",
+    "--data": "train.data",
+    "--run-dir": "train.run_dir",
+    "--comm-timeout": "train.comm_timeout_s",
+    "--no-progress": "train.progress",
+    "--checkpoint-every": "train.checkpoint_every",
+    "--resume": "train.resume",
+    "--max-restarts": "train.max_restarts",
+    "--fail-at-step": "train.fail_at_step",
+    "--fail-rank": "train.fail_rank",
+}
+
+
+def resolve(*argv: str) -> RunConfig:
+    return resolve_train_config(train_parser().parse_args(list(argv)))
+
+
+def test_flags_come_from_the_config_fields() -> None:
+    assert {f.option: f"{f.section}.{f.field}" for f in config_flags()} == CONFIG_FLAGS
+
+
+def test_each_flag_sets_its_field() -> None:
+    cfg = resolve(
+        *("--runtime", "ep-1f1b", "--groups", "2", "--attn-workers", "1", "--expert-workers", "1"),
+        *("--pp", "2", "--ep", "1", "--virtual-stages", "3", "--overlap-chunks", "4"),
+        *("--world-size", "4", "--threads-per-rank", "1", "--max-in-flight", "3"),
+        *("--steps", "7", "--seed", "5", "--dtype", "float64", "--seq-len", "32"),
+        *("--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "0.5", "--data", "d"),
+        *("--run-dir", "r", "--comm-timeout", "9.5", "--no-progress", "--checkpoint-every", "2"),
+        *("--resume", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2"),
+    )
+    par, train = cfg.parallel, cfg.train
+    assert (par.runtime, par.groups, par.attn_workers, par.expert_workers) == ("ep-1f1b", 2, 1, 1)
+    assert (par.pp, par.ep, par.virtual_stages, par.overlap_chunks) == (2, 1, 3, 4)
+    assert (par.world_size, par.threads_per_rank, cfg.schedule.max_in_flight) == (4, 1, 3)
+    assert (train.steps, train.seed, train.dtype, train.seq_len) == (7, 5, "float64", 32)
+    assert (train.global_batch_size, train.micro_batch_size, train.lr) == (4, 1, 0.5)
+    assert (train.data, train.run_dir, train.comm_timeout_s, train.progress) == (
+        "d",
+        "r",
+        9.5,
+        False,
+    )
+    assert (train.checkpoint_every, train.resume, train.max_restarts) == (2, "latest", 1)
+    assert (train.fail_at_step, train.fail_rank) == (3, 2)
+    assert resolve("--resume", "runs/x").train.resume == "runs/x"
+
+
+def test_flags_not_given_keep_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nsteps = 3\nprogress = false\n[parallel]\nruntime = 'reference'\n")
+    cfg = resolve("--config", str(path), "--seed", "1")
+    assert (cfg.train.steps, cfg.train.progress, cfg.parallel.runtime) == (3, False, "reference")
+    assert resolve("--config", str(path), "--steps", "4").train.steps == 4
+    assert resolve("--steps", "4", "--set", "train.steps=5").train.steps == 5
+
+
+def test_flags_of_one_section_are_checked_together() -> None:
+    # 9 is not a multiple of the default micro-batch size 2, but is one of 3
+    cfg = resolve("--global-batch-size", "9", "--micro-batch-size", "3")
+    assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (9, 3)
+    with pytest.raises(ValueError, match="multiple of train.micro_batch_size"):
+        resolve("--global-batch-size", "9", "--micro-batch-size", "2")
