@@ -14,24 +14,49 @@ from .bench.cli import add_bench_arguments, run_bench
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
 from .distributed.layout import Layout
 from .planner.cli import add_plan_arguments, run_plan
-from .runtime.disagg import run_schedule
+from .runtime.disagg import run_schedule, run_schedule_of_rank
+from .schedule.ir import lists_csv, lists_text
 from .schedule.validate import validate
 from .simulator.cli import add_simulate_arguments, run_simulate
 from .train import train_command
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
+    """All ranks' lists, validated; or with `--rank R` that rank's list alone (built without
+    the others'), checked against the whole world's only with `--validate`."""
     cfg = resolve_train_config(args)
     layout = Layout.build(cfg.model, cfg.parallel)
-    schedule = run_schedule(cfg, layout)
-    peak = validate(schedule)
+    if args.rank is None:
+        schedule = run_schedule(cfg, layout)
+        peak = validate(schedule)
+        if args.format == "csv":
+            sys.stdout.write(schedule.to_csv())
+        else:
+            sys.stdout.write(schedule.to_text())
+            print(
+                "# valid: matching sends/receives, FIFO channels, no deadlock; "
+                f"peak in-flight {peak}"
+            )
+        return 0
+    if not 0 <= args.rank < layout.world_size:
+        raise ValueError(f"--rank must be in 0..{layout.world_size - 1}, got {args.rank}")
+    instrs = run_schedule_of_rank(cfg, layout, args.rank)
+    entries = [(args.rank, str(layout.role(args.rank)), instrs)]
     if args.format == "csv":
-        sys.stdout.write(schedule.to_csv())
+        sys.stdout.write(lists_csv(entries))
     else:
-        sys.stdout.write(schedule.to_text())
-        print(
-            f"# valid: matching sends/receives, FIFO channels, no deadlock; peak in-flight {peak}"
-        )
+        header = f"# schedule afpipe: rank {args.rank} of {layout.world_size}, built alone"
+        sys.stdout.write(lists_text(header, entries))
+    if args.validate:
+        schedule = run_schedule(cfg, layout)
+        peak = validate(schedule)
+        if schedule.ranks[args.rank] != instrs:
+            raise AssertionError(f"rank {args.rank}'s list differs from the global schedule's")
+        if args.format != "csv":
+            print(
+                "# valid: the whole world's lists check out and this rank's list equals its "
+                f"slice; peak in-flight {peak}"
+            )
     return 0
 
 
@@ -44,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p_sched = sub.add_parser("schedule", help="print the AF-Pipe instruction lists of a layout")
     add_train_arguments(p_sched)
     p_sched.add_argument("--format", choices=("text", "csv"), default="text")
+    p_sched.add_argument("--rank", type=int, default=None,
+                         help="print only this rank's list, built without the others'")  # fmt: skip
+    p_sched.add_argument("--validate", action="store_true",
+                         help="with --rank: also build and validate the whole world's "
+                         "schedule and check this rank's list against it")  # fmt: skip
     p_sched.set_defaults(func=_cmd_schedule)
     p_plan = sub.add_parser("plan", help="choose the A/F split")
     add_plan_arguments(p_plan)

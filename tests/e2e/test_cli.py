@@ -101,3 +101,15 @@ def test_schedule_command(tmp_path: Path) -> None:
     result = disagmoe("schedule", "--groups", "2", "--attn-workers", "1", "--expert-workers", "1")
     assert result.returncode == 0
     assert "rank 1 F(g0,j0):" in result.stdout and "# valid" in result.stdout
+
+
+def test_schedule_of_one_rank() -> None:
+    layout = ("--groups", "2", "--attn-workers", "2", "--expert-workers", "2")
+    whole = disagmoe("schedule", *layout)
+    one = disagmoe("schedule", *layout, "--rank", "6", "--validate")
+    assert whole.returncode == 0 and one.returncode == 0, one.stderr
+    section = whole.stdout.split("rank 6 F(g1,j0):\n")[1].split("rank 7")[0]
+    assert one.stdout.split("rank 6 F(g1,j0):\n")[1].startswith(section)
+    assert "rank 5" not in one.stdout and "this rank's list equals its slice" in one.stdout
+    bad = disagmoe("schedule", *layout, "--rank", "8")
+    assert bad.returncode == 2 and "--rank must be in 0..7" in bad.stderr

@@ -25,8 +25,8 @@ from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
 from ..distributed.topology import Topology, allreduce_grads, world_sum
-from ..schedule.afpipe import build_afpipe
-from ..schedule.ir import Schedule
+from ..schedule.afpipe import build_afpipe, build_afpipe_rank
+from ..schedule.ir import Instr, Schedule
 from ..schedule.validate import validate
 from .executor import Executor
 from .objective import (
@@ -56,6 +56,13 @@ def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes."""
     return build_afpipe(
         layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
+    )
+
+
+def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Instr, ...]:
+    """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
+    return build_afpipe_rank(
+        layout, rank, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
     )
 
 

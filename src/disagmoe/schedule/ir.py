@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -185,37 +186,52 @@ class Schedule:
     execution: str = "lanes"  # "lanes" or "in-order" (see schedule.semantics)
 
     def to_text(self) -> str:
-        lines = [
+        header = (
             f"# schedule {self.name}: {self.num_ranks} ranks, {self.num_slots} slots, "
             f"max_in_flight={self.max_in_flight}"
-        ]
-        for rank, instrs in enumerate(self.ranks):
-            lines.append(f"rank {rank} {self.roles[rank]}:")
-            lines.extend(f"  {k:4d} [{i.lane:4s}] {i}" for k, i in enumerate(instrs))
-        return "\n".join(lines) + "\n"
+        )
+        return lists_text(header, self.entries())
 
     def to_csv(self) -> str:
-        buf = io.StringIO()
-        writer = csv.writer(buf)
-        writer.writerow(
-            ["rank", "role", "index", "lane", "op", "comp", "layer", "slot", "kind", "src", "dst"]
-        )
-        for rank, instrs in enumerate(self.ranks):
-            for k, i in enumerate(instrs):
-                m = i.msg
-                writer.writerow(
-                    [
-                        rank,
-                        self.roles[rank],
-                        k,
-                        i.lane,
-                        i.op.value,
-                        i.comp,
-                        m.layer if m else i.layer,
-                        m.slot if m else i.slot,
-                        m.kind if m else "",
-                        m.src if m else "",
-                        m.dst if m else "",
-                    ]
-                )
-        return buf.getvalue()
+        return lists_csv(self.entries())
+
+    def entries(self) -> Iterator[tuple[int, str, Sequence[Instr]]]:
+        """(rank, role, instruction list) of every rank."""
+        return ((r, self.roles[r], instrs) for r, instrs in enumerate(self.ranks))
+
+
+def lists_text(header: str, entries: Iterable[tuple[int, str, Sequence[Instr]]]) -> str:
+    """Instruction lists as text: a header line, then per rank its role and numbered list."""
+    lines = [header]
+    for rank, role, instrs in entries:
+        lines.append(f"rank {rank} {role}:")
+        lines.extend(f"  {k:4d} [{i.lane:4s}] {i}" for k, i in enumerate(instrs))
+    return "\n".join(lines) + "\n"
+
+
+def lists_csv(entries: Iterable[tuple[int, str, Sequence[Instr]]]) -> str:
+    """Instruction lists as CSV, one row per instruction."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(
+        ["rank", "role", "index", "lane", "op", "comp", "layer", "slot", "kind", "src", "dst"]
+    )
+    for rank, role, instrs in entries:
+        for k, i in enumerate(instrs):
+            m = i.msg
+            writer.writerow(
+                [
+                    rank,
+                    role,
+                    k,
+                    i.lane,
+                    i.op.value,
+                    i.comp,
+                    m.layer if m else i.layer,
+                    m.slot if m else i.slot,
+                    m.kind if m else "",
+                    m.src if m else "",
+                    m.dst if m else "",
+                ]
+            )
+    return buf.getvalue()
