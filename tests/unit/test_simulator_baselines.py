@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig
+from disagmoe.schedule.pipelines import Action, Overlap, dualpipev, interleaved_1f1b
 from disagmoe.simulator import EP_RUNTIMES, Network, simulate_ep
-from disagmoe.simulator.baseline_schedules import Action, Overlap, dualpipev, interleaved_1f1b
 
 H800 = CLUSTER_PRESETS["h800"]
 FREE_NET = Network.single_node(1e30, 0.0, 1 << 12)

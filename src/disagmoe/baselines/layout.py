@@ -23,28 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
 from ..config import ModelConfig, ParallelConfig, TrainConfig
-
-# runtime -> (stages per pipeline rank, stage placement style); None = parallel.virtual_stages
-STAGE_STYLE: dict[str, tuple[int | None, str]] = {
-    "ep-1f1b": (1, "loop"),
-    "ep-overlap": (1, "loop"),
-    "ep-interleaved": (None, "loop"),
-    "ep-dualpipev": (2, "v"),
-}
-
-
-def split_layers(num_layers: int, num_stages: int) -> list[range]:
-    """Contiguous layer ranges per stage; the first `L mod S` stages get one extra layer."""
-    base, extra = divmod(num_layers, num_stages)
-    out, start = [], 0
-    for s in range(num_stages):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
+from ..schedule.pipelines import STAGE_STYLE, split_layers, stage_to_rank, stages_per_rank
 
 
 @dataclass(frozen=True)
@@ -69,8 +50,7 @@ class EPLayout:
         runtime = parallel.runtime
         if runtime not in STAGE_STYLE:
             raise ValueError(f"EPLayout is for the ep-* runtimes, got parallel.runtime={runtime!r}")
-        v, style = STAGE_STYLE[runtime]
-        v = parallel.virtual_stages if v is None else v
+        v, style = stages_per_rank(runtime, parallel.virtual_stages), STAGE_STYLE[runtime][1]
         pp, ep = parallel.pp, parallel.ep
         if world % pp:
             raise ValueError(f"world size {world} must be divisible by parallel.pp ({pp})")
@@ -127,13 +107,12 @@ class EPLayout:
     def experts_per_rank(self) -> int:
         return self.num_experts // self.ep
 
-    def stage_to_pp_rank(self) -> dict[int, int]:
-        if self.num_stages == 1:
-            return {0: 0}
-        return generate_stage_to_rank_mapping(self.pp, self.num_stages, style=self.style)
+    def stage_to_pp_rank(self) -> list[int]:
+        """Pipeline rank of every stage (`schedule.pipelines.stage_to_rank`)."""
+        return stage_to_rank(self.style, self.pp, self.num_stages)
 
     def stages_of(self, pp_rank: int) -> list[int]:
-        return sorted(s for s, r in self.stage_to_pp_rank().items() if r == pp_rank)
+        return [s for s, r in enumerate(self.stage_to_pp_rank()) if r == pp_rank]
 
     def layers_of_stage(self, stage: int) -> range:
         return split_layers(self.num_layers, self.num_stages)[stage]

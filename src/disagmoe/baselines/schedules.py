@@ -2,15 +2,9 @@
 
 Compute order per pipeline rank — a list of `(stage, kind, micro-batch)` with
 kind F (forward), B (full backward), I (backward for inputs) or W (weight
-gradients) — comes from PyTorch itself where PyTorch exposes it:
-
-* `ep-interleaved` / `ep-dualpipev`: the `pipeline_order` that
-  `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` build and then execute
-  (overlapped F/B pairs of DualPipeV flattened in execution order);
-* `ep-1f1b` / `ep-overlap`: `Schedule1F1B` hard-codes its loop in
-  `_step_microbatches` (its `_get_pipeline_order` is a visualisation aid that
-  does not match it), so `one_f_one_b_order` restates that loop. Tests check
-  both kinds against the order PyTorch's runtime actually calls the stages.
+gradients) — is `schedule.pipelines`' statement of the order PyTorch's
+`Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` run (overlapped
+F/B pairs of DualPipeV flattened in execution order); tests pin it to PyTorch.
 
 `build_baseline_schedule` expands each stage computation into per-layer
 instructions of every rank (all DP replicas run the same list):
@@ -37,56 +31,23 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.schedules import _Action
-
 from ..config import ModelConfig
 from ..schedule.ir import Instr, Msg, Op, Schedule
+from ..schedule.pipelines import actions, pipeline_order
 from .layout import EPLayout
 
 ComputeOrder = dict[int, list[tuple[int, str, int]]]  # pp rank -> [(stage, kind, micro-batch)]
 
 
-def one_f_one_b_order(pp: int, num_micro: int) -> ComputeOrder:
-    """Schedule1F1B's loop: min(n, pp - r) warm-up forwards, then B/F pairs, then the backwards."""
-    order: ComputeOrder = {}
-    for r in range(pp):
-        acts: list[tuple[int, str, int]] = []
-        warm = min(num_micro, pp - r)
-        acts += [(r, "F", i) for i in range(warm)]
-        fwd, bwd = warm, 0
-        while True:
-            acts.append((r, "B", bwd))
-            bwd += 1
-            if fwd == num_micro:
-                break
-            acts.append((r, "F", fwd))
-            fwd += 1
-        acts += [(r, "B", i) for i in range(bwd, num_micro)]
-        order[r] = acts
-    return order
-
-
-def _flatten(action: _Action | None) -> list[tuple[int, str, int]]:
-    if action is None:
-        return []
-    if action.sub_actions is not None:
-        return [x for sub in action.sub_actions for x in _flatten(sub)]
-    if not action.is_compute_op:
-        return []
-    assert action.microbatch_index is not None
-    return [(action.stage_index, action.computation_type.value, action.microbatch_index)]
-
-
 def pytorch_order(layout: EPLayout) -> ComputeOrder:
     """Compute order of every pipeline rank for the layout's runtime (see module doc)."""
-    n = layout.num_local_micro_batches
-    if layout.runtime in ("ep-1f1b", "ep-overlap"):
-        return one_f_one_b_order(layout.pp, n)
-    cls = ScheduleInterleaved1F1B if layout.runtime == "ep-interleaved" else ScheduleDualPipeV
-    ops = get_schedule_ops(cls, layout.pp, n, layout.stages_per_rank)
-    return {r: [x for a in ops[r] for x in _flatten(a)] for r in range(layout.pp)}
+    steps = pipeline_order(
+        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+    )
+    return {
+        r: [(a.stage, a.kind, a.mb) for step in steps[r] for a in actions(step)]
+        for r in range(layout.pp)
+    }
 
 
 def _expand(

@@ -24,22 +24,20 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import ClusterConfig, ModelConfig
-from .baseline_schedules import (
+from ..schedule.pipelines import (
+    EP_RUNTIMES,
+    STAGE_STYLE,
     Action,
-    Overlap,
-    Step,
-    dualpipev,
-    interleaved_1f1b,
-    one_f_one_b,
+    actions,
+    pipeline_order,
     split_layers,
-    stage_rank_map,
+    stage_to_rank,
+    stages_per_rank,
 )
 from .costs import CORE_BACKWARD, GEMM_BACKWARD, Workload
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .network import Network, Ports
 from .report import SimResult, summarize
-
-EP_RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,17 +90,6 @@ class EPCosts:
         return fwd * {"F": 1.0, "B": GEMM_BACKWARD, "I": 1.0, "W": GEMM_BACKWARD - 1.0}[kind]
 
 
-def pipeline_order(runtime: str, pp: int, num_mb: int, chunks: int) -> tuple[list[list[Step]], int]:
-    """(per-rank steps, number of stages) for an EP runtime."""
-    if runtime in ("ep-1f1b", "ep-overlap"):
-        return one_f_one_b(pp, num_mb), pp
-    if runtime == "ep-interleaved":
-        return interleaved_1f1b(pp, num_mb, chunks), pp * chunks
-    if runtime == "ep-dualpipev":
-        return dualpipev(pp, num_mb), 2 * pp
-    raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
-
-
 class _Lowering:
     def __init__(
         self,
@@ -110,7 +97,7 @@ class _Lowering:
         prog: Program,
         costs: EPCostModel,
         model: ModelConfig,
-        stages: list[list[int]],
+        stages: list[range],
         overlap_chunks: int,
     ) -> None:
         self.runtime, self.prog, self.costs, self.stages = runtime, prog, costs, stages
@@ -174,7 +161,7 @@ class _Lowering:
 
     def action(self, rank: int, act: Action, lane: str, deps: list[int]) -> tuple[int, int]:
         """Ops of one action, layer by layer; returns (first op, last op)."""
-        layers, big = self.stages[act.stage], self.model.num_layers
+        layers, big = list(self.stages[act.stage]), self.model.num_layers
         head = [big] if act.stage == len(self.stages) - 1 else []
         seq = layers + head if act.kind == "F" else head + layers[::-1]
         first = prev = -1
@@ -236,7 +223,8 @@ def simulate_ep(
             f"size ({dp} = GPUs / pp)"
         )
     per_pipe = num_micro_batches // dp
-    orders, num_stages = pipeline_order(runtime, pp, per_pipe, chunks)
+    orders = pipeline_order(runtime, pp, per_pipe, chunks)
+    num_stages = pp * stages_per_rank(runtime, chunks)
     stages = split_layers(model.num_layers, num_stages)
     lay = EPLayout(pp, dp, ep)
     workload = Workload(model, seq_len, micro_batch_size)
@@ -248,13 +236,13 @@ def simulate_ep(
         workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a
     )
     low = _Lowering(runtime, prog, model_costs, model, stages, overlap_chunks)
-    owner = stage_rank_map(runtime, pp, num_stages)
+    owner = stage_to_rank(STAGE_STYLE[runtime][1], pp, num_stages)
     ends: dict[tuple[str, int, int], tuple[int, int]] = {}
     single = runtime in ("ep-1f1b", "ep-interleaved", "ep-overlap")
     for rank, steps in enumerate(orders):
         tail: list[int] = []
         for step in steps:
-            pair = [step.forward, step.backward] if isinstance(step, Overlap) else [step]
+            pair = actions(step)
             spans = []
             for act in pair:
                 lane = "compute" if single else ("fwd" if act.kind == "F" else "bwd")
@@ -350,7 +338,7 @@ def _add_ep_sync(
     lay: EPLayout,
     workload: Workload,
     ports: Ports,
-    stages: list[list[int]],
+    stages: list[range],
     owner: list[int],
     model: ModelConfig,
 ) -> None:
