@@ -15,9 +15,9 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
-from disagmoe.baselines.layout import EPLayout
-from disagmoe.baselines.schedules import build_baseline_schedule, pytorch_order, replay
 from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig, model_preset
+from disagmoe.distributed.ep_layout import EPLayout
+from disagmoe.schedule.baselines import build_baseline_schedule, pytorch_order, replay
 from disagmoe.schedule.ir import Instr, Op
 from disagmoe.schedule.pipelines import (
     Action,

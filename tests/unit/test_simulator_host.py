@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import pytest
 
-from disagmoe.baselines.layout import EPLayout
-from disagmoe.baselines.schedules import build_baseline_schedule
 from disagmoe.config import CLUSTER_PRESETS, MODEL_PRESETS, ModelConfig, ParallelConfig, TrainConfig
+from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.layout import Layout
 from disagmoe.schedule.afpipe import build_afpipe
+from disagmoe.schedule.baselines import build_baseline_schedule
 from disagmoe.schedule.ir import Instr, Op
 from disagmoe.simulator import MessageOverheads, Network, Workload, simulate_disagg
 from disagmoe.simulator import simulate_schedule as simulate_afpipe

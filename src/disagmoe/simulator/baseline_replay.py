@@ -1,4 +1,4 @@
-"""Replay the EP baselines' own instruction lists (`baselines.schedules.build_baseline_schedule`).
+"""Replay the EP baselines' own instruction lists (`schedule.baselines.build_baseline_schedule`).
 
 The analytic EP model (`simulator.ep`) prices one representative per pipeline
 rank from `schedule.pipelines`; this module instead lowers the schedule IR the

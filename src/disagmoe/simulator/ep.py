@@ -24,33 +24,18 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import ClusterConfig, ModelConfig
+from ..distributed.ep_layout import EPLayout
 from ..schedule.pipelines import (
     EP_RUNTIMES,
-    STAGE_STYLE,
     Action,
     actions,
     pipeline_order,
     split_layers,
-    stage_to_rank,
-    stages_per_rank,
 )
 from .costs import CORE_BACKWARD, GEMM_BACKWARD, Workload
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .network import Network, Ports
 from .report import SimResult, summarize
-
-
-@dataclass(frozen=True, slots=True)
-class EPLayout:
-    pp: int
-    dp: int
-    ep: int
-
-    def stage_ranks(self, rank: int) -> list[int]:
-        return list(range(rank * self.dp, (rank + 1) * self.dp))
-
-    def ep_group(self, rank: int) -> list[int]:
-        return list(range(rank * self.dp, rank * self.dp + self.ep))
 
 
 class EPCostModel(Protocol):
@@ -222,21 +207,25 @@ def simulate_ep(
             f"--micro-batches ({num_micro_batches}) must be a multiple of the data-parallel "
             f"size ({dp} = GPUs / pp)"
         )
-    per_pipe = num_micro_batches // dp
+    lay = EPLayout.of(
+        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
+    )
+    per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
     orders = pipeline_order(runtime, pp, per_pipe, chunks)
-    num_stages = pp * stages_per_rank(runtime, chunks)
     stages = split_layers(model.num_layers, num_stages)
-    lay = EPLayout(pp, dp, ep)
     workload = Workload(model, seq_len, micro_batch_size)
     net = net or Network.from_cluster(cluster)
     prog = Program(num_ranks=pp, latency_s=net.latency_s, multiplicity=[dp] * pp)
     ports = Ports(prog, net)
-    a2a = [ports.a2a_s(lay.ep_group(r), r * dp, workload.a2a_bytes_per_peer(ep)) for r in range(pp)]
+    a2a = [
+        ports.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(ep))
+        for r in range(pp)
+    ]
     model_costs: EPCostModel = costs or EPCosts(
         workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a
     )
     low = _Lowering(runtime, prog, model_costs, model, stages, overlap_chunks)
-    owner = stage_to_rank(STAGE_STYLE[runtime][1], pp, num_stages)
+    owner = lay.stage_to_pp_rank()
     ends: dict[tuple[str, int, int], tuple[int, int]] = {}
     single = runtime in ("ep-1f1b", "ep-interleaved", "ep-overlap")
     for rank, steps in enumerate(orders):
@@ -325,7 +314,7 @@ def _link_stages(
         x = prog.add_xfer(
             a,
             b,
-            ports.message(a * lay.dp, b * lay.dp, nbytes),
+            ports.message(lay.rank_of(a, 0), lay.rank_of(b, 0), nbytes),
             label,
             [src],
             {"slot": mb, "step": 0},
@@ -350,7 +339,8 @@ def _add_ep_sync(
         attn = sum(workload.attn_param_count(l) for l in layers) * 2
         moe = sum(1 for l in layers if l < model.num_layers and model.is_moe_layer(l))
         experts = moe * workload.expert_param_count() // lay.ep * 2
-        ranks = lay.stage_ranks(rank)
-        seconds = ports.allreduce_s(ranks, attn) + ports.allreduce_s(ranks[:: lay.ep], experts)
+        seconds = ports.allreduce_s(lay.dp_group_ranks(rank), attn) + ports.allreduce_s(
+            lay.edp_group_ranks(rank, 0), experts
+        )
         mine = [op for op in range(len(prog)) if prog.rank[op] == rank]
         prog.add(DELAY, rank, "sync", seconds, "comm", "SYNC grads", mine, {"step": 0})

@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import ModelConfig
-from ..schedule.ir import Instr, Msg, Op, Schedule
-from ..schedule.pipelines import actions, pipeline_order
-from .layout import EPLayout
+from ..distributed.ep_layout import EPLayout
+from .ir import Instr, Msg, Op, Schedule
+from .pipelines import actions, pipeline_order
 
 ComputeOrder = dict[int, list[tuple[int, str, int]]]  # pp rank -> [(stage, kind, micro-batch)]
 
