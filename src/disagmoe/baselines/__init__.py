@@ -20,9 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import RunConfig
+from ..schedule.pipelines import EP_RUNTIMES as RUNTIMES
 from .trainer import EPTrainer, run_ep
-
-RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")
 
 TRAINERS: dict[str, type[EPTrainer]] = dict.fromkeys(RUNTIMES, EPTrainer)
 RUNNERS: dict[str, Callable[[RunConfig, Path], list[dict[str, Any]]]] = dict.fromkeys(
