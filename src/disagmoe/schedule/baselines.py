@@ -30,11 +30,12 @@ time; it raises on a deadlock.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from ..config import ModelConfig
 from ..distributed.ep_layout import EPLayout
 from .ir import Instr, Msg, Op, Schedule
-from .pipelines import actions, pipeline_order
+from .pipelines import Overlap, actions, pipeline_order
 
 ComputeOrder = dict[int, list[tuple[int, str, int]]]  # pp rank -> [(stage, kind, micro-batch)]
 
@@ -89,42 +90,64 @@ def _expand(
     return out
 
 
-def build_baseline_schedule(layout: EPLayout, model: ModelConfig) -> Schedule:
-    """Per-rank instruction lists of one optimizer step of an `ep-*` runtime."""
-    order = pytorch_order(layout)
+def build_baseline_schedule(
+    layout: EPLayout, model: ModelConfig, *, representatives: bool = False, a2a_chunks: int = 1
+) -> Schedule:
+    """Per-rank instruction lists of one optimizer step of an `ep-*` runtime.
+
+    `representatives`: only the lists of data-parallel replica 0 of every pipeline
+    rank (schedule rank i = pipeline rank i; the dp replicas of a pipeline rank run
+    identical lists); their A2A groups still name the real member ranks.
+    `a2a_chunks` (ep-overlap) is recorded in `meta` (see `schedule.ir`).
+    """
+    steps = pipeline_order(
+        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+    )
     where = layout.stage_to_pp_rank()
     S = layout.num_stages
     last_layer = [layout.layers_of_stage(s)[-1] for s in range(S)]
+    reals = (
+        [layout.rank_of(p, 0) for p in range(layout.pp)]
+        if representatives
+        else list(range(layout.world))
+    )
+    index = {real: i for i, real in enumerate(reals)}
     ranks = []
-    for rank in range(layout.world):
-        p, d, _, b = layout.coords(rank)
+    for real in reals:
+        p, d, _, b = layout.coords(real)
+        rank = index[real]
         group = tuple(layout.ep_group_ranks(p, b))
         instrs: list[Instr] = []
-        for s, kind, mb in order[p]:
-            prev_remote = s > 0 and where[s - 1] != p
-            next_remote = s < S - 1 and where[s + 1] != p
-            prev = layout.rank_of(where[s - 1], d) if prev_remote else -1
-            nxt = layout.rank_of(where[s + 1], d) if next_remote else -1
-            backward = kind in ("B", "I") or (kind == "W" and s == 0)
-            if kind == "F" and prev_remote:
-                instrs.append(Instr(Op.RECV, msg=Msg("act", last_layer[s - 1], mb, prev, rank)))
-            if kind in ("B", "I") and next_remote:
-                instrs.append(Instr(Op.RECV, msg=Msg("grad_act", last_layer[s], mb, nxt, rank)))
-            instrs += _expand(layout, model, s, kind, mb, group)
-            if kind == "F" and next_remote:
-                instrs.append(Instr(Op.SEND, msg=Msg("act", last_layer[s], mb, rank, nxt)))
-            if backward and kind != "W" and prev_remote:
-                instrs.append(
-                    Instr(Op.SEND, msg=Msg("grad_act", last_layer[s - 1], mb, rank, prev))
-                )
+        for k, step in enumerate(steps[p]):
+            pair = k if isinstance(step, Overlap) else -1
+            for act in actions(step):
+                s, kind, mb = act.stage, act.kind, act.mb
+                prev_remote = s > 0 and where[s - 1] != p
+                next_remote = s < S - 1 and where[s + 1] != p
+                prev = index[layout.rank_of(where[s - 1], d)] if prev_remote else -1
+                nxt = index[layout.rank_of(where[s + 1], d)] if next_remote else -1
+                backward = kind in ("B", "I") or (kind == "W" and s == 0)
+                out: list[Instr] = []
+                if kind == "F" and prev_remote:
+                    out.append(Instr(Op.RECV, msg=Msg("act", last_layer[s - 1], mb, prev, rank)))
+                if kind in ("B", "I") and next_remote:
+                    out.append(Instr(Op.RECV, msg=Msg("grad_act", last_layer[s], mb, nxt, rank)))
+                out += _expand(layout, model, s, kind, mb, group)
+                if kind == "F" and next_remote:
+                    out.append(Instr(Op.SEND, msg=Msg("act", last_layer[s], mb, rank, nxt)))
+                if backward and kind != "W" and prev_remote:
+                    out.append(
+                        Instr(Op.SEND, msg=Msg("grad_act", last_layer[s - 1], mb, rank, prev))
+                    )
+                instrs += [replace(i, pair=pair) for i in out] if pair >= 0 else out
         instrs += [Instr(Op.SYNC), Instr(Op.STEP)]
         ranks.append(tuple(instrs))
     return Schedule(
         name=layout.runtime,
-        num_ranks=layout.world,
+        num_ranks=len(reals),
         num_slots=layout.num_local_micro_batches,
         max_in_flight=0,
-        roles=tuple(layout.role(r) for r in range(layout.world)),
+        roles=tuple(layout.role(r) for r in reals),
         ranks=tuple(ranks),
         execution="in-order",
         meta={
@@ -134,6 +157,8 @@ def build_baseline_schedule(layout: EPLayout, model: ModelConfig) -> Schedule:
             "ep": layout.ep,
             "stages_per_rank": layout.stages_per_rank,
             "style": layout.style,
+            "a2a_chunks": a2a_chunks,
+            "representatives": int(representatives),
         },
     )
 
