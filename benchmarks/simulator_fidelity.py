@@ -18,7 +18,7 @@
      minus post, for messages whose receiver was already waiting);
    * SYNC and STEP: each rank's mean durations, after that rank's last instruction.
 3. Replay the *same instruction lists* the run executed (`schedule.afpipe.build_afpipe`,
-   `baselines.schedules.build_baseline_schedule`) with that model, the compute of all
+   `schedule.baselines.build_baseline_schedule`) with that model, the compute of all
    ranks sharing the host's cores, and print predicted vs measured step time.
 
     .venv/bin/python benchmarks/simulator_fidelity.py [--config NAME ...] [--reuse]
@@ -41,13 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from disagmoe.baselines.layout import EPLayout
-from disagmoe.baselines.schedules import build_baseline_schedule
 from disagmoe.config import RunConfig
 from disagmoe.config_io import load_toml
+from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.layout import Layout
 from disagmoe.runtime.observe import parse_event_name
 from disagmoe.schedule.afpipe import build_afpipe
+from disagmoe.schedule.baselines import build_baseline_schedule
 from disagmoe.schedule.ir import Instr, Msg, Op, compute_event_name
 from disagmoe.schedule.semantics import consumer, producer
 from disagmoe.simulator import (

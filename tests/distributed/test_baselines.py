@@ -5,7 +5,7 @@ each case costs a few seconds instead of a spawn. Per case and step: the loss,
 the gradient norm and every parameter's gradient (expert shards against the
 matching slice of the reference gradient) must match the reference; the order
 in which PyTorch's schedule ran the stage computations must equal the
-exported schedule (`baselines.schedules.pytorch_order`).
+exported schedule (`schedule.baselines.pytorch_order`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
     import torch.distributed as dist
 
     from disagmoe.baselines import RUNNERS, TRAINERS
-    from disagmoe.baselines.schedules import pytorch_order
+    from disagmoe.schedule.baselines import pytorch_order
 
     out = []
     for cfg, chunks in cases:
@@ -164,7 +164,7 @@ def test_baselines_four_ranks() -> None:
     [("ep-1f1b", 3, 1, "divisible by parallel.pp"), ("ep-1f1b", 1, 3, "divisible by parallel.ep")],
 )
 def test_bad_layouts_are_rejected(runtime: str, pp: int, ep: int, message: str) -> None:
-    from disagmoe.baselines.layout import EPLayout
+    from disagmoe.distributed.ep_layout import EPLayout
 
     cfg = _cfg(runtime, pp, ep)
     with pytest.raises(ValueError, match=message):

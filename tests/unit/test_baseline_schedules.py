@@ -7,19 +7,29 @@ from unittest import mock
 
 import pytest
 import torch.distributed.pipelining.schedules as pt
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-from disagmoe.baselines.layout import EPLayout
-from disagmoe.baselines.schedules import (
-    build_baseline_schedule,
-    one_f_one_b_order,
-    pytorch_order,
-    replay,
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
 )
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
 from disagmoe.config import EP_RUNTIMES, ModelConfig, ParallelConfig, TrainConfig
+from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.presets import model_preset
+from disagmoe.schedule.baselines import build_baseline_schedule, pytorch_order, replay
 from disagmoe.schedule.ir import Instr, Op
-from disagmoe.simulator.baseline_schedules import split_layers
+from disagmoe.schedule.pipelines import (
+    Action,
+    Overlap,
+    Step,
+    actions,
+    dualpipev,
+    interleaved_1f1b,
+    one_f_one_b,
+    split_layers,
+)
 
 
 def _layout(
@@ -63,9 +73,56 @@ def _executed_1f1b(pp: int, n: int) -> dict[int, list[tuple[int, str, int]]]:
     return order
 
 
+def _flat(orders: list[list[Step]]) -> dict[int, list[tuple[int, str, int]]]:
+    return {
+        r: [(a.stage, a.kind, a.mb) for step in steps for a in actions(step)]
+        for r, steps in enumerate(orders)
+    }
+
+
 @pytest.mark.parametrize(("pp", "n"), [(1, 3), (2, 2), (2, 5), (4, 4), (4, 9)])
 def test_1f1b_order_is_what_pytorch_executes(pp: int, n: int) -> None:
-    assert one_f_one_b_order(pp, n) == _executed_1f1b(pp, n)
+    assert _flat(one_f_one_b(pp, n)) == _executed_1f1b(pp, n)
+
+
+def _torch_step(action: pt._Action | None) -> Step | None:
+    """PyTorch's compute action as a `pipelines` step (None for idle and communication)."""
+    if action is None:
+        return None
+    if action.sub_actions is not None:
+        forward, backward = (_torch_step(sub) for sub in action.sub_actions)
+        assert isinstance(forward, Action) and isinstance(backward, Action)
+        return Overlap(forward, backward)
+    if not action.is_compute_op:
+        return None
+    assert action.microbatch_index is not None
+    kind = action.computation_type.value
+    return Action(kind, action.stage_index, action.microbatch_index)
+
+
+@pytest.mark.parametrize(
+    ("runtime", "pp", "n", "v"),
+    [
+        ("ep-interleaved", 2, 4, 2),
+        ("ep-interleaved", 4, 8, 2),
+        ("ep-interleaved", 4, 12, 3),
+        ("ep-interleaved", 4, 6, 3),
+        ("ep-interleaved", 4, 16, 4),
+        ("ep-dualpipev", 2, 4, 2),
+        ("ep-dualpipev", 2, 8, 2),
+        ("ep-dualpipev", 3, 12, 2),
+        ("ep-dualpipev", 4, 8, 2),
+        ("ep-dualpipev", 5, 20, 2),
+    ],
+)
+def test_orders_are_pytorchs_pipeline_order(runtime: str, pp: int, n: int, v: int) -> None:
+    """Interleaved 1F1B and DualPipeV: the steps (with DualPipeV's overlapped F/B pairs) that
+    PyTorch's schedule class builds and executes."""
+    cls = ScheduleInterleaved1F1B if runtime == "ep-interleaved" else ScheduleDualPipeV
+    ops = get_schedule_ops(cls, pp, n, v)
+    theirs = [[s for a in ops[r] if (s := _torch_step(a)) is not None] for r in range(pp)]
+    ours = interleaved_1f1b(pp, n, v) if runtime == "ep-interleaved" else dualpipev(pp, n)
+    assert ours == theirs
 
 
 @pytest.mark.parametrize(

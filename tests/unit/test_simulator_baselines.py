@@ -8,8 +8,8 @@ import pytest
 
 from disagmoe.config import EP_RUNTIMES, ModelConfig
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
+from disagmoe.schedule.pipelines import Action, Overlap, dualpipev, interleaved_1f1b
 from disagmoe.simulator import Network, simulate_ep
-from disagmoe.simulator.baseline_schedules import Action, Overlap, dualpipev, interleaved_1f1b
 
 H800 = CLUSTER_PRESETS["h800"]
 FREE_NET = Network.single_node(1e30, 0.0, 1 << 12)

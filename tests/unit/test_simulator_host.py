@@ -7,22 +7,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from disagmoe.baselines.layout import EPLayout
-from disagmoe.baselines.schedules import build_baseline_schedule, pytorch_order
 from disagmoe.config import ModelConfig, ParallelConfig, TrainConfig
+from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe
+from disagmoe.schedule.baselines import build_baseline_schedule
 from disagmoe.schedule.ir import Instr, Op
 from disagmoe.simulator import MessageOverheads, Network, Workload, simulate_disagg
 from disagmoe.simulator import simulate_schedule as simulate_afpipe
 from disagmoe.simulator.baseline_replay import simulate_baseline_schedule
-from disagmoe.simulator.baseline_schedules import (
-    Overlap,
-    dualpipev,
-    interleaved_1f1b,
-    one_f_one_b,
-)
 from disagmoe.simulator.engine import COMPUTE, Program, run_program
 from disagmoe.simulator.placement import disagg_placement, nic_shares
 
@@ -92,38 +86,6 @@ def test_baseline_ir_replay_matches_1f1b_formula(pp: int, mb: int) -> None:
     )
     per = model.num_layers // pp
     assert result.step_time_s == pytest.approx((mb + pp - 1) * 3.0 * per)
-
-
-def _flat(order: list) -> list[tuple[int, str, int]]:  # type: ignore[type-arg]
-    out = []
-    for step in order:
-        acts = [step.forward, step.backward] if isinstance(step, Overlap) else [step]
-        out += [(a.stage, a.kind, a.mb) for a in acts]
-    return out
-
-
-@pytest.mark.parametrize(
-    ("runtime", "pp", "mb"),
-    [("ep-1f1b", 2, 4), ("ep-1f1b", 4, 8), ("ep-interleaved", 2, 4), ("ep-interleaved", 4, 8)],
-)
-def test_simulator_orders_match_pytorch(runtime: str, pp: int, mb: int) -> None:
-    """The analytic EP model's per-rank orders equal what the ep-* runtimes execute."""
-    lay = _ep_layout(runtime, pp, mb)
-    ours = one_f_one_b(pp, mb) if runtime == "ep-1f1b" else interleaved_1f1b(pp, mb, 2)
-    theirs = pytorch_order(lay)
-    for rank in range(pp):
-        assert _flat(ours[rank]) == theirs[rank]
-
-
-def test_dualpipev_order_has_pytorch_actions() -> None:
-    """DualPipeV: same actions per rank as PyTorch's ScheduleDualPipeV (I+W vs B may differ in
-    how PyTorch splits backwards, so compare the forward sequence and the action set)."""
-    pp, mb = 2, 8
-    lay = _ep_layout("ep-dualpipev", pp, mb)
-    ours, theirs = dualpipev(pp, mb), pytorch_order(lay)
-    for rank in range(pp):
-        mine = _flat(ours[rank])
-        assert [a for a in mine if a[1] == "F"] == [a for a in theirs[rank] if a[1] == "F"]
 
 
 def test_node_aware_placement_mixes_a_and_f_on_every_node() -> None:

@@ -1,21 +1,8 @@
-"""Worker layout of the expert-parallel baselines (Megatron-LM style) and their process groups.
+"""Process groups of the expert-parallel baselines, built from their `EPLayout`.
 
-Ranks are ordered like Megatron's `ep-dp-pp` order with pipeline outermost:
-
-    rank = pp_rank * dp + dp_rank,   ep_rank = dp_rank % ep,   edp_rank = dp_rank // ep
-
-* `pp` pipeline ranks split the layers into `pp * v` stages (`v` = 1 for
-  1F1B/overlap, `parallel.virtual_stages` for interleaved, 2 for DualPipeV);
-* on every pipeline rank, `dp = world / pp` data-parallel replicas hold the
-  same attention/dense weights and process different micro-batches;
-* expert parallelism is carved out of data parallelism: `ep` consecutive
-  replicas form an EP group and each holds `E / ep` experts of every MoE layer
-  of its stages; replicas with the same `ep_rank` form the expert-data-parallel
-  (EDP) group of size `dp / ep`.
-
-Gradients: dense parameters are all-reduced over the DP group, expert shards
-over the EDP group (their EP group already summed the tokens of its `ep`
-replicas through the all-to-all backward).
+Per rank (`distributed.ep_layout` for the rank order): its pipeline (p2p of the
+pipeline schedule), its data-parallel replicas (dense gradients), its EP group
+(dispatch/combine all-to-all) and its expert-data-parallel group (expert gradients).
 """
 
 from __future__ import annotations
@@ -23,129 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 
-from ..config import ModelConfig, ParallelConfig, TrainConfig
-from ..simulator.baseline_schedules import split_layers
-
-# runtime -> (stages per pipeline rank, stage placement style); None = parallel.virtual_stages
-STAGE_STYLE: dict[str, tuple[int | None, str]] = {
-    "ep-1f1b": (1, "loop"),
-    "ep-overlap": (1, "loop"),
-    "ep-interleaved": (None, "loop"),
-    "ep-dualpipev": (2, "v"),
-}
-
-
-@dataclass(frozen=True)
-class EPLayout:
-    """Who holds what in an `ep-*` run (pure data, no process group needed)."""
-
-    runtime: str
-    world: int
-    pp: int
-    dp: int
-    ep: int
-    stages_per_rank: int
-    style: str
-    num_layers: int
-    num_experts: int
-    num_local_micro_batches: int
-
-    @classmethod
-    def build(
-        cls, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, world: int
-    ) -> EPLayout:
-        runtime = parallel.runtime
-        if runtime not in STAGE_STYLE:
-            raise ValueError(f"EPLayout is for the ep-* runtimes, got parallel.runtime={runtime!r}")
-        v, style = STAGE_STYLE[runtime]
-        v = parallel.virtual_stages if v is None else v
-        pp, ep = parallel.pp, parallel.ep
-        if world % pp:
-            raise ValueError(f"world size {world} must be divisible by parallel.pp ({pp})")
-        dp = world // pp
-        if dp % ep:
-            raise ValueError(
-                f"data-parallel size world/pp = {dp} must be divisible by parallel.ep ({ep}); "
-                "EP groups are carved out of the DP replicas of each pipeline rank"
-            )
-        if model.num_experts % ep:
-            raise ValueError(
-                f"model.num_experts ({model.num_experts}) must be divisible by parallel.ep ({ep})"
-            )
-        if pp * v > model.num_layers:
-            raise ValueError(
-                f"{pp * v} pipeline stages (pp={pp} x {v} per rank) exceed model.num_layers "
-                f"({model.num_layers}); lower parallel.pp or parallel.virtual_stages"
-            )
-        if model.tie_embeddings and pp > 1 and style != "v":
-            raise ValueError(
-                "model.tie_embeddings needs the embedding and LM head on one rank: use parallel.pp=1 "
-                "or runtime ep-dualpipev (whose V placement puts both on pipeline rank 0)"
-            )
-        num_micro = train.num_micro_batches
-        if num_micro % dp:
-            raise ValueError(
-                f"{num_micro} micro-batches (global_batch_size/micro_batch_size) must be divisible "
-                f"by the data-parallel size world/pp = {dp}"
-            )
-        local = num_micro // dp
-        stages = pp * v
-        if runtime in ("ep-1f1b", "ep-overlap") and local < pp:
-            raise ValueError(f"1F1B needs >= pp={pp} micro-batches per replica, got {local}")
-        if runtime == "ep-dualpipev" and local < stages:
-            raise ValueError(
-                f"DualPipeV needs >= 2*pp={stages} micro-batches per replica, got {local}"
-            )
-        if runtime == "ep-interleaved":
-            if v < 2:
-                raise ValueError("ep-interleaved needs parallel.virtual_stages >= 2")
-            rounds = max(1, local // pp)
-            if local % rounds:
-                raise ValueError(
-                    f"interleaved 1F1B needs micro-batches per replica ({local}) divisible by "
-                    f"max(1, {local} // pp); use a multiple of pp={pp}"
-                )
-        return cls(runtime, world, pp, dp, ep, v, style, model.num_layers, model.num_experts, local)
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
-
-    @property
-    def experts_per_rank(self) -> int:
-        return self.num_experts // self.ep
-
-    def stage_to_pp_rank(self) -> dict[int, int]:
-        if self.num_stages == 1:
-            return {0: 0}
-        return generate_stage_to_rank_mapping(self.pp, self.num_stages, style=self.style)
-
-    def stages_of(self, pp_rank: int) -> list[int]:
-        return sorted(s for s, r in self.stage_to_pp_rank().items() if r == pp_rank)
-
-    def layers_of_stage(self, stage: int) -> list[int]:
-        return split_layers(self.num_layers, self.num_stages)[stage]
-
-    def coords(self, rank: int) -> tuple[int, int, int, int]:
-        """(pp_rank, dp_rank, ep_rank, edp_rank) of a global rank."""
-        pp_rank, dp_rank = divmod(rank, self.dp)
-        return pp_rank, dp_rank, dp_rank % self.ep, dp_rank // self.ep
-
-    def rank_of(self, pp_rank: int, dp_rank: int) -> int:
-        return pp_rank * self.dp + dp_rank
-
-    def role(self, rank: int) -> str:
-        p, d, e, _ = self.coords(rank)
-        return f"S(pp{p},dp{d},ep{e})"
-
-    def global_micro_batch(self, dp_rank: int, local: int) -> int:
-        """Reference numbering: local micro-batch s of replica d is global micro-batch s*dp + d."""
-        return local * self.dp + dp_rank
-
-    def ep_group_ranks(self, pp_rank: int, edp_rank: int) -> list[int]:
-        return [self.rank_of(pp_rank, edp_rank * self.ep + j) for j in range(self.ep)]
+from ..distributed.ep_layout import EPLayout
 
 
 @dataclass
@@ -177,15 +43,13 @@ class EPGroups:
         for d in range(layout.dp):
             make("pp", [layout.rank_of(p, d) for p in range(layout.pp)])
         for p in range(layout.pp):
-            make("dp", [layout.rank_of(p, d) for d in range(layout.dp)], layout.dp > 1)
+            make("dp", layout.dp_group_ranks(p), layout.dp > 1)
             for b in range(layout.dp // layout.ep):
                 make("ep", layout.ep_group_ranks(p, b), layout.ep > 1)
                 if layout.runtime == "ep-overlap":
                     make("a2a", layout.ep_group_ranks(p, b), layout.ep > 1)
             for j in range(layout.ep):
-                ranks = [
-                    layout.rank_of(p, b * layout.ep + j) for b in range(layout.dp // layout.ep)
-                ]
+                ranks = layout.edp_group_ranks(p, j)
                 make("edp", ranks, len(ranks) > 1)
         assert found["pp"] is not None, (rank, pp_rank, dp_rank, ep_rank, edp_rank)
         return cls(found["pp"], found["dp"], found["ep"], found["edp"], found["a2a"])

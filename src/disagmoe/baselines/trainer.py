@@ -41,10 +41,10 @@ from ..runtime.objective import (
 from ..runtime.observe import Tracer
 from ..runtime.setup import apply_emulation, build_data, build_initial_model, set_threads
 from ..runtime.stages import unique_named_parameters
+from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
-from .schedules import build_baseline_schedule
 from .stage import StageModule, TracedStage
 
 

@@ -18,6 +18,11 @@ Expert-parallel baselines (`disagmoe.baselines`) add two ops:
 * `W` — the weight-gradient part of a backward split into input (`BWD`) and
   weight (`W`) halves (zero-bubble / DualPipeV schedules).
 
+Two more facts of the baselines are data too: `Instr.pair` marks the
+instructions of one overlapped forward/backward pair (DualPipeV's
+`OVERLAP_F_B`), and `Schedule.meta["a2a_chunks"]` says into how many chunks
+ep-overlap splits each expert compute and the all-to-alls around it.
+
 Every message kind declares itself in `MESSAGE_KINDS`: its channel, the compute
 that produces it, the compute that consumes it, and what it carries. Each
 instruction runs on a lane: compute on "fwd" or "bwd", messages on the channel
@@ -140,6 +145,7 @@ class Instr:
     slot: int = -1
     msg: Msg | None = None
     group: tuple[int, ...] = ()  # member ranks of an A2A
+    pair: int = -1  # DualPipeV: id of the overlapped F&B pair this belongs to (-1: none)
 
     @property
     def lane(self) -> str:

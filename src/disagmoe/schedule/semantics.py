@@ -28,6 +28,12 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
 Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs them):
 one lane per rank in list order; a RECV blocks the lane until its message arrived,
 an A2A until every member of its group reached it (`simulator.baseline_replay`).
+The analytic EP model (`simulator.ep`) also prices what the lists mark as data:
+the instructions of an overlapped pair (`Instr.pair`) run their forward half on
+the "fwd" lane and their backward half on the "bwd" lane from the same start, and
+the pair's SENDs leave when both halves are done; with `meta["a2a_chunks"]` = c
+an expert compute and its two all-to-alls run as c pipelined chunks; a BWD whose
+task also has a W on the rank computes input gradients only.
 """
 
 from __future__ import annotations

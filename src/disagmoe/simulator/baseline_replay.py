@@ -1,7 +1,7 @@
-"""Replay the EP baselines' own instruction lists (`baselines.schedules.build_baseline_schedule`).
+"""Replay the EP baselines' own instruction lists (`schedule.baselines.build_baseline_schedule`).
 
 The analytic EP model (`simulator.ep`) prices one representative per pipeline
-rank from `baseline_schedules`; this module instead lowers the schedule IR the
+rank from `schedule.pipelines`; this module instead lowers the schedule IR the
 `ep-*` runtimes are built from — every rank, every instruction — so that a
 real CPU run can be replayed with its measured costs (`benchmarks/simulator_fidelity.py`).
 

@@ -3,56 +3,42 @@
 World = pp * dp GPUs; pipeline stage s runs on GPUs `s*dp .. s*dp + dp - 1`
 (pipeline outermost, as Megatron orders tp-cp-ep-dp-pp), and EP groups are
 `ep` consecutive GPUs of a stage. All dp GPUs of a stage are symmetric, so one
-representative per pipeline rank is simulated; its all-to-alls are priced from
-per-peer volumes (NVLink to peers on its node, its NIC share to the others).
+representative per pipeline rank is simulated: the runtime's own instruction
+lists (`schedule.baselines.build_baseline_schedule(..., representatives=True)`,
+"in-order" execution, `schedule.semantics`) are lowered here, each rank standing
+for its dp peers; its all-to-alls are priced from per-peer volumes (NVLink to
+peers on its node, its NIC share to the others).
 
 Per MoE layer and micro-batch, forward: attention block -> dispatch all-to-all
 -> experts -> combine all-to-all; backward mirrors it (two more all-to-alls).
 
 * `ep-1f1b`, `ep-interleaved`: one stream per GPU, communication blocks compute;
 * `ep-overlap` (Tutel / Comet style): expert compute split into `overlap_chunks`
-  chunks pipelined with their dispatch and combine on two communication
-  streams; attention does not overlap;
-* `ep-dualpipev`: an overlapped step runs the forward of one micro-batch on the
-  "fwd" lane and the backward of another on the "bwd" lane, so one's
-  all-to-alls hide behind the other's compute (GPU and network are shared).
+  chunks (the schedule's `meta["a2a_chunks"]`) pipelined with their dispatch and
+  combine on two communication streams; attention does not overlap;
+* `ep-dualpipev`: an overlapped pair (`Instr.pair`) runs the forward of one
+  micro-batch on the "fwd" lane and the backward of another on the "bwd" lane,
+  so one's all-to-alls hide behind the other's compute (GPU and network are shared).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
+from ..distributed.ep_layout import EPLayout
 from ..flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
-from ..schedule.ir import compute_event_name
-from .baseline_schedules import (
-    Action,
-    Overlap,
-    Step,
-    dualpipev,
-    interleaved_1f1b,
-    one_f_one_b,
+from ..schedule.baselines import build_baseline_schedule
+from ..schedule.ir import Instr, Msg, Op, compute_event_name
+from ..schedule.pipelines import (
     split_layers,
-    stage_rank_map,
 )
 from .costs import Workload
 from .engine import A2A, COMPUTE, DELAY, Program, run_program
 from .network import Network, Ports
 from .report import SimResult, summarize
-
-
-@dataclass(frozen=True, slots=True)
-class EPLayout:
-    pp: int
-    dp: int
-    ep: int
-
-    def stage_ranks(self, rank: int) -> list[int]:
-        return list(range(rank * self.dp, (rank + 1) * self.dp))
-
-    def ep_group(self, rank: int) -> list[int]:
-        return list(range(rank * self.dp, rank * self.dp + self.ep))
 
 
 class EPCostModel(Protocol):
@@ -92,114 +78,104 @@ class EPCosts:
         return fwd * {"F": 1.0, "B": GEMM_BACKWARD, "I": 1.0, "W": GEMM_BACKWARD - 1.0}[kind]
 
 
-def pipeline_order(runtime: str, pp: int, num_mb: int, chunks: int) -> tuple[list[list[Step]], int]:
-    """(per-rank steps, number of stages) for an EP runtime."""
-    if runtime in ("ep-1f1b", "ep-overlap"):
-        return one_f_one_b(pp, num_mb), pp
-    if runtime == "ep-interleaved":
-        return interleaved_1f1b(pp, num_mb, chunks), pp * chunks
-    if runtime == "ep-dualpipev":
-        return dualpipev(pp, num_mb), 2 * pp
-    raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
+class _RankLowering:
+    """Ops of one representative's in-order list (`schedule.semantics`, "in-order").
 
+    Each op waits for the one before it in the list; the instructions of an
+    overlapped pair (`Instr.pair`) run on their lanes ("fwd" / "bwd") from the
+    same start, and the pair's SENDs leave once both halves are done. With
+    `a2a_chunks` = c > 1 an expert compute and the all-to-alls around it run as c
+    chunks: dispatch chunks on the "send" lane, expert chunks on the compute lane,
+    combine chunks on the "recv" lane.
+    """
 
-class _Lowering:
     def __init__(
-        self,
-        runtime: str,
-        prog: Program,
-        costs: EPCostModel,
-        model: ModelConfig,
-        stages: list[list[int]],
-        overlap_chunks: int,
+        self, prog: Program, rank: int, costs: EPCostModel, chunks: int, two_lanes: bool
     ) -> None:
-        self.runtime, self.prog, self.costs, self.stages = runtime, prog, costs, stages
-        self.model = model
-        self.chunks = overlap_chunks
-        self.lane_last: dict[tuple[int, str], int] = {}
+        self.prog, self.rank, self.costs, self.chunks = prog, rank, costs, chunks
+        self.two_lanes = two_lanes
+        self.lane_last: dict[str, int] = {}
+        self.weights: set[tuple[str, int, int]] = set()
+        self.sources: dict[Msg, int] = {}  # SEND -> the op whose end posts it
+        self.waits: list[tuple[int, Msg]] = []  # RECV -> the op that needs it, in list order
 
-    def op(
-        self,
-        kind: int,
-        rank: int,
-        lane: str,
-        work: float,
-        cat: str,
-        label: str,
-        deps: list[int],
-        args: dict[str, Any],
-    ) -> int:
-        prev = self.lane_last.get((rank, lane), -1)
-        op = self.prog.add(kind, rank, lane, work, cat, label, [prev, *deps], args)
-        self.lane_last[(rank, lane)] = op
+    def op(self, kind: int, lane: str, work: float, cat: str, label: str, deps: list[int]) -> int:
+        args = {"step": 0}
+        prev = self.lane_last.get(lane, -1)
+        op = self.prog.add(kind, self.rank, lane, work, cat, label, [prev, *deps], args)
+        self.lane_last[lane] = op
         return op
 
-    def moe(
-        self, rank: int, lane: str, kind: str, layer: int, mb: int, deps: list[int]
-    ) -> tuple[int, int]:
-        """Dispatch, experts, combine (or their gradients) of one layer: (first op, last op)."""
-        a2a = self.costs.a2a_s[rank]
-        args = {"layer": layer, "slot": mb, "step": 0}
-        tag = f"{kind} l{layer} s{mb}"
-        if kind == "W":
-            e = self.op(
-                COMPUTE, rank, lane, self.costs.experts("W"), "ffn", f"experts {tag}", deps, args
-            )
-            return e, e
-        if self.runtime != "ep-overlap":
-            d = self.op(A2A, rank, lane, a2a, "comm", f"a2a dispatch {tag}", deps, args)
-            e = self.op(
-                COMPUTE, rank, lane, self.costs.experts(kind), "ffn", f"experts {tag}", [d], args
-            )
-            return d, self.op(A2A, rank, lane, a2a, "comm", f"a2a combine {tag}", [e], args)
-        c = self.chunks
-        ends, first = [], -1
-        for i in range(c):
-            d = self.op(A2A, rank, "send", a2a / c, "comm", f"a2a dispatch {tag} c{i}", deps, args)
-            first = d if first < 0 else first
-            e = self.op(
-                COMPUTE,
-                rank,
-                lane,
-                self.costs.experts(kind) / c,
-                "ffn",
-                f"experts {tag} c{i}",
-                [d],
-                args,
-            )
-            ends.append(
-                self.op(A2A, rank, "recv", a2a / c, "comm", f"a2a combine {tag} c{i}", [e], args)
-            )
-        return first, self.op(DELAY, rank, lane, 0.0, "other", f"join {tag}", ends, args)
+    def work(self, ins: Instr) -> float:
+        """Seconds of a compute: the backward of a task with a W computes input grads only."""
+        if ins.op == Op.FWD:
+            kind = "F"
+        elif ins.op == Op.WGT:
+            kind = "W"
+        else:
+            kind = "I" if (ins.comp, ins.layer, ins.slot) in self.weights else "B"
+        if ins.comp == "A":
+            return self.costs.attn(ins.layer, kind)
+        return self.costs.experts(kind)
 
-    def action(self, rank: int, act: Action, lane: str, deps: list[int]) -> tuple[int, int]:
-        """Ops of one action, layer by layer; returns (first op, last op)."""
-        layers, big = self.stages[act.stage], self.model.num_layers
-        head = [big] if act.stage == len(self.stages) - 1 else []
-        seq = layers + head if act.kind == "F" else head + layers[::-1]
-        first = prev = -1
-        for layer in seq:
-            d = deps if first < 0 else [prev]
-            args = {"layer": layer, "slot": act.mb, "step": 0}
-            moe = layer < big and self.model.is_moe_layer(layer)
-            if act.kind != "F" and moe:
-                start, prev = self.moe(rank, lane, act.kind, layer, act.mb, d)
-                first = start if first < 0 else first
-                d = [prev]
-            prev = self.op(
-                COMPUTE,
-                rank,
-                lane,
-                self.costs.attn(layer, act.kind),
-                "attn",
-                compute_event_name(act.kind, "A", layer, act.mb),
-                d,
-                args,
-            )
-            first = prev if first < 0 else first
-            if act.kind == "F" and moe:
-                prev = self.moe(rank, lane, "F", layer, act.mb, [prev])[1]
-        return first, prev
+    def lower(self, instrs: tuple[Instr, ...]) -> None:
+        self.weights = {(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.WGT}
+        prev, i = -1, 0
+        while i < len(instrs):
+            pair = instrs[i].pair
+            j = i
+            while j < len(instrs) and instrs[j].pair == pair:
+                j += 1
+            if pair < 0:
+                prev = self.run(instrs[i:j], [prev], None)
+            else:
+                sends: list[Msg] = []
+                ends = [
+                    self.run([x for x in instrs[i:j] if x.lane == lane], [prev], sends)
+                    for lane in ("fwd", "bwd")
+                ]
+                done = "F&B done"
+                prev = self.prog.add(DELAY, self.rank, "bwd", 0.0, "other", done, ends, {"step": 0})
+                self.sources.update(dict.fromkeys(sends, prev))
+            i = j
+
+    def run(self, seq: Sequence[Instr], deps: list[int], sends: list[Msg] | None) -> int:
+        """Ops of consecutive instructions; returns the last op (or the first of `deps`)."""
+        last, recvs, k = deps[0], [], 0
+        while k < len(seq):
+            ins = seq[k]
+            lane = ins.lane if self.two_lanes else "compute"
+            tag = f"l{ins.layer} s{ins.slot}"
+            before = len(self.prog)
+            if ins.msg is not None and ins.op == Op.RECV:
+                recvs.append(ins.msg)
+            elif ins.msg is not None and ins.op == Op.SEND:
+                if sends is None:
+                    self.sources[ins.msg] = last
+                else:
+                    sends.append(ins.msg)
+            elif ins.op == Op.A2A and self.chunks > 1:
+                expert, c = seq[k + 1], self.chunks
+                a2a = self.costs.a2a_s[self.rank] / c
+                ends = []
+                for n in range(c):
+                    d = self.op(A2A, "send", a2a, "comm", f"a2a {ins.comp} {tag} c{n}", [last])
+                    e = self.op(COMPUTE, lane, self.work(expert) / c, "ffn", f"experts {tag}", [d])
+                    ends.append(self.op(A2A, "recv", a2a, "comm", f"a2a {seq[k + 2].comp}", [e]))
+                last = self.op(DELAY, lane, 0.0, "other", f"join {tag}", ends)
+                k += 2
+            elif ins.op == Op.A2A:
+                cost = self.costs.a2a_s[self.rank]
+                last = self.op(A2A, lane, cost, "comm", f"a2a {ins.comp} {tag}", [last])
+            elif ins.is_compute:
+                cat = "attn" if ins.comp == "A" else "ffn"
+                label = compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot)
+                last = self.op(COMPUTE, lane, self.work(ins), cat, label, [last])
+            if recvs and len(self.prog) > before:
+                self.waits += [(before, m) for m in recvs]
+                recvs = []
+            k += 1
+        return last
 
 
 def simulate_ep(
@@ -235,46 +211,44 @@ def simulate_ep(
             f"--micro-batches ({num_micro_batches}) must be a multiple of the data-parallel "
             f"size ({dp} = GPUs / pp)"
         )
-    per_pipe = num_micro_batches // dp
-    orders, num_stages = pipeline_order(runtime, pp, per_pipe, chunks)
+    lay = EPLayout.of(
+        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
+    )
+    per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
     stages = split_layers(model.num_layers, num_stages)
-    lay = EPLayout(pp, dp, ep)
     workload = Workload(model, seq_len, micro_batch_size)
     net = net or Network.from_cluster(cluster)
     prog = Program(num_ranks=pp, latency_s=net.latency_s, multiplicity=[dp] * pp)
     ports = Ports(prog, net)
-    a2a = [ports.a2a_s(lay.ep_group(r), r * dp, workload.a2a_bytes_per_peer(ep)) for r in range(pp)]
+    a2a = [
+        ports.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(ep))
+        for r in range(pp)
+    ]
     model_costs: EPCostModel = costs or EPCosts(
         workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a
     )
-    low = _Lowering(runtime, prog, model_costs, model, stages, overlap_chunks)
-    owner = stage_rank_map(runtime, pp, num_stages)
-    ends: dict[tuple[str, int, int], tuple[int, int]] = {}
-    single = runtime in ("ep-1f1b", "ep-interleaved", "ep-overlap")
-    for rank, steps in enumerate(orders):
-        tail: list[int] = []
-        for step in steps:
-            pair = [step.forward, step.backward] if isinstance(step, Overlap) else [step]
-            spans = []
-            for act in pair:
-                lane = "compute" if single else ("fwd" if act.kind == "F" else "bwd")
-                spans.append(low.action(rank, act, lane, tail))
-            if len(pair) > 1:  # DualPipe posts the pair's sends once the whole pair is done
-                join = prog.add(
-                    DELAY,
-                    rank,
-                    "bwd",
-                    0.0,
-                    "other",
-                    "F&B done",
-                    [last for _, last in spans],
-                    {"step": 0},
-                )
-                spans = [(first, join) for first, _ in spans]
-            for act, span in zip(pair, spans, strict=True):
-                ends[(act.kind, act.stage, act.mb)] = span
-            tail = [last for _, last in spans]
-    _link_stages(prog, ends, owner, workload, ports, lay)
+    schedule = build_baseline_schedule(
+        lay,
+        model,
+        representatives=True,
+        a2a_chunks=overlap_chunks if runtime == "ep-overlap" else 1,
+    )
+    two_lanes = any(i.pair >= 0 for instrs in schedule.ranks for i in instrs)
+    chunks = int(schedule.meta["a2a_chunks"])
+    lowered = [_RankLowering(prog, r, model_costs, chunks, two_lanes) for r in range(pp)]
+    for low, instrs in zip(lowered, schedule.ranks, strict=True):
+        low.lower(instrs)
+    nbytes = workload.tokens * model.dim * workload.act_bytes
+    for low in lowered:  # pipeline messages, in the receivers' list order
+        for op, msg in low.waits:
+            loads = ports.message(lay.rank_of(msg.src, 0), lay.rank_of(msg.dst, 0), nbytes)
+            label = f"{msg.kind} l{msg.layer} s{msg.slot}"
+            source = lowered[msg.src].sources[msg]
+            x = prog.add_xfer(
+                msg.src, msg.dst, loads, label, [source], {"slot": msg.slot, "step": 0}
+            )
+            prog.deps[op].append(x)
+    owner = lay.stage_to_pp_rank()
     if sync:
         _add_ep_sync(prog, lay, workload, ports, stages, owner, model)
     timeline = run_program(prog)
@@ -305,46 +279,6 @@ def simulate_ep(
     )
 
 
-def _link_stages(
-    prog: Program,
-    ends: dict[tuple[str, int, int], tuple[int, int]],
-    owner: list[int],
-    workload: Workload,
-    ports: Ports,
-    lay: EPLayout,
-) -> None:
-    """Activations stage s -> s+1 and gradients back; local hand-over on the same rank."""
-    nbytes = workload.tokens * workload.model.dim * workload.act_bytes
-    for (kind, stage, mb), (first, _) in ends.items():
-        if kind == "F" and stage > 0:
-            src = ends[("F", stage - 1, mb)][1]
-            a, b = owner[stage - 1], owner[stage]
-        elif kind in ("B", "I") and stage < len(owner) - 1:
-            up = ends.get(("B", stage + 1, mb)) or ends[("I", stage + 1, mb)]
-            src, a, b = up[1], owner[stage + 1], owner[stage]
-        else:
-            if kind == "W":
-                prog.deps[first].append(ends[("I", stage, mb)][1])
-            if kind in ("B", "I"):
-                prog.deps[first].append(ends[("F", stage, mb)][1])
-            continue
-        if kind in ("B", "I"):
-            prog.deps[first].append(ends[("F", stage, mb)][1])
-        if a == b:
-            prog.deps[first].append(src)
-            continue
-        label = f"{'act' if kind == 'F' else 'grad_act'} st{stage} s{mb}"
-        x = prog.add_xfer(
-            a,
-            b,
-            ports.message(a * lay.dp, b * lay.dp, nbytes),
-            label,
-            [src],
-            {"slot": mb, "step": 0},
-        )
-        prog.deps[first].append(x)
-
-
 def _add_ep_sync(
     prog: Program,
     lay: EPLayout,
@@ -362,7 +296,8 @@ def _add_ep_sync(
         attn = sum(workload.attn_param_count(l) for l in layers) * 2
         moe = sum(1 for l in layers if l < model.num_layers and model.is_moe_layer(l))
         experts = moe * workload.expert_param_count() // lay.ep * 2
-        ranks = lay.stage_ranks(rank)
-        seconds = ports.allreduce_s(ranks, attn) + ports.allreduce_s(ranks[:: lay.ep], experts)
+        seconds = ports.allreduce_s(lay.dp_group_ranks(rank), attn) + ports.allreduce_s(
+            lay.edp_group_ranks(rank, 0), experts
+        )
         mine = [op for op in range(len(prog)) if prog.rank[op] == rank]
         prog.add(DELAY, rank, "sync", seconds, "comm", "SYNC grads", mine, {"step": 0})

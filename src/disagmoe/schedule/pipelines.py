@@ -1,14 +1,19 @@
-"""Per-rank action orders of the expert-parallel pipeline baselines (timing structure only).
+"""Pipeline orders of the expert-parallel baselines, defined once as pure functions.
 
-These mirror the orders of `torch.distributed.pipelining` (Schedule1F1B,
-ScheduleInterleaved1F1B, ScheduleDualPipeV in torch 2.13, which the baseline
-runtimes are meant to use), written as pure functions so that the simulator
-needs no process group or stage objects. An order is a list per pipeline rank
-of `Action`s (F: forward, B: full backward, I: backward for inputs, W: backward
-for weights, of one (stage, micro-batch)) and `Overlap`s (DualPipeV's forward
-of one micro-batch overlapped with the backward of another).
+The `ep-*` runtimes execute PyTorch's `torch.distributed.pipelining` schedules
+(`Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`); this module
+states the order each of them runs, with no process group or stage object, for
+the baselines' IR export (`schedule.baselines`) and the simulator
+(`simulator.ep`). `tests/unit/test_baseline_schedules.py` pins every order to
+what PyTorch executes (its runtime loop for 1F1B, its `pipeline_order` for the
+others).
 
-Published bubbles, per rank, with uniform chunk costs (checked by the tests):
+An order is a list per pipeline rank of steps: an `Action` (F: forward, B: full
+backward, I: backward for inputs, W: backward for weights, of one stage and
+micro-batch) or an `Overlap` (DualPipeV's forward of one micro-batch paired with
+the backward of another; PyTorch's `OVERLAP_F_B`).
+
+Published bubbles, per rank, with uniform chunk costs (checked by the simulator's tests):
 
 * 1F1B, p ranks, M micro-batches: step `(M + p - 1)(F + B)`;
 * interleaved 1F1B, v chunks per rank (F, B per chunk): step
@@ -23,6 +28,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+
+from ..config import EP_RUNTIMES
+
+# runtime -> (stages per pipeline rank, stage placement style); None = virtual_stages
+STAGE_STYLE: dict[str, tuple[int | None, str]] = {
+    "ep-1f1b": (1, "loop"),
+    "ep-overlap": (1, "loop"),
+    "ep-interleaved": (None, "loop"),
+    "ep-dualpipev": (2, "v"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,8 +56,32 @@ class Overlap:
 Step = Action | Overlap
 
 
+def actions(step: Step) -> list[Action]:
+    """The actions of a step in execution order (an overlapped pair: forward first)."""
+    return [step.forward, step.backward] if isinstance(step, Overlap) else [step]
+
+
+def stages_per_rank(runtime: str, virtual_stages: int) -> int:
+    """Stages per pipeline rank: 1 (1F1B, overlap), `virtual_stages` (interleaved), 2 (V)."""
+    if runtime not in STAGE_STYLE:
+        raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
+    v = STAGE_STYLE[runtime][0]
+    return virtual_stages if v is None else v
+
+
+def pipeline_order(runtime: str, pp: int, num_mb: int, virtual_stages: int) -> list[list[Step]]:
+    """Per-rank steps of an EP runtime with `num_mb` micro-batches per pipeline."""
+    if runtime in ("ep-1f1b", "ep-overlap"):
+        return one_f_one_b(pp, num_mb)
+    if runtime == "ep-interleaved":
+        return interleaved_1f1b(pp, num_mb, virtual_stages)
+    if runtime == "ep-dualpipev":
+        return dualpipev(pp, num_mb)
+    raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
+
+
 def one_f_one_b(num_ranks: int, num_mb: int) -> list[list[Step]]:
-    """1F1B: rank r warms up with p-1-r forwards, alternates F/B, then drains."""
+    """1F1B (Schedule1F1B's loop): rank r warms up with p-1-r forwards, alternates F/B, drains."""
     orders: list[list[Step]] = []
     for rank in range(num_ranks):
         warmup = min(num_ranks - 1 - rank, num_mb)
@@ -90,11 +129,6 @@ def interleaved_1f1b(num_ranks: int, num_mb: int, chunks: int) -> list[list[Step
     return orders
 
 
-def v_stages(num_ranks: int, rank: int) -> tuple[int, int]:
-    """DualPipeV's V placement: rank r holds stages r and 2p-1-r."""
-    return rank, 2 * num_ranks - 1 - rank
-
-
 def dualpipev(num_ranks: int, num_mb: int) -> list[list[Step]]:
     """DualPipeV (DeepSeek's DualPipe "cut in half"), as torch's ScheduleDualPipeV orders it."""
     if num_mb < 2 * num_ranks:
@@ -106,7 +140,7 @@ def dualpipev(num_ranks: int, num_mb: int) -> list[list[Step]]:
 
 
 def _dualpipev_rank(p: int, num_mb: int, rank: int) -> list[Step]:
-    s0, s1 = v_stages(p, rank)
+    s0, s1 = rank, 2 * p - 1 - rank  # the V: rank r holds stages r and 2p-1-r
     count: dict[tuple[int, str], int] = defaultdict(int)
     weights: list[tuple[int, int]] = []
     steps: list[Step] = []
@@ -165,15 +199,15 @@ def _dualpipev_rank(p: int, num_mb: int, rank: int) -> list[Step]:
     return steps
 
 
-def stage_rank_map(runtime: str, num_ranks: int, num_stages: int) -> list[int]:
-    """Pipeline rank of every stage: looped (1F1B, interleaved) or V-shaped (DualPipeV)."""
-    if runtime == "ep-dualpipev":
+def stage_to_rank(style: str, num_ranks: int, num_stages: int) -> list[int]:
+    """Pipeline rank of every stage: "loop" (1F1B, interleaved) or "v" (DualPipeV)."""
+    if style == "v":
         return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
     return [s % num_ranks for s in range(num_stages)]
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
-    """Contiguous, balanced layer ranges per stage (earlier stages get the remainder)."""
+    """Contiguous layer ranges per stage; the first `L mod S` stages get one extra layer."""
     if num_stages > num_layers:
         raise ValueError(
             f"{num_stages} pipeline stages for {num_layers} layers: use fewer stages (--pp) "

@@ -2,15 +2,9 @@
 
 Compute order per pipeline rank — a list of `(stage, kind, micro-batch)` with
 kind F (forward), B (full backward), I (backward for inputs) or W (weight
-gradients) — comes from PyTorch itself where PyTorch exposes it:
-
-* `ep-interleaved` / `ep-dualpipev`: the `pipeline_order` that
-  `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` build and then execute
-  (overlapped F/B pairs of DualPipeV flattened in execution order);
-* `ep-1f1b` / `ep-overlap`: `Schedule1F1B` hard-codes its loop in
-  `_step_microbatches` (its `_get_pipeline_order` is a visualisation aid that
-  does not match it), so `one_f_one_b_order` restates that loop. Tests check
-  both kinds against the order PyTorch's runtime actually calls the stages.
+gradients) — is `schedule.pipelines`' statement of the order PyTorch's
+`Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` run (overlapped
+F/B pairs of DualPipeV flattened in execution order); tests pin it to PyTorch.
 
 `build_baseline_schedule` expands each stage computation into per-layer
 instructions of every rank (all DP replicas run the same list):
@@ -36,57 +30,25 @@ time; it raises on a deadlock.
 from __future__ import annotations
 
 from collections.abc import Callable
-
-from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-from torch.distributed.pipelining.schedules import _Action
+from dataclasses import replace
 
 from ..config import ModelConfig
-from ..schedule.ir import Instr, Msg, Op, Schedule
-from .layout import EPLayout
+from ..distributed.ep_layout import EPLayout
+from .ir import Instr, Msg, Op, Schedule
+from .pipelines import Overlap, actions, pipeline_order
 
 ComputeOrder = dict[int, list[tuple[int, str, int]]]  # pp rank -> [(stage, kind, micro-batch)]
 
 
-def one_f_one_b_order(pp: int, num_micro: int) -> ComputeOrder:
-    """Schedule1F1B's loop: min(n, pp - r) warm-up forwards, then B/F pairs, then the backwards."""
-    order: ComputeOrder = {}
-    for r in range(pp):
-        acts: list[tuple[int, str, int]] = []
-        warm = min(num_micro, pp - r)
-        acts += [(r, "F", i) for i in range(warm)]
-        fwd, bwd = warm, 0
-        while True:
-            acts.append((r, "B", bwd))
-            bwd += 1
-            if fwd == num_micro:
-                break
-            acts.append((r, "F", fwd))
-            fwd += 1
-        acts += [(r, "B", i) for i in range(bwd, num_micro)]
-        order[r] = acts
-    return order
-
-
-def _flatten(action: _Action | None) -> list[tuple[int, str, int]]:
-    if action is None:
-        return []
-    if action.sub_actions is not None:
-        return [x for sub in action.sub_actions for x in _flatten(sub)]
-    if not action.is_compute_op:
-        return []
-    assert action.microbatch_index is not None
-    return [(action.stage_index, action.computation_type.value, action.microbatch_index)]
-
-
 def pytorch_order(layout: EPLayout) -> ComputeOrder:
     """Compute order of every pipeline rank for the layout's runtime (see module doc)."""
-    n = layout.num_local_micro_batches
-    if layout.runtime in ("ep-1f1b", "ep-overlap"):
-        return one_f_one_b_order(layout.pp, n)
-    cls = ScheduleInterleaved1F1B if layout.runtime == "ep-interleaved" else ScheduleDualPipeV
-    ops = get_schedule_ops(cls, layout.pp, n, layout.stages_per_rank)
-    return {r: [x for a in ops[r] for x in _flatten(a)] for r in range(layout.pp)}
+    steps = pipeline_order(
+        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+    )
+    return {
+        r: [(a.stage, a.kind, a.mb) for step in steps[r] for a in actions(step)]
+        for r in range(layout.pp)
+    }
 
 
 def _expand(
@@ -128,42 +90,64 @@ def _expand(
     return out
 
 
-def build_baseline_schedule(layout: EPLayout, model: ModelConfig) -> Schedule:
-    """Per-rank instruction lists of one optimizer step of an `ep-*` runtime."""
-    order = pytorch_order(layout)
+def build_baseline_schedule(
+    layout: EPLayout, model: ModelConfig, *, representatives: bool = False, a2a_chunks: int = 1
+) -> Schedule:
+    """Per-rank instruction lists of one optimizer step of an `ep-*` runtime.
+
+    `representatives`: only the lists of data-parallel replica 0 of every pipeline
+    rank (schedule rank i = pipeline rank i; the dp replicas of a pipeline rank run
+    identical lists); their A2A groups still name the real member ranks.
+    `a2a_chunks` (ep-overlap) is recorded in `meta` (see `schedule.ir`).
+    """
+    steps = pipeline_order(
+        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+    )
     where = layout.stage_to_pp_rank()
     S = layout.num_stages
     last_layer = [layout.layers_of_stage(s)[-1] for s in range(S)]
+    reals = (
+        [layout.rank_of(p, 0) for p in range(layout.pp)]
+        if representatives
+        else list(range(layout.world))
+    )
+    index = {real: i for i, real in enumerate(reals)}
     ranks = []
-    for rank in range(layout.world):
-        p, d, _, b = layout.coords(rank)
+    for real in reals:
+        p, d, _, b = layout.coords(real)
+        rank = index[real]
         group = tuple(layout.ep_group_ranks(p, b))
         instrs: list[Instr] = []
-        for s, kind, mb in order[p]:
-            prev_remote = s > 0 and where[s - 1] != p
-            next_remote = s < S - 1 and where[s + 1] != p
-            prev = layout.rank_of(where[s - 1], d) if prev_remote else -1
-            nxt = layout.rank_of(where[s + 1], d) if next_remote else -1
-            backward = kind in ("B", "I") or (kind == "W" and s == 0)
-            if kind == "F" and prev_remote:
-                instrs.append(Instr(Op.RECV, msg=Msg("act", last_layer[s - 1], mb, prev, rank)))
-            if kind in ("B", "I") and next_remote:
-                instrs.append(Instr(Op.RECV, msg=Msg("grad_act", last_layer[s], mb, nxt, rank)))
-            instrs += _expand(layout, model, s, kind, mb, group)
-            if kind == "F" and next_remote:
-                instrs.append(Instr(Op.SEND, msg=Msg("act", last_layer[s], mb, rank, nxt)))
-            if backward and kind != "W" and prev_remote:
-                instrs.append(
-                    Instr(Op.SEND, msg=Msg("grad_act", last_layer[s - 1], mb, rank, prev))
-                )
+        for k, step in enumerate(steps[p]):
+            pair = k if isinstance(step, Overlap) else -1
+            for act in actions(step):
+                s, kind, mb = act.stage, act.kind, act.mb
+                prev_remote = s > 0 and where[s - 1] != p
+                next_remote = s < S - 1 and where[s + 1] != p
+                prev = index[layout.rank_of(where[s - 1], d)] if prev_remote else -1
+                nxt = index[layout.rank_of(where[s + 1], d)] if next_remote else -1
+                backward = kind in ("B", "I") or (kind == "W" and s == 0)
+                out: list[Instr] = []
+                if kind == "F" and prev_remote:
+                    out.append(Instr(Op.RECV, msg=Msg("act", last_layer[s - 1], mb, prev, rank)))
+                if kind in ("B", "I") and next_remote:
+                    out.append(Instr(Op.RECV, msg=Msg("grad_act", last_layer[s], mb, nxt, rank)))
+                out += _expand(layout, model, s, kind, mb, group)
+                if kind == "F" and next_remote:
+                    out.append(Instr(Op.SEND, msg=Msg("act", last_layer[s], mb, rank, nxt)))
+                if backward and kind != "W" and prev_remote:
+                    out.append(
+                        Instr(Op.SEND, msg=Msg("grad_act", last_layer[s - 1], mb, rank, prev))
+                    )
+                instrs += [replace(i, pair=pair) for i in out] if pair >= 0 else out
         instrs += [Instr(Op.SYNC), Instr(Op.STEP)]
         ranks.append(tuple(instrs))
     return Schedule(
         name=layout.runtime,
-        num_ranks=layout.world,
+        num_ranks=len(reals),
         num_slots=layout.num_local_micro_batches,
         max_in_flight=0,
-        roles=tuple(layout.role(r) for r in range(layout.world)),
+        roles=tuple(layout.role(r) for r in reals),
         ranks=tuple(ranks),
         execution="in-order",
         meta={
@@ -173,6 +157,8 @@ def build_baseline_schedule(layout: EPLayout, model: ModelConfig) -> Schedule:
             "ep": layout.ep,
             "stages_per_rank": layout.stages_per_rank,
             "style": layout.style,
+            "a2a_chunks": a2a_chunks,
+            "representatives": int(representatives),
         },
     )
 

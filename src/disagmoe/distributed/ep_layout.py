@@ -1,0 +1,171 @@
+"""Worker layout of the expert-parallel baselines (Megatron-LM style), as pure data.
+
+Ranks are ordered like Megatron's `ep-dp-pp` order with pipeline outermost:
+
+    rank = pp_rank * dp + dp_rank,   ep_rank = dp_rank % ep,   edp_rank = dp_rank // ep
+
+* `pp` pipeline ranks split the layers into `pp * v` stages (`v` = 1 for
+  1F1B/overlap, `parallel.virtual_stages` for interleaved, 2 for DualPipeV);
+* on every pipeline rank, `dp = world / pp` data-parallel replicas hold the
+  same attention/dense weights and process different micro-batches;
+* expert parallelism is carved out of data parallelism: `ep` consecutive
+  replicas form an EP group and each holds `E / ep` experts of every MoE layer
+  of its stages; replicas with the same `ep_rank` form the expert-data-parallel
+  (EDP) group of size `dp / ep`.
+
+Gradients: dense parameters are all-reduced over the DP group, expert shards
+over the EDP group (their EP group already summed the tokens of its `ep`
+replicas through the all-to-all backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ModelConfig, ParallelConfig, TrainConfig
+from ..schedule.pipelines import STAGE_STYLE, split_layers, stage_to_rank, stages_per_rank
+
+
+@dataclass(frozen=True)
+class EPLayout:
+    """Who holds what in an `ep-*` run (pure data, no process group needed)."""
+
+    runtime: str
+    world: int
+    pp: int
+    dp: int
+    ep: int
+    stages_per_rank: int
+    style: str
+    num_layers: int
+    num_experts: int
+    num_local_micro_batches: int
+
+    @classmethod
+    def build(
+        cls, model: ModelConfig, parallel: ParallelConfig, train: TrainConfig, world: int
+    ) -> EPLayout:
+        runtime = parallel.runtime
+        if runtime not in STAGE_STYLE:
+            raise ValueError(f"EPLayout is for the ep-* runtimes, got parallel.runtime={runtime!r}")
+        v, style = stages_per_rank(runtime, parallel.virtual_stages), STAGE_STYLE[runtime][1]
+        pp, ep = parallel.pp, parallel.ep
+        if world % pp:
+            raise ValueError(f"world size {world} must be divisible by parallel.pp ({pp})")
+        dp = world // pp
+        if dp % ep:
+            raise ValueError(
+                f"data-parallel size world/pp = {dp} must be divisible by parallel.ep ({ep}); "
+                "EP groups are carved out of the DP replicas of each pipeline rank"
+            )
+        if model.num_experts % ep:
+            raise ValueError(
+                f"model.num_experts ({model.num_experts}) must be divisible by parallel.ep ({ep})"
+            )
+        if pp * v > model.num_layers:
+            raise ValueError(
+                f"{pp * v} pipeline stages (pp={pp} x {v} per rank) exceed model.num_layers "
+                f"({model.num_layers}); lower parallel.pp or parallel.virtual_stages"
+            )
+        if model.tie_embeddings and pp > 1 and style != "v":
+            raise ValueError(
+                "model.tie_embeddings needs the embedding and LM head on one rank: use parallel.pp=1 "
+                "or runtime ep-dualpipev (whose V placement puts both on pipeline rank 0)"
+            )
+        num_micro = train.num_micro_batches
+        if num_micro % dp:
+            raise ValueError(
+                f"{num_micro} micro-batches (global_batch_size/micro_batch_size) must be divisible "
+                f"by the data-parallel size world/pp = {dp}"
+            )
+        local = num_micro // dp
+        stages = pp * v
+        if runtime in ("ep-1f1b", "ep-overlap") and local < pp:
+            raise ValueError(f"1F1B needs >= pp={pp} micro-batches per replica, got {local}")
+        if runtime == "ep-dualpipev" and local < stages:
+            raise ValueError(
+                f"DualPipeV needs >= 2*pp={stages} micro-batches per replica, got {local}"
+            )
+        if runtime == "ep-interleaved":
+            if v < 2:
+                raise ValueError("ep-interleaved needs parallel.virtual_stages >= 2")
+            rounds = max(1, local // pp)
+            if local % rounds:
+                raise ValueError(
+                    f"interleaved 1F1B needs micro-batches per replica ({local}) divisible by "
+                    f"max(1, {local} // pp); use a multiple of pp={pp}"
+                )
+        return cls.of(runtime, model, world=world, pp=pp, ep=ep, num_micro_batches=num_micro, v=v)
+
+    @classmethod
+    def of(
+        cls,
+        runtime: str,
+        model: ModelConfig,
+        *,
+        world: int,
+        pp: int,
+        ep: int,
+        num_micro_batches: int,
+        v: int,
+    ) -> EPLayout:
+        """The layout of `runtime` on `world` GPUs, unchecked (`build` checks a run's config;
+        the simulator checks its own flags and also prices orders no runtime accepts)."""
+        dp = world // pp
+        return cls(
+            runtime,
+            world,
+            pp,
+            dp,
+            ep,
+            stages_per_rank(runtime, v),
+            STAGE_STYLE[runtime][1],
+            model.num_layers,
+            model.num_experts,
+            num_micro_batches // dp,
+        )
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.ep
+
+    def stage_to_pp_rank(self) -> list[int]:
+        """Pipeline rank of every stage (`schedule.pipelines.stage_to_rank`)."""
+        return stage_to_rank(self.style, self.pp, self.num_stages)
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.stage_to_pp_rank()) if r == pp_rank]
+
+    def layers_of_stage(self, stage: int) -> list[int]:
+        return split_layers(self.num_layers, self.num_stages)[stage]
+
+    def coords(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp_rank, dp_rank, ep_rank, edp_rank) of a global rank."""
+        pp_rank, dp_rank = divmod(rank, self.dp)
+        return pp_rank, dp_rank, dp_rank % self.ep, dp_rank // self.ep
+
+    def rank_of(self, pp_rank: int, dp_rank: int) -> int:
+        return pp_rank * self.dp + dp_rank
+
+    def role(self, rank: int) -> str:
+        p, d, e, _ = self.coords(rank)
+        return f"S(pp{p},dp{d},ep{e})"
+
+    def global_micro_batch(self, dp_rank: int, local: int) -> int:
+        """Reference numbering: local micro-batch s of replica d is global micro-batch s*dp + d."""
+        return local * self.dp + dp_rank
+
+    def ep_group_ranks(self, pp_rank: int, edp_rank: int) -> list[int]:
+        return [self.rank_of(pp_rank, edp_rank * self.ep + j) for j in range(self.ep)]
+
+    def dp_group_ranks(self, pp_rank: int) -> list[int]:
+        """The data-parallel replicas of a pipeline rank (dense gradients)."""
+        return [self.rank_of(pp_rank, d) for d in range(self.dp)]
+
+    def edp_group_ranks(self, pp_rank: int, ep_rank: int) -> list[int]:
+        """The replicas holding the same expert shard (expert gradients)."""
+        return [self.rank_of(pp_rank, b * self.ep + ep_rank) for b in range(self.dp // self.ep)]
