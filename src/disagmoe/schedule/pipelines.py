@@ -4,7 +4,7 @@ The `ep-*` runtimes execute PyTorch's `torch.distributed.pipelining` schedules
 (`Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`); this module
 states the order each of them runs, with no process group or stage object, for
 the baselines' IR export (`schedule.baselines`) and the simulator
-(`simulator.ep`). `tests/unit/test_baseline_schedules.py` pins every order to
+(`simulator.simulate_ep`). `tests/unit/test_baseline_schedules.py` pins every order to
 what PyTorch executes (its runtime loop for 1F1B, its `pipeline_order` for the
 others).
 

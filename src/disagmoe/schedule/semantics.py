@@ -1,9 +1,9 @@
 """What an instruction list means when it runs: the one definition of the rules.
 
 The executor (`runtime.executor`), the validator's deadlock replay
-(`schedule.validate`) and the simulator's replay (`simulator.replay`) all read a
-rank's list through `RankProgram` and ask it the same questions, so they cannot
-disagree about when an instruction may run.
+(`schedule.validate`) and the simulator's lowering (`simulator.lower`) all read a
+rank's list through `RankProgram` ("lanes") or `InOrderProgram` ("in-order") and
+ask it the same questions, so they cannot disagree about when an instruction may run.
 
 Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
 
@@ -25,15 +25,30 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
   - in-flight cap: the forward of the rank's first layer for slot s waits for that
     layer's backward of slot s - `max_in_flight`.
 
-Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs them):
-one lane per rank in list order; a RECV blocks the lane until its message arrived,
-an A2A until every member of its group reached it (`simulator.baseline_replay`).
-The analytic EP model (`simulator.ep`) also prices what the lists mark as data:
-the instructions of an overlapped pair (`Instr.pair`) run their forward half on
-the "fwd" lane and their backward half on the "bwd" lane from the same start, and
-the pair's SENDs leave when both halves are done; with `meta["a2a_chunks"]` = c
-an expert compute and its two all-to-alls run as c pipelined chunks; a BWD whose
-task also has a W on the rank computes input gradients only.
+* **Streams.** Per (sender, receiver, channel) a receive lane takes one message at
+  a time, so a message moves only after the previous one of its stream arrived.
+
+Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs them;
+`InOrderProgram`):
+
+* **One lane.** A rank runs its list in order on one lane ("compute"). A RECV blocks
+  the lane: the next compute or A2A after it waits for the message. A SEND is posted
+  when the compute or A2A before it ends and does not block. A2A blocks until every
+  member of its group reached the same (phase, layer, slot) all-to-all.
+* **Overlapped pairs.** The instructions of one pair (`Instr.pair`, DualPipeV's F&B)
+  run their forward half on the "fwd" lane and their backward half on the "bwd" lane
+  from the same start; the pair's SENDs leave, and the list continues, when both
+  halves are done.
+* **Chunked all-to-all.** With `meta["a2a_chunks"]` = c > 1 (ep-overlap) an A2A, the
+  expert compute after it and the A2A after that run as c pipelined chunks:
+  dispatch chunks on the "send" lane, compute chunks on the compute lane, combine
+  chunks on the "recv" lane.
+* **Split backward.** A BWD whose task also has a W on the rank computes input
+  gradients only (kind "I"); the W computes the weight gradients.
+* **Streams.** A receiver takes a peer's messages in list order (one stream per
+  (sender, receiver)); a message does not wait for the previous one of its stream.
+
+Both executions: SYNC and STEP run after every compute and message of the rank.
 """
 
 from __future__ import annotations
@@ -41,6 +56,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from .ir import MESSAGE_KINDS, Endpoint, Instr, Msg, Op, Schedule
 
@@ -82,6 +98,12 @@ class RankProgram:
     finals: list[tuple[int, Instr]]  # SYNC / STEP in list order
     first_layer: int  # lowest layer of the rank's forwards (-1 without any)
     local: dict[TaskKey, list[TaskKey]] = field(default_factory=dict)  # local dependencies
+    SERIAL_STREAMS: ClassVar[bool] = True  # see "Streams" in the module doc
+
+    @staticmethod
+    def stream(msg: Msg) -> tuple[int, int, str]:
+        """The FIFO stream of a message: (sender, receiver, channel)."""
+        return (msg.src, msg.dst, msg.channel)
 
     @classmethod
     def build(cls, schedule: Schedule, rank: int) -> RankProgram:
@@ -169,3 +191,144 @@ class RankProgram:
 def compile_ranks(schedule: Schedule) -> list[RankProgram]:
     """`RankProgram` of every rank of a "lanes" schedule."""
     return [RankProgram.build(schedule, rank) for rank in range(schedule.num_ranks)]
+
+
+def compute_kind(instr: Instr, split: Container[tuple[str, int, int]] = ()) -> str:
+    """What a compute computes: "F" forward, "B" full backward, "I" input gradients only
+    (a BWD whose (comp, layer, slot) is in `split`: the tasks that also have a W), "W"."""
+    if instr.op == Op.FWD:
+        return "F"
+    if instr.op == Op.WGT:
+        return "W"
+    return "I" if (instr.comp, instr.layer, instr.slot) in split else "B"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunked:
+    """An expert compute between two all-to-alls, run as `chunks` pipelined chunks."""
+
+    dispatch: Instr  # the A2A before the compute ("dispatch" or "grad_combine")
+    compute: Instr
+    combine: Instr  # the A2A after it ("combine" or "grad_dispatch")
+    chunks: int
+
+
+@dataclass(slots=True)
+class Task:
+    """What a lane of an in-order rank runs next: a compute, an A2A or a chunked group."""
+
+    work: Instr | Chunked
+    kind: str  # `compute_kind` of the compute ("" for an A2A)
+    waits: list[Msg] = field(default_factory=list)  # RECVs right before it
+    posts: list[Msg] = field(default_factory=list)  # SENDs right after it: posted when it ends
+
+
+@dataclass(slots=True)
+class Segment:
+    """Instructions of an in-order list that start together: a plain stretch (one lane,
+    "compute") or an overlapped pair ("fwd" and "bwd" lanes, joined when both are done)."""
+
+    lanes: list[tuple[str, list[Task]]]
+    posts: list[Msg] = field(default_factory=list)  # a pair's SENDs: posted at the join
+
+    @property
+    def is_pair(self) -> bool:
+        return len(self.lanes) > 1
+
+
+@dataclass
+class InOrderProgram:
+    """One rank's instruction list compiled for "in-order" execution (see the module doc)."""
+
+    rank: int
+    segments: list[Segment]
+    finals: list[Instr]  # SYNC / STEP in list order
+    SERIAL_STREAMS: ClassVar[bool] = False  # see "Streams" in the module doc
+
+    @staticmethod
+    def stream(msg: Msg) -> tuple[int, int, str]:
+        """The FIFO stream of a message: (sender, receiver, "")."""
+        return (msg.src, msg.dst, "")
+
+    @classmethod
+    def build(cls, schedule: Schedule, rank: int) -> InOrderProgram:
+        if schedule.execution != "in-order":
+            raise ValueError(
+                f"schedule {schedule.name!r} runs {schedule.execution!r}, not in order"
+            )
+        chunks = int(schedule.meta.get("a2a_chunks", 1))
+        body = [i for i in schedule.ranks[rank] if i.op not in (Op.SYNC, Op.STEP)]
+        split = {(i.comp, i.layer, i.slot) for i in body if i.op == Op.WGT}
+        prog = cls(rank, [], [i for i in schedule.ranks[rank] if i.op in (Op.SYNC, Op.STEP)])
+        poster: Task | Segment | None = None  # what a SEND right now would follow
+        waits: list[Msg] = []  # RECVs not yet followed by a compute or A2A
+        start = 0
+        while start < len(body):
+            pair = body[start].pair
+            end = start
+            while end < len(body) and body[end].pair == pair:
+                end += 1
+            run = body[start:end]
+            if pair < 0:
+                seg = Segment([("compute", [])])
+                poster = prog._tasks(run, seg.lanes[0][1], chunks, split, waits, poster)
+            else:
+                seg = Segment([(lane, []) for lane in COMPUTE_LANES])
+                for lane, tasks in seg.lanes:
+                    half = [i for i in run if i.lane == lane]
+                    prog._tasks(half, tasks, chunks, split, waits, seg, pair=True)
+                poster = seg
+            prog.segments.append(seg)
+            start = end
+        if waits:
+            raise ValueError(f"rank {rank}: RECV {waits[0]} is followed by no compute")
+        return prog
+
+    def _tasks(
+        self,
+        run: list[Instr],
+        tasks: list[Task],
+        chunks: int,
+        split: set[tuple[str, int, int]],
+        waits: list[Msg],
+        poster: Task | Segment | None,
+        pair: bool = False,
+    ) -> Task | Segment | None:
+        """Append the tasks of consecutive instructions of one lane; return what a SEND
+        after them follows (the last task; in a pair, always the pair)."""
+        k = 0
+        while k < len(run):
+            ins = run[k]
+            if ins.op == Op.RECV and ins.msg is not None:
+                waits.append(ins.msg)
+            elif ins.op == Op.SEND and ins.msg is not None:
+                if poster is None:
+                    raise ValueError(f"rank {self.rank}: SEND {ins.msg} follows no compute")
+                poster.posts.append(ins.msg)
+            elif ins.op == Op.A2A or ins.is_compute:
+                work: Instr | Chunked = ins
+                if ins.op == Op.A2A and chunks > 1:
+                    group = run[k : k + 3]
+                    if len(group) < 3 or not group[1].is_compute or group[2].op != Op.A2A:
+                        raise ValueError(f"rank {self.rank}: chunked {ins} needs compute, A2A")
+                    work = Chunked(ins, group[1], group[2], chunks)
+                    k += 2
+                compute = work.compute if isinstance(work, Chunked) else ins
+                kind = compute_kind(compute, split) if compute.is_compute else ""
+                tasks.append(Task(work, kind, waits[:]))
+                waits.clear()
+                poster = poster if pair else tasks[-1]
+            else:
+                raise ValueError(f"rank {self.rank}: {ins} has no meaning in order")
+            k += 1
+        return poster
+
+
+CompiledRank = RankProgram | InOrderProgram
+
+
+def compile_program(schedule: Schedule, rank: int) -> CompiledRank:
+    """The compiled list of one rank, for the schedule's execution."""
+    if schedule.execution == "in-order":
+        return InOrderProgram.build(schedule, rank)
+    return RankProgram.build(schedule, rank)
