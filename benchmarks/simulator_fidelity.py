@@ -56,9 +56,9 @@ from disagmoe.simulator import (
     SimResult,
     TableCosts,
     Workload,
+    simulate_baseline_schedule,
     simulate_schedule,
 )
-from disagmoe.simulator.baseline_replay import simulate_baseline_schedule
 from disagmoe.simulator.costs import AnalyticCosts
 
 Event = dict[str, Any]

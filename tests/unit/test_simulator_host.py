@@ -14,9 +14,14 @@ from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.baselines import build_baseline_schedule
 from disagmoe.schedule.ir import Instr, Op
-from disagmoe.simulator import MessageOverheads, Network, Workload, simulate_disagg
+from disagmoe.simulator import (
+    MessageOverheads,
+    Network,
+    Workload,
+    simulate_baseline_schedule,
+    simulate_disagg,
+)
 from disagmoe.simulator import simulate_schedule as simulate_afpipe
-from disagmoe.simulator.baseline_replay import simulate_baseline_schedule
 from disagmoe.simulator.engine import COMPUTE, Program, run_program
 from disagmoe.simulator.placement import disagg_placement, nic_shares
 

@@ -18,10 +18,11 @@ from ..schedule.ir import Schedule
 from ..schedule.validate import ScheduleError, validate
 from .costs import AnalyticCosts, InstrCosts, MessageOverheads, Workload
 from .engine import run_program
+from .lower import Pricing, lower
 from .network import Network
 from .placement import disagg_placement, nic_shares
-from .replay import Replicas, lower_schedule
 from .report import SimResult, summarize
+from .symmetry import Symmetry
 
 # Above this many messages per step the replay uses the symmetry reduction by default.
 REDUCE_ABOVE_MESSAGES = 60_000
@@ -41,6 +42,40 @@ def check_schedule(schedule: Schedule) -> int:
         ) from err
 
 
+def afpipe_pricing(
+    layout: Layout,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    sync: bool = True,
+    step_s: float = 0.0,
+    grad_bytes: int = 2,
+    overheads: MessageOverheads | None = None,
+) -> Pricing:
+    """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
+    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas."""
+
+    def sync_s(rank: int) -> float:
+        role = layout.role(rank)
+        if role.comp != "A":
+            return 0.0  # expert gradients are complete on their shard
+        group = role.group
+        layers = layout.layers_of(layout.attn_rank(group, 0))
+        params = sum(workload.attn_param_count(l) for l in layers)
+        return net.allreduce_s(layout.attn_replicas(group), params * grad_bytes)
+
+    shards = layout.expert_workers
+    return Pricing(
+        compute_s=lambda ins, kind: costs.compute_s(ins.op, ins.comp, ins.layer),
+        message_bytes=lambda msg: workload.message_bytes(msg.kind, msg.layer, shards),
+        net=net,
+        sync_s=sync_s if sync else None,
+        step_s=step_s,
+        overheads=overheads,
+    )
+
+
 def simulate_schedule(
     schedule: Schedule,
     layout: Layout,
@@ -48,7 +83,7 @@ def simulate_schedule(
     workload: Workload,
     net: Network,
     *,
-    replicas: Replicas | None = None,
+    full: Layout | None = None,
     share_compute: bool = True,
     sync: bool = True,
     step_s: float = 0.0,
@@ -56,33 +91,29 @@ def simulate_schedule(
     overheads: MessageOverheads | None = None,
     cores: int = 0,
 ) -> SimResult:
-    """Validate, lower and simulate an AF-Pipe schedule (reduced if `replicas` is given).
+    """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
-    `overheads` and `cores` model a host runtime (see `replay` and `engine.run_program`).
+    `full`: the real layout when `schedule` was generated for one replica and one shard
+    per group (`Symmetry.replicas`). `overheads` and `cores` model a host runtime (see
+    `simulator.lower` and `engine.run_program`).
     """
     peak = check_schedule(schedule)
-    program = lower_schedule(
-        schedule,
-        layout,
-        costs,
-        workload,
-        net,
-        replicas=replicas,
-        sync=sync,
-        step_s=step_s,
-        overheads=overheads,
+    real_layout = full or layout
+    symmetry = Symmetry.replicas(real_layout) if full else Symmetry.identity(schedule.num_ranks)
+    pricing = afpipe_pricing(
+        real_layout, costs, workload, net, sync=sync, step_s=step_s, overheads=overheads
     )
+    program = lower(schedule, pricing, symmetry)
     timeline = run_program(program, share_compute=share_compute, cores=cores)
-    full = replicas.full if replicas else layout
-    real = [replicas.real_rank(r) if replicas else r for r in range(schedule.num_ranks)]
-    roles = [str(full.role(r)) for r in real]
-    tokens = schedule.num_slots * full.attn_workers * workload.tokens
+    real = [symmetry.real(r) for r in range(schedule.num_ranks)]
+    roles = [str(real_layout.role(r)) for r in real]
+    tokens = schedule.num_slots * real_layout.attn_workers * workload.tokens
     cfg = {
         "schedule": schedule.name,
         "num_slots": schedule.num_slots,
         "max_in_flight": schedule.max_in_flight,
         "peak_in_flight": peak,
-        "reduced": replicas is not None,
+        "reduced": full is not None,
         **(config or {}),
     }
     return summarize(
@@ -178,6 +209,6 @@ def simulate_disagg(
         costs,
         workload,
         net,
-        replicas=Replicas(layout) if reduce else None,
+        full=layout if reduce else None,
         config=cfg,
     )

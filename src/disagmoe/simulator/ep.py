@@ -2,12 +2,15 @@
 
 World = pp * dp GPUs; pipeline stage s runs on GPUs `s*dp .. s*dp + dp - 1`
 (pipeline outermost, as Megatron orders tp-cp-ep-dp-pp), and EP groups are
-`ep` consecutive GPUs of a stage. All dp GPUs of a stage are symmetric, so one
-representative per pipeline rank is simulated: the runtime's own instruction
-lists (`schedule.baselines.build_baseline_schedule(..., representatives=True)`,
-"in-order" execution, `schedule.semantics`) are lowered here, each rank standing
-for its dp peers; its all-to-alls are priced from per-peer volumes (NVLink to
-peers on its node, its NIC share to the others).
+`ep` consecutive GPUs of a stage. All dp GPUs of a stage are symmetric, so
+`simulate_ep` simulates one representative per pipeline rank: the runtime's own
+instruction lists (`schedule.baselines.build_baseline_schedule(...,
+representatives=True)`, "in-order" execution, `schedule.semantics`) go through
+`simulator.lower` with `Symmetry.representatives` (each rank standing for its dp
+peers); its all-to-alls are priced from per-peer volumes (NVLink to peers on its
+node, its NIC share to the others). `simulate_baseline_schedule` runs every rank
+of a list with given costs (host calibration: latency-only messages, all-to-all
+members meet).
 
 Per MoE layer and micro-batch, forward: attention block -> dispatch all-to-all
 -> experts -> combine all-to-all; backward mirrors it (two more all-to-alls).
@@ -23,7 +26,7 @@ Per MoE layer and micro-batch, forward: attention block -> dispatch all-to-all
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -31,14 +34,14 @@ from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
 from ..distributed.ep_layout import EPLayout
 from ..flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
 from ..schedule.baselines import build_baseline_schedule
-from ..schedule.ir import Instr, Msg, Op, compute_event_name
-from ..schedule.pipelines import (
-    split_layers,
-)
-from .costs import Workload
-from .engine import A2A, COMPUTE, DELAY, Program, run_program
-from .network import Network, Ports
+from ..schedule.ir import Instr, Msg, Schedule
+from ..schedule.pipelines import split_layers
+from .costs import MessageOverheads, Workload
+from .engine import run_program
+from .lower import Pricing, lower
+from .network import Network
 from .report import SimResult, summarize
+from .symmetry import Symmetry
 
 
 class EPCostModel(Protocol):
@@ -78,106 +81,6 @@ class EPCosts:
         return fwd * {"F": 1.0, "B": GEMM_BACKWARD, "I": 1.0, "W": GEMM_BACKWARD - 1.0}[kind]
 
 
-class _RankLowering:
-    """Ops of one representative's in-order list (`schedule.semantics`, "in-order").
-
-    Each op waits for the one before it in the list; the instructions of an
-    overlapped pair (`Instr.pair`) run on their lanes ("fwd" / "bwd") from the
-    same start, and the pair's SENDs leave once both halves are done. With
-    `a2a_chunks` = c > 1 an expert compute and the all-to-alls around it run as c
-    chunks: dispatch chunks on the "send" lane, expert chunks on the compute lane,
-    combine chunks on the "recv" lane.
-    """
-
-    def __init__(
-        self, prog: Program, rank: int, costs: EPCostModel, chunks: int, two_lanes: bool
-    ) -> None:
-        self.prog, self.rank, self.costs, self.chunks = prog, rank, costs, chunks
-        self.two_lanes = two_lanes
-        self.lane_last: dict[str, int] = {}
-        self.weights: set[tuple[str, int, int]] = set()
-        self.sources: dict[Msg, int] = {}  # SEND -> the op whose end posts it
-        self.waits: list[tuple[int, Msg]] = []  # RECV -> the op that needs it, in list order
-
-    def op(self, kind: int, lane: str, work: float, cat: str, label: str, deps: list[int]) -> int:
-        args = {"step": 0}
-        prev = self.lane_last.get(lane, -1)
-        op = self.prog.add(kind, self.rank, lane, work, cat, label, [prev, *deps], args)
-        self.lane_last[lane] = op
-        return op
-
-    def work(self, ins: Instr) -> float:
-        """Seconds of a compute: the backward of a task with a W computes input grads only."""
-        if ins.op == Op.FWD:
-            kind = "F"
-        elif ins.op == Op.WGT:
-            kind = "W"
-        else:
-            kind = "I" if (ins.comp, ins.layer, ins.slot) in self.weights else "B"
-        if ins.comp == "A":
-            return self.costs.attn(ins.layer, kind)
-        return self.costs.experts(kind)
-
-    def lower(self, instrs: tuple[Instr, ...]) -> None:
-        self.weights = {(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.WGT}
-        prev, i = -1, 0
-        while i < len(instrs):
-            pair = instrs[i].pair
-            j = i
-            while j < len(instrs) and instrs[j].pair == pair:
-                j += 1
-            if pair < 0:
-                prev = self.run(instrs[i:j], [prev], None)
-            else:
-                sends: list[Msg] = []
-                ends = [
-                    self.run([x for x in instrs[i:j] if x.lane == lane], [prev], sends)
-                    for lane in ("fwd", "bwd")
-                ]
-                done = "F&B done"
-                prev = self.prog.add(DELAY, self.rank, "bwd", 0.0, "other", done, ends, {"step": 0})
-                self.sources.update(dict.fromkeys(sends, prev))
-            i = j
-
-    def run(self, seq: Sequence[Instr], deps: list[int], sends: list[Msg] | None) -> int:
-        """Ops of consecutive instructions; returns the last op (or the first of `deps`)."""
-        last, recvs, k = deps[0], [], 0
-        while k < len(seq):
-            ins = seq[k]
-            lane = ins.lane if self.two_lanes else "compute"
-            tag = f"l{ins.layer} s{ins.slot}"
-            before = len(self.prog)
-            if ins.msg is not None and ins.op == Op.RECV:
-                recvs.append(ins.msg)
-            elif ins.msg is not None and ins.op == Op.SEND:
-                if sends is None:
-                    self.sources[ins.msg] = last
-                else:
-                    sends.append(ins.msg)
-            elif ins.op == Op.A2A and self.chunks > 1:
-                expert, c = seq[k + 1], self.chunks
-                a2a = self.costs.a2a_s[self.rank] / c
-                ends = []
-                for n in range(c):
-                    d = self.op(A2A, "send", a2a, "comm", f"a2a {ins.comp} {tag} c{n}", [last])
-                    e = self.op(COMPUTE, lane, self.work(expert) / c, "ffn", f"experts {tag}", [d])
-                    ends.append(self.op(A2A, "recv", a2a, "comm", f"a2a {seq[k + 2].comp}", [e]))
-                last = self.op(DELAY, lane, 0.0, "other", f"join {tag}", ends)
-                k += 2
-            elif ins.op == Op.A2A:
-                cost = self.costs.a2a_s[self.rank]
-                last = self.op(A2A, lane, cost, "comm", f"a2a {ins.comp} {tag}", [last])
-            elif ins.is_compute:
-                cat = "attn" if ins.comp == "A" else "ffn"
-                label = compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot)
-                last = self.op(COMPUTE, lane, self.work(ins), cat, label, [last])
-            if recvs and len(self.prog) > before:
-                self.waits += [(before, m) for m in recvs]
-                recvs = []
-            k += 1
-        return last
-
-
 def simulate_ep(
     runtime: str,
     model: ModelConfig,
@@ -215,13 +118,10 @@ def simulate_ep(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
     )
     per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
-    stages = split_layers(model.num_layers, num_stages)
     workload = Workload(model, seq_len, micro_batch_size)
     net = net or Network.from_cluster(cluster)
-    prog = Program(num_ranks=pp, latency_s=net.latency_s, multiplicity=[dp] * pp)
-    ports = Ports(prog, net)
     a2a = [
-        ports.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(ep))
+        net.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(ep))
         for r in range(pp)
     ]
     model_costs: EPCostModel = costs or EPCosts(
@@ -233,24 +133,18 @@ def simulate_ep(
         representatives=True,
         a2a_chunks=overlap_chunks if runtime == "ep-overlap" else 1,
     )
-    two_lanes = any(i.pair >= 0 for instrs in schedule.ranks for i in instrs)
-    chunks = int(schedule.meta["a2a_chunks"])
-    lowered = [_RankLowering(prog, r, model_costs, chunks, two_lanes) for r in range(pp)]
-    for low, instrs in zip(lowered, schedule.ranks, strict=True):
-        low.lower(instrs)
-    nbytes = workload.tokens * model.dim * workload.act_bytes
-    for low in lowered:  # pipeline messages, in the receivers' list order
-        for op, msg in low.waits:
-            loads = ports.message(lay.rank_of(msg.src, 0), lay.rank_of(msg.dst, 0), nbytes)
-            label = f"{msg.kind} l{msg.layer} s{msg.slot}"
-            source = lowered[msg.src].sources[msg]
-            x = prog.add_xfer(
-                msg.src, msg.dst, loads, label, [source], {"slot": msg.slot, "step": 0}
-            )
-            prog.deps[op].append(x)
-    owner = lay.stage_to_pp_rank()
-    if sync:
-        _add_ep_sync(prog, lay, workload, ports, stages, owner, model)
+    symmetry = Symmetry.representatives(lay)
+    pp_of = {symmetry.real(r): r for r in range(pp)}
+    pricing = Pricing(
+        compute_s=lambda ins, kind: (
+            model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
+        ),
+        message_bytes=lambda msg: workload.tokens * model.dim * workload.act_bytes,
+        net=net,
+        a2a_s=lambda real, ins: model_costs.a2a_s[pp_of[real]],
+        sync_s=_ep_sync_s(lay, workload, net, model) if sync else None,
+    )
+    prog = lower(schedule, pricing, symmetry)
     timeline = run_program(prog)
     roles = [f"EP(stage {r})" for r in range(pp)]
     tokens = num_micro_batches * workload.tokens
@@ -274,30 +168,70 @@ def simulate_ep(
         timeline,
         tokens_per_step=tokens,
         roles=roles,
-        real_ranks=[r * dp for r in range(pp)],
+        real_ranks=[symmetry.real(r) for r in range(pp)],
         config=cfg,
     )
 
 
-def _add_ep_sync(
-    prog: Program,
-    lay: EPLayout,
-    workload: Workload,
-    ports: Ports,
-    stages: list[list[int]],
-    owner: list[int],
-    model: ModelConfig,
-) -> None:
+def _ep_sync_s(
+    lay: EPLayout, workload: Workload, net: Network, model: ModelConfig
+) -> Callable[[int], float]:
     """Gradient all-reduce: attention over the stage's dp GPUs, experts over dp/ep replicas."""
-    for rank in range(lay.pp):
+    stages = split_layers(model.num_layers, lay.num_stages)
+    owner = lay.stage_to_pp_rank()
+
+    def sync_s(real: int) -> float:
+        rank = lay.coords(real)[0]
         layers = [l for s, ls in enumerate(stages) if owner[s] == rank for l in ls]
         if owner[-1] == rank:
             layers.append(model.num_layers)
         attn = sum(workload.attn_param_count(l) for l in layers) * 2
         moe = sum(1 for l in layers if l < model.num_layers and model.is_moe_layer(l))
         experts = moe * workload.expert_param_count() // lay.ep * 2
-        seconds = ports.allreduce_s(lay.dp_group_ranks(rank), attn) + ports.allreduce_s(
+        return net.allreduce_s(lay.dp_group_ranks(rank), attn) + net.allreduce_s(
             lay.edp_group_ranks(rank, 0), experts
         )
-        mine = [op for op in range(len(prog)) if prog.rank[op] == rank]
-        prog.add(DELAY, rank, "sync", seconds, "comm", "SYNC grads", mine, {"step": 0})
+
+    return sync_s
+
+
+def simulate_baseline_schedule(
+    schedule: Schedule,
+    cost: Callable[[Instr], float],
+    *,
+    message_bytes: Callable[[Msg], float],
+    tokens_per_step: int,
+    latency_s: float = 0.0,
+    overheads: MessageOverheads | None = None,
+    a2a_s: Callable[[Instr], float] | None = None,
+    sync_s: float = 0.0,
+    step_s: float = 0.0,
+    cores: int = 0,
+) -> SimResult:
+    """One step of an `ep-*` schedule with every rank simulated (host calibration).
+
+    `cost` prices a compute instruction, `a2a_s` an all-to-all (its members meet
+    first); messages arrive `latency_s` after they are posted (no network model);
+    `overheads` as in `simulator.lower`; SYNC and STEP cost `sync_s` / `step_s`;
+    `cores` as in `engine.run_program` (measured costs: no GPU sharing otherwise).
+    """
+    pricing = Pricing(
+        compute_s=lambda ins, kind: cost(ins),
+        message_bytes=message_bytes,
+        latency_s=latency_s,
+        a2a_s=None if a2a_s is None else (lambda real, ins: a2a_s(ins)),
+        sync_s=lambda real: sync_s,
+        step_s=step_s,
+        overheads=overheads,
+    )
+    prog = lower(schedule, pricing)
+    timeline = run_program(prog, share_compute=False, cores=cores)
+    return summarize(
+        schedule.name,
+        prog,
+        timeline,
+        tokens_per_step=tokens_per_step,
+        roles=[str(r) for r in schedule.roles],
+        real_ranks=list(range(schedule.num_ranks)),
+        config={"schedule": schedule.name, **schedule.meta},
+    )

@@ -75,6 +75,27 @@ class Network:
             + local * self.nics_per_node // self.gpus_per_node
         )
 
+    def allreduce_s(self, ranks: list[int], nbytes: float) -> float:
+        """Ring all-reduce of `nbytes` over `ranks`: 2(k-1)/k of the bytes over the slowest hop."""
+        k = len(ranks)
+        if k <= 1 or nbytes <= 0:
+            return 0.0
+        nodes = {self.node_of(r) for r in ranks}
+        bw = self.nvlink_bytes_per_s if len(nodes) == 1 else min(self.nic_bw(r) for r in ranks)
+        return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.latency_s
+
+    def a2a_s(self, ranks: list[int], me: int, bytes_per_peer: float) -> float:
+        """All-to-all of `bytes_per_peer` to every other rank of `ranks`, seen from `me`."""
+        peers = [r for r in ranks if r != me]
+        if not peers:
+            return 0.0
+        local = sum(1 for r in peers if self.same_node(r, me))
+        remote = len(peers) - local
+        return self.latency_s + max(
+            local * bytes_per_peer / self.nvlink_bytes_per_s,
+            remote * bytes_per_peer / self.nic_bw(me),
+        )
+
 
 class Ports:
     """Port ids in a `Program` for real ranks (created on first use)."""
@@ -128,28 +149,3 @@ class Ports:
             (self._get("nic_in", dst, net.nic_bw(dst)), in_bytes * (1.0 - in_local)),
             (self.nvlink(dst, "in"), in_bytes * in_local),
         ]
-
-    def allreduce_s(self, ranks: list[int], nbytes: float) -> float:
-        """Ring all-reduce of `nbytes` over `ranks`: 2(k-1)/k of the bytes over the slowest hop."""
-        k = len(ranks)
-        if k <= 1 or nbytes <= 0:
-            return 0.0
-        nodes = {self.net.node_of(r) for r in ranks}
-        bw = (
-            self.net.nvlink_bytes_per_s
-            if len(nodes) == 1
-            else min(self.net.nic_bw(r) for r in ranks)
-        )
-        return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.net.latency_s
-
-    def a2a_s(self, ranks: list[int], me: int, bytes_per_peer: float) -> float:
-        """All-to-all of `bytes_per_peer` to every other rank of `ranks`, seen from `me`."""
-        peers = [r for r in ranks if r != me]
-        if not peers:
-            return 0.0
-        local = sum(1 for r in peers if self.net.same_node(r, me))
-        remote = len(peers) - local
-        return self.net.latency_s + max(
-            local * bytes_per_peer / self.net.nvlink_bytes_per_s,
-            remote * bytes_per_peer / self.net.nic_bw(me),
-        )

@@ -1,0 +1,297 @@
+"""Lower any `Schedule` (AF-Pipe "lanes" or EP "in-order") to a simulator `Program`.
+
+What an instruction means comes from `schedule.semantics` (`RankProgram`,
+`InOrderProgram`); this module only turns each rank's compiled list into timed
+operations, through one path for both executions:
+
+* computes on their lanes, in list order ("fwd"/"bwd" on lanes; "compute", or a
+  pair's "fwd"/"bwd", in order), costing `Pricing.compute_s(instr, kind)`; lanes
+  programs add their local dependencies (own forward, hand-overs, in-flight cap);
+* all-to-alls cost `Pricing.a2a_s`; when several members of the group are simulated
+  they meet first (a barrier), a representative standing for its group does not;
+  chunked groups run as the semantics split them;
+* with `MessageOverheads` a lane spends `post_s` per message after the op that posts
+  it, and the receiver's stream spends `receive_s(bytes)` on each message (FIFO);
+* a message moves over the network's ports (`Symmetry.loads`: one message or the
+  bundle a representative stands for; arrival = transfer end + latency) or, without
+  a network, arrives `latency_s` after it is posted; on lanes a message waits for the
+  previous one of its stream;
+* SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank.
+
+`Symmetry` says which real workers a simulated rank stands for
+(`simulator.symmetry`); the identity when every rank is simulated.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..runtime.observe import message_event_name, message_label
+from ..schedule.ir import Instr, Msg, Op, Schedule, compute_event_name
+from ..schedule.semantics import (
+    Chunked,
+    InOrderProgram,
+    RankProgram,
+    Task,
+    compile_program,
+    compute_kind,
+)
+from .costs import MessageOverheads
+from .engine import A2A, COMPUTE, DELAY, Program
+from .network import Network, Ports
+from .symmetry import Symmetry
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How one step is priced: the parameters of the one lowering (see the module doc)."""
+
+    compute_s: Callable[[Instr, str], float]  # a compute of a kind (`semantics.compute_kind`)
+    message_bytes: Callable[[Msg], float]  # one message (one real pair of a bundle)
+    net: Network | None = None  # messages over its ports; None: latency only
+    latency_s: float = 0.0  # per message when `net` is None
+    # Seconds of an all-to-all on, and of SYNC of, a real rank (a simulated rank's `Symmetry.real`)
+    a2a_s: Callable[[int, Instr], float] | None = None
+    sync_s: Callable[[int], float] | None = None  # None: no SYNC, no STEP
+    step_s: float = 0.0
+    overheads: MessageOverheads | None = None
+
+    @property
+    def message_latency_s(self) -> float:
+        return self.net.latency_s if self.net is not None else self.latency_s
+
+
+def _category(comp: str) -> str:
+    return "attn" if comp == "A" else "ffn"
+
+
+class _Lowering:
+    """State of one lowering: the program, where each message leaves and who waits for it."""
+
+    def __init__(self, schedule: Schedule, pricing: Pricing, symmetry: Symmetry) -> None:
+        self.schedule, self.pricing, self.symmetry = schedule, pricing, symmetry
+        self.prog = Program(num_ranks=schedule.num_ranks, latency_s=pricing.message_latency_s)
+        self.prog.multiplicity = [symmetry.count(r) for r in range(schedule.num_ranks)]
+        self.over = pricing.overheads if pricing.overheads and pricing.overheads.any else None
+        self.source: dict[Msg, int] = {}  # the op whose end posts a message
+        self.needs: dict[Msg, int] = {}  # the op that waits for a message
+        self.barriers: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
+        self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
+
+    def post(self, rank: int, lane: str, after: int, msgs: list[Msg], args: dict) -> int:
+        """Post `msgs` when op `after` ends (plus the lane's posting overhead); the lane's last op."""
+        if self.over is not None and msgs:
+            label = f"post {len(msgs)} send(s) l{args.get('layer', -1)} s{args.get('slot', -1)}"
+            work = len(msgs) * self.over.post_s
+            after = self.prog.add(DELAY, rank, lane, work, "comm", label, [after], args)
+        for msg in msgs:
+            self.source[msg] = after
+        return after
+
+    # -- lanes (AF-Pipe) ---------------------------------------------------------------
+
+    def lanes(self, rp: RankProgram) -> None:
+        prog, rank, compute_s = self.prog, rp.rank, self.pricing.compute_s
+        task_op: dict[tuple[str, str, int, int], int] = {}
+        lane_last: dict[str, int] = {}
+        for index, ins in rp.computes():
+            args = {"layer": ins.layer, "slot": ins.slot, "step": 0, "index": index}
+            op = prog.add(
+                COMPUTE,
+                rank,
+                ins.lane,
+                compute_s(ins, compute_kind(ins)),
+                _category(ins.comp),
+                compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot),
+                [lane_last.get(ins.lane, -1)],
+                args,
+            )
+            task_op[ins.task] = op
+            for msg in rp.inputs.get(ins.task, ()):
+                self.needs[msg] = op
+            sends = rp.outputs.get(ins.task, [])
+            post_args = {"layer": ins.layer, "slot": ins.slot, "step": 0}
+            lane_last[ins.lane] = self.post(rank, ins.lane, op, sends, post_args)
+        for _, ins in rp.computes():
+            prog.deps[task_op[ins.task]] += [task_op[t] for t in rp.local[ins.task]]
+
+    # -- in order (EP) -----------------------------------------------------------------
+
+    def in_order(self, ip: InOrderProgram) -> None:
+        rank = ip.rank
+        lane_last: dict[str, int] = {}
+
+        def op(kind: int, lane: str, work: float, cat: str, label: str, deps: list[int]) -> int:
+            new = self.prog.add(
+                kind, rank, lane, work, cat, label, [lane_last.get(lane, -1), *deps], {"step": 0}
+            )
+            lane_last[lane] = new
+            return new
+
+        prev = -1
+        for seg in ip.segments:
+            ends = []
+            for lane, tasks in seg.lanes:
+                last = prev
+                for task in tasks:
+                    first = len(self.prog)
+                    last = self.task(rank, lane, task, last, op)
+                    for msg in task.waits:
+                        self.needs[msg] = first
+                    last = self.post(rank, lane, last, task.posts, {"step": 0})
+                ends.append(last)
+            if seg.is_pair:
+                prev = self.prog.add(
+                    DELAY, rank, "bwd", 0.0, "other", "F&B done", ends, {"step": 0}
+                )
+                prev = self.post(rank, "bwd", prev, seg.posts, {"step": 0})
+            else:
+                prev = ends[0]
+
+    def task(self, rank: int, lane: str, task: Task, last: int, op: Callable[..., int]) -> int:
+        """Ops of one task after op `last`; returns its last op."""
+        work = task.work
+        if isinstance(work, Chunked):
+            return self.chunked(
+                rank, lane, work, task.kind, self.meet(rank, work.dispatch, last), op
+            )
+        tag = f"l{work.layer} s{work.slot}"
+        if work.op == Op.A2A:
+            seconds = self.a2a_s(rank, work)
+            return op(
+                A2A, lane, seconds, "comm", f"a2a {work.comp} {tag}", [self.meet(rank, work, last)]
+            )
+        label = compute_event_name(work.op.value, work.comp, work.layer, work.slot)
+        seconds = self.pricing.compute_s(work, task.kind)
+        return op(COMPUTE, lane, seconds, _category(work.comp), label, [last])
+
+    def chunked(
+        self, rank: int, lane: str, group: Chunked, kind: str, last: int, op: Callable[..., int]
+    ) -> int:
+        """Chunk n: dispatch on "send", compute on `lane`, combine on "recv"; then a join."""
+        c, ins = group.chunks, group.compute
+        tag = f"l{ins.layer} s{ins.slot}"
+        dispatch = self.a2a_s(rank, group.dispatch) / c
+        combine = self.a2a_s(rank, group.combine) / c
+        compute = self.pricing.compute_s(ins, kind) / c
+        ends = []
+        for n in range(c):
+            d = op(A2A, "send", dispatch, "comm", f"a2a {group.dispatch.comp} {tag} c{n}", [last])
+            e = op(COMPUTE, lane, compute, "ffn", f"experts {tag}", [d])
+            ends.append(op(A2A, "recv", combine, "comm", f"a2a {group.combine.comp}", [e]))
+        return op(DELAY, lane, 0.0, "other", f"join {tag}", ends)
+
+    def a2a_s(self, rank: int, ins: Instr) -> float:
+        if self.pricing.a2a_s is None:
+            raise ValueError("the schedule has all-to-alls: give their price (a2a_s)")
+        return self.pricing.a2a_s(self.symmetry.real(rank), ins)
+
+    def meet(self, rank: int, ins: Instr, last: int) -> int:
+        """The op after which an all-to-all may start: `last`, or the barrier of its group
+        when more than one member is simulated."""
+        if ins.group not in self.meets:
+            simulated = [r for r in ins.group if self.symmetry.simulated(r) >= 0]
+            self.meets[ins.group] = len(simulated) > 1
+        if not self.meets[ins.group]:
+            return last
+        key = (ins.comp, ins.layer, ins.slot, ins.group)
+        if key not in self.barriers:
+            label = f"meet {ins.comp} l{ins.layer} s{ins.slot}"
+            self.barriers[key] = self.prog.add(DELAY, rank, "compute", 0.0, "comm", label, [])
+        if last >= 0:
+            self.prog.deps[self.barriers[key]].append(last)
+        return self.barriers[key]
+
+    # -- messages, SYNC, STEP ----------------------------------------------------------
+
+    def messages(self, serial: bool, stream_of: Callable[[Msg], tuple[int, int, str]]) -> None:
+        """Every SEND, in the senders' list order, from its source op to the op that needs it."""
+        prog, pricing, over = self.prog, self.pricing, self.over
+        ports = Ports(prog, pricing.net) if pricing.net is not None else None
+        stream_last: dict[tuple[int, int, str], int] = {}
+        recv_last: dict[tuple[int, int, str], int] = {}
+        load_cache: dict[tuple[str, int, int, int], list[tuple[int, float]]] = {}
+        for instrs in self.schedule.ranks:
+            for ins in instrs:
+                if ins.op != Op.SEND or ins.msg is None:
+                    continue
+                msg = ins.msg
+                deps = [self.source[msg]]
+                stream = stream_of(msg)
+                if serial and stream in stream_last:
+                    deps.append(stream_last[stream])
+                args = {"kind": msg.kind, "layer": msg.layer, "slot": msg.slot, "step": 0}
+                if ports is not None:
+                    key = (msg.kind, msg.layer, msg.src, msg.dst)
+                    if key not in load_cache:
+                        nbytes = pricing.message_bytes(msg)
+                        load_cache[key] = self.symmetry.loads(msg, nbytes, ports)
+                    real = {"src": self.symmetry.real(msg.src), "dst": self.symmetry.real(msg.dst)}
+                    label = message_label(msg.kind, msg.layer, msg.slot)
+                    xop = prog.add_xfer(msg.src, msg.dst, load_cache[key], label, deps, args | real)
+                else:
+                    name = message_event_name("send", str(msg))
+                    xop = prog.add(
+                        DELAY, msg.src, "send", pricing.latency_s, "comm", name, deps, args
+                    )
+                stream_last[stream] = xop
+                ready = xop
+                if over is not None:
+                    ready = prog.add(
+                        DELAY,
+                        msg.dst,
+                        "recv",
+                        over.receive_s(pricing.message_bytes(msg)),
+                        "comm",
+                        f"take {msg.kind} l{msg.layer} s{msg.slot}",
+                        [xop, recv_last.get(stream, -1)],
+                        {"layer": msg.layer, "slot": msg.slot, "step": 0},
+                    )
+                    recv_last[stream] = ready
+                if msg not in self.needs:
+                    raise ValueError(f"SEND of {msg} has no matching RECV")
+                prog.deps[self.needs.pop(msg)].append(ready)
+        for msg in self.needs:
+            raise ValueError(f"RECV of {msg} has no matching SEND")
+
+    def sync(self) -> None:
+        """SYNC after every op of the rank, then STEP."""
+        sync_s = self.pricing.sync_s
+        if sync_s is None:
+            return
+        prog = self.prog
+        mine: dict[int, list[int]] = defaultdict(list)
+        for op, rank in enumerate(prog.rank):
+            mine[rank].append(op)
+        for rank in range(prog.num_ranks):
+            done = prog.add(
+                DELAY,
+                rank,
+                "sync",
+                sync_s(self.symmetry.real(rank)),
+                "comm",
+                "SYNC grads",
+                mine[rank],
+                {"step": 0},
+            )
+            prog.add(DELAY, rank, "sync", self.pricing.step_s, "other", "STEP", [done], {"step": 0})
+
+
+def lower(schedule: Schedule, pricing: Pricing, symmetry: Symmetry | None = None) -> Program:
+    """Program of one optimizer step of `schedule` (see the module doc)."""
+    symmetry = symmetry or Symmetry.identity(schedule.num_ranks)
+    assert symmetry.num_ranks == schedule.num_ranks, "one symmetry class per simulated rank"
+    low = _Lowering(schedule, pricing, symmetry)
+    serial, stream_of = True, RankProgram.stream
+    for rank in range(schedule.num_ranks):
+        compiled = compile_program(schedule, rank)
+        if isinstance(compiled, InOrderProgram):
+            low.in_order(compiled)
+            serial, stream_of = InOrderProgram.SERIAL_STREAMS, InOrderProgram.stream
+        else:
+            low.lanes(compiled)
+    low.messages(serial, stream_of)
+    low.sync()
+    return low.prog
