@@ -22,14 +22,12 @@ instructions of every rank (all DP replicas run the same list):
 * `A2A` instructions carry their EP group; a member blocks until every
   member reaches the same `(comp, layer, slot)` all-to-all.
 
-`replay` runs such a schedule with per-instruction costs (one compute lane
-per rank, as PyTorch's runtime executes it) and returns each rank's finish
-time; it raises on a deadlock.
+How such a list runs ("in-order" execution) is `schedule.semantics.InOrderProgram`;
+the simulator replays it (`simulator.simulate_ep`, `simulate_baseline_schedule`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 
 from ..config import ModelConfig
@@ -161,51 +159,3 @@ def build_baseline_schedule(
             "representatives": int(representatives),
         },
     )
-
-
-def replay(schedule: Schedule, cost: Callable[[Instr], float], latency: float = 0.0) -> list[float]:
-    """Finish time of every rank when each runs its list in order on one lane.
-
-    SEND is non-blocking (the message is available `latency` after it); RECV
-    waits for it; an A2A starts when every member of its group has reached
-    it and ends `cost` later on all of them. Raises `RuntimeError` on deadlock.
-    """
-    pos = [0] * schedule.num_ranks
-    clock = [0.0] * schedule.num_ranks
-    available: dict[Msg, float] = {}
-    arrived: dict[tuple[str, int, int, tuple[int, ...]], dict[int, float]] = {}
-    remaining = sum(len(r) for r in schedule.ranks)
-    while remaining:
-        progress = False
-        for rank, instrs in enumerate(schedule.ranks):
-            while pos[rank] < len(instrs):
-                ins = instrs[pos[rank]]
-                if ins.op == Op.RECV:
-                    assert ins.msg is not None
-                    if ins.msg not in available:
-                        break
-                    clock[rank] = max(clock[rank], available[ins.msg]) + cost(ins)
-                elif ins.op == Op.SEND:
-                    assert ins.msg is not None
-                    clock[rank] += cost(ins)
-                    available[ins.msg] = clock[rank] + latency
-                elif ins.op == Op.A2A:
-                    key = (ins.comp, ins.layer, ins.slot, ins.group)
-                    members = arrived.setdefault(key, {})
-                    members.setdefault(rank, clock[rank])
-                    if len(members) < len(ins.group):
-                        break
-                    clock[rank] = max(members.values()) + cost(ins)
-                else:
-                    clock[rank] += cost(ins)
-                pos[rank] += 1
-                remaining -= 1
-                progress = True
-        if not progress:
-            stuck = [
-                f"rank {r}: {schedule.ranks[r][pos[r]]}"
-                for r in range(schedule.num_ranks)
-                if pos[r] < len(schedule.ranks[r])
-            ]
-            raise RuntimeError("schedule deadlocks at " + "; ".join(stuck[:4]))
-    return clock
