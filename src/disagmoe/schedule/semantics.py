@@ -193,12 +193,15 @@ def compile_ranks(schedule: Schedule) -> list[RankProgram]:
     return [RankProgram.build(schedule, rank) for rank in range(schedule.num_ranks)]
 
 
+_COMPUTE_OPS = (Op.FWD, Op.BWD, Op.WGT)
+
+
 def compute_kind(instr: Instr, split: Container[tuple[str, int, int]] = ()) -> str:
     """What a compute computes: "F" forward, "B" full backward, "I" input gradients only
     (a BWD whose (comp, layer, slot) is in `split`: the tasks that also have a W), "W"."""
-    if instr.op == Op.FWD:
+    if instr.op is Op.FWD:
         return "F"
-    if instr.op == Op.WGT:
+    if instr.op is Op.WGT:
         return "W"
     return "I" if (instr.comp, instr.layer, instr.slot) in split else "B"
 
@@ -257,19 +260,16 @@ class InOrderProgram:
                 f"schedule {schedule.name!r} runs {schedule.execution!r}, not in order"
             )
         chunks = int(schedule.meta.get("a2a_chunks", 1))
-        body = [i for i in schedule.ranks[rank] if i.op not in (Op.SYNC, Op.STEP)]
-        split = {(i.comp, i.layer, i.slot) for i in body if i.op == Op.WGT}
-        prog = cls(rank, [], [i for i in schedule.ranks[rank] if i.op in (Op.SYNC, Op.STEP)])
+        instrs = schedule.ranks[rank]
+        split = {(i.comp, i.layer, i.slot) for i in instrs if i.op is Op.WGT}
+        prog = cls(rank, [], [i for i in instrs if i.op is Op.SYNC or i.op is Op.STEP])
         poster: Task | Segment | None = None  # what a SEND right now would follow
         waits: list[Msg] = []  # RECVs not yet followed by a compute or A2A
-        start = 0
-        while start < len(body):
-            pair = body[start].pair
-            end = start
-            while end < len(body) and body[end].pair == pair:
-                end += 1
+        body = [i for i in instrs if i.op is not Op.SYNC and i.op is not Op.STEP]
+        bounds = [k for k in range(1, len(body)) if body[k].pair != body[k - 1].pair]
+        for start, end in zip([0, *bounds], [*bounds, len(body)], strict=True):
             run = body[start:end]
-            if pair < 0:
+            if run[0].pair < 0:
                 seg = Segment([("compute", [])])
                 poster = prog._tasks(run, seg.lanes[0][1], chunks, split, waits, poster)
             else:
@@ -279,7 +279,6 @@ class InOrderProgram:
                     prog._tasks(half, tasks, chunks, split, waits, seg, pair=True)
                 poster = seg
             prog.segments.append(seg)
-            start = end
         if waits:
             raise ValueError(f"rank {rank}: RECV {waits[0]} is followed by no compute")
         return prog
@@ -296,30 +295,37 @@ class InOrderProgram:
     ) -> Task | Segment | None:
         """Append the tasks of consecutive instructions of one lane; return what a SEND
         after them follows (the last task; in a pair, always the pair)."""
+        recv, send, a2a = Op.RECV, Op.SEND, Op.A2A  # local names: enum lookups are slow
         k = 0
         while k < len(run):
             ins = run[k]
-            if ins.op == Op.RECV and ins.msg is not None:
+            op = ins.op
+            if op is recv and ins.msg is not None:
                 waits.append(ins.msg)
-            elif ins.op == Op.SEND and ins.msg is not None:
+                k += 1
+                continue
+            if op is send and ins.msg is not None:
                 if poster is None:
                     raise ValueError(f"rank {self.rank}: SEND {ins.msg} follows no compute")
                 poster.posts.append(ins.msg)
-            elif ins.op == Op.A2A or ins.is_compute:
-                work: Instr | Chunked = ins
-                if ins.op == Op.A2A and chunks > 1:
-                    group = run[k : k + 3]
-                    if len(group) < 3 or not group[1].is_compute or group[2].op != Op.A2A:
-                        raise ValueError(f"rank {self.rank}: chunked {ins} needs compute, A2A")
-                    work = Chunked(ins, group[1], group[2], chunks)
-                    k += 2
-                compute = work.compute if isinstance(work, Chunked) else ins
-                kind = compute_kind(compute, split) if compute.is_compute else ""
-                tasks.append(Task(work, kind, waits[:]))
-                waits.clear()
-                poster = poster if pair else tasks[-1]
+                k += 1
+                continue
+            if op is a2a and chunks > 1:
+                group = run[k : k + 3]
+                if len(group) < 3 or not group[1].is_compute or group[2].op is not a2a:
+                    raise ValueError(f"rank {self.rank}: chunked {ins} needs compute, A2A")
+                kind = compute_kind(group[1], split)
+                tasks.append(Task(Chunked(ins, group[1], group[2], chunks), kind, waits[:], []))
+                k += 2
+            elif op is a2a:
+                tasks.append(Task(ins, "", waits[:], []))
+            elif op in _COMPUTE_OPS:
+                tasks.append(Task(ins, compute_kind(ins, split), waits[:], []))
             else:
                 raise ValueError(f"rank {self.rank}: {ins} has no meaning in order")
+            waits.clear()
+            if not pair:
+                poster = tasks[-1]
             k += 1
         return poster
 

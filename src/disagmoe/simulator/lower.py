@@ -158,7 +158,7 @@ class _Lowering:
                 rank, lane, work, task.kind, self.meet(rank, work.dispatch, last), op
             )
         tag = f"l{work.layer} s{work.slot}"
-        if work.op == Op.A2A:
+        if work.op is Op.A2A:
             seconds = self.a2a_s(rank, work)
             return op(
                 A2A, lane, seconds, "comm", f"a2a {work.comp} {tag}", [self.meet(rank, work, last)]
