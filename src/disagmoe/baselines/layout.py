@@ -23,6 +23,7 @@ class EPGroups:
     ep: dist.ProcessGroup | None  # EP group (dispatch/combine all-to-all); None if ep == 1
     edp: dist.ProcessGroup | None  # same expert shard on other EP groups (expert grads)
     a2a: dist.ProcessGroup | None  # second EP group for ep-overlap's async all-to-all
+    created: int = 0  # process groups the run created (the world group excluded)
 
     @classmethod
     def build(cls, layout: EPLayout, rank: int) -> EPGroups:
@@ -35,8 +36,12 @@ class EPGroups:
             "a2a": None,
         }
 
+        created = 0
+
         def make(name: str, ranks: list[int], needed: bool = True) -> None:
+            nonlocal created
             group = dist.new_group(ranks)
+            created += 1
             if rank in ranks and needed:
                 found[name] = group
 
@@ -52,4 +57,4 @@ class EPGroups:
                 ranks = layout.edp_group_ranks(p, j)
                 make("edp", ranks, len(ranks) > 1)
         assert found["pp"] is not None, (rank, pp_rank, dp_rank, ep_rank, edp_rank)
-        return cls(found["pp"], found["dp"], found["ep"], found["edp"], found["a2a"])
+        return cls(found["pp"], found["dp"], found["ep"], found["edp"], found["a2a"], created)

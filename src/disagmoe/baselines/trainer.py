@@ -193,6 +193,9 @@ class EPTrainer:
         per = self.layout.experts_per_rank
         return self.ep_rank * per, (self.ep_rank + 1) * per
 
+    def process_groups(self) -> int:
+        return self.groups.created
+
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6
 

@@ -1,41 +1,59 @@
-"""Point-to-point messages of variable size: a fixed-size header, then the payload.
+"""Point-to-point messages of variable size: a header that says what follows, then payloads.
 
-A message is a list of tensors of two kinds — "float" (the run's dtype) and
-int64. The header carries the message's identity and each tensor's kind and
-shape, so a receiver can allocate buffers before the payload arrives ("counts
-first, then payloads"); all float tensors travel as one flat buffer and all
-int tensors as another. Empty tensors (a worker that routed no token to a
-shard) are fine.
+A message is a list of tensors. Its **header** is one fixed-size byte buffer on the
+channel's header group: the message's identity, each tensor's dtype and shape, and —
+"inline" — the bytes of every small host tensor that fits (`INLINE_BYTES` in all), so
+a message of small tensors (routing metadata, token counts, or a whole tiny message)
+costs one send and one receive. Each remaining tensor is a **payload**: sent as it is,
+without a copy, on the channel's payload group, and received into a buffer the receiver
+allocates from the header ("counts first, then payloads"). Empty tensors (a worker that
+routed no token to a shard) cost nothing. Only `isend` / `irecv` — no collective.
 
-Headers and payloads travel on the stream's two dedicated 2-rank groups, each
-FIFO: a `Receiver` posts the receives of all its headers up front, so a
-sender's header is never held up waiting for the receiver to ask for it (with
-gloo, a send waits for the receiver's "ready" notice, which would otherwise
-queue behind payload data on a busy link). Only `isend` / `irecv` — no
-collective.
+Payloads may live on an accelerator and travel over the device backend while headers
+stay on a host group: the receiver reads nothing but headers on the host, and a payload
+is never copied to the host (device tensors are never inlined).
+
+A `Receiver` posts the header receives of a whole batch (a step's messages of its stream,
+up to `window`) before the first arrives — posting a receive while data streams in costs
+gloo several times more — and posts a payload's receives as soon as its header arrives:
+with gloo a send leaves only once its receive is posted, so headers are never held up
+behind the receiver, and a payload can start while the previous one is still on the wire.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .topology import Stream
+from .topology import Channel
 
-HEADER_LEN = 64
-_FLOAT, _INT = 0, 1
+IDENT_LEN = 4  # a message names itself, e.g. (kind, layer, slot, step)
+META_WORDS = 64  # int64 fields: identity, tensor count, per tensor (dtype, where, ndim, *shape)
+INLINE_BYTES = 4096  # host tensors' bytes that may travel inside the header
+HEADER_BYTES = META_WORDS * 8 + INLINE_BYTES
+DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.uint8,
+    torch.bool,
+)
+_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
+_INLINE, _PAYLOAD = 0, 1
 
 
 class CommTimeout(RuntimeError):
     pass
-
-
-IDENT_LEN = 4  # a message names itself, e.g. (kind, layer, slot, step)
 
 
 class ProtocolError(RuntimeError):
@@ -46,45 +64,61 @@ class ProtocolError(RuntimeError):
         self.got = got
 
 
+def _align(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
 def encode_header(
     tensors: list[torch.Tensor], ident: tuple[int, ...] = (0, 0, 0, 0)
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The message's header buffer and the tensors that travel as payloads, in order.
+
+    Built with numpy on host memory: a few microseconds, not one torch op per field.
+    """
     assert len(ident) == IDENT_LEN
+    header = np.zeros(HEADER_BYTES, dtype=np.uint8)
     fields = [*ident, len(tensors)]
+    payloads: list[torch.Tensor] = []
+    pos = META_WORDS * 8
     for t in tensors:
-        fields += [_INT if t.dtype == torch.int64 else _FLOAT, t.dim(), *t.shape]
-    if len(fields) > HEADER_LEN:
-        raise ValueError(f"message header needs {len(fields)} fields > {HEADER_LEN}")
-    return torch.tensor(fields + [0] * (HEADER_LEN - len(fields)), dtype=torch.int64)
+        nbytes = t.numel() * t.element_size()
+        inline = t.device.type == "cpu" and pos + nbytes <= HEADER_BYTES
+        if inline and nbytes:
+            header[pos : pos + nbytes] = t.detach().reshape(-1).view(torch.uint8).numpy()
+            pos += _align(nbytes)
+        elif not inline:
+            payloads.append(t.detach().contiguous())
+        fields += [_CODE[t.dtype], _INLINE if inline else _PAYLOAD, t.dim(), *t.shape]
+    if len(fields) > META_WORDS:
+        raise ValueError(f"message header needs {len(fields)} fields > {META_WORDS}")
+    header[: len(fields) * 8] = np.asarray(fields, dtype=np.int64).view(np.uint8)
+    return torch.from_numpy(header), payloads
 
 
 def decode_header(
     header: torch.Tensor,
-) -> tuple[tuple[int, ...], list[tuple[int, tuple[int, ...]]]]:
-    fields = header.tolist()
+) -> tuple[tuple[int, ...], list[tuple[torch.dtype, bool, tuple[int, ...]]]]:
+    """(identity, [(dtype, inline, shape)]) of a header buffer."""
+    fields = header.numpy()[: META_WORDS * 8].view(np.int64).tolist()
     ident = tuple(fields[:IDENT_LEN])
     count, pos, specs = fields[IDENT_LEN], IDENT_LEN + 1, []
     for _ in range(count):
-        kind, ndim = fields[pos], fields[pos + 1]
-        specs.append((kind, tuple(fields[pos + 2 : pos + 2 + ndim])))
-        pos += 2 + ndim
+        code, where, ndim = fields[pos : pos + 3]
+        specs.append((DTYPES[code], where == _INLINE, tuple(fields[pos + 3 : pos + 3 + ndim])))
+        pos += 3 + ndim
     return ident, specs
 
 
 def send_message(
     tensors: list[torch.Tensor],
     dst: int,
-    stream: Stream,
+    channel: Channel,
     ident: tuple[int, ...] = (0, 0, 0, 0),
 ) -> list[dist.Work]:
-    """Post the header and payload sends; the caller waits on the returned works."""
-    works = [_posted(dist.isend(encode_header(tensors, ident), dst, group=stream.header))]
-    floats = [t.reshape(-1) for t in tensors if t.dtype != torch.int64]
-    ints = [t.reshape(-1) for t in tensors if t.dtype == torch.int64]
-    for parts in (floats, ints):
-        flat = torch.cat(parts) if parts else None
-        if flat is not None and flat.numel() > 0:
-            works.append(_posted(dist.isend(flat.contiguous(), dst, group=stream.payload)))
+    """Post the header's and the payloads' sends; the caller waits on the returned works."""
+    header, payloads = encode_header(tensors, ident)
+    works = [_posted(dist.isend(header, dst, group=channel.header))]
+    works += [_posted(dist.isend(t, dst, group=channel.payload)) for t in payloads if t.numel() > 0]
     return works
 
 
@@ -108,67 +142,75 @@ def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
 class Incoming:
     """A message whose header has arrived and whose payload receives are posted."""
 
-    specs: list[tuple[int, tuple[int, ...]]]
-    flats: tuple[torch.Tensor, torch.Tensor]  # float buffer, int buffer
-    works: list[dist.Work]
+    tensors: list[torch.Tensor]  # inline ones filled; payload ones filled once `works` end
+    works: list[dist.Work]  # the payloads' receives (none for an all-inline message)
     arrived: float  # wall-clock time (us) the header arrived
 
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
     def wait(self, timeout_s: float, what: str) -> list[torch.Tensor]:
-        """Block until the payload is in; the message's tensors (views of two flat buffers)."""
+        """Block until the payloads are in; the message's tensors."""
         for work in self.works:
             _wait(work, timeout_s, what)
-        flat_f, flat_i = self.flats
-        out, pos_f, pos_i = [], 0, 0
-        for kind, shape in self.specs:
-            size = math.prod(shape)
-            if kind == _FLOAT:
-                out.append(flat_f[pos_f : pos_f + size].view(shape))
-                pos_f += size
-            else:
-                out.append(flat_i[pos_i : pos_i + size].view(shape))
-                pos_i += size
-        return out
+        return self.tensors
 
 
 class Receiver:
-    """Receives the `count` messages of one stream in order; all headers are posted at once.
+    """Receives the messages of one (sender, channel) stream in order.
 
-    `post` waits for the next header and posts that message's payload receives without
-    waiting for the previous payload: with gloo a payload leaves the sender only once
-    its receive is posted, so posting it while the previous payload is still on the
-    wire keeps the link busy back to back instead of idling for one round trip (through
-    the, possibly congested, reverse direction) per message.
+    `start(count)` begins a batch of `count` messages (one step's), posting up to `window`
+    header receives ahead; `next` waits for the next header, checks the message's identity
+    and posts its payloads' receives on `device`.
     """
 
-    def __init__(self, src: int, stream: Stream, float_dtype: torch.dtype, count: int) -> None:
+    def __init__(
+        self, src: int, channel: Channel, *, window: int = 4096, device: torch.device | None = None
+    ) -> None:
         self.src = src
-        self.stream = stream
-        self.float_dtype = float_dtype
-        self.headers = [torch.empty(HEADER_LEN, dtype=torch.int64) for _ in range(count)]
-        self.works = [_posted(dist.irecv(h, src, group=stream.header)) for h in self.headers]
-        self.next = 0
+        self.channel = channel
+        self.window = window
+        self.device = device or torch.device("cpu")
+        self.posted: deque[tuple[torch.Tensor, dist.Work]] = deque()
+        self.unposted = 0
 
-    def post(self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None) -> Incoming:
+    def start(self, count: int) -> None:
+        assert not self.posted and not self.unposted, "the previous batch is not finished"
+        self.unposted = count
+        while self.unposted and len(self.posted) < self.window:
+            self._post()
+
+    def _post(self) -> None:
+        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        self.posted.append(
+            (header, _posted(dist.irecv(header, self.src, group=self.channel.header)))
+        )
+        self.unposted -= 1
+
+    def next(self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None) -> Incoming:
         """Wait for the next header, check it is `expect`, post its payload receives."""
-        k = self.next
-        self.next += 1
-        _wait(self.works[k], timeout_s, what)
+        header, work = self.posted.popleft()
+        _wait(work, timeout_s, what)
         arrived = time.time_ns() / 1000.0
-        ident, specs = decode_header(self.headers[k])
+        if self.unposted:
+            self._post()
+        ident, specs = decode_header(header)
         if expect is not None and ident != tuple(expect):
             raise ProtocolError(
                 f"{what}: got message {ident} instead of {tuple(expect)} (lost or reordered)",
                 ident,
             )
-        n_float = sum(math.prod(shape) for kind, shape in specs if kind == _FLOAT)
-        n_int = sum(math.prod(shape) for kind, shape in specs if kind == _INT)
-        flats = (
-            torch.empty(n_float, dtype=self.float_dtype),
-            torch.empty(n_int, dtype=torch.int64),
-        )
-        works = [
-            _posted(dist.irecv(flat, self.src, group=self.stream.payload))
-            for flat in flats
-            if flat.numel() > 0
-        ]
-        return Incoming(specs, flats, works, arrived)
+        tensors, works = [], []
+        pos = META_WORDS * 8
+        for dtype, inline, shape in specs:
+            if inline:
+                nbytes = math.prod(shape) * dtype.itemsize
+                tensors.append(header[pos : pos + nbytes].view(dtype).view(shape))
+                pos += _align(nbytes)
+                continue
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if t.numel():
+                works.append(_posted(dist.irecv(t, self.src, group=self.channel.payload)))
+            tensors.append(t)
+        return Incoming(tensors, works, arrived)

@@ -1,34 +1,40 @@
 """Process groups of a disaggregated run, built once and passed explicitly.
 
-* two 2-rank groups per (sender, receiver, channel) message stream of the
-  schedule — the dedicated send/receive groups of docs/design.md §2.3, so that
-  forward activations and backward gradients between the same two workers
-  never queue behind each other. Of each pair, one carries the fixed-size
-  headers and one the payloads: each is FIFO on its own, so a receiver can
-  post the headers of all its messages ahead of time, on any backend;
+A fixed set, whatever m and n are (docs/design.md §2.3, §4):
+
+* per channel ("fwd": activations, "bwd": gradients) one group for message headers and
+  one for payloads, each holding every rank. Point-to-point messages between two ranks
+  on one group are FIFO (per sender, receiver and tag), and two groups never queue
+  behind each other, so every (sender, receiver, channel) stream is FIFO on its own,
+  forward and backward traffic between the same two workers never wait for each other,
+  and a small header never waits behind a large payload (with gloo each group has its
+  own connection per pair of ranks; with NCCL each its own communicator);
 * per attention group, the group of its m data-parallel replicas (gradient
   all-reduce);
 * the world group (loss/metrics reduction, global gradient norm).
 
-Every rank must call `Topology.build` with the same schedule: process-group
-creation is collective.
+So `4 + p` groups in all (the world excluded), and a rank belongs to at most 5 of them.
+Every rank must call `Topology.build` in the same order: group creation is collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..schedule.ir import Op, Schedule
 from .layout import Layout, Role
+
+CHANNELS = ("fwd", "bwd")
+GroupFactory = Callable[[Sequence[int]], Any]  # `dist.new_group`, or a fake in tests
 
 
 @dataclass(frozen=True)
-class Stream:
-    """The process groups of one (sender, receiver, channel) stream."""
+class Channel:
+    """The two process groups every stream of one channel shares."""
 
     header: dist.ProcessGroup
     payload: dist.ProcessGroup
@@ -39,35 +45,36 @@ class Topology:
     layout: Layout
     rank: int
     role: Role
-    streams: dict[tuple[int, int, str], Stream]  # (src, dst, channel) -> its groups
+    channels: dict[str, Channel]  # "fwd" / "bwd"
     replica_group: dist.ProcessGroup | None  # this A rank's replicas (None for F ranks)
+    process_groups: int  # groups this run created (the world group excluded)
 
     @classmethod
-    def build(cls, layout: Layout, schedule: Schedule) -> Topology:
-        rank = dist.get_rank()
-        keys = sorted(
-            {
-                (i.msg.src, i.msg.dst, i.msg.channel)
-                for instrs in schedule.ranks
-                for i in instrs
-                if i.op == Op.SEND and i.msg is not None
-            }
-        )
-        streams = {}
-        for src, dst, channel in keys:
-            header, payload = dist.new_group([src, dst]), dist.new_group([src, dst])
-            if rank in (src, dst):
-                streams[(src, dst, channel)] = Stream(header, payload)
+    def build(
+        cls, layout: Layout, rank: int | None = None, new_group: GroupFactory | None = None
+    ) -> Topology:
+        """Create the run's groups (collective: every rank calls it, in the same order)."""
+        rank = dist.get_rank() if rank is None else rank
+        make = dist.new_group if new_group is None else new_group
+        everyone = list(range(layout.world_size))
+        created = 0
+        channels = {}
+        for channel in CHANNELS:
+            channels[channel] = Channel(header=make(everyone), payload=make(everyone))
+            created += 2
         replica_group = None
         role = layout.role(rank)
         for g in range(layout.groups):
-            group = dist.new_group(layout.attn_replicas(g))
+            group = make(layout.attn_replicas(g))
+            created += 1
             if role.comp == "A" and role.group == g:
                 replica_group = group
-        return cls(layout, rank, role, streams, replica_group)
+        return cls(layout, rank, role, channels, replica_group, created)
 
-    def stream(self, src: int, dst: int, channel: str) -> Stream:
-        return self.streams[(src, dst, channel)]
+    def stream(self, src: int, dst: int, channel: str) -> Channel:
+        """The groups carrying the (src, dst, channel) stream (shared with the channel's
+        other streams; FIFO per pair of ranks)."""
+        return self.channels[channel]
 
 
 def world_sum(t: torch.Tensor) -> torch.Tensor:

@@ -73,7 +73,7 @@ class DisaggTrainer:
         self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
         self.schedule = run_schedule(cfg, self.layout)
         validate(self.schedule)
-        self.topo = Topology.build(self.layout, self.schedule)
+        self.topo = Topology.build(self.layout)
         self.role = self.layout.role(self.rank)
         model = build_initial_model(cfg)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
@@ -156,6 +156,9 @@ class DisaggTrainer:
             return None
         lo = self.worker.expert_offset
         return lo, lo + self.layout.experts_per_worker
+
+    def process_groups(self) -> int:
+        return self.topo.process_groups
 
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6

@@ -1,23 +1,26 @@
 """Runs one rank's instruction list with compute and communication overlapped.
 
-Lanes (threads on CPU; on GPU they would be CUDA streams):
+Lanes (threads on CPU, started once and kept for the whole run; on GPU they would
+drive CUDA streams):
 
 * "fwd"  — the rank's FWD instructions in list order,
 * "bwd"  — its BWD instructions in list order,
-* "recv" — two threads per (sender, channel) stream: one takes the stream's headers
-           in FIFO order and posts each payload's receive at once (while the previous
-           payload may still be on the wire), one waits for the payloads in order and
-           puts them into a mailbox,
-* "send" — sends are posted (`isend`) by the compute lane right after the
-           producing compute; one thread waits for their completion;
+* "recv" — two threads per incoming (sender, channel) stream: one takes the stream's
+           headers in FIFO order — a message whose tensors all came inline in its header
+           goes straight into the mailbox, otherwise its payload receives are posted at
+           once (while the previous payload may still be on the wire) — and one puts
+           the stream's other messages into the mailbox, in order, as their payloads
+           complete,
+* "send" — sends are posted (`isend`) by the compute lane right after the producing
+           compute; one thread waits for their completion;
 * "sync" — SYNC and STEP, through the trainer's `StepHooks`, once the rest is done.
 
-So an F worker can send the backward result of micro-batch i, compute the
-forward of micro-batch j and receive a gradient for micro-batch q at once.
-When a compute may start is `schedule.semantics.RankProgram.ready` (its
-input messages in the mailbox, its local dependencies done), the same rule
-the validator and the simulator apply. Every wait has a timeout; on timeout the
-error names the rank, its role, the instruction and the missing messages.
+So an F worker can send the backward result of micro-batch i, compute the forward of
+micro-batch j and receive a gradient for micro-batch q at once. When a compute may
+start is `schedule.semantics.RankProgram.ready` (its input messages in the mailbox, its
+local dependencies done), the same rule the validator and the simulator apply. Every
+wait has a timeout; on timeout the error names the rank, its role, the instruction and
+the missing messages.
 """
 
 from __future__ import annotations
@@ -26,15 +29,16 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from ..distributed.exchange import CommTimeout, ProtocolError, Receiver, send_message
+from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receiver, send_message
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, Schedule, compute_event_name
-from ..schedule.semantics import RankProgram, TaskKey
+from ..schedule.semantics import RankProgram, TaskKey, consumer
 from .observe import Tracer, message_event_name, message_label
 
 Payload = list[torch.Tensor]
@@ -43,6 +47,13 @@ KINDS = tuple(MESSAGE_KINDS)
 # GIL back from a computing lane quickly, or every message pays up to one switch interval
 # (CPython's default 5 ms) per handoff, several times — longer than the transfer itself.
 GIL_SWITCH_INTERVAL_S = 2e-4
+_ANOTHER_LANE = "another lane failed"
+# A lost message is reported by the compute that waits for it (after the timeout, naming
+# the message and its sender). The communication lanes wait longer: with gloo a receive
+# that times out closes its connection, which both directions between two ranks share
+# (one group per channel), so an early receive timeout on one rank would make its peer
+# report a closed connection instead of what it was waiting for.
+_BACKSTOP = 2.0
 
 
 class StageWorker(Protocol):
@@ -76,11 +87,49 @@ class HangError(RuntimeError):
 
 
 @dataclass
-class _Shared:
-    cond: threading.Condition
-    mailbox: dict[Msg, Payload]
-    done: set[TaskKey]
-    errors: list[BaseException]
+class _Step:
+    """What the lanes share during one step: one lock, and one condition per waiter so that
+    an arrival wakes only the lane that consumes it (a wake-up costs a GIL hand-off)."""
+
+    step: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    mailbox: dict[Msg, Payload] = field(default_factory=dict)
+    headers: set[Msg] = field(default_factory=set)  # messages whose header arrived
+    done: set[TaskKey] = field(default_factory=set)
+    errors: list[BaseException] = field(default_factory=list)
+    finished: int = 0  # lanes that finished this step
+    wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
+    ended: threading.Condition = field(init=False)  # run_step waits on it
+
+    def __post_init__(self) -> None:
+        self.ended = threading.Condition(self.lock)
+        self.wake = {lane: threading.Condition(self.lock) for lane in ("fwd", "bwd")}
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            self.errors.append(err)
+            for cond in (*self.wake.values(), self.ended):
+                cond.notify_all()
+
+
+class _Lane:
+    """A thread kept for the whole run that runs `body(step_state)` once per step."""
+
+    def __init__(self, name: str, body: Callable[[_Step], None]) -> None:
+        self.body = body
+        self.inbox: queue.Queue[_Step | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (st := self.inbox.get()) is not None:
+            try:
+                self.body(st)
+            except BaseException as err:
+                st.fail(err)
+            with st.lock:
+                st.finished += 1
+                st.ended.notify_all()
 
 
 class Executor:
@@ -107,20 +156,55 @@ class Executor:
         self.timeout_s = timeout_s
         self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
         self.program = RankProgram.build(schedule, self.rank)
+        self._backstop = _BACKSTOP * timeout_s + 10.0
+        self.consumer_lane = {  # the compute lane each incoming message wakes
+            m: Instr(Op(consumer(m)[0])).lane
+            for msgs in self.program.streams.values()
+            for m in msgs
+        }
+        self.sends: queue.Queue[tuple[Msg, list[Any], float, int, int] | None] = queue.Queue()
+        self.deliveries: list[queue.Queue[tuple[Msg, Incoming, str, float] | None]] = []
+        self.lanes: list[_Lane] = []  # started on the first step
 
     # ------------------------------------------------------------------ lanes
 
+    def _start_lanes(self) -> None:
+        """Receive lanes first, then the compute lanes, then delivery and send completion:
+        `run_step` counts on this order."""
+        delivers = []
+        for (src, channel), msgs in self.program.streams.items():
+            rx = Receiver(src, self.topo.stream(src, self.rank, channel))
+            box: queue.Queue[tuple[Msg, Incoming, str, float] | None] = queue.Queue()
+            self.deliveries.append(box)
+            self.lanes.append(_Lane(f"recv{src}{channel}", self._bind_recv(src, msgs, rx, box)))
+            delivers.append(_Lane(f"deliver{src}{channel}", self._bind_deliver(box)))
+        for lane in self.program.lanes:
+            self.lanes.append(_Lane(lane, self._bind_compute(lane)))
+        self.lanes += [*delivers, _Lane("send", self._send_waiter)]
+
+    def _bind_recv(
+        self, src: int, msgs: list[Msg], rx: Receiver, box: queue.Queue[Any]
+    ) -> Callable[[_Step], None]:
+        return lambda st: self._recv_lane(st, src, msgs, rx, box)
+
+    def _bind_deliver(self, box: queue.Queue[Any]) -> Callable[[_Step], None]:
+        return lambda st: self._deliver_lane(st, box)
+
+    def _bind_compute(self, lane: str) -> Callable[[_Step], None]:
+        return lambda st: self._compute_lane(st, lane)
+
     def _recv_lane(
-        self, sh: _Shared, src: int, channel: str, msgs: list[Msg], step: int, posted: queue.Queue
+        self, st: _Step, src: int, msgs: list[Msg], receiver: Receiver, box: queue.Queue[Any]
     ) -> None:
         """Headers of one stream in order; each message's payload receive is posted at once."""
-        receiver = Receiver(src, self.topo.stream(src, self.rank, channel), self.dtype, len(msgs))
+        step = st.step
+        receiver.start(len(msgs))
         try:
             for msg in msgs:
                 t_wait = Tracer.now_us()
                 what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
                 try:
-                    incoming = receiver.post(self.timeout_s, what, expect=_ident(msg, step))
+                    incoming = receiver.next(self._backstop, what, expect=_ident(msg, step))
                 except ProtocolError as err:
                     kind, layer, slot, got_step = err.got
                     raise ProtocolError(
@@ -128,37 +212,43 @@ class Executor:
                         f"instead (a message was lost or reordered)",
                         err.got,
                     ) from None
-                posted.put((msg, incoming, what, t_wait))
+                with st.lock:
+                    st.headers.add(msg)
+                if incoming.works:
+                    box.put((msg, incoming, what, t_wait))
+                else:
+                    self._deliver(st, msg, incoming, incoming.arrived, t_wait)
         finally:
-            posted.put(None)
+            receiver.posted.clear()
+            receiver.unposted = 0
 
-    def _deliver_lane(self, sh: _Shared, src: int, step: int, posted: queue.Queue) -> None:
-        """Payloads of one stream in order, into the mailbox."""
-        while (item := posted.get()) is not None:
+    def _deliver(self, st: _Step, msg: Msg, incoming: Incoming, end: float, t_wait: float) -> None:
+        self.tracer.add(
+            message_event_name("recv", message_label(msg.kind, msg.layer, msg.slot)),
+            "recv",
+            incoming.arrived,
+            end,
+            src=msg.src,
+            layer=msg.layer,
+            slot=msg.slot,
+            step=st.step,
+            waited_us=round(incoming.arrived - t_wait, 1),
+            bytes=incoming.nbytes,
+        )
+        with st.lock:
+            st.mailbox[msg] = incoming.tensors
+            st.wake[self.consumer_lane[msg]].notify()
+
+    def _deliver_lane(self, st: _Step, box: queue.Queue[Any]) -> None:
+        """A stream's payloads in order, into the mailbox."""
+        while (item := box.get()) is not None:
             msg, incoming, what, t_wait = item
-            payload = incoming.wait(self.timeout_s, what)
-            self.tracer.add(
-                message_event_name("recv", message_label(msg.kind, msg.layer, msg.slot)),
-                "recv",
-                incoming.arrived,
-                Tracer.now_us(),
-                src=src,
-                layer=msg.layer,
-                slot=msg.slot,
-                step=step,
-                waited_us=round(incoming.arrived - t_wait, 1),
-                bytes=sum(t.numel() * t.element_size() for t in payload),
-            )
-            with sh.cond:
-                sh.mailbox[msg] = payload
-                sh.cond.notify_all()
+            incoming.wait(self._backstop, what)
+            self._deliver(st, msg, incoming, Tracer.now_us(), t_wait)
 
-    def _send_waiter(self, sh: _Shared, pending: queue.Queue, step: int) -> None:
-        while True:
-            item = pending.get()
-            if item is None:
-                return
-            msg, works, t0, nbytes = item
+    def _send_waiter(self, st: _Step) -> None:
+        while (item := self.sends.get()) is not None:
+            msg, works, t0, nbytes, step = item
             for work in works:
                 try:
                     work.wait()
@@ -179,30 +269,52 @@ class Executor:
                 bytes=nbytes,
             )
 
-    def _wait_ready(self, sh: _Shared, index: int, instr: Instr) -> dict[Msg, Payload]:
-        deadline = time.monotonic() + self.timeout_s
-        arrived = sh.mailbox.__contains__
-        with sh.cond:
-            while not self.program.ready(instr, sh.done, arrived):
-                if sh.errors:
-                    raise RuntimeError("another lane failed")
+    def _wait_ready(self, st: _Step, index: int, instr: Instr) -> dict[Msg, Payload]:
+        """Block until `instr` may run; its input messages. On timeout, the error names the
+        first missing message and its sender, or the local dependencies (a lane waiting only
+        for the other lane waits once more, so that the lane waiting for a message reports)."""
+        deadline, extended = time.monotonic() + self.timeout_s, False
+        arrived = st.mailbox.__contains__
+        wake = st.wake[instr.lane]
+        with st.lock:
+            while not self.program.ready(instr, st.done, arrived):
+                if st.errors:
+                    raise RuntimeError(_ANOTHER_LANE)
                 if time.monotonic() > deadline:
-                    missing, tasks = self.program.waiting_for(instr, sh.done, arrived)
-                    peers = sorted({m.src for m in missing})
-                    waits = [str(m) for m in missing]
-                    if missing:
-                        waits[-1] += f" from rank(s) {peers}"
-                    waits += [f"{compute_event_name(*t)} of its own" for t in tasks]
-                    raise HangError(
-                        f"rank {self.rank} {self.role}: instruction {index} ({instr}) waited "
-                        f"{self.timeout_s:.0f} s for {', '.join(waits)}"
-                    )
-                sh.cond.wait(0.05)
-            return {m: sh.mailbox.pop(m) for m in self.program.inputs.get(instr.task, ())}
+                    missing, tasks = self.program.waiting_for(instr, st.done, arrived)
+                    if not missing and not extended:
+                        deadline, extended = deadline + self.timeout_s, True
+                        continue
+                    raise HangError(self._hang_report(st, index, instr, missing, tasks))
+                wake.wait(0.05)
+            return {m: st.mailbox.pop(m) for m in self.program.inputs.get(instr.task, ())}
 
-    def _compute_lane(self, sh: _Shared, lane: str, pending: queue.Queue, step: int) -> None:
+    def _hang_report(
+        self, st: _Step, index: int, instr: Instr, missing: list[Msg], tasks: list[TaskKey]
+    ) -> str:
+        who = f"rank {self.rank} {self.role}"
+        if not missing:
+            waits = ", ".join(f"{compute_event_name(*t)}" for t in tasks)
+            return (
+                f"{who}: instruction {index} ({instr}) waited {self.timeout_s:.0f} s for "
+                f"{waits} of its own"
+            )
+        first, others = missing[0], missing[1:]
+        state = (
+            f"its payload did not complete within {self.timeout_s:g} s"
+            if first in st.headers
+            else f"nothing arrived within {self.timeout_s:g} s"
+        )
+        also = f"; also waiting for {', '.join(str(m) for m in others)}" if others else ""
+        return (
+            f"{who}: receiving {first} from rank {first.src}: {state} (instruction {index}, "
+            f"{instr}, needs it{also})"
+        )
+
+    def _compute_lane(self, st: _Step, lane: str) -> None:
+        step = st.step
         for index, instr in self.program.lanes[lane]:
-            received = self._wait_ready(sh, index, instr)
+            received = self._wait_ready(st, index, instr)
             outgoing = self.program.outputs.get(instr.task, [])
             t0 = Tracer.now_us()
             fn = self.worker.forward if instr.op == Op.FWD else self.worker.backward
@@ -222,67 +334,38 @@ class Executor:
                 if self.drop == f"{msg.kind}:{msg.layer}:{msg.slot}:{step}":
                     continue  # fault injection: this message is lost
                 payload = out[msg]
-                group = self.topo.stream(self.rank, msg.dst, msg.channel)
+                channel = self.topo.stream(self.rank, msg.dst, msg.channel)
                 nbytes = sum(t.numel() * t.element_size() for t in payload)
-                works = send_message(payload, msg.dst, group, _ident(msg, step))
-                pending.put((msg, works, Tracer.now_us(), nbytes))
-            with sh.cond:
-                sh.done.add(instr.task)
-                sh.cond.notify_all()
+                works = send_message(payload, msg.dst, channel, _ident(msg, step))
+                self.sends.put((msg, works, Tracer.now_us(), nbytes, step))
+            with st.lock:
+                st.done.add(instr.task)
+                for other, cond in st.wake.items():  # a local dependency of the other lane
+                    if other != lane:
+                        cond.notify()
 
     # ------------------------------------------------------------------- step
 
     def run_step(self, step: int) -> None:
         """Execute this rank's instruction list for one optimizer step: computes and messages
         on their lanes, then SYNC and STEP through the hooks (`schedule.semantics`)."""
-        sh = _Shared(threading.Condition(), {}, set(), [])
-        pending: queue.Queue = queue.Queue()
-
-        def guard(fn, *args) -> None:  # type: ignore[no-untyped-def]
-            try:
-                fn(*args)
-            except BaseException as err:
-                with sh.cond:
-                    sh.errors.append(err)
-                    sh.cond.notify_all()
-
-        recv_threads = []
-        for (src, ch), msgs in self.program.streams.items():
-            posted: queue.Queue = queue.Queue()
-            recv_threads += [
-                threading.Thread(
-                    target=guard,
-                    args=(self._recv_lane, sh, src, ch, msgs, step, posted),
-                    daemon=True,
-                ),
-                threading.Thread(
-                    target=guard, args=(self._deliver_lane, sh, src, step, posted), daemon=True
-                ),
-            ]
-        sender = threading.Thread(
-            target=guard, args=(self._send_waiter, sh, pending, step), daemon=True
-        )
-        lanes = [
-            threading.Thread(
-                target=guard, args=(self._compute_lane, sh, lane, pending, step), daemon=True
-            )
-            for lane in ("fwd", "bwd")
-        ]
-        for t in [*recv_threads, sender, *lanes]:
-            t.start()
-        for t in lanes:
-            while t.is_alive():
-                t.join(0.1)
-                if sh.errors:
-                    break
-            if sh.errors:
-                break
-        pending.put(None)
-        if not sh.errors:
-            for t in [*recv_threads, sender]:
-                t.join()
-        if sh.errors:
-            primary = next((e for e in sh.errors if str(e) != "another lane failed"), sh.errors[0])
+        if not self.lanes:
+            self._start_lanes()
+        st = _Step(step)
+        for lane in self.lanes:
+            lane.inbox.put(st)
+        own = len(self.program.streams) + len(self.program.lanes)
+        with st.lock:  # the receive and compute lanes finish on their own ...
+            while st.finished < own and not st.errors:
+                st.ended.wait(0.1)
+        for box in self.deliveries:  # ... then delivery and send completion are told to stop
+            box.put(None)
+        self.sends.put(None)
+        with st.lock:
+            while st.finished < len(self.lanes) and not st.errors:
+                st.ended.wait(0.1)
+        if st.errors:
+            primary = next((e for e in st.errors if str(e) != _ANOTHER_LANE), st.errors[0])
             raise primary
         for _, instr in self.program.finals:
             t0 = Tracer.now_us()

@@ -43,6 +43,9 @@ class Trainer(Protocol):
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult: ...
     def busy_seconds(self, step: int) -> float: ...
     def expert_shard(self) -> tuple[int, int] | None: ...
+    def process_groups(self) -> int:
+        """Process groups this run created (the world group excluded; the same on every rank)."""
+        ...
 
 
 class NonFiniteError(RuntimeError):
@@ -118,6 +121,12 @@ def run_training(
             print(f"resumed from {resolve_checkpoint(resume)} at step {start_step}", flush=True)
     if rank == 0:
         _truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        run_info = {
+            "runtime": cfg.parallel.runtime,
+            "world_size": world,
+            "process_groups": trainer.process_groups(),
+        }
+        (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
     log = (
         MetricsLog(run_dir, train.steps, progress=train.progress, start_step=start_step)
         if rank == 0

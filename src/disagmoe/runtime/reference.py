@@ -28,6 +28,9 @@ class ReferenceTrainer:
     def expert_shard(self) -> tuple[int, int] | None:
         return None  # every expert, whole
 
+    def process_groups(self) -> int:
+        return 0
+
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6
 

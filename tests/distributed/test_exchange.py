@@ -1,0 +1,58 @@
+"""The wire format of a message on two gloo groups per channel: inline small tensors,
+payloads, empty tensors, dtypes, identity checks (two ranks, one spawn)."""
+
+from __future__ import annotations
+
+import torch
+
+from disagmoe.testing.spawn import run_ranks
+
+
+def _messages() -> list[list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(700, 16, generator=gen, dtype=torch.float64)  # > inline capacity
+    return [
+        [torch.randn(4, 3, generator=gen), torch.arange(5)],  # all inline
+        [big, torch.arange(7), torch.zeros(0, 16)],  # payload + inline + empty
+        [torch.zeros(0, 16, dtype=torch.float64), torch.zeros(0, dtype=torch.int64)],  # nothing
+        [big.to(torch.bfloat16), torch.tensor([True, False]), torch.ones(3, dtype=torch.int32)],
+        [big[:, :3], torch.tensor(2.5)],  # a non-contiguous payload and a 0-dim tensor
+    ]
+
+
+def _exchange() -> list[str]:
+    import torch.distributed as dist
+
+    from disagmoe.distributed.exchange import ProtocolError, Receiver, send_message
+    from disagmoe.distributed.topology import Channel
+
+    channel = Channel(dist.new_group([0, 1]), dist.new_group([0, 1]))
+    messages = _messages()
+    if dist.get_rank() == 0:
+        works = [
+            w for k, m in enumerate(messages) for w in send_message(m, 1, channel, (k, 0, 0, 0))
+        ]
+        works += send_message([torch.ones(2)], 1, channel, (9, 9, 9, 9))
+        for w in works:
+            w.wait()
+        return []
+    rx = Receiver(0, channel, window=2)  # fewer posted ahead than messages: reposting works
+    rx.start(len(messages) + 1)
+    checks = []
+    for k, sent in enumerate(messages):
+        got = rx.next(30, "test", expect=(k, 0, 0, 0)).wait(30, "test")
+        assert len(got) == len(sent)
+        for a, b in zip(got, sent, strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (k, a, b)
+        checks.append(f"message {k} ok")
+    try:
+        rx.next(30, "test", expect=(5, 0, 0, 0))
+    except ProtocolError as err:
+        checks.append(f"protocol error {err.got}")
+    return checks
+
+
+def test_messages_arrive_whole_and_in_order() -> None:
+    receiver = run_ranks(_exchange, 2)[1]
+    assert receiver[:5] == [f"message {k} ok" for k in range(5)]
+    assert receiver[5] == "protocol error (9, 9, 9, 9)"

@@ -1,0 +1,48 @@
+"""Process groups of a disaggregated run: a fixed set, whatever m and n are (no process group
+is created here: a fake factory records what `Topology.build` asks for)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+
+from disagmoe.config import ParallelConfig
+from disagmoe.distributed.layout import Layout
+from disagmoe.distributed.topology import Topology
+from disagmoe.presets import MODEL_PRESETS
+
+
+def _layout(p: int, m: int, n: int) -> Layout:
+    model = dataclasses.replace(MODEL_PRESETS["tiny"], num_layers=4 * p, num_experts=384)
+    return Layout.build(model, ParallelConfig(groups=p, attn_workers=m, expert_workers=n))
+
+
+@pytest.mark.parametrize("p,m,n", [(1, 32, 32), (2, 128, 128), (4, 8, 24)])
+def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int) -> None:
+    layout = _layout(p, m, n)
+    created: list[tuple[int, ...]] = []
+
+    def fake(ranks: Sequence[int]) -> tuple[int, ...]:
+        created.append(tuple(ranks))
+        return tuple(ranks)
+
+    topo = Topology.build(layout, rank=layout.expert_rank(p - 1, n - 1), new_group=fake)
+    assert topo.process_groups == len(created) == 4 + p  # header + payload per channel, replicas
+    membership = Counter(r for ranks in created for r in ranks)
+    assert set(membership) == set(range(layout.world_size))
+    assert max(membership.values()) <= 5  # no rank is in more than a constant number
+    # the stream groups are shared: the same two groups for every pair of ranks
+    assert topo.stream(0, layout.expert_rank(0, 0), "fwd") is topo.stream(
+        layout.expert_rank(0, n - 1), layout.attn_rank(0, m - 1), "fwd"
+    )
+    assert topo.stream(0, 1, "fwd") is not topo.stream(0, 1, "bwd")
+    assert topo.replica_group is None  # an expert shard has no replica group
+
+
+def test_attention_rank_gets_its_replica_group() -> None:
+    layout = _layout(2, 3, 2)
+    topo = Topology.build(layout, rank=layout.attn_rank(1, 2), new_group=tuple)
+    assert topo.replica_group == tuple(layout.attn_replicas(1))
