@@ -54,6 +54,9 @@ _ANOTHER_LANE = "another lane failed"
 # (one group per channel), so an early receive timeout on one rank would make its peer
 # report a closed connection instead of what it was waiting for.
 _BACKSTOP = 2.0
+# Send completion is only traced (and checked for errors), so its thread need not wake for
+# every message: once its queue is empty it sleeps this long and then takes what came.
+_SEND_POLL_S = 1e-3
 
 
 class StageWorker(Protocol):
@@ -99,11 +102,13 @@ class _Step:
     errors: list[BaseException] = field(default_factory=list)
     finished: int = 0  # lanes that finished this step
     wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
+    needs: dict[str, set[TaskKey]] = field(default_factory=dict)  # lane -> local deps it waits for
     ended: threading.Condition = field(init=False)  # run_step waits on it
 
     def __post_init__(self) -> None:
         self.ended = threading.Condition(self.lock)
         self.wake = {lane: threading.Condition(self.lock) for lane in ("fwd", "bwd")}
+        self.needs = {lane: set() for lane in ("fwd", "bwd")}
 
     def fail(self, err: BaseException) -> None:
         with self.lock:
@@ -268,6 +273,8 @@ class Executor:
                 step=step,
                 bytes=nbytes,
             )
+            if self.sends.empty():
+                time.sleep(_SEND_POLL_S)
 
     def _wait_ready(self, st: _Step, index: int, instr: Instr) -> dict[Msg, Payload]:
         """Block until `instr` may run; its input messages. On timeout, the error names the
@@ -275,8 +282,9 @@ class Executor:
         for the other lane waits once more, so that the lane waiting for a message reports)."""
         deadline, extended = time.monotonic() + self.timeout_s, False
         arrived = st.mailbox.__contains__
-        wake = st.wake[instr.lane]
+        wake, needs = st.wake[instr.lane], st.needs[instr.lane]
         with st.lock:
+            needs.update(self.program.local.get(instr.task, ()))
             while not self.program.ready(instr, st.done, arrived):
                 if st.errors:
                     raise RuntimeError(_ANOTHER_LANE)
@@ -287,6 +295,7 @@ class Executor:
                         continue
                     raise HangError(self._hang_report(st, index, instr, missing, tasks))
                 wake.wait(0.05)
+            needs.clear()
             return {m: st.mailbox.pop(m) for m in self.program.inputs.get(instr.task, ())}
 
     def _hang_report(
@@ -340,8 +349,8 @@ class Executor:
                 self.sends.put((msg, works, Tracer.now_us(), nbytes, step))
             with st.lock:
                 st.done.add(instr.task)
-                for other, cond in st.wake.items():  # a local dependency of the other lane
-                    if other != lane:
+                for other, cond in st.wake.items():  # wake the other lane if it waits for this
+                    if other != lane and instr.task in st.needs[other]:
                         cond.notify()
 
     # ------------------------------------------------------------------- step
