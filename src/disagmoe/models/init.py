@@ -57,16 +57,22 @@ def initial_value(
     if len(shape) == 1:
         return out.fill_(1.0)
     if experts is None:
-        return out.copy_(_normal(tuple(shape), parameter_seed(seed, name), std))
+        _fill_normal(out, parameter_seed(seed, name), std)
+        return out
     assert len(experts) == shape[0], (name, experts, shape)
     for row, expert in enumerate(experts):
-        out[row].copy_(_normal(tuple(shape[1:]), parameter_seed(seed, name, expert), std))
+        _fill_normal(out[row], parameter_seed(seed, name, expert), std)
     return out
 
 
-def _normal(shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+def _fill_normal(out: torch.Tensor, seed: int, std: float) -> None:
+    """`out` = N(0, 1) float32 draws of a generator seeded `seed`, times `std`, cast to
+    `out`'s dtype; a float32 CPU `out` is drawn in place (no temporary as large as it)."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+    if out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous():
+        torch.randn(out.shape, generator=gen, dtype=torch.float32, out=out).mul_(std)
+    else:
+        out.copy_(torch.randn(out.shape, generator=gen, dtype=torch.float32).mul_(std))
 
 
 def seeded_values(
