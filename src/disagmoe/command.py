@@ -126,14 +126,14 @@ def resolve_train_config(args: argparse.Namespace) -> RunConfig:
     if args.model:
         cfg = dataclasses.replace(cfg, model=model_preset(args.model))
     if args.init_from_hf:  # the checkpoint's shape; a --config file may still adjust it
-        from .models.hf_import import read_hf_config
+        from .models.hf_config import read_hf_config
 
         cfg = dataclasses.replace(cfg, model=read_hf_config(args.init_from_hf))
         cfg = replace_section(cfg, "train", init_from_hf=str(args.init_from_hf))
     if args.config:
         cfg = load_toml(args.config, cfg)
         if cfg.train.init_from_hf and not args.init_from_hf:
-            from .models.hf_import import read_hf_config
+            from .models.hf_config import read_hf_config
 
             hf_model = read_hf_config(cfg.train.init_from_hf)
             cfg = load_toml(args.config, dataclasses.replace(cfg, model=hf_model))

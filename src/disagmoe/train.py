@@ -144,12 +144,14 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
 def check_inputs(cfg: RunConfig) -> None:
     """Load data and initial weights once in the launching process, so that bad input is
     reported as one clear error before any rank starts."""
-    from .runtime.setup import build_data, build_initial_model, load_emulation
+    from .runtime.setup import build_data, load_emulation
 
     build_data(cfg)
     load_emulation(cfg)
-    if cfg.train.init_from_hf:
-        build_initial_model(cfg)
+    if cfg.train.init_from_hf:  # the whole checkpoint, from its headers: no tensor is read
+        from .models.hf_import import check_hf_weights
+
+        check_hf_weights(cfg.train.init_from_hf, cfg.model)
     if cfg.train.resume and cfg.train.resume not in ("latest", "auto"):
         from .runtime.checkpoint import check_compatible, read_meta
 

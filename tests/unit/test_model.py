@@ -12,12 +12,11 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.models import (
     Assignments,
     Experts,
-    MoETransformer,
     Router,
     Routing,
     build_model,
     flatten_routing,
-    init_weights,
+    initial_value,
     load_balancing_loss,
     split_by_owner,
 )
@@ -181,10 +180,9 @@ def test_aux_coefficient_zero_disables_balance_loss() -> None:
     assert not torch.allclose(router_grad(0.5), no_aux)
 
 
-def test_init_weights_is_deterministic() -> None:
+def test_init_is_deterministic() -> None:
     a = build_model(SHARED, seed=5, dtype=torch.float32)
-    b = MoETransformer(SHARED)
-    init_weights(b, 5)
+    b = build_model(SHARED, seed=5, dtype=torch.float32)
     c = build_model(SHARED, seed=6, dtype=torch.float32)
     d = build_model(SHARED, seed=5, dtype=torch.float64)
     for (name, pa), pb, pc, pd in zip(
@@ -197,6 +195,20 @@ def test_init_weights_is_deterministic() -> None:
         else:
             assert not torch.equal(pa, pc), name
             assert abs(pa.std().item() - SHARED.init_std) < 0.3 * SHARED.init_std, name
+
+
+def test_init_of_a_parameter_depends_only_on_its_name_and_experts() -> None:
+    """A parameter's value is the same whichever other parameters the model has, and an
+    expert slice drawn alone equals the same experts of the whole fused tensor."""
+    full = dict(build_model(SHARED, seed=5, dtype=torch.float32).named_parameters())
+    shorter = build_model(dataclasses.replace(SHARED, num_layers=2), seed=5, dtype=torch.float32)
+    for name, param in shorter.named_parameters():
+        assert torch.equal(param, full[name]), name
+    whole = full["layers.2.experts.gate_up"]
+    kwargs = dict(seed=5, std=SHARED.init_std, dtype=torch.float32)
+    part = initial_value("layers.2.experts.gate_up", (3, *whole.shape[1:]), range(2, 5), **kwargs)
+    assert torch.equal(part, whole[2:5])
+    assert not torch.equal(whole[0], whole[1])
 
 
 # ---------------------------------------------------------------------------- route

@@ -20,10 +20,12 @@ from typing import Any
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from ..models import DecoderLayer, Experts, MoETransformer
+from ..config import RunConfig
+from ..models import DecoderLayer, Experts, MoETransformer, build_meta_model
 from ..models.layers import rope_tables
 from ..runtime.objective import LossScale
 from ..runtime.observe import Tracer, message_event_name, stage_event_name
+from ..runtime.setup import materialize_initial_weights
 from ..runtime.stages import NamedParts
 from .layout import EPLayout
 from .moe import EPComm, ep_moe
@@ -105,6 +107,20 @@ class StageModule(NamedParts):
             return x
         self.aux_sum += float(aux.detach())
         return AuxLossScaler.apply(x, aux)
+
+
+def build_stage_modules(
+    cfg: RunConfig, layout: EPLayout, pp_rank: int, ep_rank: int, scale: LossScale, comm: EPComm
+) -> list[StageModule]:
+    """The stages of pipeline rank `pp_rank`, holding EP shard `ep_rank` of the experts, with
+    the run's initial weights: built from a meta model and materialised alone (tied
+    embedding and LM head stay one parameter across the rank's stages)."""
+    model = build_meta_model(cfg.model)
+    modules = [
+        StageModule(model, layout, s, ep_rank, scale, comm) for s in layout.stages_of(pp_rank)
+    ]
+    materialize_initial_weights(cfg, modules, first_expert=ep_rank * layout.experts_per_rank)
+    return modules
 
 
 class TracedStage(PipelineStage):

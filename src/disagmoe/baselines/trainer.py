@@ -39,13 +39,13 @@ from ..runtime.objective import (
     torch_dtype,
 )
 from ..runtime.observe import Tracer
-from ..runtime.setup import apply_emulation, build_data, build_initial_model, set_threads
+from ..runtime.setup import apply_emulation, build_data, set_threads
 from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
-from .stage import StageModule, TracedStage
+from .stage import StageModule, TracedStage, build_stage_modules
 
 
 class EPTrainer:
@@ -67,13 +67,10 @@ class EPTrainer:
             overlap_group=self.groups.a2a,
             chunks=overlap_chunks if overlap_chunks is not None else cfg.parallel.overlap_chunks,
         )
-        model = build_initial_model(cfg)
         self.stage_ids = self.layout.stages_of(self.pp_rank)
-        self.modules = [
-            StageModule(model, self.layout, s, self.ep_rank, self.scale, self.comm)
-            for s in self.stage_ids
-        ]
-        del model
+        self.modules = build_stage_modules(
+            cfg, self.layout, self.pp_rank, self.ep_rank, self.scale, self.comm
+        )
         apply_emulation(cfg, self.modules)
         self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
         self.stages = [self._stage(m) for m in self.modules]

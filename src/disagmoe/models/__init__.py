@@ -1,12 +1,13 @@
 """The MoE transformer as plain `nn.Module`s (no torch.distributed here)."""
 
+from .init import held_parameters, initial_value, materialize, seeded_values
 from .model import (
     AttentionBlock,
     AttnOutput,
     DecoderLayer,
     MoETransformer,
+    build_meta_model,
     build_model,
-    init_weights,
 )
 from .moe import (
     Assignments,
@@ -27,9 +28,13 @@ __all__ = [
     "MoETransformer",
     "Router",
     "Routing",
+    "build_meta_model",
     "build_model",
     "flatten_routing",
-    "init_weights",
+    "held_parameters",
+    "initial_value",
     "load_balancing_loss",
+    "materialize",
+    "seeded_values",
     "split_by_owner",
 ]

@@ -25,12 +25,19 @@ expert projections are `gate_proj/up_proj/down_proj` (Qwen3) or `w1/w3/w2`
 transformers 5 `save_pretrained` writes) and fused 3-D tensors
 (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I], the
 in-memory layout of transformers 5) are both accepted.
+
+The checkpoint is checked whole against the model from its safetensors headers
+alone; data is read only for the tensors asked for (`load_hf_tensors`), so a
+rank reads its own parameters and, of the experts, only its shard's.
+`config.json` is translated by `hf_config.read_hf_config`.
 """
 
 from __future__ import annotations
 
-import json
 import re
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +45,17 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
-from .model import MoETransformer
+from .hf_config import read_hf_config, read_json, unsupported
+from .model import MoETransformer, build_meta_model
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "mixtral")
+__all__ = [
+    "check_hf_weights",
+    "load_hf_into",
+    "load_hf_state_dict",
+    "load_hf_tensors",
+    "read_hf_config",
+]
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -66,149 +81,19 @@ _NUMERIC_FIELDS = (
 )
 
 
-class _CheckpointError(ValueError):
-    """A `ValueError` naming the checkpoint directory and what about it is unsupported."""
-
-
-def _unsupported(path: Path, what: str) -> ValueError:
-    return _CheckpointError(f"HF checkpoint {str(path)!r}: {what}")
-
-
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"cannot read {what} {str(path)!r}: {err}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} {str(path)!r} must hold a JSON object")
-    return data
-
-
-def _rope_theta(path: Path, hf: dict[str, Any]) -> float:
-    """RoPE base from `rope_parameters` (transformers 5) or top-level `rope_theta` (4.x)."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
-    if rope_type != "default":
-        raise _unsupported(path, f"RoPE type {rope_type!r} is unsupported (only 'default')")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    if theta is None:
-        raise _unsupported(path, "config.json has no rope_theta")
-    return float(theta)
-
-
-def _dense_prefix(path: Path, hf: dict[str, Any], num_layers: int) -> int:
-    """Qwen3: number of leading dense layers; only `mlp_only_layers = [0..k-1]` maps to ours."""
-    if hf.get("decoder_sparse_step", 1) != 1:
-        raise _unsupported(
-            path, f"decoder_sparse_step = {hf['decoder_sparse_step']} is unsupported (only 1)"
-        )
-    dense = sorted(hf.get("mlp_only_layers") or [])
-    if dense != list(range(len(dense))) or len(dense) >= num_layers:
-        raise _unsupported(
-            path,
-            f"mlp_only_layers = {dense} is unsupported (only a prefix [0, .., k-1] of the "
-            "layers can be dense, with at least one MoE layer)",
-        )
-    return len(dense)
-
-
-def read_hf_config(path: str | Path) -> ModelConfig:
-    """The `ModelConfig` of a Qwen3-MoE or Mixtral checkpoint directory.
-
-    `router_aux_loss_coef` becomes `aux_loss_coef` and `initializer_range`
-    `init_std`. A sliding window caps `max_seq_len` at the window, so the
-    window never changes what attention sees. Anything the model cannot
-    represent exactly raises `ValueError`.
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"HF checkpoint directory {str(path)!r} does not exist")
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise _unsupported(path, "no config.json in the directory")
-    hf = _read_json(config_file, "HF config")
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise _unsupported(
-            path,
-            f"model_type {model_type!r} is unsupported; supported: "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}",
-        )
-    if hf.get("hidden_act", "silu") != "silu":
-        raise _unsupported(path, f"hidden_act {hf['hidden_act']!r} is unsupported (only silu)")
-    if hf.get("attention_bias", False):
-        raise _unsupported(path, "attention_bias = true is unsupported (our attention has no bias)")
-
-    try:
-        num_layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        max_seq_len = int(hf.get("max_position_embeddings", 4096))
-        window = hf.get("sliding_window")
-        if model_type == "qwen3_moe" and not hf.get("use_sliding_window", False):
-            window = None
-        if window is not None:
-            max_seq_len = min(max_seq_len, int(window))
-        common: dict[str, Any] = dict(
-            name=f"hf-{model_type}",
-            vocab_size=int(hf["vocab_size"]),
-            dim=int(hf["hidden_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or 0),
-            top_k=int(hf["num_experts_per_tok"]),
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=_rope_theta(path, hf),
-            norm_eps=float(hf["rms_norm_eps"]),
-            max_seq_len=max_seq_len,
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
-        if model_type == "qwen3_moe":
-            num_dense = _dense_prefix(path, hf, num_layers)
-            num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-            if num_experts is None:
-                raise KeyError("num_experts")
-            return ModelConfig(
-                **common,
-                num_experts=int(num_experts),
-                expert_dim=int(hf["moe_intermediate_size"]),
-                num_dense_layers=num_dense,
-                dense_dim=int(hf["intermediate_size"]) if num_dense else 0,
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                qk_norm=True,
-            )
-        if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
-            raise _unsupported(path, "router_jitter_noise > 0 is unsupported (our router is exact)")
-        return ModelConfig(
-            **common,
-            num_experts=int(hf["num_local_experts"]),
-            expert_dim=int(hf["intermediate_size"]),
-            norm_topk_prob=True,
-            qk_norm=False,
-        )
-    except _CheckpointError:
-        raise
-    except KeyError as err:
-        raise _unsupported(path, f"config.json lacks {err.args[0]!r}") from None
-    except (TypeError, ValueError) as err:
-        raise _unsupported(path, f"config.json does not describe a valid model: {err}") from None
-
-
 # ---------------------------------------------------------------------------- weights
 
 
 def _weight_files(path: Path) -> list[Path]:
     index = path / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index, "safetensors index").get("weight_map")
+        weight_map = read_json(index, "safetensors index").get("weight_map")
         if not isinstance(weight_map, dict):
-            raise _unsupported(path, f"{INDEX_FILE} has no weight_map")
+            raise unsupported(path, f"{INDEX_FILE} has no weight_map")
         files = [path / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if not file.is_file():
-                raise _unsupported(path, f"shard {file.name} listed in {INDEX_FILE} is missing")
+                raise unsupported(path, f"shard {file.name} listed in {INDEX_FILE} is missing")
         return files
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
@@ -216,24 +101,33 @@ def _weight_files(path: Path) -> list[Path]:
     if files:
         return files
     if any(path.glob("*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
-        raise _unsupported(
+        raise unsupported(
             path,
             "only safetensors weights are read (pickled *.bin/*.pt are never loaded); "
             "re-save the model with save_pretrained(..., safe_serialization=True)",
         )
-    raise _unsupported(path, "no *.safetensors weights in the directory")
+    raise unsupported(path, "no *.safetensors weights in the directory")
 
 
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    tensors: dict[str, torch.Tensor] = {}
+@dataclass(frozen=True)
+class _Stored:
+    """One tensor of the checkpoint as its safetensors header describes it (no data read)."""
+
+    file: Path
+    shape: tuple[int, ...]
+
+
+def _index(path: Path) -> dict[str, _Stored]:
+    """Every tensor of the checkpoint, from the safetensors headers only."""
+    index: dict[str, _Stored] = {}
     for file in _weight_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a Mapping)
-                    tensors[key] = f.get_tensor(key)
+                    index[key] = _Stored(file, tuple(f.get_slice(key).get_shape()))
         except (OSError, RuntimeError) as err:  # safetensors raises SafetensorError(OSError)
-            raise _unsupported(path, f"cannot read {file.name}: {err}") from None
-    return tensors
+            raise unsupported(path, f"cannot read {file.name}: {err}") from None
+    return index
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
@@ -263,65 +157,214 @@ _EXPERT_ROLES = {
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        model = MoETransformer(cfg)
+    model = build_meta_model(cfg)
     return {name: t.shape for name, t in model.state_dict(keep_vars=True).items()}
 
 
-def _stack_experts(
-    path: Path, layer: int, parts: dict[tuple[int, str], torch.Tensor], num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert HF Linear weights -> our fused `gate_up` [E, H, 2I] and `down` [E, I, H]."""
-    gate_up, down = [], []
+@dataclass(frozen=True)
+class _Source:
+    """How one of our tensors is made from checkpoint tensors `keys`, by `kind`:
+
+    * "direct"  — keys[0] as stored;
+    * "fused"   — keys[0] is HF's fused `gate_up_proj` [E, 2I, H] or `down_proj` [E, H, I],
+                  transposed to ours;
+    * "gate_up" — keys are per-expert (gate, up) Linear weights [I, H], expert after expert:
+                  `gate_up[e] = [gate.T | up.T]`;
+    * "down"    — keys are per-expert down Linear weights [H, I]: `down[e] = down.T`.
+
+    `shape` is our tensor's shape, known from the headers alone.
+    """
+
+    kind: str
+    keys: tuple[str, ...]
+    shape: tuple[int, ...]
+
+
+def _expert_sources(
+    path: Path,
+    layer: int,
+    parts: dict[tuple[int, str], str],
+    index: dict[str, _Stored],
+    num_experts: int,
+) -> tuple[_Source, _Source]:
+    """Per-expert HF Linear weights -> sources of our `gate_up` [E, H, 2I] and `down` [E, I, H]."""
+    gate_up: list[str] = []
+    down: list[str] = []
+    first: tuple[tuple[int, ...], ...] = ()
     for e in range(num_experts):
         missing = [r for r in ("gate", "up", "down") if (e, r) not in parts]
         if missing:
-            raise _unsupported(path, f"layer {layer} expert {e} lacks its {missing[0]} weight")
-        gate, up = parts[(e, "gate")], parts[(e, "up")]
-        if gate.shape != up.shape:
-            raise _unsupported(
-                path, f"layer {layer} expert {e}: gate {tuple(gate.shape)} != up {tuple(up.shape)}"
+            raise unsupported(path, f"layer {layer} expert {e} lacks its {missing[0]} weight")
+        gate, up, d = (index[parts[(e, r)]].shape for r in ("gate", "up", "down"))
+        if gate != up:
+            raise unsupported(path, f"layer {layer} expert {e}: gate {gate} != up {up}")
+        if first and (gate, d) != first:
+            raise unsupported(
+                path, f"layer {layer} expert {e}: gate, down {gate}, {d} != expert 0's {first}"
             )
-        gate_up.append(torch.cat([gate.t(), up.t()], dim=1))
-        down.append(parts[(e, "down")].t())
+        first = first or (gate, d)
+        gate_up += [parts[(e, "gate")], parts[(e, "up")]]
+        down.append(parts[(e, "down")])
     extra = sorted({e for e, _ in parts if e >= num_experts})
     if extra:
-        raise _unsupported(
+        raise unsupported(
             path, f"layer {layer} has expert {extra[0]} but num_experts={num_experts}"
         )
-    return torch.stack(gate_up).contiguous(), torch.stack(down).contiguous()
+    (inter, dim), (dim_out, inter_out) = first
+    return (
+        _Source("gate_up", tuple(gate_up), (num_experts, dim, 2 * inter)),
+        _Source("down", tuple(down), (num_experts, inter_out, dim_out)),
+    )
 
 
 def _map_layer(
     path: Path,
     layer: int,
     rest: str,
-    tensor: torch.Tensor,
-    out: dict[str, torch.Tensor],
-    experts: dict[int, dict[tuple[int, str], torch.Tensor]],
+    key: str,
+    shape: tuple[int, ...],
+    out: dict[str, _Source],
+    experts: dict[int, dict[tuple[int, str], str]],
 ) -> bool:
     """Map one per-layer HF tensor; False if the name is unknown."""
     prefix = f"layers.{layer}."
     if rest in _ATTN:
-        out[prefix + _ATTN[rest]] = tensor
+        out[prefix + _ATTN[rest]] = _Source("direct", (key,), shape)
     elif rest in _DENSE:
-        out[prefix + _DENSE[rest]] = tensor
+        out[prefix + _DENSE[rest]] = _Source("direct", (key,), shape)
     elif _ROUTER.fullmatch(rest):
-        out[prefix + "attn_block.router.weight"] = tensor
+        out[prefix + "attn_block.router.weight"] = _Source("direct", (key,), shape)
     elif m := _EXPERT.fullmatch(rest):
         role = _EXPERT_ROLES.get(m.group(2))
         if role is None:
             return False
-        experts.setdefault(layer, {})[(int(m.group(1)), role)] = tensor
+        experts.setdefault(layer, {})[(int(m.group(1)), role)] = key
     elif m := _FUSED.fullmatch(rest):
-        if tensor.ndim != 3:
-            raise _unsupported(path, f"fused expert tensor {rest} of layer {layer} is not 3-D")
+        if len(shape) != 3:
+            raise unsupported(path, f"fused expert tensor {rest} of layer {layer} is not 3-D")
         name = "gate_up" if m.group(1) == "gate_up_proj" else "down"
         # HF fused: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I].
-        out[prefix + f"experts.{name}"] = tensor.transpose(1, 2).contiguous()
+        out[prefix + f"experts.{name}"] = _Source("fused", (key,), (shape[0], shape[2], shape[1]))
     else:
         return False
     return True
+
+
+def _plan(path: Path, cfg: ModelConfig, index: dict[str, _Stored]) -> dict[str, _Source]:
+    """Where each of the model's tensors comes from; validates the whole checkpoint against
+    `cfg` from its headers (names, shapes), reading no tensor data."""
+    out: dict[str, _Source] = {}
+    experts: dict[int, dict[tuple[int, str], str]] = {}
+    unknown: list[str] = []
+    for key, stored in index.items():
+        name = key.removeprefix("model.")
+        direct = _Source("direct", (key,), stored.shape)
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name in ("embed_tokens.weight", "norm.weight"):
+            out["embed.weight" if name == "embed_tokens.weight" else name] = direct
+        elif key == "lm_head.weight":
+            if not cfg.tie_embeddings:
+                out[key] = direct
+        elif (m := _LAYER.fullmatch(name)) is None or not _map_layer(
+            path, int(m.group(1)), m.group(2), key, stored.shape, out, experts
+        ):
+            unknown.append(key)
+    if unknown:
+        raise unsupported(
+            path, f"unsupported tensor {unknown[0]!r} ({len(unknown)} unmapped in total)"
+        )
+    for layer, parts in experts.items():
+        sources = _expert_sources(path, layer, parts, index, cfg.num_experts)
+        for name, source in zip(("gate_up", "down"), sources, strict=True):
+            if f"layers.{layer}.experts.{name}" in out:
+                raise unsupported(path, f"layer {layer} stores experts both fused and per expert")
+            out[f"layers.{layer}.experts.{name}"] = source
+    if cfg.tie_embeddings and "embed.weight" in out:
+        out["lm_head.weight"] = out["embed.weight"]
+
+    expected = _expected_shapes(cfg)
+    missing = [k for k in expected if k not in out]
+    if missing:
+        raise unsupported(
+            path,
+            f"missing weights for {missing[0]!r} ({len(missing)} missing in total); "
+            "does config.json match the weights?",
+        )
+    extra = [k for k in out if k not in expected]
+    if extra:
+        raise unsupported(path, f"{extra[0]!r} has no place in the model built from its config")
+    for name, shape in expected.items():
+        if out[name].shape != tuple(shape):
+            raise unsupported(
+                path,
+                f"shape mismatch for {name!r}: checkpoint {out[name].shape}, model {tuple(shape)}",
+            )
+    return out
+
+
+def _read(source: _Source, experts: range | None, open_file: Callable[[str], Any]) -> torch.Tensor:
+    """Our tensor from `source`, only the rows of `experts` (None: all) of an expert tensor."""
+    if source.kind == "direct":
+        return open_file(source.keys[0]).get_tensor(source.keys[0])
+    rows = range(source.shape[0]) if experts is None else experts
+    if source.kind == "fused":
+        part = open_file(source.keys[0]).get_slice(source.keys[0])[rows.start : rows.stop]
+        return part.transpose(1, 2).contiguous()
+    if source.kind == "gate_up":
+        pairs = [source.keys[2 * e : 2 * e + 2] for e in rows]
+        return torch.stack(
+            [torch.cat([open_file(k).get_tensor(k).t() for k in pair], dim=1) for pair in pairs]
+        ).contiguous()
+    assert source.kind == "down", source
+    return torch.stack(
+        [open_file(source.keys[e]).get_tensor(source.keys[e]).t() for e in rows]
+    ).contiguous()
+
+
+def _validated(path: Path, cfg: ModelConfig) -> tuple[dict[str, _Stored], dict[str, _Source]]:
+    if not path.is_dir():
+        raise ValueError(f"HF checkpoint directory {str(path)!r} does not exist")
+    index = _index(path)
+    return index, _plan(path, cfg, index)
+
+
+def check_hf_weights(path: str | Path, cfg: ModelConfig) -> None:
+    """Raise `ValueError` unless the checkpoint's weights fit the model of `cfg`, reading
+    only the safetensors headers (see `load_hf_state_dict` for what is checked)."""
+    _validated(Path(path), cfg)
+
+
+def load_hf_tensors(
+    path: str | Path, cfg: ModelConfig, wanted: Mapping[str, range | None]
+) -> dict[str, torch.Tensor]:
+    """Read only the tensors `wanted` (our name -> global expert ids to read of an expert
+    tensor, None for all) into our names and layouts, in the checkpoint's dtype.
+
+    The whole checkpoint is validated first from its headers (`check_hf_weights`); the data
+    read is exactly what is asked for: one expert shard reads its experts' slices (a
+    `get_slice` of fused tensors, its experts' keys of per-expert ones).
+    """
+    path = Path(path)
+    index, plan = _validated(path, cfg)
+    out: dict[str, torch.Tensor] = {}
+    with ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def open_file(key: str) -> Any:
+            file = index[key].file
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), framework="pt"))
+            return handles[file]
+
+        for name, experts in wanted.items():
+            assert name in plan, f"{name!r} is not a tensor of the model"
+            try:
+                out[name] = _read(plan[name], experts, open_file)
+            except (OSError, RuntimeError) as err:
+                file = index[plan[name].keys[0]].file
+                raise unsupported(path, f"cannot read {file.name}: {err}") from None
+    return out
 
 
 def load_hf_state_dict(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -332,56 +375,10 @@ def load_hf_state_dict(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Te
     must map to one (rotary `inv_freq` buffers are ignored); otherwise
     `ValueError`. With tied embeddings `lm_head.weight` is the embedding.
     """
-    path = Path(path)
-    if not path.is_dir():
-        raise ValueError(f"HF checkpoint directory {str(path)!r} does not exist")
-    out: dict[str, torch.Tensor] = {}
-    experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
-    unknown: list[str] = []
-    for key, tensor in _read_tensors(path).items():
-        name = key.removeprefix("model.")
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if name in ("embed_tokens.weight", "norm.weight"):
-            out["embed.weight" if name == "embed_tokens.weight" else name] = tensor
-        elif key == "lm_head.weight":
-            if not cfg.tie_embeddings:
-                out[key] = tensor
-        elif (m := _LAYER.fullmatch(name)) is None or not _map_layer(
-            path, int(m.group(1)), m.group(2), tensor, out, experts
-        ):
-            unknown.append(key)
-    if unknown:
-        raise _unsupported(
-            path, f"unsupported tensor {unknown[0]!r} ({len(unknown)} unmapped in total)"
-        )
-    for layer, parts in experts.items():
-        gate_up, down = _stack_experts(path, layer, parts, cfg.num_experts)
-        for name, t in (("gate_up", gate_up), ("down", down)):
-            if f"layers.{layer}.experts.{name}" in out:
-                raise _unsupported(path, f"layer {layer} stores experts both fused and per expert")
-            out[f"layers.{layer}.experts.{name}"] = t
-    if cfg.tie_embeddings and "embed.weight" in out:
+    names = [n for n in _expected_shapes(cfg) if not (cfg.tie_embeddings and n == "lm_head.weight")]
+    out = load_hf_tensors(path, cfg, dict.fromkeys(names))
+    if cfg.tie_embeddings:
         out["lm_head.weight"] = out["embed.weight"]
-
-    expected = _expected_shapes(cfg)
-    missing = [k for k in expected if k not in out]
-    if missing:
-        raise _unsupported(
-            path,
-            f"missing weights for {missing[0]!r} ({len(missing)} missing in total); "
-            "does config.json match the weights?",
-        )
-    extra = [k for k in out if k not in expected]
-    if extra:
-        raise _unsupported(path, f"{extra[0]!r} has no place in the model built from its config")
-    for name, shape in expected.items():
-        if out[name].shape != shape:
-            raise _unsupported(
-                path,
-                f"shape mismatch for {name!r}: checkpoint {tuple(out[name].shape)}, "
-                f"model {tuple(shape)}",
-            )
     return out
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from .init import CPU, materialize, seeded_values
 from .layers import Attention, RMSNorm, SwiGLU, rope_tables
 from .moe import Experts, Router, Routing, flatten_routing, load_balancing_loss
 
@@ -137,25 +138,19 @@ class MoETransformer(nn.Module):
         return self.head(x), aux
 
 
-@torch.no_grad()
-def init_weights(model: MoETransformer, seed: int) -> None:
-    """Deterministic init from `seed`, identical on every process that builds the model.
+def build_meta_model(cfg: ModelConfig) -> MoETransformer:
+    """The model's structure on the meta device: names, shapes and ties, no memory.
 
-    Matrices ~ N(0, init_std), norms = 1. Parameters are visited in name order
-    with one generator, so any worker that builds the full model and keeps a
-    slice holds exactly the reference trainer's values.
+    A rank picks the modules it runs from it and `materialize`s only those.
     """
-    gen = torch.Generator().manual_seed(seed)
-    std = model.cfg.init_std
-    for _name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        if param.ndim == 1:  # RMSNorm weights: the model has no biases
-            param.fill_(1.0)
-        else:
-            values = torch.randn(param.shape, generator=gen, dtype=torch.float32) * std
-            param.copy_(values.to(param.dtype))
+    with torch.device("meta"):
+        return MoETransformer(cfg)
 
 
-def build_model(cfg: ModelConfig, *, seed: int, dtype: torch.dtype) -> MoETransformer:
-    model = MoETransformer(cfg)
-    init_weights(model, seed)
-    return model.to(dtype)
+def build_model(
+    cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device = CPU
+) -> MoETransformer:
+    """The whole model with its deterministic initial weights (`models.init`)."""
+    model = build_meta_model(cfg)
+    materialize([model], seeded_values(seed=seed, std=cfg.init_std, dtype=dtype, device=device))
+    return model

@@ -147,9 +147,11 @@ class Experts(nn.Module):
         return self.gate_up.shape[0]
 
     def narrow(self, first: int, count: int) -> Experts:
-        """Experts `[first, first + count)` as a new module with its own copy of their weights."""
+        """Experts `[first, first + count)` as a new module with its own copy of their weights
+        (on the meta device, a meta shard that a rank then materialises alone)."""
         assert 0 <= first <= first + count <= self.num_experts, (first, count, self.num_experts)
-        shard = Experts(count, self.gate_up.shape[1], self.down.shape[1])
+        with torch.device("meta"):  # placeholders, replaced below: nothing allocated
+            shard = Experts(count, self.gate_up.shape[1], self.down.shape[1])
         shard.gate_up = nn.Parameter(self.gate_up.detach()[first : first + count].clone())
         shard.down = nn.Parameter(self.down.detach()[first : first + count].clone())
         return shard

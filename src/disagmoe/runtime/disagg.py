@@ -38,8 +38,8 @@ from .objective import (
     torch_dtype,
 )
 from .observe import Tracer
-from .setup import apply_emulation, build_data, build_initial_model, set_threads
-from .stages import AttnWorker, ExpertWorker
+from .setup import apply_emulation, build_data, set_threads
+from .stages import AttnWorker, ExpertWorker, build_worker
 
 
 def num_slots(cfg: RunConfig, layout: Layout) -> int:
@@ -75,14 +75,8 @@ class DisaggTrainer:
         validate(self.schedule)
         self.topo = Topology.build(self.layout)
         self.role = self.layout.role(self.rank)
-        model = build_initial_model(cfg)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
-        self.worker: AttnWorker | ExpertWorker
-        if self.role.comp == "A":
-            self.worker = AttnWorker(model, self.layout, self.rank, self.scale)
-        else:
-            self.worker = ExpertWorker(model, self.layout, self.rank)
-        del model
+        self.worker = build_worker(cfg, self.layout, self.rank, self.scale)
         apply_emulation(cfg, [self.worker.modules])
         self.named_params = self.worker.named_parameters()
         self.params = [p for _, p in self.named_params]

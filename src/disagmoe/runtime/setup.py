@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -11,31 +11,55 @@ from torch import nn
 from ..bench.emulation import ComputeCosts, emulate_compute
 from ..config import RunConfig
 from ..data import TokenBatches, build_batches
-from ..models import MoETransformer, build_model
+from ..models import (
+    MoETransformer,
+    build_meta_model,
+    held_parameters,
+    materialize,
+    seeded_values,
+)
+from ..models.init import CPU
 from .objective import torch_dtype
 
 
-def build_initial_model(cfg: RunConfig) -> MoETransformer:
-    """The full model with the run's initial weights (seeded init, or a HF checkpoint).
+def materialize_initial_weights(
+    cfg: RunConfig,
+    modules: Sequence[nn.Module],
+    *,
+    first_expert: int = 0,
+    device: torch.device = CPU,
+) -> None:
+    """Give the meta parameters of one rank's `modules` the run's initial weights, on `device`.
 
-    Every worker calls this and keeps only its part, so all workers start from
-    exactly the reference trainer's weights without a broadcast.
+    `modules` name their parameters as the full model does (`MoETransformer` or
+    `NamedParts` of a meta model); every `Experts` among them holds global experts
+    `first_expert ..`. Seeded init draws exactly these tensors (`models.init`); with
+    `train.init_from_hf` the checkpoint is checked whole from its headers and only these
+    tensors (and, of the experts, only this shard) are read. Either way each tensor equals
+    the reference model's, so all ranks start from its weights without a broadcast.
     """
     dtype = torch_dtype(cfg.train.dtype)
-    model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
-    if cfg.train.init_from_hf:
-        from ..models.hf_import import load_hf_state_dict
-
-        state = load_hf_state_dict(cfg.train.init_from_hf, cfg.model)
-        missing, unexpected = model.load_state_dict(
-            {k: v.to(dtype) for k, v in state.items()}, strict=False
+    if not cfg.train.init_from_hf:
+        values = seeded_values(
+            seed=cfg.train.seed, std=cfg.model.init_std, dtype=dtype, device=device
         )
-        missing = [k for k in missing if not (cfg.model.tie_embeddings and k == "lm_head.weight")]
-        if missing or unexpected:
-            raise ValueError(
-                f"checkpoint {cfg.train.init_from_hf!r} does not fit the model: "
-                f"missing {missing[:3]}, unexpected {unexpected[:3]}"
-            )
+        materialize(modules, values, first_expert)
+        return
+    from ..models.hf_import import load_hf_tensors
+
+    wanted = held_parameters(modules, first_expert)
+    tensors = load_hf_tensors(cfg.train.init_from_hf, cfg.model, wanted)
+    materialize(
+        modules,
+        lambda name, _param, _experts: tensors.pop(name).to(device=device, dtype=dtype),
+        first_expert,
+    )
+
+
+def build_initial_model(cfg: RunConfig, device: torch.device = CPU) -> MoETransformer:
+    """The whole model with the run's initial weights (seeded init, or a HF checkpoint)."""
+    model = build_meta_model(cfg.model)
+    materialize_initial_weights(cfg, [model], device=device)
     return model
 
 
@@ -68,8 +92,7 @@ def apply_emulation(cfg: RunConfig, modules: Iterable[nn.Module]) -> None:
     """If the run asks for emulated compute (`train.emulate_compute`), make the attention
     blocks and experts under `modules` wait their calibrated durations instead of computing.
 
-    Call on the modules a worker runs, once it has built them (an expert shard is a new
-    module, sliced from the full model's).
+    Call on the modules a worker runs, once it has built and materialised them.
     """
     costs = load_emulation(cfg)
     if costs is not None:

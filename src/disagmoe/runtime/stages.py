@@ -22,11 +22,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..config import RunConfig
 from ..distributed.layout import Layout
-from ..models import Assignments, MoETransformer, split_by_owner
+from ..models import Assignments, MoETransformer, build_meta_model, split_by_owner
 from ..models.layers import rope_tables
 from ..schedule.ir import Msg
 from .objective import LossScale
+from .setup import materialize_initial_weights
 
 Payload = list[torch.Tensor]
 
@@ -296,3 +298,22 @@ class ExpertWorker:
             u_leaf, w_leaf = st.inputs[self.layout.role(msg.dst).index]
             out[msg] = [_grad_or_zeros(u_leaf), _grad_or_zeros(w_leaf)]
         return out
+
+
+def build_worker(
+    cfg: RunConfig, layout: Layout, rank: int, scale: LossScale
+) -> AttnWorker | ExpertWorker:
+    """`rank`'s worker, holding only its own parameters with the run's initial weights.
+
+    The full model exists only on the meta device; the worker picks its modules from it
+    (an expert shard narrows the experts on meta) and materialises just those, so a rank's
+    memory is its own share of the model, never the whole.
+    """
+    model = build_meta_model(cfg.model)
+    if layout.role(rank).comp == "A":
+        attn = AttnWorker(model, layout, rank, scale)
+        materialize_initial_weights(cfg, [attn.modules])
+        return attn
+    experts = ExpertWorker(model, layout, rank)
+    materialize_initial_weights(cfg, [experts.modules], first_expert=experts.expert_offset)
+    return experts
