@@ -38,6 +38,7 @@ from disagmoe.distributed.topology import Topology
 from disagmoe.runtime.executor import Executor, Payload
 from disagmoe.runtime.observe import Tracer
 from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
+from disagmoe.schedule.semantics import RankProgram
 from disagmoe.testing.spawn import run_ranks
 
 SIZES = ((256, 400), (4096, 400), (65536, 200), (1 << 20, 40), (8 << 20, 10))  # (bytes, count)
@@ -102,7 +103,8 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
         topo = Topology.build(layout)
         worker = _Worker(nbytes)
         executor = Executor(
-            schedule, topo, worker, worker, Tracer(rank, schedule.roles[rank]),
+            RankProgram.build(schedule, rank), schedule.roles[rank], topo, worker, worker,
+            Tracer(rank, schedule.roles[rank]),
             dtype=torch.float64, timeout_s=120,
         )  # fmt: skip
         buffers = [torch.ones(nbytes // 8, dtype=torch.float64) for _ in range(count)]

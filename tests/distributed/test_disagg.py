@@ -18,6 +18,7 @@ import transformers
 from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
 from disagmoe.models.hf_import import read_hf_config
 from disagmoe.presets import MODEL_PRESETS
+from disagmoe.runtime.disagg import DisaggTrainer
 
 from .equivalence import max_rel_errors
 
@@ -117,3 +118,18 @@ def test_init_from_hf_start_point(tmp_path: Path) -> None:
     )
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_moe"
     assert_equivalent([cfg], world=4)
+
+
+class RankLocalTrainer(DisaggTrainer):
+    """Every rank builds only its own instruction list, as above `WHOLE_WORLD_RANKS`."""
+
+    whole_world_ranks = 0
+
+
+def test_six_ranks_p2_m2_n1_rank_local_lists() -> None:
+    """m != n, p = 2, each rank running the list it built alone (no whole-world schedule)."""
+    cfgs = [case(2, 2, 1), case(2, 2, 1, top_k=1, num_shared_experts=1)]
+    errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:RankLocalTrainer")
+    assert len(errors) == len(cfgs)
+    for loss_err, grad_err, count in errors:
+        assert loss_err < TOL and grad_err < TOL and count > 10, (loss_err, grad_err)

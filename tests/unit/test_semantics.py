@@ -71,7 +71,8 @@ def _execute(schedule: Schedule) -> list[str]:
     worker = _Worker()
     topo: Any = types.SimpleNamespace(rank=0)  # no messages: no process group is touched
     executor = Executor(
-        schedule,
+        RankProgram.build(schedule, 0),
+        schedule.roles[0],
         topo,
         worker,
         worker,

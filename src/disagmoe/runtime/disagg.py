@@ -26,7 +26,8 @@ from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
 from ..distributed.topology import Topology, allreduce_grads, world_sum
 from ..schedule.afpipe import build_afpipe, build_afpipe_rank
-from ..schedule.ir import Instr, Schedule
+from ..schedule.ir import Instr, Schedule, lists_text
+from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
 from .executor import Executor
 from .objective import (
@@ -59,6 +60,13 @@ def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
     )
 
 
+# Up to this many ranks every rank also builds and validates the whole world's schedule
+# (milliseconds there; run dirs then list every rank's instructions); above, each rank
+# builds only its own list and whole-world validation is an offline check
+# (`disagmoe schedule --validate`, the tests).
+WHOLE_WORLD_RANKS = 64
+
+
 def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     return build_afpipe_rank(
@@ -67,12 +75,21 @@ def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Ins
 
 
 class DisaggTrainer:
+    whole_world_ranks = WHOLE_WORLD_RANKS
+
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
         self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
-        self.schedule = run_schedule(cfg, self.layout)
-        validate(self.schedule)
+        if self.layout.world_size <= self.whole_world_ranks:
+            self.schedule: Schedule | None = run_schedule(cfg, self.layout)
+            validate(self.schedule)
+            self.instrs = self.schedule.ranks[self.rank]
+        else:  # only this rank's list: time and memory follow its own instructions
+            self.schedule = None
+            self.instrs = run_schedule_of_rank(cfg, self.layout, self.rank)
+        cap = cfg.schedule.max_in_flight or num_slots(cfg, self.layout)
+        program = RankProgram.compile(self.rank, self.instrs, cap)
         self.topo = Topology.build(self.layout)
         self.role = self.layout.role(self.rank)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
@@ -90,7 +107,8 @@ class DisaggTrainer:
         self._capture_grads = False
         self._result: StepResult | None = None  # set by STEP
         self.executor = Executor(
-            self.schedule,
+            program,
+            str(self.role),
             self.topo,
             self.worker,
             self,
@@ -166,6 +184,14 @@ def run_disagg(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
     trainer = DisaggTrainer(cfg)
 
     def schedule_dump(path: Path) -> None:
-        (path / "schedule.txt").write_text(trainer.schedule.to_text())
+        if trainer.schedule is not None:
+            text = trainer.schedule.to_text()
+        else:
+            header = (
+                f"# schedule afpipe: rank 0 of {trainer.layout.world_size} (each rank built only "
+                "its own list; `disagmoe schedule --rank R` prints any rank's)"
+            )
+            text = lists_text(header, [(0, str(trainer.role), trainer.instrs)])
+        (path / "schedule.txt").write_text(text)
 
     return run_training(trainer, cfg, run_dir, extra_files=schedule_dump)

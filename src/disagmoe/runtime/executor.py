@@ -37,7 +37,7 @@ import torch
 
 from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receiver, send_message
 from ..distributed.topology import Topology
-from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, Schedule, compute_event_name
+from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer
 from .observe import Tracer, message_event_name, message_label
 
@@ -140,7 +140,8 @@ class _Lane:
 class Executor:
     def __init__(
         self,
-        schedule: Schedule,
+        program: RankProgram,
+        role: str,
         topo: Topology,
         worker: StageWorker,
         hooks: StepHooks,
@@ -151,8 +152,9 @@ class Executor:
         drop_message: str = "",
     ) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        assert program.rank == topo.rank, (program.rank, topo.rank)
         self.rank = topo.rank
-        self.role = schedule.roles[self.rank]
+        self.role = role
         self.topo = topo
         self.worker = worker
         self.hooks = hooks
@@ -160,7 +162,7 @@ class Executor:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
-        self.program = RankProgram.build(schedule, self.rank)
+        self.program = program
         self._backstop = _BACKSTOP * timeout_s + 10.0
         self.consumer_lane = {  # the compute lane each incoming message wakes
             m: Instr(Op(consumer(m)[0])).lane

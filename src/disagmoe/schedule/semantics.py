@@ -54,7 +54,7 @@ Both executions: SYNC and STEP run after every compute and message of the rank.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -107,11 +107,16 @@ class RankProgram:
 
     @classmethod
     def build(cls, schedule: Schedule, rank: int) -> RankProgram:
+        """`rank`'s program of a whole "lanes" schedule."""
         if schedule.execution != "lanes":
             raise ValueError(
                 f"schedule {schedule.name!r} runs {schedule.execution!r}, not on lanes"
             )
-        instrs = schedule.ranks[rank]
+        return cls.compile(rank, schedule.ranks[rank], schedule.max_in_flight)
+
+    @classmethod
+    def compile(cls, rank: int, instrs: Sequence[Instr], max_in_flight: int) -> RankProgram:
+        """The program of one rank's "lanes" list (e.g. built alone, `build_afpipe_rank`)."""
         lanes: dict[str, list[tuple[int, Instr]]] = {lane: [] for lane in COMPUTE_LANES}
         inputs: dict[TaskKey, list[Msg]] = defaultdict(list)
         outputs: dict[TaskKey, list[Msg]] = defaultdict(list)
@@ -132,7 +137,7 @@ class RankProgram:
         forwards = [ins.layer for _, ins in lanes["fwd"]]
         prog = cls(
             rank=rank,
-            cap=schedule.max_in_flight,
+            cap=max_in_flight,
             lanes=lanes,
             inputs=inputs,
             outputs=outputs,
