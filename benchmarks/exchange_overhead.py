@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from results_io import write_json
 
 from disagmoe.config import ModelConfig, ParallelConfig
 from disagmoe.distributed.layout import Layout
@@ -153,10 +152,7 @@ def main() -> int:
         print(f"{r['bytes']:9d} {r['count']:5d} {r['runtime_us']:14.1f} {r['gloo_us']:11.1f} "
               f"{r['gloo_alloc_us']:10.1f} {r['ratio']:6.2f}")  # fmt: skip
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": rows}, indent=1))
-        print(f"wrote {out}")
+        write_json(args.json, {"rows": rows})
     return 0
 
 

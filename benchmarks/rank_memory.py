@@ -22,9 +22,9 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
+from results_io import write_json
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from disagmoe.distributed.layout import Layout
@@ -145,10 +145,7 @@ def main() -> int:
         text[3] = f"{'-':>12s}" if secs is None else f"{float(secs):12.2f}"  # type: ignore[arg-type]
         print(f"{label:26s}" + "".join(text))
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": rows}, indent=1))
-        print(f"wrote {out}")
+        write_json(args.json, {"rows": rows})
     return 0
 
 

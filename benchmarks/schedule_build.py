@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
-from pathlib import Path
+
+from results_io import write_json
 
 from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
@@ -75,10 +75,7 @@ def main() -> int:
         print(f"{name:15s} {p:2d} {m:3d} {n:3d} {slots:5d} {max(sizes):11d} "
               f"{cell('rank_s', 7)} {cell('global_s', 8)} {cell('validate_s', 10)}")  # fmt: skip
     if args.json:
-        out = Path(args.json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"rows": rows}, indent=1))
-        print(f"wrote {out}")
+        write_json(args.json, {"rows": rows})
     return 0
 
 

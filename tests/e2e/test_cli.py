@@ -42,7 +42,7 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
     assert all("slot" in e["args"] and "layer" in e["args"] for e in trace if e.get("cat") == "fwd")
     assert (run / "config.toml").exists() and (run / "schedule.txt").exists()
     info = json.loads((run / "run.json").read_text())
-    assert info == {"runtime": "disagg", "world_size": 4, "process_groups": 5}  # 4 + p
+    assert info == {"runtime": "disagg", "world_size": 4, "process_groups": 9}  # 8 + p
     assert json.loads((tmp_path / "ref" / "run.json").read_text())["process_groups"] == 0
 
 

@@ -30,14 +30,15 @@ def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int) -> None:
         return tuple(ranks)
 
     topo = Topology.build(layout, rank=layout.expert_rank(p - 1, n - 1), new_group=fake)
-    assert topo.process_groups == len(created) == 4 + p  # header + payload per channel, replicas
+    # header + payload per channel and direction, and the replica groups
+    assert topo.process_groups == len(created) == 8 + p
     membership = Counter(r for ranks in created for r in ranks)
     assert set(membership) == set(range(layout.world_size))
-    assert max(membership.values()) <= 5  # no rank is in more than a constant number
-    # the stream groups are shared: the same two groups for every pair of ranks
-    assert topo.stream(0, layout.expert_rank(0, 0), "fwd") is topo.stream(
-        layout.expert_rank(0, n - 1), layout.attn_rank(0, m - 1), "fwd"
-    )
+    assert max(membership.values()) <= 9  # no rank is in more than a constant number
+    # the groups are shared by every stream of a channel and direction
+    a, f = layout.attn_rank(0, m - 1), layout.expert_rank(0, n - 1)
+    assert topo.stream(0, f, "fwd") is topo.stream(a, layout.expert_rank(0, 0), "fwd")
+    assert topo.stream(a, f, "fwd") is not topo.stream(f, a, "fwd")  # the two directions
     assert topo.stream(0, 1, "fwd") is not topo.stream(0, 1, "bwd")
     assert topo.replica_group is None  # an expert shard has no replica group
 

@@ -2,18 +2,20 @@
 
 A fixed set, whatever m and n are (docs/design.md §2.3, §4):
 
-* per channel ("fwd": activations, "bwd": gradients) one group for message headers and
-  one for payloads, each holding every rank. Point-to-point messages between two ranks
-  on one group are FIFO (per sender, receiver and tag), and two groups never queue
-  behind each other, so every (sender, receiver, channel) stream is FIFO on its own,
-  forward and backward traffic between the same two workers never wait for each other,
-  and a small header never waits behind a large payload (with gloo each group has its
-  own connection per pair of ranks; with NCCL each its own communicator);
+* per channel ("fwd": activations, "bwd": gradients) and direction of travel (to a
+  higher or to a lower rank), one group for message headers and one for payloads, each
+  holding every rank. Point-to-point messages between two ranks on one group are FIFO
+  (per sender, receiver and tag), and two groups never queue behind each other (with
+  gloo each group has its own connection per pair of ranks; with NCCL each its own
+  communicator). So every (sender, receiver, channel) stream is FIFO on its own; forward
+  and backward traffic between the same two workers never wait for each other; a small
+  header never waits behind a large payload; and a gloo send's "ready to receive" notice,
+  which travels against its data, never queues behind the other direction's payloads;
 * per attention group, the group of its m data-parallel replicas (gradient
   all-reduce);
 * the world group (loss/metrics reduction, global gradient norm).
 
-So `4 + p` groups in all (the world excluded), and a rank belongs to at most 5 of them.
+So `8 + p` groups in all (the world excluded), and a rank belongs to at most 9 of them.
 Every rank must call `Topology.build` in the same order: group creation is collective.
 """
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from .layout import Layout, Role
 
 CHANNELS = ("fwd", "bwd")
+DIRECTIONS = ("up", "down")  # to a higher rank, to a lower rank
 GroupFactory = Callable[[Sequence[int]], Any]  # `dist.new_group`, or a fake in tests
 
 
@@ -45,7 +48,7 @@ class Topology:
     layout: Layout
     rank: int
     role: Role
-    channels: dict[str, Channel]  # "fwd" / "bwd"
+    channels: dict[tuple[str, str], Channel]  # (channel, direction) -> its groups
     replica_group: dist.ProcessGroup | None  # this A rank's replicas (None for F ranks)
     process_groups: int  # groups this run created (the world group excluded)
 
@@ -60,8 +63,9 @@ class Topology:
         created = 0
         channels = {}
         for channel in CHANNELS:
-            channels[channel] = Channel(header=make(everyone), payload=make(everyone))
-            created += 2
+            for direction in DIRECTIONS:
+                channels[(channel, direction)] = Channel(make(everyone), make(everyone))
+                created += 2
         replica_group = None
         role = layout.role(rank)
         for g in range(layout.groups):
@@ -73,8 +77,8 @@ class Topology:
 
     def stream(self, src: int, dst: int, channel: str) -> Channel:
         """The groups carrying the (src, dst, channel) stream (shared with the channel's
-        other streams; FIFO per pair of ranks)."""
-        return self.channels[channel]
+        other streams in the same direction; FIFO per pair of ranks)."""
+        return self.channels[(channel, "up" if src < dst else "down")]
 
 
 def world_sum(t: torch.Tensor) -> torch.Tensor:
