@@ -104,7 +104,7 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
         executor = Executor(
             RankProgram.build(schedule, rank), schedule.roles[rank], topo, worker, worker,
             Tracer(rank, schedule.roles[rank]),
-            dtype=torch.float64, timeout_s=120,
+            timeout_s=120,
         )  # fmt: skip
         buffers = [torch.ones(nbytes // 8, dtype=torch.float64) for _ in range(count)]
 

@@ -7,7 +7,6 @@ import types
 from typing import Any
 
 import pytest
-import torch
 
 from disagmoe.runtime.executor import Executor, HangError, Payload
 from disagmoe.runtime.observe import Tracer
@@ -77,7 +76,6 @@ def _execute(schedule: Schedule) -> list[str]:
         worker,
         worker,
         Tracer(0, schedule.roles[0]),
-        dtype=torch.float64,
         timeout_s=0.5,
     )
     executor.run_step(0)

@@ -36,7 +36,6 @@ from .objective import (
     build_optimizer,
     fill_missing_grads,
     finish_step,
-    torch_dtype,
 )
 from .observe import Tracer
 from .setup import apply_emulation, build_data, set_threads
@@ -113,7 +112,6 @@ class DisaggTrainer:
             self.worker,
             self,
             self.tracer,
-            dtype=torch_dtype(cfg.train.dtype),
             timeout_s=cfg.train.comm_timeout_s,
             drop_message=cfg.train.drop_message,
         )

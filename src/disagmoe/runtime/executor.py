@@ -38,7 +38,7 @@ import torch
 from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receiver, send_message
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
-from ..schedule.semantics import RankProgram, TaskKey, consumer
+from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
 from .observe import Tracer, message_event_name, message_label
 
 Payload = list[torch.Tensor]
@@ -147,7 +147,6 @@ class Executor:
         hooks: StepHooks,
         tracer: Tracer,
         *,
-        dtype: torch.dtype,
         timeout_s: float,
         drop_message: str = "",
     ) -> None:
@@ -159,15 +158,12 @@ class Executor:
         self.worker = worker
         self.hooks = hooks
         self.tracer = tracer
-        self.dtype = dtype
         self.timeout_s = timeout_s
         self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
         self.program = program
         self._backstop = _BACKSTOP * timeout_s + 10.0
         self.consumer_lane = {  # the compute lane each incoming message wakes
-            m: Instr(Op(consumer(m)[0])).lane
-            for msgs in self.program.streams.values()
-            for m in msgs
+            m: consumer_lane(m) for msgs in self.program.streams.values() for m in msgs
         }
         self.sends: queue.Queue[tuple[Msg, list[Any], float, int, int] | None] = queue.Queue()
         self.deliveries: list[queue.Queue[tuple[Msg, Incoming, str, float] | None]] = []

@@ -79,10 +79,9 @@ def consumer(msg: Msg) -> TaskKey:
     return _task(MESSAGE_KINDS[msg.kind].consumer, msg.layer, msg.slot)
 
 
-def endpoints(msg: Msg) -> tuple[Endpoint, Endpoint]:
-    """(producer, consumer) endpoints of the message's kind, relative to `msg.layer`."""
-    kind = MESSAGE_KINDS[msg.kind]
-    return kind.producer, kind.consumer
+def consumer_lane(msg: Msg) -> str:
+    """The compute lane ("fwd" / "bwd") whose instruction consumes `msg`."""
+    return Instr(MESSAGE_KINDS[msg.kind].consumer.op).lane
 
 
 @dataclass
