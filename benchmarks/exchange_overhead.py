@@ -11,7 +11,7 @@ Two local gloo ranks (one thread each), in one run:
 * gloo: the same number of payloads of the same byte size, every `isend` / `irecv` posted
   at once on a dedicated 2-rank group, then waited for; receive buffers allocated once;
 * gloo+alloc: the same, each receive into a freshly allocated buffer, as a receiver of
-  variable-size messages must (first-touch page faults: ~0.25 ms per MB on this host).
+  variable-size messages must.
 
 Per message = the receiver's wall time for the whole batch / count (median of repeats;
 messages stream back to back, so this is the cost per message, not one message's latency).
