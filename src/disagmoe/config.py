@@ -32,6 +32,8 @@ RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine")
+RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
+PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)
 
 
 def _require(condition: bool, message: str) -> None:
@@ -151,6 +153,16 @@ class ParallelConfig:
         default=0, metadata=flag("workers (default: p*(m+n), or pp*ep for ep-*)")
     )
     backend: str = "auto"  # auto | gloo | nccl
+    placement: str = field(
+        default="node-aware",
+        metadata=flag(
+            "disagg: A and F workers mixed on every node, or packed in rank order",
+            choices=PLACEMENTS,
+        ),
+    )
+    ranks_per_node: int = field(  # 0: torchrun's LOCAL_WORLD_SIZE (all ranks when unset)
+        default=0, metadata=flag("ranks per node for --placement (default: local world size)")
+    )
     # 0 means cores // local world size (at least 1)
     threads_per_rank: int = field(default=0, metadata=flag())
 
@@ -170,6 +182,11 @@ class ParallelConfig:
         ):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        _require(
+            self.placement in PLACEMENTS,
+            f"parallel.placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}",
+        )
+        _require(self.ranks_per_node >= 0, "parallel.ranks_per_node must be >= 0 (0: local)")
         _require(self.threads_per_rank >= 0, "parallel.threads_per_rank must be >= 0")
         _require(self.world_size >= 0, "parallel.world_size must be >= 0 (0: derived)")
 
@@ -218,6 +235,16 @@ class TrainConfig:
     beta2: float = 0.95
     adam_eps: float = 1e-8
     grad_clip: float = 1.0  # 0 disables clipping
+    recompute: str = field(
+        default="none",
+        metadata=flag(
+            "activation recompute: none, attn (attention core) or full (whole stage)",
+            choices=RECOMPUTE,
+        ),
+    )
+    memory_gib: float = field(  # 0: the cluster preset's GPU memory on GPU, host share on CPU
+        default=0.0, metadata=flag("memory budget per rank (GiB) that sets the in-flight cap")
+    )
     data: str = field(  # empty: the built-in corpus
         default="", metadata=flag(".txt (bytes), .npy or .bin token file; default: built-in corpus")
     )
@@ -263,6 +290,14 @@ class TrainConfig:
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
         _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
         _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule: constant or cosine")
+        _require(
+            self.recompute in RECOMPUTE,
+            f"train.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}",
+        )
+        _require(
+            math.isfinite(self.memory_gib) and self.memory_gib >= 0,
+            "train.memory_gib must be a finite number >= 0 (0: from the cluster or host)",
+        )
         _require(self.seq_len >= 1, "train.seq_len must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
         _require(
