@@ -91,6 +91,8 @@ def _traced_exchange(
         step=step,
         bytes=_nbytes(x),
         blocking=True,
+        peers=dist.get_process_group_ranks(comm.group),
+        peer_bytes=[n * x.element_size() for n in in_splits],
     )
     return out
 

@@ -144,12 +144,13 @@ class TracedStage(PipelineStage):
         self.module = submod
         self.tracer = tracer
         self.order = order
-        self.pending: list[tuple[str, str, float, int, int]] = []
+        # (event name, lane, start, micro-batch, bytes, peers, bytes per peer)
+        self.pending: list[tuple[str, str, float, int, int, list[int], list[int]]] = []
         self.step_index = 0
 
     def _close_p2p(self) -> None:
         now = Tracer.now_us()
-        for name, lane, t0, mb, nbytes in self.pending:
+        for name, lane, t0, mb, nbytes, peers, peer_bytes in self.pending:
             self.tracer.add(
                 name,
                 lane,
@@ -159,14 +160,17 @@ class TracedStage(PipelineStage):
                 micro_batch=mb,
                 step=self.step_index,
                 bytes=nbytes,
+                peers=peers,
+                peer_bytes=peer_bytes,
             )
         self.pending.clear()
 
     def _p2p(self, ops: list[Any], kind: str, lane: str, mb: int) -> list[Any]:
         if ops:
-            nbytes = sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            sizes = [op.tensor.numel() * op.tensor.element_size() for op in ops]
             name = message_event_name(lane, stage_event_name(kind, self.stage_index, mb))
-            self.pending.append((name, lane, Tracer.now_us(), mb, nbytes))
+            peers = [int(op.peer) for op in ops]
+            self.pending.append((name, lane, Tracer.now_us(), mb, sum(sizes), peers, sizes))
         return ops
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:

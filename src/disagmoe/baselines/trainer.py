@@ -139,7 +139,13 @@ class EPTrainer:
         t0 = Tracer.now_us()
         nbytes = allreduce_grads(params, group)
         self.tracer.add(
-            f"SYNC {name}", "sync", t0, Tracer.now_us(), bytes=nbytes, step=self.comm.step
+            f"SYNC {name}",
+            "sync",
+            t0,
+            Tracer.now_us(),
+            bytes=nbytes,
+            step=self.comm.step,
+            peers=dist.get_process_group_ranks(group),
         )
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..runtime.observe import (
     union_intervals,
 )
 from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
+from ..simulator.bound import Bound, worker_bound
 from ..simulator.ep import EPCosts
 
 Event = dict[str, Any]
@@ -87,6 +89,77 @@ def trace_breakdown(events: list[Event], step_times: dict[int, float]) -> Breakd
     return Breakdown(
         *(statistics.fmean(getattr(p, f) for p in parts) for f in Breakdown.__dataclass_fields__)
     )
+
+
+def _send_bytes(e: Event) -> list[tuple[int, float]]:
+    """(destination rank, bytes) of one traced send: a message, a pipeline p2p, an
+    all-to-all (bytes per member), or a gradient all-reduce (ring in member order: each
+    member sends 2 (g - 1) / g of the buffer to the next one)."""
+    args = e["args"]
+    if e["cat"] == "sync":
+        peers = args.get("peers") or []
+        if len(peers) < 2 or e["pid"] not in peers:
+            return []
+        g = len(peers)
+        nxt = peers[(peers.index(e["pid"]) + 1) % g]
+        return [(nxt, 2.0 * (g - 1) / g * args.get("bytes", 0))]
+    if e["cat"] != "send":
+        return []
+    if "dst" in args:
+        return [(args["dst"], float(args.get("bytes", 0)))]
+    return [
+        (r, float(b))
+        for r, b in zip(args.get("peers", []), args.get("peer_bytes", []), strict=True)
+    ]
+
+
+def trace_bound(
+    events: list[Event],
+    step_times: dict[int, float],
+    node_of: Callable[[int], int],
+    node_bytes_per_s: Sequence[float],
+) -> Bound:
+    """The step-time lower bound (`simulator.bound`) of a measured run, from its trace.
+
+    Per measured step and rank: compute = its compute lanes minus blocking waits, the
+    optimizer STEP apart (serial); network = the busier direction of its node's NIC:
+    bytes its node's ranks send to / receive from other nodes (messages, pipeline p2p,
+    all-to-all splits, the gradient all-reduce as a ring) / the node's rate. Traffic inside
+    a node (loopback) is not counted. Median over the steps of each step's bound.
+    """
+    per_step: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        step = e.get("args", {}).get("step")
+        if e.get("ph") == "X" and step in step_times:
+            per_step[step].append(e)
+    bounds = []
+    for evs in per_step.values():
+        by_rank: dict[int, list[Event]] = defaultdict(list)
+        out: dict[int, float] = defaultdict(float)
+        into: dict[int, float] = defaultdict(float)
+        for e in evs:
+            by_rank[e["pid"]].append(e)
+            for dst, nbytes in _send_bytes(e):
+                src_node, dst_node = node_of(e["pid"]), node_of(dst)
+                if src_node != dst_node:
+                    out[src_node] += nbytes
+                    into[dst_node] += nbytes
+        compute, network, serial = {}, {}, {}
+        for rank, mine in by_rank.items():
+            spans = event_spans(e for e in mine if e["cat"] in COMPUTE_LANES)
+            spans = subtract_intervals(
+                spans, event_spans(e for e in mine if e["args"].get("blocking"))
+            )
+            compute[rank] = total_length(spans) / 1e6
+            serial[rank] = (
+                sum(e["dur"] for e in mine if e["cat"] == "sync" and e["name"] == "STEP") / 1e6
+            )
+            node = node_of(rank)
+            network[rank] = max(out[node], into[node]) / node_bytes_per_s[node]
+        bounds.append(worker_bound(compute, network, serial))
+    if not bounds:
+        return Bound(0.0, "compute", "-", 0.0, 0.0, 0.0)
+    return sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
 
 
 def _sync_step_s(events: list[Event]) -> float:
@@ -223,4 +296,4 @@ def predict(cfg: RunConfig, world: int, events: list[Event], net: Network) -> fl
     return predict_ep(cfg, world, events, net)
 
 
-__all__ = ["Breakdown", "emulated_network", "predict", "trace_breakdown"]
+__all__ = ["Breakdown", "emulated_network", "predict", "trace_bound", "trace_breakdown"]

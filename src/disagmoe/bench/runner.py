@@ -17,18 +17,28 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..config_io import load_toml
-from .analysis import Breakdown, emulated_network, predict, trace_breakdown
+from ..simulator.bound import Bound
+from .analysis import (
+    TCP_EFFICIENCY,
+    Breakdown,
+    emulated_network,
+    predict,
+    trace_bound,
+    trace_breakdown,
+)
 from .netns import EmulatedCluster, LoopbackCluster
 
 RDZV_PORT = 29500
@@ -238,7 +248,14 @@ class RuntimeResult:
     breakdown: Breakdown | None = None
     predicted_step_s: float = 0.0
     prediction_error: float = 0.0
+    bound: Bound | None = None  # the step-time lower bound from the run's trace
     run_dirs: list[str] = field(default_factory=list)
+
+    @property
+    def step_over_bound(self) -> float | None:
+        if not self.ok or self.bound is None or self.bound.seconds <= 0:
+            return None
+        return self.step_time_s / self.bound.seconds
 
     def to_dict(self) -> dict[str, Any]:
         b = self.breakdown
@@ -258,6 +275,9 @@ class RuntimeResult:
             "bubble_s": b.bubble_s if b else None,
             "predicted_step_s": self.predicted_step_s if self.ok else None,
             "prediction_error": self.prediction_error if self.ok else None,
+            "bound_s": self.bound.seconds if self.ok and self.bound else None,
+            "step_over_bound": self.step_over_bound,
+            "binding": self.bound.describe() if self.ok and self.bound else None,
             "run_dirs": self.run_dirs,
         }
 
@@ -283,7 +303,8 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         medians = [statistics.median(o.step_times.values()) / k for o in good]
         res.step_time_spread_s = (min(medians), max(medians))
         res.tokens_per_s = tokens / res.step_time_s
-        parts, predictions = [], []
+        parts, predictions, bounds = [], [], []
+        node_of, node_rates = _nic_pools(spec, runtime)
         rates = spec.worker_gbps(runtime)
         run_net = net
         if len(set(rates)) > 1:  # the NIC split, as the simulator's per-rank NIC rates
@@ -292,6 +313,7 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         for o in good:
             events = _events(o.run_dir, set(o.step_times))
             parts.append(trace_breakdown(events, o.step_times))
+            bounds.append(trace_bound(events, o.step_times, node_of, node_rates))
             cfg = load_toml(o.run_dir / "config.toml")
             predictions.append(predict(cfg, spec.world, events, run_net))
         res.breakdown = Breakdown(
@@ -301,6 +323,14 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
             )
         )
         res.predicted_step_s = statistics.median(predictions) / k
+        mid = sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
+        res.bound = dataclasses.replace(
+            mid,
+            seconds=mid.seconds / k,
+            compute_s=mid.compute_s / k,
+            network_s=mid.network_s / k,
+            serial_s=mid.serial_s / k,
+        )
         res.prediction_error = res.predicted_step_s / res.step_time_s - 1.0
         results.append(res)
     base = next((r for r in results if r.runtime == "ep-1f1b" and r.ok), None)
@@ -308,6 +338,15 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         if base is not None and r.ok:
             r.ratio_vs_ep_1f1b = r.tokens_per_s / base.tokens_per_s
     return results
+
+
+def _nic_pools(spec: BenchSpec, runtime: str) -> tuple[Callable[[int], int], list[float]]:
+    """Node of each rank and each node's NIC goodput (bytes/s, wall clock) as the bench
+    emulates them: ranks fill nodes in rank order; a node's tbf rate carries its ranks."""
+    if spec.loopback:  # no NIC: every rank on one host
+        return (lambda rank: 0), [math.inf]
+    rates = [mbit * 1e6 / 8 * TCP_EFFICIENCY for mbit in spec.node_mbit(runtime)]
+    return (lambda rank: rank // spec.ranks_per_node), rates
 
 
 def _events(run_dir: Path, steps: set[int]) -> list[dict[str, Any]]:

@@ -155,6 +155,9 @@ class Executor:
         self.rank = topo.rank
         self.role = role
         self.topo = topo
+        # the gradient all-reduce's members, as the trace records them (bench bounds)
+        role_of = topo.layout.role(topo.rank)
+        self._replicas = topo.layout.attn_replicas(role_of.group) if role_of.comp == "A" else []
         self.worker = worker
         self.hooks = hooks
         self.tracer = tracer
@@ -378,7 +381,10 @@ class Executor:
             t0 = Tracer.now_us()
             if instr.op == Op.SYNC:
                 nbytes = self.hooks.sync(step)
-                self.tracer.add("SYNC grads", "sync", t0, Tracer.now_us(), step=step, bytes=nbytes)
+                extra = {"peers": self._replicas} if nbytes else {}
+                self.tracer.add(
+                    "SYNC grads", "sync", t0, Tracer.now_us(), step=step, bytes=nbytes, **extra
+                )
             else:
                 self.hooks.optimizer_step(step)
                 self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)

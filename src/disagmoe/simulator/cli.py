@@ -223,6 +223,15 @@ def format_result(result: SimResult) -> str:
         f"workers {result.num_workers}",
         f"step time   {result.step_time_s * 1e3:10.2f} ms",
         f"throughput  {result.tokens_per_s:10.0f} tokens/s ({result.tokens_per_step} tokens/step)",
+        *(
+            [
+                f"bound       {result.bound.seconds * 1e3:10.2f} ms  (step/bound "
+                f"{result.step_time_s / result.bound.seconds:.2f}; binding: "
+                f"{result.bound.describe()})"
+            ]
+            if result.bound and result.bound.seconds > 0
+            else []
+        ),
         "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
     ]
     for key in BREAKDOWN_KEYS:

@@ -124,6 +124,7 @@ def simulate_schedule(
         roles=roles,
         real_ranks=real,
         config=cfg,
+        cores=cores,
     )
 
 

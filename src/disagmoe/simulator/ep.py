@@ -234,4 +234,5 @@ def simulate_baseline_schedule(
         roles=[str(r) for r in schedule.roles],
         real_ranks=list(range(schedule.num_ranks)),
         config={"schedule": schedule.name, **schedule.meta},
+        cores=cores,
     )

@@ -32,6 +32,7 @@ from ..runtime.observe import (
     union_intervals,
     write_trace,
 )
+from .bound import Bound, program_bound
 from .engine import A2A, COMPUTE, DELAY, XFER, Program, Timeline
 
 BREAKDOWN_KEYS = ("attn", "ffn", "other", "comm_overlapped", "comm_exposed", "bubble")
@@ -48,6 +49,7 @@ class SimResult:
     config: dict[str, Any] = field(default_factory=dict)
     program: Program | None = None
     timeline: Timeline | None = None
+    bound: Bound | None = None  # the step-time lower bound (simulator.bound)
 
     @property
     def tokens_per_s(self) -> float:
@@ -72,6 +74,7 @@ class SimResult:
             "shares": {k: self.share(k) for k in BREAKDOWN_KEYS},
             "workers": self.workers,
             "config": self.config,
+            **(self.bound.to_dict() if self.bound else {}),
         }
 
     def to_json(self) -> str:
@@ -91,8 +94,9 @@ def summarize(
     roles: list[str],
     real_ranks: list[int],
     config: dict[str, Any],
+    cores: int = 0,
 ) -> SimResult:
-    """Per-worker busy time and breakdown of a finished simulation."""
+    """Per-worker busy time, breakdown and bound of a finished simulation."""
     n = program.num_ranks
     compute: list[list[Interval]] = [[] for _ in range(n)]
     comm: list[list[Interval]] = [[] for _ in range(n)]
@@ -136,8 +140,18 @@ def summarize(
                 **{k: row[k] for k in BREAKDOWN_KEYS},
             }
         )
+    bound = program_bound(program, cores=cores, names=roles)
     return SimResult(
-        runtime, step, tokens_per_step, int(total), breakdown, workers, config, program, timeline
+        runtime,
+        step,
+        tokens_per_step,
+        int(total),
+        breakdown,
+        workers,
+        config,
+        program,
+        timeline,
+        bound,
     )
 
 

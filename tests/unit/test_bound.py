@@ -1,0 +1,95 @@
+"""The step-time lower bound: closed forms on small programs, and never above a simulated step."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
+from disagmoe.simulator import simulate_disagg, simulate_ep
+from disagmoe.simulator.bound import program_bound, worker_bound
+from disagmoe.simulator.engine import A2A, COMPUTE, DELAY, Program, run_program
+
+
+def _two_ranks() -> Program:
+    """Rank 0 computes 3 s, sends 8 GB over a 4 GB/s port pair to rank 1, which computes 1 s;
+    rank 1 also runs a 0.5 s all-to-all; both then run a 0.25 s optimizer step."""
+    prog = Program(num_ranks=2)
+    out, inn = prog.add_port("nic_out0", 4e9), prog.add_port("nic_in1", 4e9)
+    c0 = prog.add(COMPUTE, 0, "fwd", 3.0, "attn", "f", [])
+    x = prog.add_xfer(0, 1, [(out, 8e9), (inn, 8e9)], "dispatch", [c0])
+    c1 = prog.add(COMPUTE, 1, "fwd", 1.0, "ffn", "e", [x])
+    a = prog.add(A2A, 1, "send", 0.5, "comm", "a2a", [c1])
+    for rank, last in ((0, x), (1, a)):
+        prog.add(DELAY, rank, "sync", 0.25, "other", "STEP", [last])
+    return prog
+
+
+def test_bound_of_a_small_program_is_its_closed_form() -> None:
+    prog = _two_ranks()
+    bound = program_bound(prog, names=["A", "F"])
+    # rank 0: max(3 s compute, 2 s on its port) + 0.25 s; rank 1: max(1 s, 2 s port) + 0.25 s
+    assert bound.seconds == pytest.approx(3.25)
+    assert (bound.binding, bound.worker) == ("compute", "A")
+    assert run_program(prog).makespan >= bound.seconds
+    # a slower link makes the network bind, on either end of it
+    prog.ports[0].bytes_per_s = 1e9
+    bound = program_bound(prog)
+    assert bound.seconds == pytest.approx(8.25)
+    assert bound.binding == "network"
+    assert run_program(prog).makespan >= bound.seconds
+
+
+def test_cores_pool_and_serial_terms() -> None:
+    # two ranks of 3 s compute on one shared core need 6 s; the pool term says so
+    assert program_bound(_two_ranks(), cores=1).seconds == pytest.approx(4.0 + 0.25)
+    b = worker_bound({0: 1.0}, {0: 0.5}, {0: 2.0})
+    assert (b.seconds, b.binding) == (3.0, "serial")
+
+
+@pytest.mark.parametrize("runtime", ["disagg", "ep-1f1b", "ep-overlap"])
+def test_simulated_step_never_beats_its_bound(runtime: str) -> None:
+    model, cluster = MODEL_PRESETS["small"], CLUSTER_PRESETS["h800"]
+    common = dict(seq_len=2048, micro_batch_size=1, num_micro_batches=8)
+    if runtime == "disagg":
+        result = simulate_disagg(
+            model, cluster, groups=2, attn_workers=2, expert_workers=2, **common
+        )
+    else:
+        result = simulate_ep(runtime, model, cluster, gpus=8, pp=2, ep=4, **common)
+    bound = result.bound
+    assert bound is not None and bound.seconds > 0
+    assert bound.seconds <= result.step_time_s * (1 + 1e-9)
+    out = result.to_dict()
+    assert out["bound_s"] == bound.seconds and out["binding"] in ("compute", "network", "serial")
+
+
+def _ev(pid: int, cat: str, name: str, ts: float, dur: float, **args: object) -> dict:
+    return {"ph": "X", "pid": pid, "cat": cat, "name": name, "ts": ts, "dur": dur,
+            "args": {"step": 0, **args}}  # fmt: skip
+
+
+def test_trace_bound_counts_cross_node_bytes_per_direction() -> None:
+    """Ranks 0, 1 on node 0 and 2, 3 on node 1 (1 MB/s NICs). Node 0 sends 3 MB to node 1
+    (a message, an all-to-all split and a pipeline p2p) and 1 MB within itself; rank 2's
+    4 s of compute include a 1 s blocking all-to-all wait; its STEP takes 0.5 s."""
+    from disagmoe.bench.analysis import trace_bound
+
+    events = [
+        _ev(0, "send", "send dispatch", 0, 10, dst=2, bytes=1e6),
+        _ev(0, "send", "send dispatch", 0, 10, dst=1, bytes=1e6),  # inside node 0
+        _ev(1, "send", "a2a", 0, 10, peers=[0, 1, 2, 3], peer_bytes=[5, 0, 1e6, 0]),
+        _ev(1, "send", "send act", 0, 10, peers=[3], peer_bytes=[1e6]),
+        _ev(2, "fwd", "FA l0 s0", 0, 4e6),
+        _ev(2, "send", "a2a", 1e6, 1e6, blocking=True, peers=[2, 3], peer_bytes=[0, 0]),
+        _ev(2, "sync", "STEP", 4e6, 0.5e6),
+    ]
+    bound = trace_bound(events, {0: 10.0}, lambda r: r // 2, [1e6, 1e6])
+    # node 0 egress = node 1 ingress = 3 MB + 5 B at 1 MB/s; rank 2: 3 s compute + 0.5 s
+    assert bound.network_s == pytest.approx(3.0, rel=1e-5)
+    assert bound.seconds == pytest.approx(3.0 + 0.5, rel=1e-5)
+    assert (bound.binding, bound.worker) == ("compute", "rank 2")
+    # a gradient all-reduce over ranks 0 and 2 (ring): each sends 2 (g-1)/g * 2 MB = 2 MB
+    events += [_ev(r, "sync", "SYNC grads", 5e6, 1e3, bytes=2e6, peers=[0, 2]) for r in (0, 2)]
+    bound = trace_bound(events, {0: 10.0}, lambda r: r // 2, [1e6, 1e6])
+    assert bound.seconds == pytest.approx(5.0 + 0.5, rel=1e-5)
+    assert bound.binding == "network"
