@@ -42,6 +42,16 @@ def test_milp_matches_enumeration_on_random_instances() -> None:
         assert got_split.tau_opt == pytest.approx(ref.tau_opt, rel=1e-9), prob
         assert got_split.balance == pytest.approx(ref.balance, rel=1e-9), prob
         assert got_split.tau <= ref.tau_opt * 1.02 * (1 + 1e-9)
+        # the NIC split is the fastest one for the chosen GPU split (Stage 2 ignores NICs)
+        assert got_split.tau == pytest.approx(ref.tau, rel=1e-9), prob
+        r = prob.nics_per_gpu
+        fastest = min(
+            prob.tau(got_split.m, got_split.n, ma, prob.nics - ma)
+            for ma in range(1, prob.nics)
+            if r is None
+            or (ma <= r * got_split.m + 1e-9 and prob.nics - ma <= r * got_split.n + 1e-9)
+        )
+        assert got_split.tau == pytest.approx(fastest, rel=1e-12)
         assert got_split.m + got_split.n == prob.gpus
         assert got_split.attn_nics + got_split.ffn_nics == prob.nics
         solved += 1
@@ -103,3 +113,16 @@ def test_infeasible_requests_name_the_binding_constraint(
     for solve in (solve_milp, solve_enumerate):
         with pytest.raises(ValueError, match=needle):
             solve(prob)
+
+
+def test_roofline_plan_sits_at_the_stage1_optimum_when_its_gpu_split_allows() -> None:
+    """qwen3-30b-a3b, 128 GPUs, 64 NIC pairs, 32K (the roofline case of `disagmoe plan`):
+    Stage 2 picks m = 108 for compute balance; with the NICs split 32 : 32 that point is at
+    the Stage 1 optimum, where an arbitrary NIC split inside the band was 1.6% slower."""
+    prob = SplitProblem(gpus=128, nics=64, attn_gpu=0.009206603303862488,
+                        ffn_gpu=0.0016676111644732053, attn_nic=0.00268435456,
+                        ffn_nic=0.00268435456)  # fmt: skip
+    for solve in (solve_milp, solve_enumerate):
+        split = solve(prob)
+        assert (split.m, split.attn_nics) == (108, 32)
+        assert split.tau == pytest.approx(split.tau_opt, rel=1e-12)

@@ -11,6 +11,7 @@ import dataclasses
 import json
 
 from disagmoe.planner import Plan, plan_for
+from disagmoe.planner.plan import PlanOptions
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 
 
@@ -79,11 +80,11 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(plan.to_dict(), sort_keys=True))
     else:
-        print(format_plan(plan))
+        print(format_plan(plan, args.epsilon))
     return 0
 
 
-def format_plan(plan: Plan) -> str:
+def format_plan(plan: Plan, epsilon: float = PlanOptions().epsilon) -> str:
     ms = 1e3
     rows = [
         ("model / cluster", f"{plan.model} on {plan.gpus} x {plan.cluster} GPUs, {plan.nics} NICs"),
@@ -100,6 +101,8 @@ def format_plan(plan: Plan) -> str:
         ("T_attn compute / comm", f"{plan.t_attn_compute_s * ms:.3f} / {plan.t_attn_comm_s * ms:.3f} ms"),
         ("T_ffn compute / comm", f"{plan.t_ffn_compute_s * ms:.3f} / {plan.t_ffn_comm_s * ms:.3f} ms"),
         ("T_stage (binding)", f"{plan.t_stage_s * ms:.3f} ms  ({plan.binding})"),
+        ("vs Stage 1 optimum", f"+{100 * plan.stage1_gap:.2f}% per sequence (stage 2 band "
+         f"{100 * epsilon:g}%)" if plan.stage == "milp" else "- (moved by stage 3)"),
         ("I_attn / I_ffn / ridge", f"{plan.i_attn:,.0f} / {plan.i_ffn:,.0f} / {plan.ridge:,.0f} FLOP/B"),
         ("memory A / F / usable", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
          f"{plan.mem_cap_gib:.1f} GiB per GPU"),

@@ -11,6 +11,9 @@ With u = 1/tau this is linear:  m >= a*u, n >= f*u, M_a >= c_a*u, M_f >= c_f*u, 
 Stage 2 keeps every configuration whose tau is within (1 + eps) of the optimum — by integer
 lower bounds m >= ceil(a / (tau*(1+eps))) etc. — and maximises the smaller of the two
 components' compute utilisations (a/m)/tau and (f/n)/tau, i.e. minimises max(m/a, n/f).
+That objective does not see the NIC split, so among its ties (same m, n) the split with the
+smallest tau is taken (`best_nic_split`): the plan leaves the Stage 1 optimum only by what its
+GPU split costs, and never by more than the band.
 See docs/planner.md for why the design's "maximise I_attn + I_ffn" needs this form.
 
 Optional constraints of the full (non-roofline) problem:
@@ -169,6 +172,7 @@ def solve_milp(
     cons.append(LinearConstraint(rows, np.zeros(2), np.full(2, np.inf)))
     x2 = _run(np.array([0, 0, 0, 0, 1.0]), cons, _bounds(p, lower), time_limit_s, mip_gap)
     m, n, ma, mf = x2 if x2 is not None else x1  # x1 is always inside the band
+    ma, mf = best_nic_split(p, m, n, ma)
     return Split(
         m=m,
         n=n,
@@ -180,6 +184,24 @@ def solve_milp(
         binding=_binding(p, *x1),
         solver="milp",
     )
+
+
+def best_nic_split(p: SplitProblem, m: int, n: int, fallback: int) -> tuple[int, int]:
+    """The NIC split (M_a, M_f) with the smallest tau for the GPU split (m, n).
+
+    Stage 2's objective involves only m and n, so any NIC split inside the band ties; this
+    takes the fastest (ties: the one closest to `fallback`), so the plan sits at the Stage 1
+    optimum whenever its GPU split allows it rather than anywhere in the band."""
+    best, best_key = (fallback, p.nics - fallback), (p.tau(m, n, fallback, p.nics - fallback), 0)
+    r = p.nics_per_gpu
+    for ma in range(1, p.nics):
+        mf = p.nics - ma
+        if r is not None and (ma > r * m + 1e-9 or mf > r * n + 1e-9):
+            continue
+        key = (p.tau(m, n, ma, mf), abs(ma - fallback))
+        if key < best_key:
+            best, best_key = (ma, mf), key
+    return best
 
 
 # ------------------------------------------------------------------------ enumeration
@@ -221,7 +243,8 @@ def solve_enumerate(p: SplitProblem, *, eps: float = 0.02) -> Split:
     lm, ln, lma, lmf = _band_bounds(p, tau_opt, eps)
     band = ok & (m >= lm) & (n >= ln) & (ma >= lma) & (mf >= lmf)
     balance = np.where(band, np.maximum(m / p.attn_gpu, n / p.ffn_gpu), np.inf)
-    flat2 = int(np.argmin(balance))
+    # ties on balance (every NIC split of one GPU split): the smallest tau
+    flat2 = int(np.lexsort((np.broadcast_to(tau, balance.shape).ravel(), balance.ravel()))[0])
     x2 = _point(p, flat2, balance.shape[1])
     return Split(
         m=x2[0],

@@ -84,12 +84,13 @@ class Plan:
     mem_attn_gib: float
     mem_ffn_gib: float
     mem_cap_gib: float
-    binding: str  # the stage-1 term that sets the stage time
+    binding: str  # the term that sets this plan's stage time
     memory_binding: str  # "" or what caps the in-flight micro-batches
     roofline_only: bool
     solver: str
     stage: str  # "milp" (stages 1-2) or "search" (improved by stage 3)
     step_time_s: float  # the profile's seconds per step
+    stage1_gap: float = 0.0  # tau / Stage 1 optimum - 1 (<= PlanOptions.epsilon from stage 2)
 
     @property
     def attn_gpus(self) -> int:
@@ -413,11 +414,12 @@ def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -
             why = "attention" if k == k_attn else "FFN"
             plan = planner.evaluate(
                 groups=groups, m=split.m, attn_nics=split.attn_nics, in_flight=k,
-                recompute=recompute, profile=profile, binding=split.binding,
+                recompute=recompute, profile=profile,
                 memory_binding=f"in-flight {k} of {want} ({why} memory)" if k < want else "",
                 solver=split.solver,
             )  # fmt: skip
             assert plan is not None, "the solver returned a point that violates a constraint"
+            plan = dataclasses.replace(plan, stage1_gap=split.tau / split.tau_opt - 1.0)
             if best is not None and score(plan, plan.step_time_s) >= score(best, best.step_time_s):
                 break  # a smaller K no longer pays for itself
             best = plan
