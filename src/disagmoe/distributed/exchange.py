@@ -22,6 +22,7 @@ behind the receiver, and a payload can start while the previous one is still on 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import deque
@@ -109,6 +110,21 @@ def decode_header(
     return ident, specs
 
 
+@functools.cache
+def _group_rank(group: dist.ProcessGroup, rank: int) -> int:
+    return dist.get_group_rank(group, rank)
+
+
+def _isend(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> dist.Work:
+    """`dist.isend` without its per-call Python checks: the process group's own `send`
+    (the same backend call; a third of the CPU time per message on this host)."""
+    return group.send([t], _group_rank(group, dst), 0)
+
+
+def _irecv(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> dist.Work:
+    return group.recv([t], _group_rank(group, src), 0)
+
+
 def send_message(
     tensors: list[torch.Tensor],
     dst: int,
@@ -117,14 +133,9 @@ def send_message(
 ) -> list[dist.Work]:
     """Post the header's and the payloads' sends; the caller waits on the returned works."""
     header, payloads = encode_header(tensors, ident)
-    works = [_posted(dist.isend(header, dst, group=channel.header))]
-    works += [_posted(dist.isend(t, dst, group=channel.payload)) for t in payloads if t.numel() > 0]
+    works = [_isend(header, dst, channel.header)]
+    works += [_isend(t, dst, channel.payload) for t in payloads if t.numel() > 0]
     return works
-
-
-def _posted(work: dist.Work | None) -> dist.Work:
-    assert work is not None, "point-to-point op returned no work handle"
-    return work
 
 
 def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
@@ -183,9 +194,7 @@ class Receiver:
 
     def _post(self) -> None:
         header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        self.posted.append(
-            (header, _posted(dist.irecv(header, self.src, group=self.channel.header)))
-        )
+        self.posted.append((header, _irecv(header, self.src, self.channel.header)))
         self.unposted -= 1
 
     def next(self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None) -> Incoming:
@@ -211,6 +220,6 @@ class Receiver:
                 continue
             t = torch.empty(shape, dtype=dtype, device=self.device)
             if t.numel():
-                works.append(_posted(dist.irecv(t, self.src, group=self.channel.payload)))
+                works.append(_irecv(t, self.src, self.channel.payload))
             tensors.append(t)
         return Incoming(tensors, works, arrived)
