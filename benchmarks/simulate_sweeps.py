@@ -132,6 +132,7 @@ def row(result: SimResult, **extra: Any) -> dict[str, Any]:
         "shares": {k: result.share(k) for k in result.breakdown},
         "comm_share": result.comm_share,
         "config": result.config,
+        **(result.bound.to_dict() if result.bound else {}),
     }
 
 
@@ -142,7 +143,9 @@ def sweep_seq_len(nodes: int, lens: list[int], per_replica: int) -> list[dict[st
             for runtime in MULTI_WORKER_RUNTIMES:
                 r = run(runtime, MODEL_PRESETS[name], nodes, seq, per_replica)
                 rows.append(row(r, model=name, runtime=runtime, seq_len=seq, nodes=nodes))
-                print(f"  {name:17s} {seq:6d} {runtime:15s} {r.tokens_per_s:12.0f} tok/s")
+                b = r.bound
+                over = f"{r.step_time_s / b.seconds:5.2f}x bound ({b.describe()})" if b else ""
+                print(f"  {name:17s} {seq:6d} {runtime:15s} {r.tokens_per_s:12.0f} tok/s  {over}")
     return rows
 
 
