@@ -22,10 +22,13 @@ Training multipliers (`train_time_factors`): backward = 2x forward for GEMMs; th
 core backward = 2.5x forward (FlashAttention recomputes QK^T); full activation recompute adds
 one forward. Each exchange happens once forward and once backward, so wire bytes double.
 
-Memory (`attn_worker_memory`, `ffn_memory_terms`): 16 bytes per parameter (bf16 weight and
-gradient, fp32 master weight and two Adam moments), plus bf16 activations kept for backward per
-in-flight micro-batch and layer, plus one micro-batch of bf16 logits on the A-group that holds
-the LM head.
+Memory (`attn_worker_memory`, `ffn_memory_terms`), for a `Precision` (default `MIXED_BF16`:
+16 bytes per parameter — bf16 weight and gradient, fp32 master weight and two Adam moments —
+and bf16 activations): states, plus the activations a fused GPU implementation keeps for
+backward per in-flight micro-batch and layer, plus one micro-batch of logits on the A-group
+that holds the LM head. What this runtime's modules keep (more: it holds the dispatched rows
+and the combines, and saves norm and SwiGLU intermediates) is `planner.runtime_memory`, which
+sets the runtime's in-flight cap and is checked against measured memory.
 """
 
 from __future__ import annotations
@@ -215,119 +218,42 @@ def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float
     return shards * (1.0 - none) / top_k
 
 
-def shards_per_token(model: ModelConfig, shards: int) -> float:
-    """Rows a token makes across the expert shards (it goes once to each shard holding one of
-    its experts; uniform routing). `shards=0` (not known): the bound top_k."""
-    if shards <= 0:
-        return float(model.top_k)
-    return model.top_k * distinct_worker_fraction(model.num_experts, model.top_k, shards)
+def attn_act_bytes_per_token(
+    model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
+) -> int:
+    """Bytes per token and layer a fused GPU implementation keeps for backward on an attention
+    worker (the planner's model; `planner.runtime_memory` has what this runtime keeps).
 
-
-def _norm_bytes(h: int, prec: Precision) -> int:
-    """RMSNorm: its input at >= fp32, 1/rms, the normed input, its output (saved by the next op)."""
-    return prec.hi * h + prec.hi + 2 * prec.act * h
-
-
-def attn_layer_act_bytes(
-    model: ModelConfig,
-    layer: int,
-    recompute: str,
-    prec: Precision = MIXED_BF16,
-    *,
-    seq_len: int,
-    micro_batch_size: int,
-    shards: int = 0,
-    groups: int = 1,
-) -> float:
-    """Bytes an attention worker keeps from the forward of `layer` (L: the loss head) of one
-    micro-batch until its backward: what autograd saves plus the stage's inputs and outputs.
-
-    Per token of the stage (b = activation bytes, f = max(b, 4), index tensors 8 bytes,
-    rho = `shards_per_token`):
-    * inputs: the combines of the previous MoE layer, rho * (b*H + 8) (outputs and token ids),
-      and with p > 1 the residual received from the previous group, b*H;
-    * two RMSNorms, `_norm_bytes` each; q, k, v after RoPE and the attention output, b*(2q + 2kv),
-      and the attention's log-sum-exp f*N (`recompute=attn` drops what the attention core saves
-      beyond its inputs and output: the log-sum-exp);
-    * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1); the dispatched
-      rows rho*(b*H + 8), their weights b*k, rows and expert ids 16k, the boolean masks n*k bytes;
-      the next layer's token ids 8*rho when they are sent (p > 1); shared experts 4b*I_s;
-    * a residual that is a new tensor (shared experts, dense MLP, or b < 4 where the norm saves
-      an upcast copy instead), b*H; a dense MLP 4b*D_dense;
-    * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
-    The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8.
-    `recompute=full` keeps the stage's inputs and outputs only (the recomputed forward is a
-    transient).
+    Without recompute: x, Norm(x), q, k, v, attention output, h, Norm2(h) (activation dtype),
+    the FlashAttention log-sum-exp per head and router logits (fp32). `attn`: the attention
+    core keeps nothing of its own (its log-sum-exp is recomputed). `full`: only the layer
+    input x (the layer being recomputed is a transient, not modelled).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    b, f, idx = prec.act, prec.hi, INDEX_BYTES
-    h, hd, k = model.dim, model.head_dim_resolved, model.top_k
+    h, hd = model.dim, model.head_dim_resolved
     q, kv = model.num_heads * hd, model.num_kv_heads * hd
-    rho = shards_per_token(model, shards)
-    n = shards if shards > 0 else model.num_experts
-    tokens = micro_batch_size * seq_len
-    inputs = 0.0
-    if layer > 0:
-        inputs += rho * (b * h + idx) if model.is_moe_layer(layer - 1) else 0.0
-        inputs += b * h if groups > 1 else 0.0
-    if layer == model.num_layers:  # loss head
-        kept = inputs + (
-            idx if recompute == "full" else _norm_bytes(h, prec) + f * model.vocab_size
-        )
-        return tokens * (kept + idx)
-    moe = model.is_moe_layer(layer)
-    shared_dim = model.num_shared_experts * model.expert_dim if moe else 0
-    new_residual = shared_dim > 0 or not moe or b < 4
-    outputs = b * h if new_residual or recompute == "full" else 0.0
-    if moe:
-        outputs += rho * b * h + k * (b + 2 * idx) + (rho * idx if groups > 1 else 0.0)
     if recompute == "full":
-        return tokens * (inputs + outputs)
-    per_token = inputs + outputs + 2 * _norm_bytes(h, prec) + b * (2 * q + 2 * kv)
-    per_token += f * model.num_heads if recompute == "none" else 0.0
-    per_token += idx if layer == 0 else 0.0
-    per_mb = 2 * seq_len * hd * b
-    if moe:
-        per_token += f * model.num_experts + idx * k + (f * (k + 1) if model.norm_topk_prob else 0)
-        per_token += rho * idx + n * k + 4 * b * shared_dim
-        per_mb += 2 * f * model.num_experts
-    else:
-        per_token += 4 * b * model.dense_dim_resolved
-    return tokens * per_token + per_mb
+        return prec.act * h
+    shared = 3 * model.expert_dim * model.num_shared_experts
+    lse = 4 * model.num_heads if recompute == "none" else 0
+    return prec.act * (4 * h + 2 * q + 2 * kv + shared) + lse + 4 * model.num_experts
 
 
-def ffn_act_bytes(
-    model: ModelConfig,
-    recompute: str,
-    prec: Precision = MIXED_BF16,
-    *,
-    tokens: int,
-    shards: int,
-    rows_known: bool = True,
-) -> float:
-    """Bytes one expert shard keeps for one replica's micro-batch of `tokens` tokens and one
-    layer, balanced routing: P = tokens*k/n token-expert pairs, R = tokens*rho/n rows
-    (R = P when `rows_known` is False: the bound for an n not fixed yet).
-
-    Inputs u (b*H per row), weights b, rows and expert ids 16 per pair; outputs b*H per row.
-    Without full recompute also the SwiGLU experts' saved tensors per pair: the gathered
-    input, gate|up, SiLU(gate), the product, the expert output and the weighted output,
-    b*(3H + 4I), the sorted weights b and two index tensors 16.
-    """
+def ffn_act_bytes_per_routed_token(
+    model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
+) -> int:
+    """Per token-expert pair on an FFN worker: input u, gate, up, SiLU(gate)*up (`attn`: as
+    `none`, experts have no attention core)."""
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    b, idx, h = prec.act, INDEX_BYTES, model.dim
-    pairs = tokens * model.top_k / shards
-    rows = tokens * shards_per_token(model, shards) / shards if rows_known else pairs
-    kept = rows * 2 * b * h + pairs * (b + 2 * idx)
-    if recompute != "full":
-        kept += pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
-    return kept
+    if recompute == "full":
+        return prec.act * model.dim
+    return prec.act * (model.dim + 3 * model.expert_dim)
 
 
 def group_layers(model: ModelConfig, groups: int, group: int) -> list[int]:
@@ -372,24 +298,21 @@ def attn_worker_memory(
     in_flight: int,
     recompute: str,
     prec: Precision = MIXED_BF16,
-    shards: int = 0,
 ) -> MemoryBreakdown:
-    """Worst A-group replica: states, `in_flight` micro-batches' activations of all its layers
-    (`attn_layer_act_bytes`, the loss head on group 0), and one micro-batch of logits."""
+    """Worst A-group replica: states, activations of `in_flight` micro-batches of all its
+    layers (`attn_act_bytes_per_token`), one micro-batch of logits on group 0."""
     worst = MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
-    tokens = micro_batch_size * seq_len
+    act_tok = attn_act_bytes_per_token(model, recompute, prec)
     for g in range(groups):
-        layers = group_layers(model, groups, g) + ([model.num_layers] if g == 0 else [])
-        kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "shards": shards}
-        per_mb = sum(
-            attn_layer_act_bytes(model, layer, recompute, prec, groups=groups, **kw)
-            for layer in layers
-        )
-        logits = prec.act + (4 if prec.act < 4 else 0)  # + the fp32 copy the loss takes
+        layers = group_layers(model, groups, g)
+        transient = 0.0
+        if g == 0:
+            transient = float(prec.act * micro_batch_size * seq_len * model.vocab_size)
+        acts = float(in_flight * len(layers) * micro_batch_size * seq_len * act_tok)
         cand = MemoryBreakdown(
             states=float(attn_group_params(model, groups, g) * prec.state),
-            activations=float(in_flight * per_mb),
-            transient=float(tokens * model.vocab_size * logits) if g == 0 else 0.0,
+            activations=acts,
+            transient=transient,
         )
         if cand.total > worst.total:
             worst = cand
@@ -406,21 +329,27 @@ def ffn_memory_terms(
     recompute: str,
     prec: Precision = MIXED_BF16,
 ) -> tuple[float, float]:
-    """(A, B) with bytes per FFN worker = (A + B*m)/n for m attention replicas, n shards.
+    """(A, B) with bytes per FFN worker = (A + B*m) / n for m attention replicas, n shards.
 
     A: the group's expert states (shared by n shards; uniform fluid split E/n).
-    B: activations per attention replica (`ffn_act_bytes` times n, rows bounded by pairs so
-    that B does not depend on n): each replica sends b*S*k token-expert pairs per layer and
-    in-flight micro-batch, spread evenly over the n shards (balanced routing).
+    B: activations per attention replica: each replica sends b*S*k token-expert pairs per
+    layer and in-flight micro-batch, spread evenly over the n shards (balanced routing).
     """
-    moe_layers = max(
+    a = float(group_moe_layers(model, groups) * expert_params_per_layer(model) * prec.state)
+    per_pair = ffn_act_bytes_per_routed_token(model, recompute, prec)
+    b = float(
+        in_flight * group_moe_layers(model, groups) * micro_batch_size * seq_len
+        * model.top_k * per_pair
+    )  # fmt: skip
+    return a, b
+
+
+def group_moe_layers(model: ModelConfig, groups: int) -> int:
+    """MoE layers of the group that has most."""
+    return max(
         sum(1 for layer in group_layers(model, groups, g) if model.is_moe_layer(layer))
         for g in range(groups)
     )
-    a = float(moe_layers * expert_params_per_layer(model) * prec.state)
-    tokens = micro_batch_size * seq_len
-    per_mb = ffn_act_bytes(model, recompute, prec, tokens=tokens, shards=1, rows_known=False)
-    return a, float(in_flight * moe_layers * per_mb)
 
 
 def usable_memory_bytes(cluster: ClusterConfig, reserve: float) -> float:

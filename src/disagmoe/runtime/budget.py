@@ -10,7 +10,7 @@ that launches the ranks (`resolve_memory_budget`), and travels in the config.
 * Prediction (`predict_memory`): per role, states (weight, gradient, AdamW moments in
   the run's dtype) and the activations of K in-flight micro-batches of the worst replica
   (A) and the worst shard (F, ceil(E/n) experts, balanced routing), from
-  `planner.costmodel` with the run's dtype, seq_len, micro-batch, recompute and split.
+  `planner.runtime_memory` with the run's dtype, seq_len, micro-batch, recompute and split.
 * Cap (`in_flight_cap`): `schedule.max_in_flight` when > 0; -1: no cap (every slot);
   0 (default): the largest K <= slots whose prediction fits the budget on both roles.
   If even K = 1 does not fit, a ValueError names the binding term (exit 2 in the CLI).
@@ -19,11 +19,11 @@ that launches the ranks (`resolve_memory_budget`), and travels in the config.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 
 from ..config import RunConfig
 from ..planner import costmodel as cm
+from ..planner import runtime_memory as rm
 
 NO_CAP = -1  # schedule.max_in_flight: every slot in flight
 
@@ -77,36 +77,24 @@ class RunMemory:
 
 def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
     """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
-    model, train, par = cfg.model, cfg.train, cfg.parallel
+    train, par = cfg.train, cfg.parallel
     prec = cm.runtime_precision(train.dtype)
-    groups, m, n = par.groups, par.attn_workers, par.expert_workers
-    attn = cm.attn_worker_memory(
-        model,
-        groups=groups,
-        seq_len=train.seq_len,
-        micro_batch_size=train.micro_batch_size,
-        in_flight=in_flight,
-        recompute=train.recompute,
-        prec=prec,
-        shards=n,
-    )
-    moe_layers = max(
-        sum(1 for l in cm.group_layers(model, groups, g) if model.is_moe_layer(l))
-        for g in range(groups)
-    )
-    experts = math.ceil(model.num_experts / n)
-    per_mb = cm.ffn_act_bytes(
-        model, train.recompute, prec, tokens=train.seq_len * train.micro_batch_size, shards=n
-    )
-    ffn = cm.MemoryBreakdown(
-        states=float(moe_layers * experts * 3 * model.dim * model.expert_dim * prec.state),
-        activations=float(in_flight * moe_layers * m * per_mb),
-        transient=0.0,
-    )
+    attn = rm.attn_replica_memory(
+        cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
+        micro_batch_size=train.micro_batch_size, in_flight=in_flight,
+        recompute=train.recompute, prec=prec,
+    )  # fmt: skip
+    ffn = rm.ffn_shard_memory(
+        cfg.model, groups=par.groups, replicas=par.attn_workers, shards=par.expert_workers,
+        seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, in_flight=in_flight,
+        recompute=train.recompute, prec=prec,
+    )  # fmt: skip
     return RunMemory(in_flight=in_flight, attn=attn, ffn=ffn)
 
 
 def _gib(nbytes: float) -> str:
+    if nbytes < cm.GIB:
+        return f"{nbytes / 1024**2:.3g} MiB"
     return f"{nbytes / cm.GIB:.3g} GiB"
 
 
