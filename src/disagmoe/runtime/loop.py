@@ -152,7 +152,8 @@ def run_training(
                 )
             # One all-reduce per step: busy seconds and, where the runtime measures it,
             # each rank's memory (runtime.memory.MEMORY_FIELDS, exact in float64).
-            memory = getattr(trainer, "memory_bytes", None)
+            memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
+            memory_record = getattr(trainer, "memory_record", None)
             stats = torch.zeros(
                 world, 1 + (len(MEMORY_FIELDS) if memory else 0), dtype=torch.float64
             )
@@ -175,8 +176,8 @@ def run_training(
                 "busy_s": [round(b, 6) for b in busy.tolist()],
                 "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
             }
-            if memory is not None:
-                record["memory_mib"] = trainer.memory_record(stats[:, 1:].tolist())  # type: ignore[attr-defined]
+            if memory_record is not None:
+                record["memory_mib"] = memory_record(stats[:, 1:].tolist())
             records.append(record)
             if log is not None:
                 log.log(record)
