@@ -55,8 +55,9 @@ def num_slots(cfg: RunConfig, layout: Layout) -> int:
 
 
 def run_cap(cfg: RunConfig, layout: Layout) -> int:
-    """The in-flight cap of a run of `cfg` (`runtime.budget.in_flight_cap`; a budget of 0
-    not resolved yet counts as no cap, as in a schedule printed without a run)."""
+    """The in-flight cap of a run of `cfg` (`runtime.budget.in_flight_cap`). Every entry
+    point resolves the budget first (`train.resolve_memory`, `DisaggTrainer`); a config
+    whose budget is still 0 (a schedule built by a test or a benchmark) runs uncapped."""
     slots = num_slots(cfg, layout)
     if cfg.train.memory_gib <= 0:
         return cfg.schedule.max_in_flight if cfg.schedule.max_in_flight > 0 else slots
