@@ -18,7 +18,7 @@ from .runtime.disagg import run_schedule, run_schedule_of_rank
 from .schedule.ir import lists_csv, lists_text
 from .schedule.validate import validate
 from .simulator.cli import add_simulate_arguments, run_simulate
-from .train import train_command
+from .train import resolve_memory, train_command
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
@@ -26,6 +26,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     the others'), checked against the whole world's only with `--validate`."""
     cfg = resolve_train_config(args)
     layout = Layout.build(cfg.model, cfg.parallel)
+    cfg = resolve_memory(cfg, layout.world_size)  # the cap `disagmoe train` would run here
     if args.rank is None:
         schedule = run_schedule(cfg, layout)
         peak = validate(schedule)

@@ -104,7 +104,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plan",
         choices=("auto",),
-        help="disagg: let the planner choose p, m, n "
+        help="disagg: let the planner choose p, m, n, the in-flight cap and recompute "
         "for --world-size workers (default 4) on the [cluster] config",
     )
     groups: dict[str, Any] = {}
@@ -151,7 +151,8 @@ def resolve_train_config(args: argparse.Namespace) -> RunConfig:
         cfg, plan = auto_layout(cfg, cfg.parallel.world_size or 4)
         print(
             f"plan: p={plan.groups} m={plan.attn_gpus_per_group} n={plan.ffn_gpus_per_group} "
-            f"(predicted stage {plan.t_stage_s * 1e3:.3g} ms, binding: {plan.binding})",
+            f"in flight {plan.in_flight}, recompute {plan.recompute} (predicted stage "
+            f"{plan.t_stage_s * 1e3:.3g} ms, binding: {plan.binding})",
             file=sys.stderr,
         )
     return cfg

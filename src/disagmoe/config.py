@@ -203,13 +203,20 @@ class ScheduleConfig:
     starts earlier, forward and backward lanes overlap).
     """
 
-    max_in_flight: int = field(  # 0 means no cap beyond the number of micro-batch slots
-        default=0, metadata=flag("micro-batch slots a worker may hold")
+    max_in_flight: int = field(  # 0: from the memory model and budget; -1: no cap
+        default=0,
+        metadata=flag(
+            "micro-batch slots a worker may hold (default: what train.memory_gib allows; "
+            "-1: no cap)"
+        ),
     )
     order: str = "breadth"  # which ready compute a lane runs first: "breadth" | "depth"
 
     def __post_init__(self) -> None:
-        _require(self.max_in_flight >= 0, "schedule.max_in_flight must be >= 0")
+        _require(
+            self.max_in_flight >= -1,
+            "schedule.max_in_flight must be >= 1, 0 (from the memory budget) or -1 (no cap)",
+        )
         _require(
             self.order in SCHEDULE_ORDERS,
             f"schedule.order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}",

@@ -55,6 +55,20 @@ def _world_size(cfg: RunConfig) -> int:
     return world
 
 
+def resolve_memory(cfg: RunConfig, local_ranks: int) -> RunConfig:
+    """disagg: `cfg` with its memory budget resolved once for all ranks, checked to fit
+    (a run that cannot fit even one micro-batch in flight is a ValueError: exit 2)."""
+    if cfg.parallel.runtime != "disagg":
+        return cfg
+    from .runtime.budget import in_flight_cap, resolve_memory_budget
+    from .runtime.disagg import num_slots
+
+    cfg = resolve_memory_budget(cfg, local_ranks)
+    layout = Layout.build(cfg.model, cfg.parallel, cfg.parallel.world_size or None)
+    in_flight_cap(cfg, num_slots(cfg, layout))
+    return cfg
+
+
 def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
     """Run the configured runtime on this rank (process group already initialised)."""
     runtime = cfg.parallel.runtime
@@ -161,6 +175,7 @@ def check_inputs(cfg: RunConfig) -> None:
 def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
     """Train as configured from a plain process (the CLI); returns the run dir and rank-0 records."""
     nprocs = world_size_for(cfg)
+    cfg = resolve_memory(cfg, nprocs)
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
     if cfg.parallel.runtime == "reference":
@@ -183,9 +198,26 @@ def train_command(args: argparse.Namespace) -> int:
             f"{cfg.parallel.runtime}: {len(records)} steps, loss {first['loss']:.4f} -> "
             f"{last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s; run dir {run_dir}"
         )
+        if "memory_mib" in last:
+            print(memory_summary(last["memory_mib"]))
     else:
         print(f"{cfg.parallel.runtime}: 0 steps; run dir {run_dir}")
     return 0
+
+
+def memory_summary(mem: dict[str, dict[str, float]]) -> str:
+    """One line: the in-flight cap and, per role, measured vs predicted MiB (last step)."""
+    cap = mem["cap"]
+    parts = [
+        f"{role} act {m['act_peak']:.2f} (pred {m['act_pred']:.2f}), states {m['states']:.2f} "
+        f"(pred {m['states_pred']:.2f})"
+        for role, m in mem.items()
+        if role != "cap"
+    ]
+    return (
+        f"memory MiB per rank, max per role: {'; '.join(parts)}; in flight {cap['in_flight']:g} "
+        f"of {cap['slots']:g} slots, budget {cap['budget_gib']:.3g} GiB"
+    )
 
 
 class TrainingFailed(CommandFailed):
@@ -230,6 +262,7 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             try:
                 world_size_for(cfg)
+                resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
                 check_inputs(cfg)
                 decision = [str(prepare_run_dir(cfg))]
             except ValueError as err:

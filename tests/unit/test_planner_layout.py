@@ -51,3 +51,18 @@ def test_no_runnable_layout_is_a_clear_error() -> None:
     )
     with pytest.raises(ValueError, match="no runnable disaggregated layout for 3 workers"):
         auto_layout(cfg, 3)
+
+
+def test_auto_layout_sets_cap_and_recompute_from_the_plan() -> None:
+    train = TrainConfig(seq_len=1024, global_batch_size=64, micro_batch_size=1)
+    roomy = dataclasses.replace(_cfg(), train=train)
+    cfg, plan = auto_layout(roomy, 12)
+    slots = cfg.train.num_micro_batches // cfg.parallel.attn_workers
+    assert cfg.schedule.max_in_flight == plan.in_flight == slots
+    assert cfg.train.recompute == plan.recompute == "none"
+    # 45 MiB GPUs: the plan holds fewer slots than it runs
+    tight_cluster = dataclasses.replace(roomy.cluster, gpu_mem_gib=0.045)
+    tight, tight_plan = auto_layout(dataclasses.replace(roomy, cluster=tight_cluster), 12)
+    tight_slots = tight.train.num_micro_batches // tight.parallel.attn_workers
+    assert tight.schedule.max_in_flight == tight_plan.in_flight < tight_slots
+    assert tight.train.recompute == tight_plan.recompute

@@ -22,10 +22,13 @@ Training multipliers (`train_time_factors`): backward = 2x forward for GEMMs; th
 core backward = 2.5x forward (FlashAttention recomputes QK^T); full activation recompute adds
 one forward. Each exchange happens once forward and once backward, so wire bytes double.
 
-Memory (`attn_worker_memory`, `ffn_memory_terms`): 16 bytes per parameter (bf16 weight and
-gradient, fp32 master weight and two Adam moments), plus bf16 activations kept for backward per
-in-flight micro-batch and layer, plus one micro-batch of bf16 logits on the A-group that holds
-the LM head.
+Memory (`attn_worker_memory`, `ffn_memory_terms`), for a `Precision` (default `MIXED_BF16`:
+16 bytes per parameter — bf16 weight and gradient, fp32 master weight and two Adam moments —
+and bf16 activations): states, plus the activations a fused GPU implementation keeps for
+backward per in-flight micro-batch and layer, plus one micro-batch of logits on the A-group
+that holds the LM head. What this runtime's modules keep (more: it holds the dispatched rows
+and the combines, and saves norm and SwiGLU intermediates) is `planner.runtime_memory`, which
+sets the runtime's in-flight cap and is checked against measured memory.
 """
 
 from __future__ import annotations
@@ -36,9 +39,36 @@ from disagmoe import flops
 from disagmoe.config import ClusterConfig, ModelConfig
 
 BYTES_ACT = 2  # bf16 activations / wire format
-BYTES_PER_PARAM = 16  # bf16 weight (2) + bf16 grad (2) + fp32 master, Adam m, Adam v (12)
 GIB = 1024**3
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = ("none", "attn", "full")  # what the memory model knows (config.RECOMPUTE)
+TIME_RECOMPUTE_MODES = ("none", "full")  # what the planner's time model chooses between
+INDEX_BYTES = 8  # int64 token ids, rows, expert ids
+DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Precision:
+    """Bytes per activation element and per parameter (weight + gradient + optimizer states)."""
+
+    act: int
+    state: int
+
+    @property
+    def hi(self) -> int:
+        """Bytes of what is computed in at least fp32 (norm statistics, softmaxes)."""
+        return max(self.act, 4)
+
+
+# What the planner plans for: bf16 activations, bf16 weight and gradient, fp32 master
+# weight and Adam moments (2 + 2 + 12 bytes per parameter).
+MIXED_BF16 = Precision(act=2, state=16)
+
+
+def runtime_precision(dtype: str) -> Precision:
+    """This runtime trains in one dtype: weight, gradient and AdamW's two moments in it."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    return Precision(act=DTYPE_BYTES[dtype], state=4 * DTYPE_BYTES[dtype])
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,9 +119,9 @@ def detailed_costs(model: ModelConfig, seq_len: int, groups: int = 1) -> LayerCo
 
 def train_time_factors(recompute: str) -> tuple[float, float]:
     """(GEMM factor, attention-core factor): training FLOPs / forward FLOPs."""
-    if recompute not in RECOMPUTE_MODES:
+    if recompute not in TIME_RECOMPUTE_MODES:
         raise ValueError(
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+            f"recompute must be one of {', '.join(TIME_RECOMPUTE_MODES)}, got {recompute!r}"
         )
     return flops.train_factors(recompute == "full")
 
@@ -179,26 +209,51 @@ def expert_params_per_layer(model: ModelConfig) -> int:
     return model.num_experts * 3 * model.dim * model.expert_dim
 
 
-def attn_act_bytes_per_token(model: ModelConfig, recompute: str) -> int:
-    """bf16 bytes per token and layer kept for backward on an attention worker.
+def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float:
+    """E[# distinct shards among a token's top-k experts] / k, experts split evenly."""
+    per = num_experts / shards
+    none = 1.0
+    for i in range(top_k):
+        none *= max(0.0, (num_experts - per - i) / (num_experts - i))
+    return shards * (1.0 - none) / top_k
 
-    Without recompute: x, Norm(x), q, k, v, attention output, h, Norm2(h) (bf16), the
-    FlashAttention log-sum-exp per head and router logits (fp32). With full recompute only the
-    layer input x is kept (the layer being recomputed is a transient, not modelled).
+
+def attn_act_bytes_per_token(
+    model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
+) -> int:
+    """Bytes per token and layer a fused GPU implementation keeps for backward on an attention
+    worker (the planner's model; `planner.runtime_memory` has what this runtime keeps).
+
+    Without recompute: x, Norm(x), q, k, v, attention output, h, Norm2(h) (activation dtype),
+    the FlashAttention log-sum-exp per head and router logits (fp32). `attn`: the attention
+    core keeps nothing of its own (its log-sum-exp is recomputed). `full`: only the layer
+    input x (the layer being recomputed is a transient, not modelled).
     """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+        )
     h, hd = model.dim, model.head_dim_resolved
     q, kv = model.num_heads * hd, model.num_kv_heads * hd
     if recompute == "full":
-        return BYTES_ACT * h
+        return prec.act * h
     shared = 3 * model.expert_dim * model.num_shared_experts
-    return BYTES_ACT * (4 * h + 2 * q + 2 * kv + shared) + 4 * (model.num_heads + model.num_experts)
+    lse = 4 * model.num_heads if recompute == "none" else 0
+    return prec.act * (4 * h + 2 * q + 2 * kv + shared) + lse + 4 * model.num_experts
 
 
-def ffn_act_bytes_per_routed_token(model: ModelConfig, recompute: str) -> int:
-    """Per token-expert pair on an FFN worker: input u, gate, up, SiLU(gate)*up (bf16)."""
+def ffn_act_bytes_per_routed_token(
+    model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
+) -> int:
+    """Per token-expert pair on an FFN worker: input u, gate, up, SiLU(gate)*up (`attn`: as
+    `none`, experts have no attention core)."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
+        )
     if recompute == "full":
-        return BYTES_ACT * model.dim
-    return BYTES_ACT * (model.dim + 3 * model.expert_dim)
+        return prec.act * model.dim
+    return prec.act * (model.dim + 3 * model.expert_dim)
 
 
 def group_layers(model: ModelConfig, groups: int, group: int) -> list[int]:
@@ -218,6 +273,22 @@ class MemoryBreakdown:
         return self.states + self.activations + self.transient
 
 
+def attn_group_params(model: ModelConfig, groups: int, group: int) -> int:
+    """Parameters of one A replica of `group`. Group 0 also holds embedding, final norm and LM
+    head (the layer after L-1 maps to group L mod p, which is 0 when p divides L)."""
+    params = 0
+    for layer in group_layers(model, groups, group):
+        params += attn_params_per_layer(model)
+        if not model.is_moe_layer(layer):
+            params -= model.dim * model.num_experts
+            params -= 3 * model.dim * model.expert_dim * model.num_shared_experts
+            params += 3 * model.dim * model.dense_dim_resolved
+    if group == 0:
+        emb = model.vocab_size * model.dim
+        params += emb * (1 if model.tie_embeddings else 2) + model.dim
+    return params
+
+
 def attn_worker_memory(
     model: ModelConfig,
     *,
@@ -226,29 +297,22 @@ def attn_worker_memory(
     micro_batch_size: int,
     in_flight: int,
     recompute: str,
+    prec: Precision = MIXED_BF16,
 ) -> MemoryBreakdown:
-    """Worst A-group replica. Group 0 also holds embedding, final norm and LM head (the layer
-    after L-1 maps to group L mod p, which is 0 when p divides L) and the dense first layers."""
+    """Worst A-group replica: states, activations of `in_flight` micro-batches of all its
+    layers (`attn_act_bytes_per_token`), one micro-batch of logits on group 0."""
     worst = MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
-    act_tok = attn_act_bytes_per_token(model, recompute)
+    act_tok = attn_act_bytes_per_token(model, recompute, prec)
     for g in range(groups):
         layers = group_layers(model, groups, g)
-        params = 0
-        for layer in layers:
-            if model.is_moe_layer(layer):
-                params += attn_params_per_layer(model)
-            else:
-                params += attn_params_per_layer(model) - model.dim * model.num_experts
-                params -= 3 * model.dim * model.expert_dim * model.num_shared_experts
-                params += 3 * model.dim * model.dense_dim_resolved
         transient = 0.0
         if g == 0:
-            emb = model.vocab_size * model.dim
-            params += emb * (1 if model.tie_embeddings else 2) + model.dim
-            transient = float(BYTES_ACT * micro_batch_size * seq_len * model.vocab_size)
+            transient = float(prec.act * micro_batch_size * seq_len * model.vocab_size)
         acts = float(in_flight * len(layers) * micro_batch_size * seq_len * act_tok)
         cand = MemoryBreakdown(
-            states=float(params * BYTES_PER_PARAM), activations=acts, transient=transient
+            states=float(attn_group_params(model, groups, g) * prec.state),
+            activations=acts,
+            transient=transient,
         )
         if cand.total > worst.total:
             worst = cand
@@ -263,6 +327,7 @@ def ffn_memory_terms(
     micro_batch_size: int,
     in_flight: int,
     recompute: str,
+    prec: Precision = MIXED_BF16,
 ) -> tuple[float, float]:
     """(A, B) with bytes per FFN worker = (A + B*m) / n for m attention replicas, n shards.
 
@@ -270,14 +335,21 @@ def ffn_memory_terms(
     B: activations per attention replica: each replica sends b*S*k token-expert pairs per
     layer and in-flight micro-batch, spread evenly over the n shards (balanced routing).
     """
-    moe_layers = max(
+    a = float(group_moe_layers(model, groups) * expert_params_per_layer(model) * prec.state)
+    per_pair = ffn_act_bytes_per_routed_token(model, recompute, prec)
+    b = float(
+        in_flight * group_moe_layers(model, groups) * micro_batch_size * seq_len
+        * model.top_k * per_pair
+    )  # fmt: skip
+    return a, b
+
+
+def group_moe_layers(model: ModelConfig, groups: int) -> int:
+    """MoE layers of the group that has most."""
+    return max(
         sum(1 for layer in group_layers(model, groups, g) if model.is_moe_layer(layer))
         for g in range(groups)
     )
-    a = float(moe_layers * expert_params_per_layer(model) * BYTES_PER_PARAM)
-    per_pair = ffn_act_bytes_per_routed_token(model, recompute)
-    b = float(in_flight * moe_layers * micro_batch_size * seq_len * model.top_k * per_pair)
-    return a, b
 
 
 def usable_memory_bytes(cluster: ClusterConfig, reserve: float) -> float:

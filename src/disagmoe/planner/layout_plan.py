@@ -1,4 +1,5 @@
-"""`disagmoe train --plan auto`: the planner's best layout among those the runtime can run.
+"""`disagmoe train --plan auto`: the planner's best layout among those the runtime can run,
+with its in-flight cap and recompute mode (`schedule.max_in_flight`, `train.recompute`).
 
 The MILP answers over all integer splits; the disaggregated runtime additionally
 needs p | L, n | E and (micro-batches per step) divisible by m. This adapter
@@ -8,7 +9,10 @@ GPU split) for the job's *fixed* global batch: m replicas share the M
 micro-batches, so a group runs M/m slots of v = L/p layers each, and the ring
 adds a fill of 2p - 1 stages:
 
-    step ~ (M/m * v + 2p - 1) * max(T_attn, T_ffn)
+    step ~ (max(1, 2p/K) * M/m * v + 2p - 1) * max(T_attn, T_ffn)
+
+for each recompute mode (none, full) with K, the slots in flight, as many as the
+[cluster]'s GPU memory admits (the planner's memory model, bf16 mixed precision).
 
 The enumeration is tiny: W is the world size of one job.
 """
@@ -18,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import RunConfig
-from .plan import Plan, Planner, PlanOptions
+from . import costmodel as cm
+from .plan import Plan, Planner, PlanOptions, ring_length
 
 
 def runnable_layouts(cfg: RunConfig, world_size: int) -> list[tuple[int, int, int]]:
@@ -57,17 +62,22 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
     for p, m, _ in layouts:
         nics = planner.problem(p, 1, "none").nics
         slots = num_micro // m
-        in_flight = max(1, min(slots, planner.max_in_flight_attn(p, "none")))
-        for attn_nics in range(1, max(nics, 2)):
-            plan = planner.evaluate(
-                groups=p, m=m, attn_nics=attn_nics, in_flight=in_flight, recompute="none"
-            )
-            if plan is None:
+        for recompute in cm.TIME_RECOMPUTE_MODES:
+            in_flight = min(slots, planner.max_in_flight_attn(p, recompute))
+            if in_flight < 1:
                 continue
-            step = (slots * plan.virtual_stages + 2 * p - 1) * plan.t_stage_s
-            plan = dataclasses.replace(plan, step_time_s=step)
-            if best is None or plan.step_time_s < best.step_time_s:
-                best = plan
+            for attn_nics in range(1, max(nics, 2)):
+                plan = planner.evaluate(
+                    groups=p, m=m, attn_nics=attn_nics, in_flight=in_flight, recompute=recompute
+                )
+                if plan is None:
+                    continue
+                # K < 2p slots in flight leave the ring's 2p components idle (plan.py's profile)
+                slow = max(1.0, ring_length(p) / in_flight)
+                step = (slow * slots * plan.virtual_stages + 2 * p - 1) * plan.t_stage_s
+                plan = dataclasses.replace(plan, step_time_s=step)
+                if best is None or plan.step_time_s < best.step_time_s:
+                    best = plan
     if best is None:
         raise ValueError(
             f"the planner finds no feasible layout for {world_size} workers of cluster "
@@ -80,4 +90,6 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
         attn_workers=best.attn_gpus_per_group,
         expert_workers=best.ffn_gpus_per_group,
     )
-    return dataclasses.replace(cfg, parallel=parallel), best
+    schedule = dataclasses.replace(cfg.schedule, max_in_flight=best.in_flight)
+    train = dataclasses.replace(cfg.train, recompute=best.recompute)
+    return dataclasses.replace(cfg, parallel=parallel, schedule=schedule, train=train), best

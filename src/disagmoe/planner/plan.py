@@ -43,7 +43,7 @@ class PlanOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.recompute not in ("auto", *cm.RECOMPUTE_MODES):
+        if self.recompute not in ("auto", *cm.TIME_RECOMPUTE_MODES):
             raise ValueError(f"recompute must be auto, none or full, got {self.recompute!r}")
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
@@ -340,7 +340,9 @@ class AnalyticProfile:
         model, cluster = pl.model, pl.cluster
         m, n = plan.attn_gpus_per_group, plan.ffn_gpus_per_group
         u = pl.units(plan.groups, plan.recompute)
-        dedup = distinct_worker_fraction(model.num_experts, model.top_k, n) if self.dedup else 1.0
+        dedup = (
+            cm.distinct_worker_fraction(model.num_experts, model.top_k, n) if self.dedup else 1.0
+        )
         if pl.options.roofline_only:
             attn_nic, ffn_nic = u.attn_nic * dedup, u.ffn_nic * dedup
         else:
@@ -357,15 +359,6 @@ class AnalyticProfile:
         return (
             slow * plan.micro_batches * plan.virtual_stages * t + (2 * plan.groups - 1) * t + comm_a
         )
-
-
-def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float:
-    """E[# distinct shards among a token's top-k experts] / k, experts split evenly."""
-    per = num_experts / shards
-    none = 1.0
-    for i in range(top_k):
-        none *= max(0.0, (num_experts - per - i) / (num_experts - i))
-    return shards * (1.0 - none) / top_k
 
 
 def _solve(planner: Planner, prob: SplitProblem) -> Split:

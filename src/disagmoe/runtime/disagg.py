@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import RunConfig
+from ..config import RunConfig, replace_section
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
 from ..distributed.topology import Topology, allreduce_grads, world_sum
@@ -29,7 +29,9 @@ from ..schedule.afpipe import build_afpipe, build_afpipe_rank
 from ..schedule.ir import Instr, Schedule, lists_text
 from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
+from .budget import in_flight_cap, predict_memory, resolve_memory_budget
 from .executor import Executor
+from .memory import MEMORY_FIELDS, ActivationMeter, device_peak_bytes, state_bytes
 from .objective import (
     LossScale,
     StepResult,
@@ -52,11 +54,19 @@ def num_slots(cfg: RunConfig, layout: Layout) -> int:
     return num_micro // layout.attn_workers
 
 
+def run_cap(cfg: RunConfig, layout: Layout) -> int:
+    """The in-flight cap of a run of `cfg` (`runtime.budget.in_flight_cap`). Every entry
+    point resolves the budget first (`train.resolve_memory`, `DisaggTrainer`); a config
+    whose budget is still 0 (a schedule built by a test or a benchmark) runs uncapped."""
+    slots = num_slots(cfg, layout)
+    if cfg.train.memory_gib <= 0:
+        return cfg.schedule.max_in_flight if cfg.schedule.max_in_flight > 0 else slots
+    return in_flight_cap(cfg, slots)
+
+
 def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes."""
-    return build_afpipe(
-        layout, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
-    )
+    return build_afpipe(layout, num_slots(cfg, layout), run_cap(cfg, layout), cfg.schedule.order)
 
 
 # Up to this many ranks every rank also builds and validates the whole world's schedule
@@ -69,7 +79,7 @@ WHOLE_WORLD_RANKS = 64
 def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     return build_afpipe_rank(
-        layout, rank, num_slots(cfg, layout), cfg.schedule.max_in_flight, cfg.schedule.order
+        layout, rank, num_slots(cfg, layout), run_cap(cfg, layout), cfg.schedule.order
     )
 
 
@@ -77,9 +87,15 @@ class DisaggTrainer:
     whole_world_ranks = WHOLE_WORLD_RANKS
 
     def __init__(self, cfg: RunConfig) -> None:
-        self.cfg = cfg
         self.rank = dist.get_rank()
+        if cfg.train.memory_gib <= 0:  # one budget for all ranks: rank 0's, broadcast
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            budget = [resolve_memory_budget(cfg, local).train.memory_gib]
+            dist.broadcast_object_list(budget, src=0)
+            cfg = replace_section(cfg, "train", memory_gib=budget[0])
+        self.cfg = cfg
         self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
+        self.cap = run_cap(cfg, self.layout)
         if self.layout.world_size <= self.whole_world_ranks:
             self.schedule: Schedule | None = run_schedule(cfg, self.layout)
             validate(self.schedule)
@@ -87,8 +103,7 @@ class DisaggTrainer:
         else:  # only this rank's list: time and memory follow its own instructions
             self.schedule = None
             self.instrs = run_schedule_of_rank(cfg, self.layout, self.rank)
-        cap = cfg.schedule.max_in_flight or num_slots(cfg, self.layout)
-        program = RankProgram.compile(self.rank, self.instrs, cap)
+        program = RankProgram.compile(self.rank, self.instrs, self.cap)
         self.topo = Topology.build(self.layout)
         self.role = self.layout.role(self.rank)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
@@ -103,6 +118,10 @@ class DisaggTrainer:
         self.has_data = self.role.comp == "A" and self.role.group == 0
         self.batches = build_data(cfg) if self.has_data else None
         self.tracer = Tracer(self.rank, str(self.role))
+        self.meter = ActivationMeter(self.params)
+        self.slots = num_slots(cfg, self.layout)
+        self.predicted = predict_memory(cfg, min(self.cap, self.slots))
+        self._states: tuple[int, int, int] | None = None  # fixed once the optimizer stepped
         self._capture_grads = False
         self._result: StepResult | None = None  # set by STEP
         self.executor = Executor(
@@ -114,6 +133,7 @@ class DisaggTrainer:
             self.tracer,
             timeout_s=cfg.train.comm_timeout_s,
             drop_message=cfg.train.drop_message,
+            meter=self.meter,
         )
 
     def _load_micro_batches(self, step: int) -> None:
@@ -156,6 +176,7 @@ class DisaggTrainer:
             self.worker.ce_sum = self.worker.aux_sum = 0.0
         self._capture_grads = capture_grads
         self._result = None
+        self.meter.start_step()
         self.executor.run_step(step)
         assert self._result is not None, "the schedule has no STEP instruction"
         return self._result
@@ -166,6 +187,36 @@ class DisaggTrainer:
             return None
         lo = self.worker.expert_offset
         return lo, lo + self.layout.experts_per_worker
+
+    def memory_bytes(self) -> list[int]:
+        """This rank's `runtime.memory.MEMORY_FIELDS` for the step that just ran."""
+        if self._states is None:
+            self._states = state_bytes(self.params, self.optimizer)
+        return [self.meter.peak, *self._states, device_peak_bytes(self.params)]
+
+    def memory_record(self, rows: list[list[float]]) -> dict[str, dict[str, float]]:
+        """Every rank's `memory_bytes` -> per role the largest measured and the predicted, MiB."""
+        mib = 1024**2
+        out: dict[str, dict[str, float]] = {}
+        for comp, pred in (("A", self.predicted.attn), ("F", self.predicted.ffn)):
+            mine = [row for r, row in enumerate(rows) if self.layout.role(r).comp == comp]
+            fields = {f: max(row[i] for row in mine) for i, f in enumerate(MEMORY_FIELDS)}
+            rec = {
+                "act_peak": fields["act_peak"] / mib,
+                "act_pred": pred.activations / mib,
+                "states": (fields["params"] + fields["grads"] + fields["optim"]) / mib,
+                "states_pred": pred.states / mib,
+            }
+            if fields["device_peak"]:
+                rec["device_peak"] = fields["device_peak"] / mib
+                rec["total_pred"] = pred.total / mib
+            out[comp] = {k: round(v, 4) for k, v in rec.items()}
+        out["cap"] = {
+            "in_flight": self.cap,
+            "slots": self.slots,
+            "budget_gib": self.cfg.train.memory_gib,
+        }
+        return out
 
     def process_groups(self) -> int:
         return self.topo.process_groups
@@ -192,4 +243,4 @@ def run_disagg(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
             text = lists_text(header, [(0, str(trainer.role), trainer.instrs)])
         (path / "schedule.txt").write_text(text)
 
-    return run_training(trainer, cfg, run_dir, extra_files=schedule_dump)
+    return run_training(trainer, trainer.cfg, run_dir, extra_files=schedule_dump)

@@ -39,6 +39,7 @@ from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receive
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
+from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
 
 Payload = list[torch.Tensor]
@@ -149,6 +150,7 @@ class Executor:
         *,
         timeout_s: float,
         drop_message: str = "",
+        meter: ActivationMeter | None = None,
     ) -> None:
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         assert program.rank == topo.rank, (program.rank, topo.rank)
@@ -164,6 +166,7 @@ class Executor:
         self.timeout_s = timeout_s
         self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
         self.program = program
+        self.meter = meter  # counts what a FWD keeps until its BWD (runtime.memory)
         self._backstop = _BACKSTOP * timeout_s + 10.0
         self.consumer_lane = {  # the compute lane each incoming message wakes
             m: consumer_lane(m) for msgs in self.program.streams.values() for m in msgs
@@ -327,8 +330,7 @@ class Executor:
             received = self._wait_ready(st, index, instr)
             outgoing = self.program.outputs.get(instr.task, [])
             t0 = Tracer.now_us()
-            fn = self.worker.forward if instr.op == Op.FWD else self.worker.backward
-            out = fn(instr.layer, instr.slot, received, outgoing)
+            out = self._run_compute(instr, received, outgoing)
             t1 = Tracer.now_us()
             self.tracer.add(
                 str(instr),
@@ -353,6 +355,24 @@ class Executor:
                 for other, cond in st.wake.items():  # wake the other lane if it waits for this
                     if other != lane and instr.task in st.needs[other]:
                         cond.notify()
+
+    def _run_compute(
+        self, instr: Instr, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]:
+        """The worker's FWD or BWD; with a meter, what a FWD saves and keeps is counted
+        (on this lane's thread) until the matching BWD has run."""
+        task = (instr.layer, instr.slot)
+        if instr.op != Op.FWD:
+            out = self.worker.backward(instr.layer, instr.slot, received, outgoing)
+            if self.meter is not None:
+                self.meter.release(task)
+            return out
+        if self.meter is None:
+            return self.worker.forward(instr.layer, instr.slot, received, outgoing)
+        with self.meter.saving():
+            out = self.worker.forward(instr.layer, instr.slot, received, outgoing)
+        self.meter.hold(task, [*received.values(), *out.values()])
+        return out
 
     # ------------------------------------------------------------------- step
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .memory import MEMORY_FIELDS
 from .objective import StepResult, lr_at
 from .observe import MetricsLog, Tracer, write_trace
 
@@ -149,10 +150,19 @@ def run_training(
                     f"{step + 1} (loss={result.loss}, grad_norm={result.grad_norm}); non-finite "
                     f"gradients on rank(s) {bad or 'none'}; last checkpoint left untouched"
                 )
-            busy = torch.zeros(world, dtype=torch.float64)
-            busy[rank] = trainer.busy_seconds(step)
+            # One all-reduce per step: busy seconds and, where the runtime measures it,
+            # each rank's memory (runtime.memory.MEMORY_FIELDS, exact in float64).
+            memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
+            memory_record = getattr(trainer, "memory_record", None)
+            stats = torch.zeros(
+                world, 1 + (len(MEMORY_FIELDS) if memory else 0), dtype=torch.float64
+            )
+            stats[rank, 0] = trainer.busy_seconds(step)
+            if memory is not None:
+                stats[rank, 1:] = torch.tensor(memory(), dtype=torch.float64)
             if _dist():
-                dist.all_reduce(busy)
+                dist.all_reduce(stats)
+            busy = stats[:, 0]
             record = {
                 "step": step + 1,
                 "loss": result.loss,
@@ -166,6 +176,8 @@ def run_training(
                 "busy_s": [round(b, 6) for b in busy.tolist()],
                 "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
             }
+            if memory_record is not None:
+                record["memory_mib"] = memory_record(stats[:, 1:].tolist())
             records.append(record)
             if log is not None:
                 log.log(record)

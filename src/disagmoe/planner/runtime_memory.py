@@ -1,0 +1,192 @@
+"""What this runtime keeps for backward, per component and micro-batch; per-rank memory.
+
+The planner's `costmodel` describes a fused GPU implementation; this module describes the
+modules of `disagmoe.models` as the disaggregated runtime runs them (`runtime.stages`): every
+tensor autograd saves during a stage's forward, plus the stage's inputs and outputs that it
+keeps until its backward, term by term (docstrings below). `runtime.budget` derives the
+in-flight cap from it, and metrics.jsonl prints it beside the measured bytes
+(`runtime.memory`); tests/e2e/test_memory.py checks the two agree.
+
+Assumes balanced routing (each shard gets k/n of the token-expert pairs); an untrained
+router on a small model routes unevenly, so a shard's measured bytes can exceed it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..config import ModelConfig
+from . import costmodel as cm
+
+
+def shards_per_token(model: ModelConfig, shards: int) -> float:
+    """Rows a token makes across the expert shards (it goes once to each shard holding one of
+    its experts; uniform routing). `shards=0` (not known): the bound top_k."""
+    if shards <= 0:
+        return float(model.top_k)
+    return model.top_k * cm.distinct_worker_fraction(model.num_experts, model.top_k, shards)
+
+
+def _norm_bytes(h: int, prec: cm.Precision) -> int:
+    """RMSNorm: its input at >= fp32, 1/rms, the normed input, its output (saved by the next op)."""
+    return prec.hi * h + prec.hi + 2 * prec.act * h
+
+
+def attn_layer_act_bytes(
+    model: ModelConfig,
+    layer: int,
+    recompute: str,
+    prec: cm.Precision,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    shards: int = 0,
+    groups: int = 1,
+) -> float:
+    """Bytes an attention worker keeps from the forward of `layer` (L: the loss head) of one
+    micro-batch until its backward: what autograd saves plus the stage's inputs and outputs.
+
+    Per token of the stage (b = activation bytes, f = max(b, 4), index tensors 8 bytes,
+    rho = `shards_per_token`):
+    * inputs: the combines of the previous MoE layer, rho * (b*H + 8) (outputs and token ids),
+      and with p > 1 the residual received from the previous group, b*H;
+    * two RMSNorms, `_norm_bytes` each; q, k, v after RoPE and the attention output, b*(2q + 2kv),
+      and the attention's log-sum-exp f*N (`recompute=attn` drops what the attention core saves
+      beyond its inputs and output: the log-sum-exp);
+    * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1); the dispatched
+      rows rho*(b*H + 8), their weights b*k, rows and expert ids 16k, the boolean masks n*k bytes;
+      the next layer's token ids 8*rho when they are sent (p > 1); shared experts 4b*I_s;
+    * a residual that is a new tensor (shared experts, dense MLP, or b < 4 where the norm saves
+      an upcast copy instead), b*H; a dense MLP 4b*D_dense;
+    * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
+    The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8.
+    `recompute=full` keeps the stage's inputs and outputs only (the recomputed forward is a
+    transient).
+    """
+    if recompute not in cm.RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(cm.RECOMPUTE_MODES)}, got {recompute!r}"
+        )
+    b, f, idx = prec.act, prec.hi, cm.INDEX_BYTES
+    h, hd, k = model.dim, model.head_dim_resolved, model.top_k
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    rho = shards_per_token(model, shards)
+    n = shards if shards > 0 else model.num_experts
+    tokens = micro_batch_size * seq_len
+    inputs = 0.0
+    if layer > 0:
+        inputs += rho * (b * h + idx) if model.is_moe_layer(layer - 1) else 0.0
+        inputs += b * h if groups > 1 else 0.0
+    if layer == model.num_layers:  # loss head
+        kept = inputs + (
+            idx if recompute == "full" else _norm_bytes(h, prec) + f * model.vocab_size
+        )
+        return tokens * (kept + idx)
+    moe = model.is_moe_layer(layer)
+    shared_dim = model.num_shared_experts * model.expert_dim if moe else 0
+    new_residual = shared_dim > 0 or not moe or b < 4
+    outputs = b * h if new_residual or recompute == "full" else 0.0
+    if moe:
+        outputs += rho * b * h + k * (b + 2 * idx) + (rho * idx if groups > 1 else 0.0)
+    if recompute == "full":
+        return tokens * (inputs + outputs)
+    per_token = inputs + outputs + 2 * _norm_bytes(h, prec) + b * (2 * q + 2 * kv)
+    per_token += f * model.num_heads if recompute == "none" else 0.0
+    per_token += idx if layer == 0 else 0.0
+    per_mb = 2 * seq_len * hd * b
+    if moe:
+        per_token += f * model.num_experts + idx * k + (f * (k + 1) if model.norm_topk_prob else 0)
+        per_token += rho * idx + n * k + 4 * b * shared_dim
+        per_mb += 2 * f * model.num_experts
+    else:
+        per_token += 4 * b * model.dense_dim_resolved
+    return tokens * per_token + per_mb
+
+
+def ffn_act_bytes(
+    model: ModelConfig,
+    recompute: str,
+    prec: cm.Precision,
+    *,
+    tokens: int,
+    shards: int,
+    rows_known: bool = True,
+) -> float:
+    """Bytes one expert shard keeps for one replica's micro-batch of `tokens` tokens and one
+    layer, balanced routing: P = tokens*k/n token-expert pairs, R = tokens*rho/n rows
+    (R = P when `rows_known` is False: the bound for an n not fixed yet).
+
+    Inputs u (b*H per row), weights b, rows and expert ids 16 per pair; outputs b*H per row.
+    Without full recompute also the SwiGLU experts' saved tensors per pair: the gathered
+    input, gate|up, SiLU(gate), the product, the expert output and the weighted output,
+    b*(3H + 4I), the sorted weights b and two index tensors 16.
+    """
+    if recompute not in cm.RECOMPUTE_MODES:
+        raise ValueError(
+            f"recompute must be one of {', '.join(cm.RECOMPUTE_MODES)}, got {recompute!r}"
+        )
+    b, idx, h = prec.act, cm.INDEX_BYTES, model.dim
+    pairs = tokens * model.top_k / shards
+    rows = tokens * shards_per_token(model, shards) / shards if rows_known else pairs
+    kept = rows * 2 * b * h + pairs * (b + 2 * idx)
+    if recompute != "full":
+        kept += pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
+    return kept
+
+
+def attn_replica_memory(
+    model: ModelConfig,
+    *,
+    groups: int,
+    shards: int,
+    seq_len: int,
+    micro_batch_size: int,
+    in_flight: int,
+    recompute: str,
+    prec: cm.Precision,
+) -> cm.MemoryBreakdown:
+    """Worst A replica of this runtime: states, `in_flight` micro-batches of all its
+    components (the loss head on group 0), and one micro-batch of logits (+ an fp32 copy
+    below fp32)."""
+    worst = cm.MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
+    tokens = micro_batch_size * seq_len
+    kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "shards": shards}
+    for g in range(groups):
+        layers = cm.group_layers(model, groups, g) + ([model.num_layers] if g == 0 else [])
+        per_mb = sum(
+            attn_layer_act_bytes(model, layer, recompute, prec, groups=groups, **kw)
+            for layer in layers
+        )
+        logits = prec.act + (4 if prec.act < 4 else 0)
+        cand = cm.MemoryBreakdown(
+            states=float(cm.attn_group_params(model, groups, g) * prec.state),
+            activations=float(in_flight * per_mb),
+            transient=float(tokens * model.vocab_size * logits) if g == 0 else 0.0,
+        )
+        if cand.total > worst.total:
+            worst = cand
+    return worst
+
+
+def ffn_shard_memory(
+    model: ModelConfig,
+    *,
+    groups: int,
+    replicas: int,
+    shards: int,
+    seq_len: int,
+    micro_batch_size: int,
+    in_flight: int,
+    recompute: str,
+    prec: cm.Precision,
+) -> cm.MemoryBreakdown:
+    """Worst expert shard of this runtime: ceil(E/n) experts' states, and `in_flight`
+    micro-batches of `replicas` attention replicas' tokens on each of its MoE layers."""
+    moe_layers = cm.group_moe_layers(model, groups)
+    experts = math.ceil(model.num_experts / shards)
+    per_mb = ffn_act_bytes(model, recompute, prec, tokens=seq_len * micro_batch_size, shards=shards)
+    return cm.MemoryBreakdown(
+        states=float(moe_layers * experts * 3 * model.dim * model.expert_dim * prec.state),
+        activations=float(in_flight * moe_layers * replicas * per_mb),
+        transient=0.0,
+    )

@@ -1,0 +1,135 @@
+"""A rank's memory budget, the memory model's prediction for a run, and the in-flight cap.
+
+The cap is a function of the config alone (`in_flight_cap`), so that every rank of a run
+computes the same one: the budget `train.memory_gib` is resolved once, by the process
+that launches the ranks (`resolve_memory_budget`), and travels in the config.
+
+* Budget (`default_memory_gib`): `train.memory_gib` when > 0; else on GPU (backend nccl)
+  the cluster preset's `gpu_mem_gib`; on CPU the host's available memory divided by the
+  ranks on this host.
+* Prediction (`predict_memory`): per role, states (weight, gradient, AdamW moments in
+  the run's dtype) and the activations of K in-flight micro-batches of the worst replica
+  (A) and the worst shard (F, ceil(E/n) experts, balanced routing), from
+  `planner.runtime_memory` with the run's dtype, seq_len, micro-batch, recompute and split.
+* Cap (`in_flight_cap`): `schedule.max_in_flight` when > 0; -1: no cap (every slot);
+  0 (default): the largest K <= slots whose prediction fits the budget on both roles.
+  If even K = 1 does not fit, a ValueError names the binding term (exit 2 in the CLI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..config import RunConfig
+from ..planner import costmodel as cm
+from ..planner import runtime_memory as rm
+
+NO_CAP = -1  # schedule.max_in_flight: every slot in flight
+
+
+def host_available_bytes() -> int:
+    """MemAvailable of this host (/proc/meminfo), else free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def default_memory_gib(cfg: RunConfig, local_ranks: int) -> float:
+    """The budget per rank (GiB) `train.memory_gib = 0` stands for (module doc)."""
+    if cfg.train.memory_gib > 0:
+        return cfg.train.memory_gib
+    if cfg.parallel.backend == "nccl":
+        return cfg.cluster.gpu_mem_gib
+    return host_available_bytes() / max(local_ranks, 1) / cm.GIB
+
+
+def resolve_memory_budget(cfg: RunConfig, local_ranks: int) -> RunConfig:
+    """`cfg` with `train.memory_gib` set (once, in the launching process; see module doc)."""
+    gib = default_memory_gib(cfg, local_ranks)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_gib=gib))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunMemory:
+    """Predicted bytes per rank of each role for `in_flight` micro-batch slots."""
+
+    in_flight: int
+    attn: cm.MemoryBreakdown
+    ffn: cm.MemoryBreakdown
+
+    def to_dict(self) -> dict[str, dict[str, float]]:
+        return {
+            role: {
+                "states": m.states,
+                "activations": m.activations,
+                "transient": m.transient,
+                "total": m.total,
+            }
+            for role, m in (("A", self.attn), ("F", self.ffn))
+        }
+
+
+def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
+    """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
+    train, par = cfg.train, cfg.parallel
+    prec = cm.runtime_precision(train.dtype)
+    attn = rm.attn_replica_memory(
+        cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
+        micro_batch_size=train.micro_batch_size, in_flight=in_flight,
+        recompute=train.recompute, prec=prec,
+    )  # fmt: skip
+    ffn = rm.ffn_shard_memory(
+        cfg.model, groups=par.groups, replicas=par.attn_workers, shards=par.expert_workers,
+        seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, in_flight=in_flight,
+        recompute=train.recompute, prec=prec,
+    )  # fmt: skip
+    return RunMemory(in_flight=in_flight, attn=attn, ffn=ffn)
+
+
+def _gib(nbytes: float) -> str:
+    if nbytes < cm.GIB:
+        return f"{nbytes / 1024**2:.3g} MiB"
+    return f"{nbytes / cm.GIB:.3g} GiB"
+
+
+def in_flight_cap(cfg: RunConfig, slots: int) -> int:
+    """Micro-batch slots a rank may hold (module doc); the same on every rank.
+
+    `train.memory_gib` must be resolved (> 0): see `resolve_memory_budget`.
+    """
+    assert cfg.train.memory_gib > 0, "resolve train.memory_gib before computing the cap"
+    budget = cfg.train.memory_gib * cm.GIB
+    one = predict_memory(cfg, 1)
+    _check_fits(one, budget, cfg.train.memory_gib)
+    if cfg.schedule.max_in_flight > 0:
+        return cfg.schedule.max_in_flight
+    if cfg.schedule.max_in_flight == NO_CAP:
+        return slots
+    caps = [slots]
+    for role in (one.attn, one.ffn):
+        if role.activations > 0:
+            caps.append(int((budget - role.states - role.transient) // role.activations))
+    return max(1, min(caps))
+
+
+def _check_fits(one: RunMemory, budget: float, gib: float) -> None:
+    fixes = {
+        "A": "more --groups, --recompute full, a smaller --micro-batch-size or a larger budget",
+        "F": "more --expert-workers, --recompute full or a larger budget",
+    }
+    worst = max((("A", one.attn), ("F", one.ffn)), key=lambda kv: kv[1].total - budget)
+    role, mem = worst
+    if mem.total <= budget:
+        return
+    what = "attention replica states" if role == "A" else "expert shard states"
+    logits = f" + logits {_gib(mem.transient)}" if mem.transient else ""
+    raise ValueError(
+        f"{what} {_gib(mem.states)} + activations of one micro-batch {_gib(mem.activations)}"
+        f"{logits} exceed train.memory_gib={gib:g}; use {fixes[role]}"
+    )

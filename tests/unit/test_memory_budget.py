@@ -1,0 +1,118 @@
+"""The runtime's memory model, the budget, the memory-safe in-flight cap and the meter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from disagmoe.config import RunConfig, ScheduleConfig, TrainConfig, replace_section
+from disagmoe.planner import costmodel as cm
+from disagmoe.planner import runtime_memory as rm
+from disagmoe.presets import MODEL_PRESETS
+from disagmoe.runtime import budget
+from disagmoe.runtime.memory import ActivationMeter
+
+TINY = MODEL_PRESETS["tiny"]
+F32 = cm.runtime_precision("float32")
+
+
+def _cfg(**train: object) -> RunConfig:
+    return RunConfig(train=TrainConfig(**{"progress": False, **train}))  # type: ignore[arg-type]
+
+
+def test_ffn_bytes_by_hand() -> None:
+    # 128 tokens, k=2, n=1: 256 pairs, 128 rows; H = I = 64, float32.
+    kept = rm.ffn_act_bytes(TINY, "none", F32, tokens=128, shards=1)
+    inputs_outputs = 128 * 2 * 4 * 64 + 256 * (4 + 16)
+    swiglu = 256 * (4 * (3 * 64 + 4 * 64 + 1) + 16)
+    assert kept == inputs_outputs + swiglu
+    assert rm.ffn_act_bytes(TINY, "full", F32, tokens=128, shards=1) == inputs_outputs
+    assert rm.ffn_act_bytes(TINY, "attn", F32, tokens=128, shards=1) == kept
+
+
+def test_attention_bytes_follow_recompute_and_dtype() -> None:
+    kw = {"seq_len": 64, "micro_batch_size": 2, "shards": 2}
+    none, attn, full = (
+        rm.attn_layer_act_bytes(TINY, 1, mode, F32, **kw) for mode in cm.RECOMPUTE_MODES
+    )  # type: ignore[arg-type]
+    assert none - attn == 128 * 4 * TINY.num_heads  # the attention core's log-sum-exp
+    assert full < attn
+    f64 = rm.attn_layer_act_bytes(TINY, 1, "none", cm.runtime_precision("float64"), **kw)  # type: ignore[arg-type]
+    assert f64 > 1.9 * none  # activations follow the dtype (index tensors do not)
+    # rows per token across shards: 1 with one shard, top_k when unknown
+    assert rm.shards_per_token(TINY, 1) == pytest.approx(1.0)
+    assert rm.shards_per_token(TINY, 0) == TINY.top_k
+
+
+def test_planner_model_knows_attn_and_precision() -> None:
+    none = cm.attn_act_bytes_per_token(TINY, "none")
+    assert none - cm.attn_act_bytes_per_token(TINY, "attn") == 4 * TINY.num_heads
+    f32 = cm.attn_act_bytes_per_token(TINY, "full", F32)
+    assert f32 == 2 * cm.attn_act_bytes_per_token(TINY, "full")
+    assert cm.runtime_precision("float64") == cm.Precision(act=8, state=32)
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        cm.runtime_precision("int8")
+
+
+def test_default_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert budget.default_memory_gib(_cfg(memory_gib=3.5), 4) == 3.5
+    gpu = dataclasses.replace(
+        _cfg(), parallel=dataclasses.replace(RunConfig().parallel, backend="nccl")
+    )
+    assert budget.default_memory_gib(gpu, 8) == gpu.cluster.gpu_mem_gib
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: 8 * cm.GIB)
+    assert budget.default_memory_gib(_cfg(), 4) == 2.0  # the host's share per local rank
+    assert budget.resolve_memory_budget(_cfg(), 2).train.memory_gib == 4.0
+
+
+def test_cap_is_the_largest_count_that_fits() -> None:
+    cfg = _cfg(global_batch_size=32, memory_gib=0.0095)  # 16 micro-batches: 8 slots per replica
+    cap = budget.in_flight_cap(cfg, 8)
+    assert 1 <= cap < 8
+    limit = 0.0095 * cm.GIB
+    assert (
+        max(
+            m.total
+            for m in (budget.predict_memory(cfg, cap).attn, budget.predict_memory(cfg, cap).ffn)
+        )
+        <= limit
+    )
+    over = budget.predict_memory(cfg, cap + 1)
+    assert max(over.attn.total, over.ffn.total) > limit
+    # an explicit value wins; -1 asks for no cap
+    explicit = replace_section(cfg, "schedule", max_in_flight=7)
+    assert budget.in_flight_cap(explicit, 8) == 7
+    assert budget.in_flight_cap(replace_section(cfg, "schedule", max_in_flight=-1), 8) == 8
+    # an ample budget: every slot
+    assert budget.in_flight_cap(replace_section(cfg, "train", memory_gib=64.0), 8) == 8
+
+
+def test_a_run_that_cannot_fit_names_the_binding_term() -> None:
+    cfg = _cfg(memory_gib=0.003)  # the expert shard's states alone are 3 MiB
+    with pytest.raises(
+        ValueError,
+        match=r"^expert shard states 3 MiB \+ activations of one micro-batch .* exceed train.memory_gib=0.003; use more --expert-workers",
+    ):
+        budget.in_flight_cap(cfg, 2)
+    with pytest.raises(ValueError, match="schedule.max_in_flight must be"):
+        ScheduleConfig(max_in_flight=-2)
+
+
+def test_meter_counts_unique_saved_storages_until_backward() -> None:
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    meter = ActivationMeter([w])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.saving():
+        y = x @ w  # saves x and w (a parameter: not counted)
+        z = (y * y).sum()  # saves y twice: one storage
+    assert meter.current == x.numel() * 4 + y.numel() * 4
+    z.backward()
+    assert meter.current == 0 and meter.peak == (4 * 8 + 4 * 8) * 4
+    meter.start_step()
+    assert meter.peak == 0
+    meter.hold((0, 0), [[x, x[1:]]])  # a view of a held storage counts once
+    assert meter.current == x.numel() * 4
+    meter.release((0, 0))
+    assert meter.current == 0
