@@ -157,9 +157,6 @@ class Executor:
         self.rank = topo.rank
         self.role = role
         self.topo = topo
-        # the gradient all-reduce's members, as the trace records them (bench bounds)
-        role_of = topo.layout.role(topo.rank)
-        self._replicas = topo.layout.attn_replicas(role_of.group) if role_of.comp == "A" else []
         self.worker = worker
         self.hooks = hooks
         self.tracer = tracer
@@ -401,7 +398,10 @@ class Executor:
             t0 = Tracer.now_us()
             if instr.op == Op.SYNC:
                 nbytes = self.hooks.sync(step)
-                extra = {"peers": self._replicas} if nbytes else {}
+                extra: dict[str, Any] = {}
+                if nbytes:  # the all-reduce's members (this group's A replicas), for bounds
+                    layout = self.topo.layout
+                    extra["peers"] = layout.attn_replicas(layout.role(self.rank).group)
                 self.tracer.add(
                     "SYNC grads", "sync", t0, Tracer.now_us(), step=step, bytes=nbytes, **extra
                 )
