@@ -20,8 +20,9 @@ variants run `torch.utils.checkpoint` (non-reentrant) around one unit of compute
 Exactness: a recompute reruns the same kernels on the same inputs, so it reproduces every
 value bit for bit, the router's top-k included; PyTorch's checkpoint also checks that each
 recomputed tensor has the shape, dtype and device of the one it stands for (a different
-routing would change the expert shapes and fail loudly) and restores the RNG state of the
-forward. The variants hold no state and have no side effects, so running a forward twice
+routing would change the expert shapes and fail loudly). The forward draws no random
+numbers (there is no dropout), so no RNG state is kept; a variant that adds randomness
+must draw from a generator of its own. The variants hold no state and have no side effects, so running a forward twice
 changes nothing but time. Only modules of exactly the base class are swapped: an
 emulated block (`bench.emulation`) stays emulated.
 """
@@ -40,7 +41,10 @@ from .model import AttentionBlock, AttnOutput
 from .moe import Assignments, Experts
 
 def _checkpointed(fn: Any, *args: Any) -> Any:
-    return checkpoint(fn, *args, use_reentrant=False)
+    # No RNG state is saved or restored: the model draws no random numbers (no dropout), and
+    # restoring the global generator from the backward lane would race with the forward
+    # lane, which runs concurrently in the disaggregated executor.
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 class CoreRecomputedAttention(Attention):
