@@ -80,9 +80,7 @@ def test_reference_trainer_is_bit_identical_under_recompute(model: dict[str, Any
                 assert torch.equal(got.grads[name], grad), f"{mode}: {name}"
 
 
-def _saved_bytes(
-    run: Callable[[], Any], params: list[torch.nn.Parameter]
-) -> tuple[int, int]:
+def _saved_bytes(run: Callable[[], Any], params: list[torch.nn.Parameter]) -> tuple[int, int]:
     """(float bytes, integer bytes) of the distinct storages that `run` saves for backward."""
     skip = {p.untyped_storage().data_ptr() for p in params}
     seen: dict[int, tuple[int, bool]] = {}

@@ -40,6 +40,7 @@ from .layers import Attention
 from .model import AttentionBlock, AttnOutput
 from .moe import Assignments, Experts
 
+
 def _checkpointed(fn: Any, *args: Any) -> Any:
     # No RNG state is saved or restored: the model draws no random numbers (no dropout), and
     # restoring the global generator from the backward lane would race with the forward

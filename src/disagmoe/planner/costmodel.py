@@ -19,8 +19,8 @@ those of `disagmoe.flops`:
     the attention NICs (`hop_bytes`).
 
 Training multipliers (`train_time_factors`): backward = 2x forward for GEMMs; the attention
-core backward = 2.5x forward (FlashAttention recomputes QK^T); full activation recompute adds
-one forward. Each exchange happens once forward and once backward, so wire bytes double.
+core backward = 2.5x forward (FlashAttention recomputes QK^T); activation recompute adds one
+forward of the attention core ("attn") or of everything ("full"). Each exchange happens once forward and once backward, so wire bytes double.
 
 Memory (`attn_worker_memory`, `ffn_memory_terms`): 16 bytes per parameter (bf16 weight and
 gradient, fp32 master weight and two Adam moments), plus bf16 activations kept for backward per
@@ -33,12 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagmoe import flops
-from disagmoe.config import ClusterConfig, ModelConfig
+from disagmoe.config import RECOMPUTE, ClusterConfig, ModelConfig
 
 BYTES_ACT = 2  # bf16 activations / wire format
 BYTES_PER_PARAM = 16  # bf16 weight (2) + bf16 grad (2) + fp32 master, Adam m, Adam v (12)
 GIB = 1024**3
-RECOMPUTE_MODES = ("none", "full")
+RECOMPUTE_MODES = RECOMPUTE  # none | attn (attention core) | full (whole stage)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -93,7 +93,7 @@ def train_time_factors(recompute: str) -> tuple[float, float]:
         raise ValueError(
             f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    return flops.train_factors(recompute == "full")
+    return flops.train_factors(recompute)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
