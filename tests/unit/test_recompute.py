@@ -1,13 +1,13 @@
 """Activation recompute (`train.recompute`, `models.recompute`): the same numbers, less memory.
 
-Memory is counted as PyTorch sees it: every tensor autograd saves for backward during one
-forward, through `saved_tensors_hooks`, once per storage, parameters excluded.
+Memory is counted as PyTorch sees it (`testing.memory`): every tensor autograd saves for
+backward during one forward, through `saved_tensors_hooks`, once per storage, parameters
+excluded.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -15,7 +15,6 @@ import torch
 
 from disagmoe.bench.emulation import ComputeCosts, EmulatedAttentionBlock, EmulatedExperts, Linear
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.distributed.layout import Layout
 from disagmoe.models import AttentionBlock, Experts, build_meta_model
 from disagmoe.models.layers import Attention
 from disagmoe.models.recompute import (
@@ -24,11 +23,9 @@ from disagmoe.models.recompute import (
     RecomputedExperts,
     apply_recompute,
 )
-from disagmoe.runtime.objective import LossScale
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.runtime.setup import apply_variants
-from disagmoe.runtime.stages import AttnWorker, ExpertWorker, build_worker
-from disagmoe.schedule.ir import Msg
+from disagmoe.testing.memory import stage_saved_bytes
 
 MODES = ("none", "attn", "full")
 B, S = 2, 32  # one micro-batch
@@ -80,73 +77,21 @@ def test_reference_trainer_is_bit_identical_under_recompute(model: dict[str, Any
                 assert torch.equal(got.grads[name], grad), f"{mode}: {name}"
 
 
-def _saved_bytes(run: Callable[[], Any], params: list[torch.nn.Parameter]) -> tuple[int, int]:
-    """(float bytes, integer bytes) of the distinct storages that `run` saves for backward."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen: dict[int, tuple[int, bool]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            seen[storage.data_ptr()] = (storage.nbytes(), t.is_floating_point())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    floats = sum(n for n, is_float in seen.values() if is_float)
-    return floats, sum(n for n, is_float in seen.values() if not is_float)
-
-
-def _layer1_saved(mode: str) -> dict[str, tuple[int, int, int]]:
-    """Saved bytes of the A component of layer 1 and the experts of layer 0, for one
-    micro-batch on an m = n = 1 layout, driven through the workers' own forward.
-
-    Returns per worker (float bytes, integer bytes, bytes of the compute's float inputs).
-    """
-    cfg = replace_section(_cfg(mode), "parallel", attn_workers=1, expert_workers=1)
-    layout = Layout.build(cfg.model, cfg.parallel, 2)
-    a_rank, f_rank = layout.attn_rank(0, 0), layout.expert_rank(0, 0)
-    scale = LossScale.for_run(cfg.model, cfg.train)
-    attn = build_worker(cfg, layout, a_rank, scale)
-    experts = build_worker(cfg, layout, f_rank, scale)
-    assert isinstance(attn, AttnWorker) and isinstance(experts, ExpertWorker)
-    apply_variants(cfg, [attn.modules, experts.modules])
-    tokens = torch.randint(0, cfg.model.vocab_size, (B, S + 1))
-    attn.micro_batches = {0: (tokens[:, :-1], tokens[:, 1:])}
-    to_f, to_a = Msg("dispatch", 0, 0, a_rank, f_rank), Msg("combine", 0, 0, f_rank, a_rank)
-    dispatch = attn.forward(0, 0, {}, [to_f])[to_f]
-    out: dict[str, tuple[int, int, int]] = {}
-    f_params = [p for _, p in experts.named_parameters()]
-    combine: dict[Msg, list[torch.Tensor]] = {}
-    u, w = dispatch[0], dispatch[1]
-    floats, ints = _saved_bytes(
-        lambda: combine.update(experts.forward(0, 0, {to_f: dispatch}, [to_a])), f_params
-    )
-    out["F"] = (floats, ints, u.numel() * u.element_size() + w.numel() * w.element_size())
-    a_params = [p for _, p in attn.named_parameters()]
-    hidden = B * S * cfg.model.dim * 8
-    rope = 2 * S * cfg.model.head_dim_resolved * 8  # cos, sin
-    y = next(iter(combine.values()))[0]  # the expert rows it receives, summed into x
-    floats, ints = _saved_bytes(lambda: attn.forward(1, 0, combine, []), a_params)
-    out["A"] = (floats, ints, hidden + rope + y.numel() * y.element_size())
-    return out
-
-
 def test_recompute_saves_what_the_modes_say() -> None:
     """full: an A worker keeps its layer input x (+ RoPE tables) and the expert rows it
     received (the combine sum `index_add` keeps its source), an expert shard its received
     rows and combine weights, both plus integer routing indices; attn: the A component saves
     less than none (the core's own tensors), an expert shard exactly as much."""
-    saved = {mode: _layer1_saved(mode) for mode in MODES}
+    saved = {mode: stage_saved_bytes(_cfg(mode)) for mode in MODES}
     for worker in ("A", "F"):
-        floats, _, inputs = saved["full"][worker]
-        assert floats == inputs, (worker, saved)
-    a = {mode: saved[mode]["A"][0] for mode in MODES}
+        full = saved["full"][worker]
+        assert full.floats == full.inputs, (worker, saved)
+    a = {mode: saved[mode]["A"].floats for mode in MODES}
     assert a["full"] < a["attn"] < a["none"], a
-    f = {mode: saved[mode]["F"][0] for mode in MODES}
+    f = {mode: saved[mode]["F"].floats for mode in MODES}
     assert f["full"] < f["attn"] == f["none"], f
     # Integer routing indices are kept in every mode and are small beside the floats.
-    assert all(saved[m][w][1] < saved[m][w][0] for m in MODES for w in ("A", "F")), saved
+    assert all(saved[m][w].ints < saved[m][w].floats for m in MODES for w in ("A", "F")), saved
 
 
 @pytest.mark.parametrize(("mode", "extra"), [("none", 0.0), ("full", 1.0)])
