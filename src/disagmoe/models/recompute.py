@@ -1,4 +1,4 @@
-"""Activation recompute as module variants (`train.recompute`, docs/design-notes.md "Recompute").
+"""Activation recompute as module variants (`train.recompute`, docs/design-notes.md).
 
 `apply_recompute(module, mode)` changes, in place, the class of the modules under `module`
 to a variant that saves less for backward and recomputes the rest; like `bench.emulation`
@@ -22,9 +22,9 @@ value bit for bit, the router's top-k included; PyTorch's checkpoint also checks
 recomputed tensor has the shape, dtype and device of the one it stands for (a different
 routing would change the expert shapes and fail loudly). The forward draws no random
 numbers (there is no dropout), so no RNG state is kept; a variant that adds randomness
-must draw from a generator of its own. The variants hold no state and have no side effects, so running a forward twice
-changes nothing but time. Only modules of exactly the base class are swapped: an
-emulated block (`bench.emulation`) stays emulated.
+must draw from a generator of its own. The variants hold no state and have no side
+effects, so running a forward twice changes nothing but time. Only modules of exactly the
+base class are swapped: an emulated block (`bench.emulation`) stays emulated.
 """
 
 from __future__ import annotations
