@@ -46,13 +46,14 @@ def disagg_micro(target: int, m: int) -> int:
 
 
 def peak_memory_gib(
-    model: ModelConfig, groups: int, m: int, n: int, seq_len: int, peak: int, recompute: bool
+    model: ModelConfig, groups: int, m: int, n: int, seq_len: int, peak: int, recompute: str
 ) -> float:
     """Worst worker's memory (planner's model) with `peak` micro-batches in flight."""
     from disagmoe.planner import costmodel as cm
 
-    rc = "full" if recompute else "none"
-    kw = dict(groups=groups, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute=rc)
+    kw = dict(
+        groups=groups, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute=recompute
+    )
     attn = cm.attn_worker_memory(model, **kw).total  # type: ignore[arg-type]
     a, b = cm.ffn_memory_terms(model, **kw)  # type: ignore[arg-type]
     return max(attn, (a + b * m) / n) / GIB

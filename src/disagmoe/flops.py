@@ -13,14 +13,15 @@ E experts of width D_e, D_dense the dense MLP width, V the vocabulary.
   SwiGLU MLP `6*N*H*D_dense` on dense layers, the LM head `2*N*H*V`, SwiGLU routed
   experts `6*H*D_e` per (token, expert) pair (gate, up and down GEMMs);
 * backward = 2x forward for GEMMs, 2.5x for the attention core (FlashAttention
-  recomputes QK^T); full activation recomputation adds one forward.
+  recomputes QK^T); activation recompute (`train.recompute`) adds one forward of what it
+  recomputes: the attention core for "attn", everything for "full".
 
 Imports only the config, so that `planner` and `simulator` both import it.
 """
 
 from __future__ import annotations
 
-from .config import ModelConfig
+from .config import RECOMPUTE, ModelConfig
 
 GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a GEMM
 CORE_BACKWARD = 2.5  # backward / forward FLOPs of the attention core (recomputes QK^T)
@@ -74,13 +75,17 @@ def expert_flops(model: ModelConfig, pairs: float) -> float:
     return pairs * 6.0 * model.dim * model.expert_dim
 
 
-def backward_factors(recompute: bool = False) -> tuple[float, float]:
-    """(GEMM, attention core): backward FLOPs / forward FLOPs."""
-    extra = 1.0 if recompute else 0.0
-    return GEMM_BACKWARD + extra, CORE_BACKWARD + extra
+def backward_factors(recompute: str = "none") -> tuple[float, float]:
+    """(GEMM, attention core): backward FLOPs / forward FLOPs, with activation recompute
+    `recompute` (none | attn | full): the backward reruns the forward of what it recomputes."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
+    gemm_extra = 1.0 if recompute == "full" else 0.0
+    core_extra = 1.0 if recompute in ("attn", "full") else 0.0
+    return GEMM_BACKWARD + gemm_extra, CORE_BACKWARD + core_extra
 
 
-def train_factors(recompute: bool = False) -> tuple[float, float]:
+def train_factors(recompute: str = "none") -> tuple[float, float]:
     """(GEMM, attention core): forward + backward FLOPs / forward FLOPs."""
     gemm, core = backward_factors(recompute)
     return 1.0 + gemm, 1.0 + core

@@ -41,8 +41,23 @@ def trainer_steps(
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
 
+def without_recompute(cfg: RunConfig) -> RunConfig:
+    """`cfg` for the ground truth: the reference trainer saves every activation."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+
+
+def recomputing(cfg: RunConfig, mode: str) -> RunConfig:
+    """`cfg` with activation recompute `mode` (`train.recompute`)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=mode))
+
+
 def reference_steps(cfg: RunConfig, steps: int, prepare: bool = False) -> list[dict[str, Any]]:
-    ref = ReferenceTrainer(cfg)
+    """The reference trainer's steps for `cfg`, always without recompute."""
+    ref = ReferenceTrainer(without_recompute(cfg))
     if prepare:
         collapse_routing(ref.named_params)
     out = []

@@ -22,6 +22,8 @@ from disagmoe.presets import model_preset
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
 
+from .equivalence import recomputing, without_recompute
+
 STEPS = 2
 RTOL = 1e-10
 
@@ -84,8 +86,11 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
 
 def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]]]) -> None:
     for k, (cfg, _) in enumerate(cases):
-        what = f"{cfg.parallel.runtime} pp={cfg.parallel.pp} ep={cfg.parallel.ep} model={cfg.model.name}"
-        ref = ReferenceTrainer(cfg)
+        what = (
+            f"{cfg.parallel.runtime} pp={cfg.parallel.pp} ep={cfg.parallel.ep} "
+            f"recompute={cfg.train.recompute} model={cfg.model.name}"
+        )
+        ref = ReferenceTrainer(without_recompute(cfg))
         for s in range(STEPS):
             rr = ref.step(s, capture_grads=True)
             seen = set()
@@ -117,6 +122,10 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
         (_cfg("ep-overlap", pp=1, ep=2), 3),
         (_cfg("ep-interleaved", pp=2, ep=1), 1),
         (_cfg("ep-dualpipev", pp=2, ep=1, model=tied), 1),
+        (recomputing(_cfg("ep-1f1b", pp=1, ep=2), "attn"), 1),
+        (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full"), 1),
+        (recomputing(_cfg("ep-overlap", pp=1, ep=2), "full"), 3),
+        (recomputing(_cfg("ep-dualpipev", pp=2, ep=1, model=tied), "full"), 1),
     ]
     results = run_ranks(_worker, 2, cases, str(tmp_path))
     _check(cases, results)
@@ -154,6 +163,8 @@ def test_baselines_four_ranks() -> None:
         (_cfg("ep-overlap", pp=1, ep=2, gbs=16), 2),  # dp=4: expert grads over EDP groups
         (_cfg("ep-interleaved", pp=2, ep=2, model=shared), 1),
         (_cfg("ep-dualpipev", pp=2, ep=2, gbs=16, model=shared), 1),
+        (recomputing(_cfg("ep-1f1b", pp=2, ep=2, model=shared), "full"), 1),
+        (recomputing(_cfg("ep-interleaved", pp=2, ep=2, model=shared), "attn"), 1),
     ]
     results = run_ranks(_worker, 4, cases, "")
     _check(cases, results)

@@ -20,7 +20,7 @@ from disagmoe.models.hf_import import read_hf_config
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.runtime.disagg import DisaggTrainer
 
-from .equivalence import max_rel_errors
+from .equivalence import max_rel_errors, recomputing
 
 TRAINER = "disagmoe.runtime.disagg:DisaggTrainer"
 TOL = 1e-10
@@ -42,32 +42,42 @@ def assert_equivalent(cfgs: list[RunConfig], world: int, prepare: bool = False) 
     for cfg, (loss_err, grad_err, count) in zip(
         cfgs, max_rel_errors(cfgs, world, STEPS, TRAINER, prepare), strict=True
     ):
-        label = f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} n={cfg.parallel.expert_workers} {cfg.model}"
+        label = (
+            f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} "
+            f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute} {cfg.model}"
+        )
         assert loss_err < TOL, f"{label}: loss rel err {loss_err}"
         assert grad_err < TOL, f"{label}: grad rel err {grad_err}"
         assert count > 10
 
 
 def test_four_ranks_p1_m2_n2() -> None:
-    """p=1 (m=2, n=2): top-2, top-1, shared experts + dense first layer, sparse routing."""
+    """p=1 (m=2, n=2): top-2, top-1, shared experts + dense first layer, sparse routing;
+    activation recompute of the attention core and of whole stages (against the reference
+    without recompute)."""
+    shared_dense = case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96)
     assert_equivalent(
         [
             case(1, 2, 2),
             case(1, 2, 2, top_k=1),
-            case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
+            shared_dense,
             # 16 experts, top-1, 32 tokens per micro-batch: many experts get no token.
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
+            recomputing(case(1, 2, 2), "attn"),
+            recomputing(shared_dense, "full"),
         ],
         world=4,
     )
 
 
 def test_four_ranks_p2_m1_n1() -> None:
-    """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop."""
+    """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
+    full recompute with the hop."""
     assert_equivalent(
         [
             case(2, 1, 1),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
+            recomputing(case(2, 1, 1), "full"),
         ],
         world=4,
     )
@@ -76,7 +86,11 @@ def test_four_ranks_p2_m1_n1() -> None:
 def test_extreme_routing_all_tokens_to_one_shard() -> None:
     """Zeroed routers: step 1 routes every token to the same k experts (one shard); the
     other shard and all other experts see no token for the whole step; still exact."""
-    assert_equivalent([case(1, 2, 2), case(1, 2, 2, top_k=1)], world=4, prepare=True)
+    assert_equivalent(
+        [case(1, 2, 2), case(1, 2, 2, top_k=1), recomputing(case(1, 2, 2), "full")],
+        world=4,
+        prepare=True,
+    )
 
 
 def test_four_ranks_p1_m1_n3_in_flight_cap() -> None:

@@ -94,7 +94,7 @@ def test_a_fresh_model_after_an_emulated_one_computes_for_real() -> None:
 
 
 def test_set_threads_only_sets_threads() -> None:
-    """The costs file is read where modules are built (`apply_emulation`), not here."""
+    """The costs file is read where modules are built (`apply_variants`), not here."""
     cfg = replace_section(RunConfig(), "train", emulate_compute="/nonexistent.json")
     threads = torch.get_num_threads()
     try:

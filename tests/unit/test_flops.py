@@ -51,4 +51,7 @@ def test_sequences_scale_linearly_and_head_and_factors() -> None:
     assert flops.lm_head_flops(TINY, S) == 2 * S * H * 32
     assert flops.backward_factors() == (2.0, 2.5)
     assert flops.train_factors() == (3.0, 3.5)
-    assert flops.train_factors(recompute=True) == (4.0, 4.5)
+    assert flops.train_factors("full") == (4.0, 4.5)
+    assert flops.train_factors("attn") == (3.0, 4.5)  # the core's forward again, GEMMs not
+    with pytest.raises(ValueError, match="recompute must be one of none, attn, full"):
+        flops.backward_factors("some")

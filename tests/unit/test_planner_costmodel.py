@@ -67,6 +67,9 @@ def test_unit_times_apply_training_multipliers_and_efficiencies() -> None:
     assert u.attn_nic == pytest.approx(2 * 320 / 5e8)  # forward + backward exchange
     full = cm.unit_times(TINY, UNIT, 10, roofline_only=False, recompute="full")
     assert full.ffn_gpu == pytest.approx(4 * 15360 / 5e11)
+    attn = cm.unit_times(TINY, UNIT, 10, roofline_only=False, recompute="attn")
+    assert attn.attn_gpu == pytest.approx((3 * (6080 - 1600) + 4.5 * 1600) / 5e11)
+    assert attn.ffn_gpu == u.ffn_gpu
     paper = cm.unit_times(TINY, UNIT, 10, roofline_only=True)
     assert paper.attn_gpu == pytest.approx(5120 / 1e12)
     assert paper.ffn_nic == pytest.approx(320 / 1e9)

@@ -227,3 +227,23 @@ def test_sixteen_nodes_sixty_four_micro_batches() -> None:
         num_micro_batches=64 * 16,
     )
     assert result.num_workers == 128 and result.config["reduced"]
+
+
+def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
+    """attn: the backward of an A component adds the attention core's forward; full: the
+    whole forward, on A and F alike (the modes of `train.recompute`)."""
+    from disagmoe.simulator.costs import AnalyticCosts
+
+    work = Workload(TINY, 64, 2)
+    costs = {mode: AnalyticCosts(work, 1e12, recompute=mode) for mode in ("none", "attn", "full")}
+    _, core = work.attn_flops(0)
+    none = costs["none"]
+    assert costs["attn"].attn_s(Op.BWD, 0) - none.attn_s(Op.BWD, 0) == pytest.approx(core / 1e12)
+    assert costs["full"].attn_s(Op.BWD, 0) - none.attn_s(Op.BWD, 0) == pytest.approx(
+        none.attn_s(Op.FWD, 0)
+    )
+    assert costs["attn"].expert_s(Op.BWD, 10) == none.expert_s(Op.BWD, 10)
+    assert costs["full"].expert_s(Op.BWD, 10) == pytest.approx(
+        none.expert_s(Op.BWD, 10) + none.expert_s(Op.FWD, 10)
+    )
+    assert all(c.attn_s(Op.FWD, 1) == none.attn_s(Op.FWD, 1) for c in costs.values())

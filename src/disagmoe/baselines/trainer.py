@@ -39,7 +39,7 @@ from ..runtime.objective import (
     torch_dtype,
 )
 from ..runtime.observe import Tracer
-from ..runtime.setup import apply_emulation, build_data, set_threads
+from ..runtime.setup import apply_variants, build_data, set_threads
 from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
@@ -71,7 +71,7 @@ class EPTrainer:
         self.modules = build_stage_modules(
             cfg, self.layout, self.pp_rank, self.ep_rank, self.scale, self.comm
         )
-        apply_emulation(cfg, self.modules)
+        apply_variants(cfg, self.modules)
         self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
         self.stages = [self._stage(m) for m in self.modules]
         self.pipeline = self._build_pipeline()

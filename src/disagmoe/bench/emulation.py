@@ -14,7 +14,7 @@ Durations are `fixed + per_row * rows` seconds (rows: tokens for attention,
 (token, expert) assignments for experts), usually measured on this machine with
 `calibrate` and multiplied by a time scale (see `disagmoe bench --compute emulated`).
 A runtime applies the swap to the modules it runs when `train.emulate_compute`
-names a costs file (`runtime.setup.apply_emulation`).
+names a costs file (`runtime.setup.apply_variants`).
 """
 
 from __future__ import annotations
@@ -144,12 +144,14 @@ class EmulatedAttentionBlock(AttentionBlock):
     """
 
     costs: ComputeCosts
+    recompute: str = "none"
 
     def forward(
         self, x_BSH: torch.Tensor, cos_SD: torch.Tensor, sin_SD: torch.Tensor
     ) -> AttnOutput:
         T = x_BSH.shape[0] * x_BSH.shape[1]
-        h = wait(x_BSH, self.costs.attn_fwd(T), self.costs.attn_bwd(T))
+        fwd = self.costs.attn_fwd(T)
+        h = wait(x_BSH, fwd, self.costs.attn_bwd(T) + (fwd if self.recompute == "full" else 0.0))
         if self.router is None:
             return AttnOutput(residual_BSH=h, u_TH=None, routing=None, aux=None)
         u_TH = h.reshape(T, h.shape[-1])
@@ -165,16 +167,20 @@ class EmulatedExperts(Experts):
     weights keep a gradient path, as the real combine's do."""
 
     costs: ComputeCosts
+    recompute: str = "none"
 
     def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
         A = plan.rows_A.numel()
-        y = wait(x_RH, self.costs.expert_fwd(A), self.costs.expert_bwd(A))
+        fwd = self.costs.expert_fwd(A)
+        y = wait(x_RH, fwd, self.costs.expert_bwd(A) + (fwd if self.recompute == "full" else 0.0))
         return y + plan.weights_A.sum() * 0.0
 
 
-def emulate_compute(module: nn.Module, costs: ComputeCosts) -> None:
+def emulate_compute(module: nn.Module, costs: ComputeCosts, recompute: str = "none") -> None:
     """Make every `AttentionBlock` and `Experts` under `module` (itself included) wait
-    `costs` instead of computing.
+    `costs` instead of computing. With `recompute` "full" each backward also waits the
+    forward's duration (the forward a real run reruns, `models.recompute`); the calibrated
+    costs do not separate the attention core, so "attn" is not emulated.
 
     In place: each such module changes class to its emulated variant (as FSDP2's
     `fully_shard` does), so it stays the same object with the same parameters and
@@ -190,6 +196,7 @@ def emulate_compute(module: nn.Module, costs: ComputeCosts) -> None:
             sub.__class__ = EmulatedExperts
         if isinstance(sub, EmulatedAttentionBlock | EmulatedExperts):
             sub.costs = costs
+            sub.recompute = recompute
 
 
 def calibrate(

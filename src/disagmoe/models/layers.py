@@ -85,11 +85,17 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q_BNSD = apply_rope(q.transpose(1, 2), cos_SD, sin_SD)
         k_BKSD = apply_rope(k.transpose(1, 2), cos_SD, sin_SD)
-        v_BKSD = v.transpose(1, 2)
-        o_BNSD = F.scaled_dot_product_attention(
+        o_BNSD = self.core(q_BNSD, k_BKSD, v.transpose(1, 2))
+        return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+
+    def core(
+        self, q_BNSD: torch.Tensor, k_BKSD: torch.Tensor, v_BKSD: torch.Tensor
+    ) -> torch.Tensor:
+        """The attention core: causal scaled-dot-product attention of q, k, v after RoPE
+        (a method of its own so that a variant can recompute it, `models.recompute`)."""
+        return F.scaled_dot_product_attention(
             q_BNSD, k_BKSD, v_BKSD, is_causal=True, enable_gqa=self.num_heads != self.num_kv_heads
         )
-        return self.o_proj(o_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):

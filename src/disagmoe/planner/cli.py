@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 
+from disagmoe.config import RECOMPUTE
 from disagmoe.planner import Plan, plan_for
 from disagmoe.planner.plan import PlanOptions
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
@@ -37,7 +38,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the paper's two-stage problem only (p=1, nominal peaks, no memory)")  # fmt: skip
     parser.add_argument("--groups", type=int, default=0, help="fix p (default: chosen)")
     parser.add_argument("--micro-batches", type=int, default=0, help="per step (default: auto)")
-    parser.add_argument("--recompute", choices=("auto", "none", "full"), default="auto")
+    parser.add_argument("--recompute", choices=("auto", *RECOMPUTE), default="auto")
     parser.add_argument("--solver", choices=("milp", "enumerate"), default="milp")
     parser.add_argument("--epsilon", type=float, default=0.02, help="stage-2 tie band")
     parser.add_argument("--search-moves", type=int, default=64, help="stage-3 moves K")

@@ -19,8 +19,8 @@ those of `disagmoe.flops`:
     the attention NICs (`hop_bytes`).
 
 Training multipliers (`train_time_factors`): backward = 2x forward for GEMMs; the attention
-core backward = 2.5x forward (FlashAttention recomputes QK^T); full activation recompute adds
-one forward. Each exchange happens once forward and once backward, so wire bytes double.
+core backward = 2.5x forward (FlashAttention recomputes QK^T); activation recompute adds one
+forward of the attention core ("attn") or of everything ("full"). Each exchange happens once forward and once backward, so wire bytes double.
 
 Memory (`attn_worker_memory`, `ffn_memory_terms`), for a `Precision` (default `MIXED_BF16`:
 16 bytes per parameter — bf16 weight and gradient, fp32 master weight and two Adam moments —
@@ -36,12 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagmoe import flops
-from disagmoe.config import ClusterConfig, ModelConfig
+from disagmoe.config import RECOMPUTE, ClusterConfig, ModelConfig
 
 BYTES_ACT = 2  # bf16 activations / wire format
 GIB = 1024**3
-RECOMPUTE_MODES = ("none", "attn", "full")  # what the memory model knows (config.RECOMPUTE)
-TIME_RECOMPUTE_MODES = ("none", "full")  # what the planner's time model chooses between
+RECOMPUTE_MODES = RECOMPUTE  # none | attn (attention core) | full (whole stage)
+# what the planner chooses between: attn frees only the attention softmax statistics with
+# fused kernels (docs/design-notes.md, "Activation recompute"), so it is priced, not chosen
+TIME_RECOMPUTE_MODES = ("none", "full")
 INDEX_BYTES = 8  # int64 token ids, rows, expert ids
 DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 
@@ -119,11 +121,11 @@ def detailed_costs(model: ModelConfig, seq_len: int, groups: int = 1) -> LayerCo
 
 def train_time_factors(recompute: str) -> tuple[float, float]:
     """(GEMM factor, attention-core factor): training FLOPs / forward FLOPs."""
-    if recompute not in TIME_RECOMPUTE_MODES:
+    if recompute not in RECOMPUTE_MODES:
         raise ValueError(
-            f"recompute must be one of {', '.join(TIME_RECOMPUTE_MODES)}, got {recompute!r}"
+            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
         )
-    return flops.train_factors(recompute == "full")
+    return flops.train_factors(recompute)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

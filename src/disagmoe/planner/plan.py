@@ -43,8 +43,10 @@ class PlanOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.recompute not in ("auto", *cm.TIME_RECOMPUTE_MODES):
-            raise ValueError(f"recompute must be auto, none or full, got {self.recompute!r}")
+        if self.recompute not in ("auto", *cm.RECOMPUTE_MODES):
+            raise ValueError(
+                f"recompute must be auto, {', '.join(cm.RECOMPUTE_MODES)}, got {self.recompute!r}"
+            )
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
         if self.groups < 0 or self.micro_batches < 0 or self.search_moves < 0:

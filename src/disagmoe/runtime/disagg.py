@@ -40,7 +40,7 @@ from .objective import (
     finish_step,
 )
 from .observe import Tracer
-from .setup import apply_emulation, build_data, set_threads
+from .setup import apply_variants, build_data, set_threads
 from .stages import AttnWorker, ExpertWorker, build_worker
 
 
@@ -108,7 +108,7 @@ class DisaggTrainer:
         self.role = self.layout.role(self.rank)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
         self.worker = build_worker(cfg, self.layout, self.rank, self.scale)
-        apply_emulation(cfg, [self.worker.modules])
+        apply_variants(cfg, [self.worker.modules])
         self.named_params = self.worker.named_parameters()
         self.params = [p for _, p in self.named_params]
         # Replicated (A) parameters count toward the global norm on replica 0 only.

@@ -9,7 +9,7 @@ from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from .objective import LossScale, StepResult, build_optimizer, fill_missing_grads, finish_step
 from .observe import Tracer
-from .setup import apply_emulation, build_data, build_initial_model, set_threads
+from .setup import apply_variants, build_data, build_initial_model, set_threads
 
 
 class ReferenceTrainer:
@@ -18,7 +18,7 @@ class ReferenceTrainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.model = build_initial_model(cfg)
-        apply_emulation(cfg, [self.model])
+        apply_variants(cfg, [self.model])
         self.batches = build_data(cfg)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
         self.named_params = list(self.model.named_parameters())

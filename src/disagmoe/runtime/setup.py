@@ -19,6 +19,7 @@ from ..models import (
     seeded_values,
 )
 from ..models.init import CPU
+from ..models.recompute import apply_recompute
 from .objective import torch_dtype
 
 
@@ -88,13 +89,23 @@ def load_emulation(cfg: RunConfig) -> ComputeCosts | None:
     return ComputeCosts.load(path) if path else None
 
 
-def apply_emulation(cfg: RunConfig, modules: Iterable[nn.Module]) -> None:
-    """If the run asks for emulated compute (`train.emulate_compute`), make the attention
-    blocks and experts under `modules` wait their calibrated durations instead of computing.
+def apply_variants(cfg: RunConfig, modules: Iterable[nn.Module]) -> None:
+    """Give the modules a worker runs the variants the run asks for, in place.
 
-    Call on the modules a worker runs, once it has built and materialised them.
+    Activation recompute (`train.recompute`, `models.recompute`), or, with emulated compute
+    (`train.emulate_compute`), attention blocks and experts that wait their calibrated
+    durations instead of computing (a "full" recompute adds the forward's duration to each
+    backward). Call once the worker has built and materialised its modules.
     """
+    recompute = cfg.train.recompute
     costs = load_emulation(cfg)
-    if costs is not None:
-        for module in modules:
-            emulate_compute(module, costs)
+    if costs is not None and recompute == "attn":
+        raise ValueError(
+            "train.recompute=attn cannot be emulated (the calibrated costs do not separate "
+            "the attention core); use recompute none or full with train.emulate_compute"
+        )
+    for module in modules:
+        if costs is not None:
+            emulate_compute(module, costs, recompute)
+        else:
+            apply_recompute(module, recompute)

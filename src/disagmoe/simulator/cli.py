@@ -135,7 +135,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         if args.groups and gpus % args.groups:
             raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
         nic: tuple[int, int] | None = None
-        in_flight, recompute = args.max_in_flight, False
+        in_flight, recompute = args.max_in_flight, "none"
         if args.attn_workers and args.expert_workers:
             m, n = args.attn_workers, args.expert_workers
             p = args.groups or max(1, gpus // (m + n))

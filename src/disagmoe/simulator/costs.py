@@ -136,13 +136,14 @@ class InstrCosts(Protocol):
 @dataclass(frozen=True, slots=True)
 class AnalyticCosts:
     """FLOPs / (peak * mfu). `attn_workers` / `expert_workers` set the F shard's load;
-    `recompute` (full activation recomputation) adds one forward to every backward."""
+    `recompute` (none | attn | full, `train.recompute`) adds to every backward one forward
+    of what it recomputes (`flops.backward_factors`)."""
 
     workload: Workload
     flops_per_s: float
     attn_workers: int = 1
     expert_workers: int = 1
-    recompute: bool = False
+    recompute: str = "none"
 
     @classmethod
     def for_cluster(
@@ -151,7 +152,7 @@ class AnalyticCosts:
         cluster: ClusterConfig,
         attn_workers: int = 1,
         expert_workers: int = 1,
-        recompute: bool = False,
+        recompute: str = "none",
     ) -> AnalyticCosts:
         rate = cluster.peak_tflops * 1e12 * cluster.mfu
         return cls(workload, rate, attn_workers, expert_workers, recompute)

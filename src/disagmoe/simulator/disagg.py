@@ -151,7 +151,7 @@ def simulate_disagg(
     costs: InstrCosts | None = None,
     placement: str = "node-aware",
     nic_split: tuple[int, int] | None = None,
-    recompute: bool = False,
+    recompute: str = "none",
     order: str = "breadth",
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
@@ -162,7 +162,8 @@ def simulate_disagg(
     (None: only when the full schedule has more than REDUCE_ABOVE_MESSAGES messages).
     `placement` / `nic_split` (the planner's M_a, M_f per group; None: one fair NIC
     share per GPU): see `simulator.placement`; the split needs `node-aware`.
-    `recompute`: full activation recomputation (analytic costs: backward + one forward).
+    `recompute`: activation recompute none | attn | full (analytic costs: each backward adds
+    one forward of the attention core, or of everything).
     """
     parallel = ParallelConfig(
         groups=groups, attn_workers=attn_workers, expert_workers=expert_workers

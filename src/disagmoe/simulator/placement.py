@@ -80,7 +80,7 @@ class PlannedSplit:
     attn_nics: int  # per group, the planner's M_a
     ffn_nics: int  # per group, the planner's M_f
     in_flight: int  # micro-batches a worker may hold: the planner's memory limit
-    recompute: bool  # the planner chose full activation recomputation
+    recompute: str  # the planner's activation recompute: none | attn | full
     note: str  # how the planner's answer was adapted
 
 
@@ -104,7 +104,7 @@ def runnable_in_flight(
     micro_batch_size: int,
     groups: int,
     attn_workers: int,
-    recompute: bool,
+    recompute: str,
 ) -> int:
     """`memory_in_flight` for a given split (one fair NIC share per GPU)."""
     from ..planner import Planner, PlanOptions
@@ -113,10 +113,9 @@ def runnable_in_flight(
         model=model, cluster=cluster, gpus=gpus, seq_len=seq_len,
         micro_batch_size=micro_batch_size, options=PlanOptions(groups=groups),
     )  # fmt: skip
-    rc = "full" if recompute else "none"
-    nics = planner.problem(groups, 1, rc).nics
+    nics = planner.problem(groups, 1, recompute).nics
     ma = max(1, min(nics - 1, round(nics * attn_workers / (gpus // groups))))
-    return memory_in_flight(planner, groups, attn_workers, ma, rc)
+    return memory_in_flight(planner, groups, attn_workers, ma, recompute)
 
 
 def planned_split(
@@ -185,7 +184,7 @@ def planned_split(
                     attn_nics=ma,
                     ffn_nics=nics - ma,
                     in_flight=k,
-                    recompute=plan.recompute == "full",
+                    recompute=plan.recompute,
                     note=f"{note}; memory allows {k} in flight",
                 )
                 best = (score, split)
