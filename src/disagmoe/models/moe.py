@@ -14,6 +14,7 @@ Shape legend: T tokens, H model dim, E experts, K top-k, A assignments
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,6 +97,21 @@ def split_experts(num_experts: int, num_shards: int) -> tuple[range, ...]:
     return tuple(range(starts[j], starts[j + 1]) for j in range(num_shards))
 
 
+@functools.lru_cache(maxsize=64)
+def _owner_tables(
+    bounds: tuple[tuple[int, int], ...], num_experts: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner j, first expert of j) of every expert, on `device`: built once per layout."""
+    if [e for lo, hi in bounds for e in range(lo, hi)] != list(range(num_experts)):
+        raise ValueError(
+            f"expert shards {list(bounds)} must cover experts 0..{num_experts - 1} "
+            "contiguously, in order"
+        )
+    owner = [j for j, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)]
+    first = [lo for lo, hi in bounds for _ in range(lo, hi)]
+    return torch.tensor(owner, device=device), torch.tensor(first, device=device)
+
+
 def split_by_owner(routing: Routing, shards: Sequence[range]) -> list[Assignments]:
     """Split assignments by owner j holding the contiguous experts `shards[j]`
     (`split_experts`, or `Layout.expert_range` of each shard).
@@ -103,15 +119,9 @@ def split_by_owner(routing: Routing, shards: Sequence[range]) -> list[Assignment
     Each token appears at most once in an owner's `token_ids`, however many of
     its top-k experts that owner holds; owners with no tokens get empty plans.
     """
-    num_experts = routing.probs_TE.shape[-1]
-    if [e for r in shards for e in r] != list(range(num_experts)):
-        raise ValueError(
-            f"expert shards {[(r.start, r.stop) for r in shards]} must cover experts "
-            f"0..{num_experts - 1} contiguously, in order"
-        )
     device = routing.indices_TK.device
-    owner_E = torch.tensor([j for j, r in enumerate(shards) for _ in r], device=device)
-    first_E = torch.tensor([r.start for r in shards for _ in r], device=device)
+    bounds = tuple((r.start, r.stop) for r in shards)
+    owner_E, first_E = _owner_tables(bounds, routing.probs_TE.shape[-1], device)
     T, K = routing.indices_TK.shape
     owner_TK = owner_E[routing.indices_TK]
     local_TK = routing.indices_TK - first_E[routing.indices_TK]
