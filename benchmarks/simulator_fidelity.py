@@ -17,7 +17,7 @@
      end, when the message was what it waited for), and the wire latency (arrival
      minus post, for messages whose receiver was already waiting);
    * SYNC and STEP: each rank's mean durations, after that rank's last instruction.
-3. Replay the *same instruction lists* the run executed (`schedule.afpipe.build_afpipe`,
+3. Replay the *same instruction lists* the run executed (`runtime.disagg.run_schedule`,
    `schedule.baselines.build_baseline_schedule`) with that model, the compute of all
    ranks sharing the host's cores, and print predicted vs measured step time.
 
@@ -45,8 +45,8 @@ from disagmoe.config import RunConfig
 from disagmoe.config_io import load_toml
 from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.layout import Layout
+from disagmoe.runtime.disagg import run_schedule
 from disagmoe.runtime.observe import parse_event_name
-from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.baselines import build_baseline_schedule
 from disagmoe.schedule.ir import Instr, Msg, Op, compute_event_name
 from disagmoe.schedule.semantics import consumer, producer
@@ -301,12 +301,11 @@ def ep_model(cfg: RunConfig, events: list[Event], cores: int) -> dict[str, Any]:
 def predict_disagg(cfg: RunConfig, fit: dict[str, Any], cores: int) -> SimResult:
     layout = Layout.build(cfg.model, cfg.parallel)
     t = cfg.train
-    slots = t.global_batch_size // t.micro_batch_size // layout.attn_workers
     workload = Workload(cfg.model, t.seq_len, t.micro_batch_size, act_bytes=4, index_bytes=8)
     costs = TableCosts(workload, {}, {(o, c, l): v for (o, c, l), v in fit["table"].items()})
     net = Network.single_node(1e15, fit["latency_s"], layout.world_size)  # bytes: in recv time
     sim = simulate_schedule(
-        build_afpipe(layout, slots, cfg.schedule.max_in_flight),
+        run_schedule(cfg, layout),
         layout,
         costs,
         workload,

@@ -27,13 +27,19 @@ TOL = 1e-10
 STEPS = 3
 
 
-def case(p: int, m: int, n: int, **model_changes: object) -> RunConfig:
+def case(
+    p: int, m: int, n: int, *, batch: int = 8, micro: int = 2, **model_changes: object
+) -> RunConfig:
     model = dataclasses.replace(MODEL_PRESETS["tiny"], **model_changes)  # type: ignore[arg-type]
     return RunConfig(
         model=model,
         parallel=ParallelConfig(groups=p, attn_workers=m, expert_workers=n),
         train=TrainConfig(
-            dtype="float64", progress=False, seq_len=32, global_batch_size=8, micro_batch_size=2
+            dtype="float64",
+            progress=False,
+            seq_len=32,
+            global_batch_size=batch,
+            micro_batch_size=micro,
         ),
     )
 
@@ -93,11 +99,21 @@ def test_extreme_routing_all_tokens_to_one_shard() -> None:
     )
 
 
-def test_four_ranks_p1_m1_n3_in_flight_cap() -> None:
-    """Uneven shards (n=3 of 6 experts) and an in-flight cap of one slot."""
-    cfg = case(1, 1, 3, num_experts=6)
-    capped = dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_in_flight=1))
-    assert_equivalent([cfg, capped], world=4)
+def capped(cfg: RunConfig, cap: int) -> RunConfig:
+    return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_in_flight=cap))
+
+
+def test_four_ranks_uneven_splits_and_in_flight_cap() -> None:
+    """Uneven splits (docs/design-notes.md, "Uneven splits"): 8 experts on n=3 shards
+    (3, 3, 2), also with an in-flight cap of one slot; 8 micro-batches on m=3 replicas
+    (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2."""
+    uneven_experts = case(1, 1, 3)
+    uneven_micro = case(1, 3, 1, micro=1)
+    assert uneven_micro.train.num_micro_batches == 8
+    assert_equivalent(
+        [uneven_experts, capped(uneven_experts, 1), uneven_micro, capped(uneven_micro, 2)],
+        world=4,
+    )
 
 
 @pytest.mark.slow
@@ -141,8 +157,13 @@ class RankLocalTrainer(DisaggTrainer):
 
 
 def test_six_ranks_p2_m2_n1_rank_local_lists() -> None:
-    """m != n, p = 2, each rank running the list it built alone (no whole-world schedule)."""
-    cfgs = [case(2, 2, 1), case(2, 2, 1, top_k=1, num_shared_experts=1)]
+    """m != n, p = 2, each rank running the list it built alone (no whole-world schedule);
+    the third case has 3 micro-batches on m = 2 replicas (slots 2 and 1)."""
+    cfgs = [
+        case(2, 2, 1),
+        case(2, 2, 1, top_k=1, num_shared_experts=1),
+        case(2, 2, 1, batch=6, num_experts=5),
+    ]
     errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:RankLocalTrainer")
     assert len(errors) == len(cfgs)
     for loss_err, grad_err, count in errors:

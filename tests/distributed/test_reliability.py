@@ -79,9 +79,23 @@ def test_exact_and_relayout_resume(tmp_path: Path) -> None:
     ref_losses = _reference(ref_full)
     assert _close(ref_losses, full_losses)
     from_ref = _cfg(tmp_path / "fr", resume=str(tmp_path / "rf" / "checkpoints" / "step-00000002"))
-    ring_losses, from_ref_losses = run_ranks(_train_disagg, 4, [ring, from_ref])[0]
+    # Uneven expert shards (8 experts on 3 shards: 3, 3, 2): the even checkpoint continued
+    # for one step, saved, and that uneven checkpoint resumed on the same layout.
+    uneven = ParallelConfig(groups=1, attn_workers=1, expert_workers=3)
+    uneven_a = dataclasses.replace(
+        _cfg(tmp_path / "un", resume=step2, steps=3, checkpoint_every=1), parallel=uneven
+    )
+    uneven_b = dataclasses.replace(
+        _cfg(tmp_path / "un2", resume=str(tmp_path / "un" / "checkpoints" / "step-00000003")),
+        parallel=uneven,
+    )
+    ring_losses, from_ref_losses, uneven_a_losses, uneven_b_losses = run_ranks(
+        _train_disagg, 4, [ring, from_ref, uneven_a, uneven_b]
+    )[0]
     assert _close(ring_losses, full_losses[2:])
     assert _close(from_ref_losses, ref_losses[2:])
+    assert _close(uneven_a_losses, full_losses[2:3])
+    assert _close(uneven_b_losses, full_losses[3:])
 
 
 def test_baseline_resume_and_relayout(tmp_path: Path) -> None:

@@ -50,3 +50,36 @@ def test_emulated_time_scale_grows_with_the_ranks_sharing_the_cores() -> None:
     from disagmoe.bench.cli import default_time_scale
 
     assert default_time_scale(2) == 10.0 and default_time_scale(16) == 64.0
+
+
+@pytest.mark.parametrize(("nodes", "split"), [(4, (3, 5)), (8, (7, 9))])
+def test_bench_runs_the_planners_uneven_split(nodes: int, split: tuple[int, int]) -> None:
+    """The 8- and 16-worker emulated clusters of docs/bench.md get the planner's own m, n
+    (no fallback to m = n): 3 replicas share 8 micro-batches and 5 shards hold 16 experts;
+    7 and 9 likewise."""
+    from disagmoe.bench.cli import planner_split
+
+    spec = dataclasses.replace(
+        SPEC, nodes=nodes, nic_gbps=0.4, seq_len=128, groups=0, attn_workers=0, expert_workers=0
+    )
+    p, m, n, note, nics = planner_split(spec)
+    assert (p, m, n) == (1, *split) and note.startswith("planner:") and nics is not None
+    assert model_preset("small").num_experts % n and 8 % m  # neither divides
+
+
+def test_simulator_uses_the_planners_split_as_is() -> None:
+    from disagmoe.planner import plan_for
+    from disagmoe.presets import CLUSTER_PRESETS
+    from disagmoe.simulator.placement import planned_split
+
+    model, h800 = model_preset("qwen3-30b-a3b"), CLUSTER_PRESETS["h800"]
+    kw = dict(gpus=16, seq_len=8192, micro_batch_size=1)
+    plan = plan_for(model, h800, **kw)  # type: ignore[arg-type]
+    split = planned_split(model, h800, **kw)  # type: ignore[arg-type]
+    assert (split.attn_workers, split.expert_workers) == (
+        plan.attn_gpus_per_group,
+        plan.ffn_gpus_per_group,
+    )
+    assert model.num_experts % split.expert_workers  # 128 experts on 9 shards
+    with pytest.raises(ValueError, match="only 3 micro-batches"):
+        planned_split(model, h800, micro_batches=3, **kw)  # type: ignore[arg-type]

@@ -19,7 +19,14 @@ from disagmoe.bench.emulation import (
     wait,
 )
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.models import AttentionBlock, Experts, MoETransformer, build_model, split_by_owner
+from disagmoe.models import (
+    AttentionBlock,
+    Experts,
+    MoETransformer,
+    build_model,
+    split_by_owner,
+    split_experts,
+)
 from disagmoe.presets import model_preset
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.runtime.setup import set_threads
@@ -53,7 +60,7 @@ def test_emulated_layer_keeps_shapes_routing_and_gradient_paths() -> None:
     idx = out.routing.indices_TK
     assert idx.shape == (32, cfg.top_k) and int(idx.max()) < cfg.num_experts
     assert all(len(set(row)) == cfg.top_k for row in idx.tolist())  # distinct experts per token
-    plans = split_by_owner(out.routing, 2)
+    plans = split_by_owner(out.routing, split_experts(out.routing.probs_TE.shape[-1], 2))
     assert sum(int(p.rows_A.numel()) for p in plans) == 32 * cfg.top_k
     experts = model.decoder_layer(0).experts
     assert experts is not None

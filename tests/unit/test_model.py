@@ -19,6 +19,7 @@ from disagmoe.models import (
     initial_value,
     load_balancing_loss,
     split_by_owner,
+    split_experts,
 )
 from disagmoe.runtime.objective import LossScale
 
@@ -324,12 +325,12 @@ def _owner_outputs(
     x_TH: torch.Tensor, experts: Experts, routing: Routing, num_owners: int
 ) -> torch.Tensor:
     """What the A-worker sums from `num_owners` expert workers, each with its slice of experts."""
-    per_owner = experts.num_experts // num_owners
-    plans = split_by_owner(routing, num_owners)
+    shards = split_experts(experts.num_experts, num_owners)
+    plans = split_by_owner(routing, shards)
     assert len(plans) == num_owners
     total = torch.zeros_like(x_TH)
     for j, plan in enumerate(plans):
-        shard = experts.narrow(j * per_owner, per_owner)
+        shard = experts.narrow(shards[j].start, len(shards[j]))
         y_RH = shard(x_TH[plan.token_ids], plan)
         total = total.index_add(0, plan.token_ids, y_RH)
     return total
@@ -346,15 +347,17 @@ def test_narrow_holds_its_own_copy_of_a_contiguous_slice() -> None:
     assert bool((experts.down[2:5] != 0).any())  # a copy: the full module is untouched
 
 
-@pytest.mark.parametrize("num_owners", [1, 2, 4, 8])
+@pytest.mark.parametrize("num_owners", [1, 2, 3, 4, 5, 8])
 def test_split_by_owner_plans(num_owners: int) -> None:
     T, E, K = 23, 8, 3
     routing = random_routing(T, E, K, seed=4)
-    per_owner = E // num_owners
-    plans = split_by_owner(routing, num_owners)
+    shards = split_experts(E, num_owners)
+    owner_E = torch.tensor([j for j, r in enumerate(shards) for _ in r])
+    plans = split_by_owner(routing, shards)
     seen = 0
     for j, plan in enumerate(plans):
-        owner_of = routing.indices_TK // per_owner
+        per_owner, first = len(shards[j]), shards[j].start
+        owner_of = owner_E[routing.indices_TK]
         expected_tokens = torch.nonzero((owner_of == j).any(dim=1)).flatten()
         # each token at most once per owner, ascending, exactly the tokens routed there
         assert torch.equal(plan.token_ids, expected_tokens)
@@ -364,21 +367,21 @@ def test_split_by_owner_plans(num_owners: int) -> None:
             assert int(plan.experts_A.min()) >= 0 and int(plan.experts_A.max()) < per_owner
         # every (token, expert, weight) of this owner appears exactly once
         got = sorted(
-            (int(plan.token_ids[r]), int(e) + j * per_owner, float(w))
+            (int(plan.token_ids[r]), int(e) + first, float(w))
             for r, e, w in zip(plan.rows_A, plan.experts_A, plan.weights_A.detach(), strict=True)
         )
         want = sorted(
             (t, int(routing.indices_TK[t, k]), float(routing.weights_TK[t, k].detach()))
             for t in range(T)
             for k in range(K)
-            if int(routing.indices_TK[t, k]) // per_owner == j
+            if int(owner_E[routing.indices_TK[t, k]]) == j
         )
         assert got == want
         seen += len(got)
     assert seen == T * K
 
 
-@pytest.mark.parametrize("num_owners", [2, 4])
+@pytest.mark.parametrize("num_owners", [2, 3, 4])
 def test_owner_outputs_sum_to_single_owner(num_owners: int) -> None:
     experts = random_experts(8, 6, 5)
     routing = random_routing(19, 8, 3, seed=9)
@@ -397,7 +400,7 @@ def test_split_by_owner_uneven_and_empty_owners() -> None:
     weights = torch.rand(T, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     probs = torch.full((T, 8), 1 / 8, dtype=torch.float64)
     routing = Routing(indices_TK=indices, weights_TK=weights, probs_TE=probs)
-    plans = split_by_owner(routing, 4)
+    plans = split_by_owner(routing, split_experts(8, 4))
     assert [p.token_ids.tolist() for p in plans] == [[0, 1, 2, 3, 4, 5], [2, 4], [], [3, 5]]
     # owner 0 holds experts 0 and 1: token 0 (experts 0, 1) appears once with two rows
     assert plans[0].rows_A.tolist().count(0) == 2
@@ -409,7 +412,9 @@ def test_split_by_owner_uneven_and_empty_owners() -> None:
     torch.testing.assert_close(_owner_outputs(x, experts, routing, 4), single, rtol=0, atol=1e-12)
 
 
-def test_split_by_owner_rejects_uneven_expert_split() -> None:
+def test_split_by_owner_rejects_shards_that_do_not_cover_the_experts() -> None:
     routing = random_routing(5, 8, 2)
-    with pytest.raises(ValueError, match="cannot be split evenly over 3"):
-        split_by_owner(routing, 3)
+    with pytest.raises(ValueError, match="must cover experts 0..7"):
+        split_by_owner(routing, [range(0, 4), range(5, 8)])
+    with pytest.raises(ValueError, match="every shard needs at least one expert"):
+        split_experts(8, 9)

@@ -26,8 +26,13 @@ def test_runnable_layouts_respect_runtime_constraints() -> None:
     assert layouts
     for p, m, n in layouts:
         assert p * (m + n) == 12 and cfg.model.num_layers % p == 0
-        assert cfg.model.num_experts % n == 0 and cfg.train.num_micro_batches % m == 0
-    assert (1, 4, 8) in layouts and (1, 5, 7) not in layouts
+        assert n <= cfg.model.num_experts and m <= cfg.train.num_micro_batches
+    # uneven splits run: 5 replicas share 16 micro-batches, 7 shards hold 16 experts
+    assert (1, 4, 8) in layouts and (1, 5, 7) in layouts
+    few = dataclasses.replace(
+        cfg, train=TrainConfig(seq_len=1024, global_batch_size=4, micro_batch_size=1)
+    )
+    assert (1, 5, 7) not in runnable_layouts(few, 12)  # a replica without a micro-batch
 
 
 def test_split_follows_the_workload() -> None:
@@ -46,8 +51,10 @@ def test_split_follows_the_workload() -> None:
 
 
 def test_no_runnable_layout_is_a_clear_error() -> None:
+    # one micro-batch (m = 1) and one expert (n = 1): 3 workers leave no runnable layout
     cfg = dataclasses.replace(
-        _cfg(num_experts=5), train=TrainConfig(seq_len=64, global_batch_size=3, micro_batch_size=1)
+        _cfg(num_experts=1, top_k=1),
+        train=TrainConfig(seq_len=64, global_batch_size=1, micro_batch_size=1),
     )
     with pytest.raises(ValueError, match="no runnable disaggregated layout for 3 workers"):
         auto_layout(cfg, 3)

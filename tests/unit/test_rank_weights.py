@@ -95,6 +95,8 @@ CASES = [
     run(model_preset("tiny"), ParallelConfig(groups=1, attn_workers=2, expert_workers=2)),
     run(TIED, ParallelConfig(groups=2, attn_workers=1, expert_workers=2)),
     run(SHARED, ParallelConfig(groups=1, attn_workers=1, expert_workers=4), seed=3),
+    # uneven shards: 8 experts on 3 shards hold 3, 3 and 2
+    run(model_preset("tiny"), ParallelConfig(groups=1, attn_workers=1, expert_workers=3)),
     run(model_preset("tiny"), ParallelConfig(runtime="ep-1f1b", pp=2, ep=2)),
     run(SHARED, ParallelConfig(runtime="ep-interleaved", pp=2, ep=2, virtual_stages=2)),
     run(TIED, ParallelConfig(runtime="ep-dualpipev", pp=2, ep=2), global_batch_size=16),
@@ -230,16 +232,22 @@ def save_hf_qwen3(path: Path, *, fused: bool, shard: str = "") -> ModelConfig:
     return read_hf_config(path)
 
 
-@pytest.mark.parametrize(("fused", "shard"), [(False, ""), (False, "20KB"), (True, "")])
+@pytest.mark.parametrize(
+    ("fused", "shard", "shards"),
+    [(False, "", 2), (False, "20KB", 2), (True, "", 2), (False, "", 3), (True, "", 3)],
+)
 def test_init_from_hf_reads_only_the_rank_tensors(
-    fused: bool, shard: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    fused: bool, shard: str, shards: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Each rank reads its own tensors; an expert shard only its experts (3 shards of 4
+    experts: 2, 1 and 1)."""
     model = save_hf_qwen3(tmp_path, fused=fused, shard=shard)
     cfg = run(
         model,
-        ParallelConfig(groups=1, attn_workers=1, expert_workers=2),
+        ParallelConfig(groups=1, attn_workers=1, expert_workers=shards),
         init_from_hf=str(tmp_path),
     )
+    layout = Layout.build(cfg.model, cfg.parallel)
     full = {k: v.to(torch.float64) for k, v in load_hf_state_dict(tmp_path, model).items()}
     reads: list[tuple[str, Any]] = []
     monkeypatch.setattr(hf_import, "safe_open", RecordingOpen(reads))
@@ -251,9 +259,11 @@ def test_init_from_hf_reads_only_the_rank_tensors(
             assert len(keys) == len(held)
         else:
             assert all(".experts." in k for k in keys), role
-            mine = {str(e) for e in range(first, first + 2)}
+            experts = layout.expert_range(layout.expert_owner(first))
+            assert experts.start == first
+            mine = {str(e) for e in experts}
             if fused:
-                assert all(item == slice(first, first + 2) for _, item in reads), role
+                assert all(item == slice(first, experts.stop) for _, item in reads), role
             else:
                 assert {k.split(".experts.")[1].split(".")[0] for k in keys} == mine, role
         reads.clear()

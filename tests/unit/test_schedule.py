@@ -12,7 +12,7 @@ from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
-from disagmoe.schedule.ir import Instr, Op, Schedule
+from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
 from disagmoe.schedule.semantics import consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
 
@@ -163,8 +163,8 @@ def test_layout_errors() -> None:
     model = MODEL_PRESETS["tiny"]
     with pytest.raises(ValueError, match="divisible by parallel.groups"):
         Layout.build(model, ParallelConfig(groups=3))
-    with pytest.raises(ValueError, match="divisible by parallel.expert_workers"):
-        Layout.build(model, ParallelConfig(expert_workers=3))
+    with pytest.raises(ValueError, match="a shard would hold no expert"):
+        Layout.build(model, ParallelConfig(expert_workers=model.num_experts + 1))
     with pytest.raises(ValueError, match="world size is 3"):
         Layout.build(model, ParallelConfig(), world_size=3)
 
@@ -177,3 +177,90 @@ def test_rank_local_lists_equal_slices_of_the_global_schedule(order: str) -> Non
         for rank in range(lay.world_size):
             local = build_afpipe_rank(lay, rank, slots, cap, order)
             assert local == full.ranks[rank], (p, m, n, layers, slots, cap, dense, rank)
+
+
+# (p, m, n, layers, micro-batches, cap, dense): m does not divide the micro-batches.
+UNEVEN = [
+    (1, 3, 3, 4, 8, 0, 0),
+    (1, 2, 3, 4, 3, 1, 0),
+    (2, 3, 2, 4, 7, 2, 0),
+    (2, 2, 3, 4, 5, 0, 1),
+    (4, 3, 1, 8, 4, 1, 0),
+]
+
+
+@pytest.mark.parametrize("order", ["breadth", "depth"])
+def test_uneven_micro_batches_schedule_is_valid_and_replicas_run_their_slots(order: str) -> None:
+    for p, m, n, layers, micro, cap, dense in UNEVEN:
+        lay = layout(p, m, n, layers, dense)
+        slots = -(-micro // m)
+        sched = build_afpipe(lay, slots, cap, order, num_micro_batches=micro)
+        assert 1 <= validate(sched) <= (cap or slots)
+        for r in range(m):
+            fwd = {i.slot for i in sched.ranks[lay.attn_rank(0, r)] if i.op == Op.FWD}
+            assert fwd == set(range(lay.slots_of_replica(r, micro))), (p, m, n, micro, r)
+        # an F shard's last-slot forward takes a dispatch from exactly the replicas that have it
+        last = slots - 1
+        dispatches = {
+            i.msg.src
+            for i in sched.ranks[lay.expert_rank(0, 0)]
+            if i.op == Op.RECV
+            and i.msg is not None
+            and i.msg.kind == "dispatch"
+            and i.msg.slot == last
+        }
+        have = lay.replicas_of_slot(last, micro)
+        assert dispatches == {lay.attn_rank(0, r) for r in range(have)}, (p, m, n, micro)
+
+
+def test_uneven_micro_batches_rejects_wrong_slot_count() -> None:
+    with pytest.raises(ValueError, match="need ceil"):
+        build_afpipe(layout(1, 3, 1), 2, num_micro_batches=8)
+
+
+@pytest.mark.parametrize("order", ["breadth", "depth"])
+def test_rank_local_lists_equal_slices_of_an_uneven_global_schedule(order: str) -> None:
+    for p, m, n, layers, micro, cap, dense in UNEVEN:
+        lay = layout(p, m, n, layers, dense)
+        slots = -(-micro // m)
+        full = build_afpipe(lay, slots, cap, order, num_micro_batches=micro)
+        for rank in range(lay.world_size):
+            local = build_afpipe_rank(lay, rank, slots, cap, order, num_micro_batches=micro)
+            assert local == full.ranks[rank], (p, m, n, layers, micro, cap, dense, rank)
+
+
+def test_validator_rejects_uneven_schedule_missing_a_replicas_dispatch() -> None:
+    lay = layout(1, 3, 2)
+    sched = build_afpipe(lay, 3, num_micro_batches=8)
+    # replica 2 has no slot 2: a RECV of its dispatch on a shard has no SEND
+    shard = lay.expert_rank(0, 0)
+    ghost = Instr(Op.RECV, msg=Msg("dispatch", 0, 2, lay.attn_rank(0, 2), shard))
+    ranks = list(sched.ranks)
+    ranks[shard] = (ghost, *ranks[shard])
+    with pytest.raises(ScheduleError, match="has no matching SEND"):
+        validate(dataclasses.replace(sched, ranks=tuple(ranks)))
+
+
+@pytest.mark.parametrize(("experts", "shards"), [(8, 3), (8, 8), (8, 1), (7, 2), (60, 9)])
+def test_expert_ownership_is_contiguous_and_near_even(experts: int, shards: int) -> None:
+    lay = layout(1, 1, shards, experts=experts)
+    ranges = lay.expert_ranges()
+    assert [e for r in ranges for e in r] == list(range(experts))
+    sizes = [len(r) for r in ranges]
+    assert sizes == sorted(sizes, reverse=True)  # the first E mod n shards hold one more
+    assert set(sizes) <= {experts // shards, -(-experts // shards)}
+    assert sum(1 for x in sizes if x > experts // shards) == experts % shards
+    for j, r in enumerate(ranges):
+        assert lay.expert_range(j) == r
+        assert all(lay.expert_owner(e) == j for e in r)
+    if (experts, shards) == (8, 3):
+        assert ranges == (range(0, 3), range(3, 6), range(6, 8))
+
+
+def test_micro_batches_of_replicas() -> None:
+    lay = layout(1, 3, 1)
+    # M = 8 on m = 3: replica r runs micro-batches r, r+3, ...: 3, 3, 2 slots
+    assert [lay.slots_of_replica(r, 8) for r in range(3)] == [3, 3, 2]
+    assert [lay.replicas_of_slot(s, 8) for s in range(3)] == [3, 3, 2]
+    got = sorted(lay.micro_batch(r, s) for r in range(3) for s in range(lay.slots_of_replica(r, 8)))
+    assert got == list(range(8))

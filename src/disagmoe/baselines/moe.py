@@ -37,7 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..models import Assignments, Experts, Routing, flatten_routing, split_by_owner
+from ..models import (
+    Assignments,
+    Experts,
+    Routing,
+    flatten_routing,
+    split_by_owner,
+    split_experts,
+)
 from ..runtime.observe import Tracer
 
 
@@ -134,7 +141,7 @@ class DispatchPlan:
 
 def plan_dispatch(routing: Routing, comm: EPComm) -> DispatchPlan:
     """Split the routing per EP peer and exchange the counts (rows, assignments) first."""
-    plans = split_by_owner(routing, comm.ep)
+    plans = split_by_owner(routing, split_experts(routing.probs_TE.shape[-1], comm.ep))
     send_rows = [p.token_ids.numel() for p in plans]
     send_asg = [p.rows_A.numel() for p in plans]
     counts = torch.tensor(
@@ -247,7 +254,7 @@ def overlapped_moe(
     """`ep_moe` with the expert compute chunked and pipelined with async all-to-alls."""
     assert comm.group is not None
     H, C, ep = u_TH.shape[-1], comm.chunks, comm.ep
-    plans = split_by_owner(routing, ep)
+    plans = split_by_owner(routing, split_experts(routing.probs_TE.shape[-1], ep))
     pieces = [_pieces(p, C) for p in plans]  # [peer][chunk]
     # Counts first: per (chunk, peer) rows and assignments, one int64 all-to-all.
     send_counts = torch.tensor(

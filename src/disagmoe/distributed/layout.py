@@ -8,6 +8,11 @@ Layer l lives on group `l mod p`; the "layer" L (after the last block: final
 norm, LM head, loss) lives on A-group `L mod p`, which is group 0 because we
 require `L mod p == 0`. Embedding lives with layer 0, also on group 0, so tied
 embeddings stay on one worker.
+
+Splits need not be even: expert shard j holds the contiguous experts
+`expert_range(j)` (ceil(E/n) or floor(E/n) of them), and replica r runs
+`slots_of_replica(r, M)` of the step's M micro-batches (micro-batch i is replica
+i mod m's slot i // m), so only the last slot may be run by fewer than m replicas.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig, ParallelConfig
+from ..models.moe import split_experts
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +51,11 @@ class Layout:
             raise ValueError(
                 f"model.num_layers ({model.num_layers}) must be divisible by parallel.groups ({p})"
             )
-        if model.num_experts % n:
+        if n > model.num_experts:
             raise ValueError(
-                f"model.num_experts ({model.num_experts}) must be divisible by "
-                f"parallel.expert_workers ({n})"
+                f"parallel.expert_workers ({n}) is more than model.num_experts "
+                f"({model.num_experts}): a shard would hold no expert; use at most "
+                f"{model.num_experts} expert workers"
             )
         moe = [l for l in range(model.num_layers) if model.is_moe_layer(l)]
         idle = sorted({g for g in range(p)} - {l % p for l in moe})
@@ -75,9 +82,35 @@ class Layout:
     def world_size(self) -> int:
         return self.groups * (self.attn_workers + self.expert_workers)
 
-    @property
-    def experts_per_worker(self) -> int:
-        return self.num_experts // self.expert_workers
+    def expert_range(self, shard: int) -> range:
+        """Global expert ids expert shard j holds (the same in every MoE layer): contiguous,
+        ceil(E/n) experts for the first `E mod n` shards and floor(E/n) for the others
+        (docs/design-notes.md, "Uneven splits")."""
+        return split_experts(self.num_experts, self.expert_workers)[shard]
+
+    def expert_ranges(self) -> tuple[range, ...]:
+        """`expert_range` of every shard j = 0..n-1, in order (what a dispatch splits by)."""
+        return split_experts(self.num_experts, self.expert_workers)
+
+    def expert_owner(self, expert: int) -> int:
+        """The shard j whose `expert_range` holds global expert `expert`."""
+        base, extra = divmod(self.num_experts, self.expert_workers)
+        big = extra * (base + 1)  # experts held by the ceil(E/n)-sized shards
+        return expert // (base + 1) if expert < big else extra + (expert - big) // base
+
+    def slots_of_replica(self, replica: int, num_micro_batches: int) -> int:
+        """Slots replica r runs per step: micro-batch i of the global batch goes to replica
+        i mod m as slot i // m, so r runs ceil((M - r) / m) of the M micro-batches."""
+        return max(0, -(-(num_micro_batches - replica) // self.attn_workers))
+
+    def replicas_of_slot(self, slot: int, num_micro_batches: int) -> int:
+        """How many replicas run slot s (replicas 0 .. count-1; m for all but a last,
+        partial slot when m does not divide M)."""
+        return max(0, min(self.attn_workers, num_micro_batches - slot * self.attn_workers))
+
+    def micro_batch(self, replica: int, slot: int) -> int:
+        """Index in the global batch of replica r's slot s."""
+        return slot * self.attn_workers + replica
 
     def group_of(self, layer: int) -> int:
         return layer % self.groups

@@ -17,6 +17,7 @@ from .moe import (
     flatten_routing,
     load_balancing_loss,
     split_by_owner,
+    split_experts,
 )
 
 __all__ = [
@@ -37,4 +38,5 @@ __all__ = [
     "materialize",
     "seeded_values",
     "split_by_owner",
+    "split_experts",
 ]

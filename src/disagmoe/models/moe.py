@@ -14,6 +14,8 @@ Shape legend: T tokens, H model dim, E experts, K top-k, A assignments
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,33 +84,59 @@ def flatten_routing(routing: Routing) -> Assignments:
     )
 
 
-def split_by_owner(routing: Routing, num_owners: int) -> list[Assignments]:
-    """Split assignments by owner j holding experts [j*E/n, (j+1)*E/n).
+def split_experts(num_experts: int, num_shards: int) -> tuple[range, ...]:
+    """Contiguous expert ids of each of `num_shards` shards: the first `E mod n` shards
+    hold ceil(E/n) experts, the others floor(E/n) (docs/design-notes.md, "Uneven splits")."""
+    if not 1 <= num_shards <= num_experts:
+        raise ValueError(
+            f"{num_experts} experts cannot be split over {num_shards} shards: every shard "
+            f"needs at least one expert; use 1 to {num_experts} expert shards"
+        )
+    base, extra = divmod(num_experts, num_shards)
+    starts = [j * base + min(j, extra) for j in range(num_shards + 1)]
+    return tuple(range(starts[j], starts[j + 1]) for j in range(num_shards))
+
+
+@functools.lru_cache(maxsize=64)
+def _owner_tables(
+    bounds: tuple[tuple[int, int], ...], num_experts: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner j, first expert of j) of every expert, on `device`: built once per layout."""
+    if [e for lo, hi in bounds for e in range(lo, hi)] != list(range(num_experts)):
+        raise ValueError(
+            f"expert shards {list(bounds)} must cover experts 0..{num_experts - 1} "
+            "contiguously, in order"
+        )
+    owner = [j for j, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)]
+    first = [lo for lo, hi in bounds for _ in range(lo, hi)]
+    return torch.tensor(owner, device=device), torch.tensor(first, device=device)
+
+
+def split_by_owner(routing: Routing, shards: Sequence[range]) -> list[Assignments]:
+    """Split assignments by owner j holding the contiguous experts `shards[j]`
+    (`split_experts`, or `Layout.expert_range` of each shard).
 
     Each token appears at most once in an owner's `token_ids`, however many of
     its top-k experts that owner holds; owners with no tokens get empty plans.
     """
-    num_experts = routing.probs_TE.shape[-1]
-    if num_owners < 1 or num_experts % num_owners:
-        raise ValueError(
-            f"{num_experts} experts cannot be split evenly over {num_owners} expert workers; "
-            "use a number of expert workers that divides the number of experts"
-        )
-    per_owner = num_experts // num_owners
+    device = routing.indices_TK.device
+    bounds = tuple((r.start, r.stop) for r in shards)
+    owner_E, first_E = _owner_tables(bounds, routing.probs_TE.shape[-1], device)
     T, K = routing.indices_TK.shape
-    owner_TK = routing.indices_TK // per_owner
-    rows_TK = torch.arange(T, device=owner_TK.device).unsqueeze(1).expand(T, K)
+    owner_TK = owner_E[routing.indices_TK]
+    local_TK = routing.indices_TK - first_E[routing.indices_TK]
+    rows_TK = torch.arange(T, device=device).unsqueeze(1).expand(T, K)
     plans = []
-    for j in range(num_owners):
+    for j in range(len(shards)):
         mask_TK = owner_TK == j
         token_ids = torch.nonzero(mask_TK.any(dim=1)).flatten()
-        remap = torch.full((T,), -1, dtype=torch.long, device=owner_TK.device)
-        remap[token_ids] = torch.arange(token_ids.numel(), device=owner_TK.device)
+        remap = torch.full((T,), -1, dtype=torch.long, device=device)
+        remap[token_ids] = torch.arange(token_ids.numel(), device=device)
         plans.append(
             Assignments(
                 token_ids=token_ids,
                 rows_A=remap[rows_TK[mask_TK]],
-                experts_A=routing.indices_TK[mask_TK] - j * per_owner,
+                experts_A=local_TK[mask_TK],
                 weights_A=routing.weights_TK[mask_TK],
             )
         )

@@ -2,14 +2,14 @@
 with its in-flight cap and recompute mode (`schedule.max_in_flight`, `train.recompute`).
 
 The MILP answers over all integer splits; the disaggregated runtime additionally
-needs p | L, n | E and (micro-batches per step) divisible by m. This adapter
-enumerates exactly the runnable (p, m, n) for the job's world size and scores
-each with the planner's stage times (`Planner.evaluate`, best NIC split for that
-GPU split) for the job's *fixed* global batch: m replicas share the M
-micro-batches, so a group runs M/m slots of v = L/p layers each, and the ring
-adds a fill of 2p - 1 stages:
+needs p | L, n <= E (shards of ceil(E/n) or floor(E/n) experts) and at least one
+micro-batch per replica, m <= M. This adapter enumerates exactly the runnable
+(p, m, n) for the job's world size and scores each with the planner's stage times
+(`Planner.evaluate`, best NIC split for that GPU split) for the job's *fixed* global
+batch: m replicas share the M micro-batches, so a group runs ceil(M/m) slots of
+v = L/p layers each (the busiest replica's), and the ring adds a fill of 2p - 1 stages:
 
-    step ~ (max(1, 2p/K) * M/m * v + 2p - 1) * max(T_attn, T_ffn)
+    step ~ (max(1, 2p/K) * ceil(M/m) * v + 2p - 1) * max(T_attn, T_ffn)
 
 for each recompute mode (none, full) with K, the slots in flight, as many as the
 [cluster]'s GPU memory admits (the planner's memory model, bf16 mixed precision).
@@ -35,7 +35,7 @@ def runnable_layouts(cfg: RunConfig, world_size: int) -> list[tuple[int, int, in
         per_group = world_size // p
         for m in range(1, per_group):
             n = per_group - m
-            if model.num_experts % n == 0 and train.num_micro_batches % m == 0:
+            if n <= model.num_experts and m <= train.num_micro_batches:
                 out.append((p, m, n))
     return out
 
@@ -46,8 +46,8 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
     if not layouts:
         raise ValueError(
             f"no runnable disaggregated layout for {world_size} workers: need p | "
-            f"num_layers ({cfg.model.num_layers}), n | num_experts ({cfg.model.num_experts}) and "
-            f"m | micro-batches per step ({cfg.train.num_micro_batches})"
+            f"num_layers ({cfg.model.num_layers}), n <= num_experts ({cfg.model.num_experts}) and "
+            f"m <= micro-batches per step ({cfg.train.num_micro_batches})"
         )
     planner = Planner(
         model=cfg.model,
@@ -61,7 +61,7 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
     num_micro = cfg.train.num_micro_batches
     for p, m, _ in layouts:
         nics = planner.problem(p, 1, "none").nics
-        slots = num_micro // m
+        slots = -(-num_micro // m)  # the busiest replica's
         for recompute in cm.TIME_RECOMPUTE_MODES:
             in_flight = min(slots, planner.max_in_flight_attn(p, recompute))
             if in_flight < 1:

@@ -2,7 +2,8 @@
 
 Per optimizer step:
 1. A ranks of group 0 load their micro-batches: slot s of replica r is
-   micro-batch `s*m + r` of the global batch (the reference's numbering);
+   micro-batch `s*m + r` of the global batch (the reference's numbering); when m
+   does not divide the M micro-batches, replicas r >= M mod m run one slot fewer;
 2. the executor runs the rank's AF-Pipe instruction list, ending with SYNC and
    STEP, which it runs through this trainer's hooks (`sync`, `optimizer_step`);
 3. SYNC: gradients of the A components are summed over the group's m
@@ -45,13 +46,15 @@ from .stages import AttnWorker, ExpertWorker, build_worker
 
 
 def num_slots(cfg: RunConfig, layout: Layout) -> int:
+    """Slots of the busiest replica: ceil(M / m) for M micro-batches per step."""
     num_micro = cfg.train.num_micro_batches
-    if num_micro % layout.attn_workers:
+    if num_micro < layout.attn_workers:
         raise ValueError(
-            f"global_batch_size/micro_batch_size = {num_micro} micro-batches must be divisible "
-            f"by parallel.attn_workers ({layout.attn_workers})"
+            f"global_batch_size/micro_batch_size = {num_micro} micro-batches leave some of the "
+            f"{layout.attn_workers} attention replicas (parallel.attn_workers) without one; "
+            f"use at most {num_micro} attention workers or a larger global batch"
         )
-    return num_micro // layout.attn_workers
+    return layout.slots_of_replica(0, num_micro)
 
 
 def run_cap(cfg: RunConfig, layout: Layout) -> int:
@@ -66,7 +69,13 @@ def run_cap(cfg: RunConfig, layout: Layout) -> int:
 
 def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes."""
-    return build_afpipe(layout, num_slots(cfg, layout), run_cap(cfg, layout), cfg.schedule.order)
+    return build_afpipe(
+        layout,
+        num_slots(cfg, layout),
+        run_cap(cfg, layout),
+        cfg.schedule.order,
+        num_micro_batches=cfg.train.num_micro_batches,
+    )
 
 
 # Up to this many ranks every rank also builds and validates the whole world's schedule
@@ -79,7 +88,12 @@ WHOLE_WORLD_RANKS = 64
 def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     return build_afpipe_rank(
-        layout, rank, num_slots(cfg, layout), run_cap(cfg, layout), cfg.schedule.order
+        layout,
+        rank,
+        num_slots(cfg, layout),
+        run_cap(cfg, layout),
+        cfg.schedule.order,
+        num_micro_batches=cfg.train.num_micro_batches,
     )
 
 
@@ -140,10 +154,11 @@ class DisaggTrainer:
         if self.batches is None:
             return
         assert isinstance(self.worker, AttnWorker)
-        m = self.layout.attn_workers
         mbs = split_micro_batches(self.batches.global_batch(step), self.cfg.train.micro_batch_size)
+        r = self.role.index
         self.worker.micro_batches = {
-            s: inputs_targets(mbs[s * m + self.role.index]) for s in range(len(mbs) // m)
+            s: inputs_targets(mbs[self.layout.micro_batch(r, s)])
+            for s in range(self.layout.slots_of_replica(r, len(mbs)))
         }
 
     def sync(self, step: int) -> int:
@@ -185,8 +200,8 @@ class DisaggTrainer:
         """Global expert ids [lo, hi) held by this rank (None on attention ranks)."""
         if not isinstance(self.worker, ExpertWorker):
             return None
-        lo = self.worker.expert_offset
-        return lo, lo + self.layout.experts_per_worker
+        experts = self.layout.expert_range(self.role.index)
+        return experts.start, experts.stop
 
     def memory_bytes(self) -> list[int]:
         """This rank's `runtime.memory.MEMORY_FIELDS` for the step that just ran."""

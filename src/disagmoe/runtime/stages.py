@@ -169,7 +169,7 @@ class AttnWorker:
             act_payload: Payload = [res.residual_BSH.detach()]
             if res.routing is not None:
                 assert res.u_TH is not None and res.aux is not None
-                plans = split_by_owner(res.routing, self.layout.expert_workers)
+                plans = split_by_owner(res.routing, self.layout.expert_ranges())
                 counts = torch.tensor([plan.token_ids.numel() for plan in plans], dtype=torch.long)
                 act_payload += [counts, torch.cat([plan.token_ids for plan in plans])]
                 for j, plan in enumerate(plans):
@@ -231,24 +231,27 @@ class AttnWorker:
 
 @dataclass
 class _ExpertState:
-    inputs: list[tuple[torch.Tensor, torch.Tensor]]  # (u leaf, w leaf) per replica
-    outputs: list[torch.Tensor]  # y per replica
+    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # replica -> (u leaf, w leaf)
+    outputs: dict[int, torch.Tensor]  # replica -> y
 
 
 class ExpertWorker:
-    """An expert shard: a slice of the experts of each MoE layer of its group."""
+    """An expert shard: the experts `layout.expert_range(j)` of each MoE layer of its group.
+
+    A slot's forward serves the replicas whose dispatch arrived: all m, or replicas
+    0..k-1 for a last slot that only k replicas run (m does not divide the micro-batches).
+    """
 
     def __init__(self, model: MoETransformer, layout: Layout, rank: int) -> None:
         self.layout = layout
         self.role = layout.role(rank)
-        per = layout.experts_per_worker
-        lo = self.role.index * per
+        experts = layout.expert_range(self.role.index)
         self.modules = NamedParts()
         for l in layout.layers_of(rank):
             full = model.decoder_layer(l).experts
             assert full is not None
-            self.modules.add(f"layers.{l}.experts", full.narrow(lo, per))
-        self.expert_offset = lo
+            self.modules.add(f"layers.{l}.experts", full.narrow(experts.start, len(experts)))
+        self.expert_offset = experts.start
         self.stash: dict[tuple[int, int], _ExpertState] = {}
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -257,12 +260,12 @@ class ExpertWorker:
     def forward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]:
-        by_replica = sorted(received.items(), key=lambda kv: kv[0].src)
-        inputs, xs, rows, experts, weights, counts = [], [], [], [], [], []
+        by_replica = sorted((self.layout.role(m.src).index, p) for m, p in received.items())
+        inputs, xs, rows, experts, weights, counts = {}, [], [], [], [], []
         offset = 0
-        for _, (u, w, rows_A, experts_A) in by_replica:
+        for replica, (u, w, rows_A, experts_A) in by_replica:
             u_leaf, w_leaf = _leaf(u), _leaf(w)
-            inputs.append((u_leaf, w_leaf))
+            inputs[replica] = (u_leaf, w_leaf)
             xs.append(u_leaf)
             weights.append(w_leaf)
             rows.append(rows_A + offset)
@@ -277,22 +280,17 @@ class ExpertWorker:
             weights_A=torch.cat(weights),
         )
         y = self.modules[f"layers.{layer}.experts"](x, plan)
-        outputs = list(y.split(counts))
+        outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
         self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
-        replica_of_src = {m.src: k for k, (m, _) in enumerate(by_replica)}
-        out = {}
-        for msg in outgoing:
-            replica = self.layout.role(msg.dst).index
-            k = replica_of_src[self.layout.attn_rank(self.role.group, replica)]
-            out[msg] = [outputs[k].detach()]
-        return out
+        return {msg: [outputs[self.layout.role(msg.dst).index].detach()] for msg in outgoing}
 
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]:
         st = self.stash.pop((layer, slot))
         grads_by_replica = {self.layout.role(m.src).index: p[0] for m, p in received.items()}
-        _backward(st.outputs, [grads_by_replica[r] for r in range(len(st.outputs))])
+        replicas = sorted(st.outputs)
+        _backward([st.outputs[r] for r in replicas], [grads_by_replica[r] for r in replicas])
         out = {}
         for msg in outgoing:
             u_leaf, w_leaf = st.inputs[self.layout.role(msg.dst).index]

@@ -7,6 +7,11 @@ each F shard serves all m replicas of a slot in one grouped GEMM (M2N in,
 N2M out). The combine goes straight to the next layer's A worker; the
 residual hops A(l) -> A(l+1) in the same stage (a local hand-over when p = 1).
 
+With M micro-batches per step and m not dividing M, the last slot s = ceil(M/m) - 1
+is run only by replicas 0 .. M - s*m - 1 (`Layout.replicas_of_slot`): the other
+replicas have no instruction of that slot, and the F shards expect its dispatches
+(and send its combines) only from and to the replicas that have it.
+
 `max_in_flight` caps how many slots a rank holds activations for: the forward
 of a rank's first stage for slot s waits for that stage's backward of slot
 s - max_in_flight (the rule of `schedule.semantics`, which the generator's task
@@ -36,14 +41,36 @@ from .ir import Instr, Msg, Op, Schedule
 _FWD_COST, _BWD_COST, _LATENCY = 1.0, 2.0, 0.5
 
 
+def micro_batch_count(layout: Layout, num_slots: int, num_micro_batches: int = 0) -> int:
+    """The step's micro-batch count M (0: every replica runs `num_slots`, M = num_slots*m);
+    a given M must need exactly `num_slots` slots, ceil(M / m)."""
+    if not num_micro_batches:
+        return num_slots * layout.attn_workers
+    if layout.slots_of_replica(0, num_micro_batches) != num_slots or (
+        num_micro_batches < layout.attn_workers
+    ):
+        raise ValueError(
+            f"{num_micro_batches} micro-batches on {layout.attn_workers} attention replicas "
+            f"need ceil(M/m) slots, not {num_slots}, and at least one per replica"
+        )
+    return num_micro_batches
+
+
 def build_afpipe_graph(
-    layout: Layout, num_slots: int, max_in_flight: int, order: str = "breadth"
+    layout: Layout,
+    num_slots: int,
+    max_in_flight: int,
+    order: str = "breadth",
+    *,
+    num_micro_batches: int = 0,
 ) -> TaskGraph:
     if order not in SCHEDULE_ORDERS:
         raise ValueError(
             f"schedule.order must be one of {', '.join(SCHEDULE_ORDERS)}, got {order!r}"
         )
-    p, m, n, L = layout.groups, layout.attn_workers, layout.expert_workers, layout.num_layers
+    p, n, L = layout.groups, layout.expert_workers, layout.num_layers
+    num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
+    replicas = [layout.replicas_of_slot(s, num_micro) for s in range(num_slots)]
     cap = max_in_flight or num_slots
     g = TaskGraph()
 
@@ -67,7 +94,7 @@ def build_afpipe_graph(
 
     for s in range(num_slots):
         for l in range(L + 1):
-            for r in range(m):
+            for r in range(replicas[s]):
                 g.add(fa(l, s, r), _FWD_COST, fwd_key(l, s))
                 g.add(ba(l, s, r), _BWD_COST, bwd_key(l, s))
             if l in layout.moe_layers:
@@ -79,7 +106,7 @@ def build_afpipe_graph(
         for l in range(L + 1):
             moe = l in layout.moe_layers
             prev_moe = l - 1 in layout.moe_layers
-            for r in range(m):
+            for r in range(replicas[s]):
                 g.local_deps[ba(l, s, r)].append(fa(l, s, r))
                 if l > 0:
                     g.message(fa(l - 1, s, r), fa(l, s, r), "act", l - 1)
@@ -104,20 +131,29 @@ def build_afpipe_graph(
         role = layout.role(rank)
         first = layers[0]
         for s in range(cap, num_slots):
-            if role.comp == "A":
+            if role.comp == "A" and role.index < replicas[s]:
                 g.local_deps[fa(first, s, role.index)].append(ba(first, s - cap, role.index))
-            else:
+            elif role.comp == "F":
                 g.local_deps[ff(first, s, role.index)].append(bf(first, s - cap, role.index))
     return g
 
 
 def build_afpipe(
-    layout: Layout, num_slots: int, max_in_flight: int = 0, order: str = "breadth"
+    layout: Layout,
+    num_slots: int,
+    max_in_flight: int = 0,
+    order: str = "breadth",
+    *,
+    num_micro_batches: int = 0,
 ) -> Schedule:
-    """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots."""
+    """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots.
+
+    `num_micro_batches` (M, 0: num_slots*m): with M < num_slots*m the last slot is run
+    by `layout.replicas_of_slot` replicas only."""
     if num_slots < 1:
         raise ValueError("AF-Pipe needs at least one micro-batch slot per attention replica")
-    graph = build_afpipe_graph(layout, num_slots, max_in_flight, order)
+    num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
+    graph = build_afpipe_graph(layout, num_slots, max_in_flight, order, num_micro_batches=num_micro)
     timeline = list_schedule(graph, _LATENCY)
     return emit_schedule(
         graph,
@@ -132,38 +168,69 @@ def build_afpipe(
             "attn_workers": layout.attn_workers,
             "expert_workers": layout.expert_workers,
             "num_layers": layout.num_layers,
+            "num_micro_batches": num_micro,
             "order": order,
         },
     )
 
 
+def replica_classes(layout: Layout, num_micro_batches: int) -> tuple[range, ...]:
+    """Replicas that run identical lists: all m when m divides the M micro-batches, else
+    (replicas that run the last slot, replicas that do not)."""
+    m = layout.attn_workers
+    num_slots = layout.slots_of_replica(0, num_micro_batches)
+    last = layout.replicas_of_slot(num_slots - 1, num_micro_batches)
+    return (range(m),) if last == m else (range(last), range(last, m))
+
+
+def reduced_layout(layout: Layout, num_micro_batches: int) -> tuple[Layout, int]:
+    """(layout, M) of the AF-Pipe step with one replica per `replica_classes` class and one
+    shard per group: the schedule whose lists every real rank's list expands from."""
+    classes = len(replica_classes(layout, num_micro_batches))
+    num_slots = layout.slots_of_replica(0, num_micro_batches)
+    reduced = replace(layout, attn_workers=classes, expert_workers=1)
+    return reduced, num_slots * classes - (classes - 1)
+
+
 def build_afpipe_rank(
-    layout: Layout, rank: int, num_slots: int, max_in_flight: int = 0, order: str = "breadth"
+    layout: Layout,
+    rank: int,
+    num_slots: int,
+    max_in_flight: int = 0,
+    order: str = "breadth",
+    *,
+    num_micro_batches: int = 0,
 ) -> tuple[Instr, ...]:
     """`rank`'s AF-Pipe list without building the whole world's schedule.
 
-    All m replicas of an A-group run the same list, and so do all n shards of an
-    F-group (the generator's costs do not depend on m or n), so the list of one
-    replica and one shard per group (`Layout` with m = n = 1, 2p ranks) is built and
-    `rank`'s list expanded from its representative: a message to or from the other
-    component stands for one message per peer of that group (replicas r or shards j
-    in order); a message to the same component goes to the peer with the same index.
+    All replicas of a class (`replica_classes`: every replica when m divides the
+    micro-batches, else those with and those without the last slot) of an A-group run
+    the same list, and so do all n shards of an F-group (the generator's costs depend on
+    neither m nor n, nor on a shard's expert count), so the list of one replica per class
+    and one shard per group (`reduced_layout`) is built and `rank`'s list expanded from
+    its representative: a message to or from the other component stands for one message
+    per peer of that group (replicas r of the class, or shards j, in order); a message
+    to the same component goes to the peer with the same index.
     Time and memory: the reduced schedule plus `rank`'s own instructions, whatever m
     and n are. Tests check the result equals `build_afpipe(layout, ...).ranks[rank]`.
     """
-    reduced = replace(layout, attn_workers=1, expert_workers=1)
-    rep = build_afpipe(reduced, num_slots, max_in_flight, order)
+    num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
+    classes = replica_classes(layout, num_micro)
+    reduced, reduced_micro = reduced_layout(layout, num_micro)
+    rep = build_afpipe(reduced, num_slots, max_in_flight, order, num_micro_batches=reduced_micro)
     role = layout.role(rank)
-    rep_rank = (
-        reduced.attn_rank(role.group, 0) if role.comp == "A" else reduced.expert_rank(role.group, 0)
-    )
+    if role.comp == "A":
+        cls = next(c for c, members in enumerate(classes) if role.index in members)
+        rep_rank = reduced.attn_rank(role.group, cls)
+    else:
+        rep_rank = reduced.expert_rank(role.group, 0)
 
     def real_peers(other: int) -> list[int]:
         peer = reduced.role(other)
         if peer.comp == role.comp:
             return [_rank_of(layout, peer.comp, peer.group, role.index)]
-        count = layout.attn_workers if peer.comp == "A" else layout.expert_workers
-        return [_rank_of(layout, peer.comp, peer.group, i) for i in range(count)]
+        members = classes[peer.index] if peer.comp == "A" else range(layout.expert_workers)
+        return [_rank_of(layout, peer.comp, peer.group, i) for i in members]
 
     peers = {r: real_peers(r) for r in range(reduced.world_size)}
     out: list[Instr] = []

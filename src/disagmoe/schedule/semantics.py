@@ -23,7 +23,9 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
     (no SEND/RECV): the consumer waits for that producer (e.g. the residual
     `act` from A(l) to A(l+1) when p = 1);
   - in-flight cap: the forward of the rank's first layer for slot s waits for that
-    layer's backward of slot s - `max_in_flight`.
+    layer's backward of slot s - `max_in_flight`. A rank's slots are 0 .. S_r - 1
+    (an attention replica without the last, partial slot of an uneven step has one
+    fewer than the others), so slot s - `max_in_flight` is always one of its own.
 
 * **Streams.** Per (sender, receiver, channel) a receive lane takes one message at
   a time, so a message moves only after the previous one of its stream arrived.

@@ -90,9 +90,10 @@ def default_disagg_split(
 ) -> tuple[int, int]:
     """(m, n) with m + n = gpus/groups balancing attention and expert compute per layer.
 
-    A replica's attention takes a per layer, a shard's experts take m*f/n (f: one
-    replica's routed experts on one GPU), so m/n = a/f balances them; n must divide
-    the expert count (and m `micro_batches`, when given).
+    A replica's attention takes a per layer, the largest shard's experts take
+    m*f*ceil(E/n)/E (f: one replica's routed experts on one GPU; m*f/n when n | E), so
+    m/n ~ a/f balances them; any n <= E (uneven shards) and m <= `micro_batches`, when
+    given.
     """
     per = gpus // groups
     w = Workload(model, seq_len, 1)
@@ -101,11 +102,12 @@ def default_disagg_split(
     a = gemm * gemm_factor + core * core_factor
     f = expert_flops(model, w.tokens * model.top_k) * gemm_factor
     best: tuple[float, int, int] | None = None
-    for n in _divisors(model.num_experts):
+    for n in range(1, min(model.num_experts, per - 1) + 1):
         m = per - n
-        if m < 1 or (micro_batches and micro_batches % m):
+        if micro_batches and micro_batches < m:
             continue
-        cost = max(a, m * f / n)  # stage time per replica micro-batch, per layer
+        share = -(-model.num_experts // n) / model.num_experts  # the largest shard's
+        cost = max(a, m * f * share)  # stage time per replica micro-batch, per layer
         score = cost / m  # time per micro-batch of the whole group
         if best is None or score < best[0]:
             best = (score, m, n)

@@ -70,14 +70,20 @@ class Workload:
         moe = 1.0 if c.is_moe_layer(layer) else 0.0
         return flops.attn_flops(c, self.seq_len, self.micro_batch_size, moe=moe, dense=1.0 - moe)
 
+    def experts_per_shard(self, shards: int) -> int:
+        """Experts of the largest of `shards` shards, ceil(E/n) (`Layout.expert_range`): with
+        uneven shards every shard is priced as the largest, the one a slot waits for."""
+        return -(-self.model.num_experts // shards)
+
     def pairs_per_shard(self, shards: int) -> float:
         """Expected (token, expert) pairs one replica's micro-batch sends to one shard."""
-        return self.tokens * self.model.top_k / shards
+        per = self.experts_per_shard(shards)
+        return self.tokens * self.model.top_k * per / self.model.num_experts
 
     def tokens_per_shard(self, shards: int) -> float:
         """Expected distinct tokens one replica's micro-batch sends to one shard."""
         e, k = self.model.num_experts, self.model.top_k
-        per = e // shards
+        per = self.experts_per_shard(shards)
         miss = math.comb(e - per, k) / math.comb(e, k) if e - per >= k else 0.0
         return self.tokens * (1.0 - miss)
 

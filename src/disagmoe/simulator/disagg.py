@@ -13,8 +13,8 @@ from typing import Any
 
 from ..config import ClusterConfig, ModelConfig, ParallelConfig
 from ..distributed.layout import Layout
-from ..schedule.afpipe import build_afpipe
-from ..schedule.ir import Schedule
+from ..schedule.afpipe import build_afpipe, reduced_layout, replica_classes
+from ..schedule.ir import Instr, Schedule
 from ..schedule.validate import ScheduleError, validate
 from .costs import AnalyticCosts, InstrCosts, MessageOverheads, Workload
 from .engine import run_program
@@ -52,9 +52,13 @@ def afpipe_pricing(
     step_s: float = 0.0,
     grad_bytes: int = 2,
     overheads: MessageOverheads | None = None,
+    num_micro_batches: int = 0,
 ) -> Pricing:
     """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
-    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas."""
+    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas.
+
+    `num_micro_batches` (M; 0: m divides it): an F compute of a slot that only k < m
+    replicas run (the last one when m does not divide M) costs k/m of a full slot's."""
 
     def sync_s(rank: int) -> float:
         role = layout.role(rank)
@@ -65,9 +69,16 @@ def afpipe_pricing(
         params = sum(workload.attn_param_count(l) for l in layers)
         return net.allreduce_s(layout.attn_replicas(group), params * grad_bytes)
 
-    shards = layout.expert_workers
+    shards, m = layout.expert_workers, layout.attn_workers
+
+    def compute_s(ins: Instr, kind: str) -> float:
+        seconds = costs.compute_s(ins.op, ins.comp, ins.layer)
+        if ins.comp == "F" and num_micro_batches:
+            seconds *= layout.replicas_of_slot(ins.slot, num_micro_batches) / m
+        return seconds
+
     return Pricing(
-        compute_s=lambda ins, kind: costs.compute_s(ins.op, ins.comp, ins.layer),
+        compute_s=compute_s,
         message_bytes=lambda msg: workload.message_bytes(msg.kind, msg.layer, shards),
         net=net,
         sync_s=sync_s if sync else None,
@@ -90,27 +101,47 @@ def simulate_schedule(
     config: dict[str, Any] | None = None,
     overheads: MessageOverheads | None = None,
     cores: int = 0,
+    num_micro_batches: int = 0,
 ) -> SimResult:
     """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
-    `full`: the real layout when `schedule` was generated for one replica and one shard
-    per group (`Symmetry.replicas`). `overheads` and `cores` model a host runtime (see
-    `simulator.lower` and `engine.run_program`).
+    `full`: the real layout when `schedule` was generated for one replica per class and
+    one shard per group (`schedule.afpipe.reduced_layout`, `Symmetry.replicas`).
+    `num_micro_batches`: the real step's M (0: the schedule's own, or num_slots * m of
+    `full`). `overheads` and `cores` model a host runtime (see `simulator.lower` and
+    `engine.run_program`).
     """
     peak = check_schedule(schedule)
     real_layout = full or layout
-    symmetry = Symmetry.replicas(real_layout) if full else Symmetry.identity(schedule.num_ranks)
+    num_micro = num_micro_batches or (
+        schedule.num_slots * real_layout.attn_workers
+        if full
+        else int(schedule.meta.get("num_micro_batches", schedule.num_slots * layout.attn_workers))
+    )
+    symmetry = (
+        Symmetry.replicas(real_layout, replica_classes(real_layout, num_micro))
+        if full
+        else Symmetry.identity(schedule.num_ranks)
+    )
     pricing = afpipe_pricing(
-        real_layout, costs, workload, net, sync=sync, step_s=step_s, overheads=overheads
+        real_layout,
+        costs,
+        workload,
+        net,
+        sync=sync,
+        step_s=step_s,
+        overheads=overheads,
+        num_micro_batches=num_micro,
     )
     program = lower(schedule, pricing, symmetry)
     timeline = run_program(program, share_compute=share_compute, cores=cores)
     real = [symmetry.real(r) for r in range(schedule.num_ranks)]
     roles = [str(real_layout.role(r)) for r in real]
-    tokens = schedule.num_slots * real_layout.attn_workers * workload.tokens
+    tokens = num_micro * workload.tokens
     cfg = {
         "schedule": schedule.name,
         "num_slots": schedule.num_slots,
+        "num_micro_batches": num_micro,
         "max_in_flight": schedule.max_in_flight,
         "peak_in_flight": peak,
         "reduced": full is not None,
@@ -128,12 +159,12 @@ def simulate_schedule(
     )
 
 
-def message_count(layout: Layout, num_slots: int) -> int:
+def message_count(layout: Layout, num_micro_batches: int) -> int:
     """Messages of one step of the full (unreduced) AF-Pipe schedule."""
-    m, n, p = layout.attn_workers, layout.expert_workers, layout.groups
+    n, p = layout.expert_workers, layout.groups
     moe = len(layout.moe_layers)
-    acts = layout.num_layers * m * 2 if p > 1 else 0
-    return num_slots * (moe * 4 * m * n + acts)
+    acts = layout.num_layers * 2 if p > 1 else 0
+    return num_micro_batches * (moe * 4 * n + acts)
 
 
 def simulate_disagg(
@@ -157,8 +188,8 @@ def simulate_disagg(
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
     `num_micro_batches` counts the global batch (train.global_batch_size /
-    micro_batch_size); each replica runs `num_micro_batches / m` slots.
-    `reduce`: replay the one-replica-one-shard schedule with bundled messages
+    micro_batch_size); replica r runs ceil((M - r) / m) slots (`Layout.slots_of_replica`).
+    `reduce`: replay the one-replica(-per-class)-one-shard schedule with bundled messages
     (None: only when the full schedule has more than REDUCE_ABOVE_MESSAGES messages).
     `placement` / `nic_split` (the planner's M_a, M_f per group; None: one fair NIC
     share per GPU): see `simulator.placement`; the split needs `node-aware`.
@@ -169,16 +200,14 @@ def simulate_disagg(
         groups=groups, attn_workers=attn_workers, expert_workers=expert_workers
     )
     layout = Layout.build(model, parallel)
-    if num_micro_batches % attn_workers:
+    if num_micro_batches < attn_workers:
         raise ValueError(
-            f"--micro-batches ({num_micro_batches}) must be divisible by the attention "
-            f"workers per group ({attn_workers})"
+            f"--micro-batches ({num_micro_batches}) leaves some of the {attn_workers} attention "
+            "workers per group without a micro-batch; give at least one per replica"
         )
-    slots = num_micro_batches // attn_workers
-    if slots < 1:
-        raise ValueError("AF-Pipe needs at least one micro-batch per attention replica")
+    slots = layout.slots_of_replica(0, num_micro_batches)
     if reduce is None:
-        reduce = message_count(layout, slots) > REDUCE_ABOVE_MESSAGES
+        reduce = message_count(layout, num_micro_batches) > REDUCE_ABOVE_MESSAGES
     workload = Workload(model, seq_len, micro_batch_size)
     costs = costs or AnalyticCosts.for_cluster(
         workload, cluster, attn_workers, expert_workers, recompute
@@ -189,8 +218,10 @@ def simulate_disagg(
         if placement != "node-aware":
             raise ValueError("a NIC split pools a node's NICs: use placement 'node-aware'")
         net = dataclasses.replace(net, nic_share=nic_shares(layout, net, *nic_split))
-    run_layout = dataclasses.replace(layout, attn_workers=1, expert_workers=1) if reduce else layout
-    schedule = build_afpipe(run_layout, slots, max_in_flight, order)
+    run_layout, run_micro = (
+        reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
+    )
+    schedule = build_afpipe(run_layout, slots, max_in_flight, order, num_micro_batches=run_micro)
     cfg = {
         "model": model.name,
         "cluster": cluster.name,
@@ -213,4 +244,5 @@ def simulate_disagg(
         net,
         full=layout if reduce else None,
         config=cfg,
+        num_micro_batches=num_micro_batches,
     )

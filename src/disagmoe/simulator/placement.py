@@ -23,8 +23,9 @@ so it splits all NICs in the planner's proportion rather than idling half.
 The split needs A and F on the same nodes: it is applied with `node-aware`.
 
 `planned_split` asks the planner (`planner.plan_for`) for p, m, n, M_a, M_f,
-the in-flight cap and recomputation, then moves to the nearest split the runtime
-can run (n | E) that the planner's own checks (memory, NIC locality) accept.
+the in-flight cap and recomputation and uses them as they are: the runtime runs
+any n <= E (uneven expert shards) and any m up to the micro-batch count (replicas
+with different numbers of micro-batches), docs/design-notes.md "Uneven splits".
 """
 
 from __future__ import annotations
@@ -130,12 +131,12 @@ def planned_split(
 ) -> PlannedSplit:
     """The planner's (p, m, n, M_a, M_f), in-flight cap and recompute choice.
 
-    The runtime needs n | E (and m | `micro_batches` when that is given), which the
-    planner's MILP does not impose; among the runnable splits the planner accepts
-    (`Planner.evaluate`: memory, NIC locality) the one its own profile scores best is
-    used. In flight: the most micro-batches its memory model admits for that split.
-    (The plan's own `in_flight` stops at its ring length 2p — enough to keep the 2p
-    compute components busy, but AF-Pipe also has 2p exchange stages to overlap.)
+    The split is the planner's own (its MILP keeps n <= E; the runtime runs uneven
+    shards and replicas); `micro_batches`, when given, must leave every one of the m
+    replicas at least one. In flight: the most micro-batches its memory model admits
+    for that split. (The plan's own `in_flight` stops at its ring length 2p — enough to
+    keep the 2p compute components busy, but AF-Pipe also has 2p exchange stages to
+    overlap.)
     """
     from ..planner import Planner, PlanOptions, plan_for
 
@@ -143,55 +144,26 @@ def planned_split(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
         groups=groups,
     )  # fmt: skip
-    p = plan.groups
-    per = gpus // p
-    m0, ma0 = plan.attn_gpus_per_group, plan.attn_nics_per_group
+    p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
+    n = gpus // p - m
+    if micro_batches and micro_batches < m:
+        raise ValueError(
+            f"the planner's split has m={m} attention replicas per group but there are only "
+            f"{micro_batches} micro-batches; give at least {m} (--micro-batches)"
+        )
+    assert n <= model.num_experts, (n, model.num_experts)  # the MILP's constraint
     planner = Planner(
         model=model, cluster=cluster, gpus=gpus, seq_len=seq_len,
         micro_batch_size=micro_batch_size, options=PlanOptions(groups=p),
     )  # fmt: skip
-    nics = planner.problem(p, 1, plan.recompute).nics
-    candidates = [
-        m
-        for m in range(1, per)
-        if model.num_experts % (per - m) == 0 and (not micro_batches or micro_batches % m == 0)
-    ]
-    best: tuple[float, PlannedSplit] | None = None
-    for m in candidates:
-        feasible = [
-            ma
-            for ma in range(1, nics)
-            if planner.evaluate(groups=p, m=m, attn_nics=ma, in_flight=1, recompute=plan.recompute)
-        ]
-        if not feasible:
-            continue  # NIC locality, or memory with one micro-batch
-        k = memory_in_flight(planner, p, m, feasible[0], plan.recompute)
-        for ma in feasible:
-            got = planner.evaluate(
-                groups=p, m=m, attn_nics=ma, in_flight=min(k, plan.in_flight),
-                recompute=plan.recompute,
-            )  # fmt: skip
-            assert got is not None
-            score = got.step_time_s / got.sequences_per_step
-            if best is None or score < best[0] - 1e-12:
-                note = f"planner m={m0}, n={per - m0}, M_a={ma0}"
-                if (m, ma) != (m0, ma0):
-                    note += f"; runnable: m={m}, n={per - m}, M_a={ma}"
-                split = PlannedSplit(
-                    groups=p,
-                    attn_workers=m,
-                    expert_workers=per - m,
-                    attn_nics=ma,
-                    ffn_nics=nics - ma,
-                    in_flight=k,
-                    recompute=plan.recompute,
-                    note=f"{note}; memory allows {k} in flight",
-                )
-                best = (score, split)
-    if best is not None:
-        return best[1]
-    raise ValueError(
-        f"no runnable split of {per} GPUs per group that the planner accepts: n must divide "
-        f"{model.num_experts} experts"
-        + (f" and m the {micro_batches} micro-batches" if micro_batches else "")
+    k = memory_in_flight(planner, p, m, ma, plan.recompute)
+    return PlannedSplit(
+        groups=p,
+        attn_workers=m,
+        expert_workers=n,
+        attn_nics=ma,
+        ffn_nics=plan.ffn_nics_per_group,
+        in_flight=k,
+        recompute=plan.recompute,
+        note=f"planner m={m}, n={n}, M_a={ma}; memory allows {k} in flight",
     )

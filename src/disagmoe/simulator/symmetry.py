@@ -4,12 +4,14 @@ Workers that run identical lists with identical costs need not all be simulated:
 one representative runs the list and stands for its class (`members`, the
 representative first), each of its messages for the bundle its class exchanges.
 
-* AF-Pipe (`Symmetry.replicas`): a schedule generated for one replica and one shard
-  per group (`Layout(m=1, n=1)`); the representative A of a group stands for its m
-  replicas, the representative F for its n shards. A message between different
-  components (dispatch, combine and their gradients) stands for every pair of their
-  members (A sends n, F receives m); between equal components (act, grad_act) for
-  replica r to replica r.
+* AF-Pipe (`Symmetry.replicas`): a schedule generated for one replica per class and
+  one shard per group (`schedule.afpipe.reduced_layout`); a representative A of a
+  group stands for the replicas of its class (all m when m divides the micro-batches,
+  else those with the last slot and those without it: their lists differ), the
+  representative F for its n shards. A message between different components
+  (dispatch, combine and their gradients) stands for every pair of their members
+  (A sends n, F receives one per replica of the class); between equal components
+  (act, grad_act) for replica r to replica r.
 * EP (`Symmetry.representatives`): pipeline rank r's data-parallel replica 0 stands
   for its dp replicas; replica d talks to replica d of the neighbouring stage.
 * `Symmetry.identity`: every rank simulated.
@@ -42,12 +44,16 @@ class Symmetry:
         return cls(tuple((r,) for r in range(num_ranks)), ("",) * num_ranks)
 
     @classmethod
-    def replicas(cls, full: Layout) -> Symmetry:
-        """For a schedule of `Layout(m=1, n=1)` with `full`'s groups (ranks A0, F0, A1, ...)."""
+    def replicas(cls, full: Layout, classes: tuple[range, ...] | None = None) -> Symmetry:
+        """For a schedule of `Layout(m=len(classes), n=1)` with `full`'s groups (ranks
+        A0.., F0, A1.., F1, ...): class c's representative stands for replicas `classes[c]`
+        (None: one class of all m replicas)."""
+        classes = classes or (range(full.attn_workers),)
         members, kinds = [], []
         for group in range(full.groups):
-            members += [tuple(full.attn_replicas(group)), tuple(full.expert_shards(group))]
-            kinds += ["A", "F"]
+            members += [tuple(full.attn_rank(group, r) for r in c) for c in classes]
+            members.append(tuple(full.expert_shards(group)))
+            kinds += ["A"] * len(classes) + ["F"]
         return cls(tuple(members), tuple(kinds))
 
     @classmethod
