@@ -15,6 +15,7 @@ Per optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
+from ..distributed.placement import node_mix, resolve_ranks_per_node
 from ..distributed.topology import Topology, allreduce_grads, world_sum
 from ..schedule.afpipe import build_afpipe, build_afpipe_rank
 from ..schedule.ir import Instr, Schedule, lists_text
@@ -50,6 +52,16 @@ def num_slots(cfg: RunConfig, layout: Layout) -> int:
             f"by parallel.attn_workers ({layout.attn_workers})"
         )
     return num_micro // layout.attn_workers
+
+
+def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
+    """The layout of a run, with its ranks per node resolved (`parallel.ranks_per_node`,
+    else torchrun's LOCAL_WORLD_SIZE of this process, else one node)."""
+    layout = Layout.build(cfg.model, cfg.parallel, world_size)
+    ranks = resolve_ranks_per_node(
+        cfg.parallel.ranks_per_node, layout.world_size, os.environ.get("LOCAL_WORLD_SIZE")
+    )
+    return dataclasses.replace(layout, ranks_per_node=ranks)
 
 
 def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
@@ -79,7 +91,7 @@ class DisaggTrainer:
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
-        self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
+        self.layout = run_layout(cfg, dist.get_world_size())
         if self.layout.world_size <= self.whole_world_ranks:
             self.schedule: Schedule | None = run_schedule(cfg, self.layout)
             validate(self.schedule)
@@ -169,6 +181,18 @@ class DisaggTrainer:
 
     def process_groups(self) -> int:
         return self.topo.process_groups
+
+    def placement(self) -> dict[str, Any]:
+        lay = self.layout
+        roles = [lay.role(r) for r in range(lay.world_size)]
+        return {
+            "placement": lay.placement,
+            "ranks_per_node": lay.ranks_per_node,
+            "roles": [str(r) for r in roles],
+            "nodes": [
+                {"A": a, "F": f} for a, f in node_mix([r.comp for r in roles], lay.ranks_per_node)
+            ],
+        }
 
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6

@@ -144,14 +144,15 @@ def build_afpipe_rank(
 
     All m replicas of an A-group run the same list, and so do all n shards of an
     F-group (the generator's costs do not depend on m or n), so the list of one
-    replica and one shard per group (`Layout` with m = n = 1, 2p ranks) is built and
-    `rank`'s list expanded from its representative: a message to or from the other
+    replica and one shard per group (`Layout` with m = n = 1, 2p ranks A0, F0, A1, ...)
+    is built and `rank`'s list expanded from its representative (peers are found through
+    `layout`, so any placement works): a message to or from the other
     component stands for one message per peer of that group (replicas r or shards j
     in order); a message to the same component goes to the peer with the same index.
     Time and memory: the reduced schedule plus `rank`'s own instructions, whatever m
     and n are. Tests check the result equals `build_afpipe(layout, ...).ranks[rank]`.
     """
-    reduced = replace(layout, attn_workers=1, expert_workers=1)
+    reduced = replace(layout, attn_workers=1, expert_workers=1, placement="packed")
     rep = build_afpipe(reduced, num_slots, max_in_flight, order)
     role = layout.role(rank)
     rep_rank = (
