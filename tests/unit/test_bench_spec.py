@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from disagmoe.bench.cli import nic_split
-from disagmoe.bench.runner import BenchSpec
+from disagmoe.bench.runner import BenchSpec, entry_slug, parse_entry
 from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import model_preset
@@ -35,6 +35,25 @@ def test_split_keeps_the_total_and_gives_each_role_its_rate() -> None:
     nodes = spec.node_mbit("disagg")
     assert len(nodes) == 4 and sum(nodes) == pytest.approx(sum(spec.node_mbit("ep-1f1b")))
     assert sum(spec.node_mbit("ep-1f1b")) == pytest.approx(8 * 200 / 10)
+    # packed rows keep even NICs: the split pools a node's NICs for its A and F workers
+    assert spec.worker_gbps("disagg (packed)") == [0.2] * 8
+
+
+def test_each_placement_is_a_row_with_its_own_flags() -> None:
+    spec = dataclasses.replace(SPEC, placements=("node-aware", "packed"))
+    assert spec.entries == ("disagg", "disagg (packed)", "ep-1f1b")
+    assert parse_entry("disagg (packed)") == ("disagg", "packed")
+    assert parse_entry("disagg") == ("disagg", "node-aware")
+    assert parse_entry("ep-1f1b")[0] == "ep-1f1b"
+    assert entry_slug("disagg (packed)") == "disagg-packed"
+    flags = spec.train_flags("disagg (packed)", Path("r"))
+    assert flags[flags.index("--runtime") + 1] == "disagg"
+    assert flags[flags.index("--placement") + 1] == "packed"
+    assert flags[flags.index("--ranks-per-node") + 1] == "2"
+    # 4 nodes x 2 ranks, p = 2, m = n = 2: node-aware mixes A and F on every node
+    aware, packed = spec.layout("disagg"), spec.layout("disagg (packed)")
+    assert [[aware.role(r).comp for r in (2 * k, 2 * k + 1)] for k in range(4)] == [["A", "F"]] * 4
+    assert [packed.role(r).comp for r in range(8)] == ["A", "A", "F", "F"] * 2
 
 
 def test_auto_follows_the_planner_or_stays_even() -> None:

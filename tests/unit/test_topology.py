@@ -40,7 +40,7 @@ def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int, placement
     # the groups are shared by every stream of a channel and direction (to a higher rank
     # or to a lower one, whatever the roles of the two ranks are)
     a, f = layout.attn_rank(0, m - 1), layout.expert_rank(0, n - 1)
-    up = [(s, d) for s, d in [(a, f), (f, a)] if s < d][0]
+    up = (a, f) if a < f else (f, a)
     assert topo.stream(*up, "fwd") is topo.stream(0, layout.world_size - 1, "fwd")
     assert topo.stream(a, f, "fwd") is not topo.stream(f, a, "fwd")  # the two directions
     assert topo.stream(0, 1, "fwd") is not topo.stream(0, 1, "bwd")
