@@ -69,3 +69,16 @@ def test_emulated_time_scale_grows_with_the_ranks_sharing_the_cores() -> None:
     from disagmoe.bench.cli import default_time_scale
 
     assert default_time_scale(2) == 10.0 and default_time_scale(16) == 64.0
+
+
+def test_emulated_network_pools_a_node_nic_like_its_token_bucket() -> None:
+    """The simulator's view of the emulated cluster: one NIC per node at R x the worker
+    rate (the node's tbf), shared by its ranks; per rank only for the NIC split."""
+    from disagmoe.bench.analysis import emulated_network
+
+    pooled = emulated_network(0.4, 2, False)
+    per_rank = emulated_network(0.4, 2, False, per_rank=True)
+    assert pooled.nics_per_node == 1 and per_rank.nics_per_node == 2
+    assert pooled.nic_bytes_per_s == pytest.approx(2 * per_rank.nic_bytes_per_s)
+    assert pooled.nic_bytes_per_gpu == pytest.approx(per_rank.nic_bytes_per_gpu)
+    assert pooled.nic_of(0) == pooled.nic_of(1) != pooled.nic_of(2)

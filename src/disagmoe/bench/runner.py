@@ -337,8 +337,13 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         rates = spec.worker_gbps(runtime)
         run_net = net
         if len(set(rates)) > 1:  # the NIC split, as the simulator's per-rank NIC rates
-            per_gbps = net.nic_bytes_per_s / (spec.nic_gbps / k)
-            run_net = dataclasses.replace(net, nic_share=tuple(g / k * per_gbps for g in rates))
+            rank_net = emulated_network(
+                spec.nic_gbps / k, spec.ranks_per_node, spec.loopback, per_rank=True
+            )
+            per_gbps = rank_net.nic_bytes_per_s / (spec.nic_gbps / k)
+            run_net = dataclasses.replace(
+                rank_net, nic_share=tuple(g / k * per_gbps for g in rates)
+            )
         for o in good:
             events = _events(o.run_dir, set(o.step_times))
             parts.append(trace_breakdown(events, o.step_times))
