@@ -1,4 +1,4 @@
-"""`disagmoe train | schedule | plan | simulate | bench` — the command-line interface.
+"""`disagmoe train | schedule | placement | plan | simulate | bench` — the command-line interface.
 
 `train` and `schedule` take the same flags (`disagmoe.command`: generated from the
 config dataclasses). User mistakes print one line `disagmoe: error: ...` and exit with
@@ -12,9 +12,8 @@ import sys
 
 from .bench.cli import add_bench_arguments, run_bench
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
-from .distributed.layout import Layout
 from .planner.cli import add_plan_arguments, run_plan
-from .runtime.disagg import run_schedule, run_schedule_of_rank
+from .runtime.disagg import run_layout, run_schedule, run_schedule_of_rank
 from .schedule.ir import lists_csv, lists_text
 from .schedule.validate import validate
 from .simulator.cli import add_simulate_arguments, run_simulate
@@ -25,7 +24,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     """All ranks' lists, validated; or with `--rank R` that rank's list alone (built without
     the others'), checked against the whole world's only with `--validate`."""
     cfg = resolve_train_config(args)
-    layout = Layout.build(cfg.model, cfg.parallel)
+    layout = run_layout(cfg)
     cfg = resolve_memory(cfg, layout.world_size)  # the cap `disagmoe train` would run here
     if args.rank is None:
         schedule = run_schedule(cfg, layout)
@@ -61,6 +60,27 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_placement(args: argparse.Namespace) -> int:
+    """Which rank is which worker, node by node (`parallel.placement`, `--ranks-per-node`)."""
+    cfg = resolve_train_config(args)
+    layout = run_layout(cfg)
+    R = layout.ranks_per_node
+    print(
+        f"# placement {layout.placement}: p={layout.groups} m={layout.attn_workers} "
+        f"n={layout.expert_workers}, {layout.world_size} ranks, {R} per node"
+    )
+    roles = [layout.role(r) for r in range(layout.world_size)]
+    width = max(len(str(r)) for r in roles)
+    print(f"{'node':>4s} {'ranks':>9s}  {'A:F':>5s}  roles")
+    for node, start in enumerate(range(0, layout.world_size, R)):
+        mine = roles[start : start + R]
+        a = sum(1 for r in mine if r.comp == "A")
+        mix = f"{a}:{len(mine) - a}"
+        names = " ".join(f"{r!s:{width}s}" for r in mine)
+        print(f"{node:4d} {f'{start}-{start + len(mine) - 1}':>9s}  {mix:>5s}  {names}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="disagmoe", description="Disaggregated MoE training (AF-Pipe).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -76,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --rank: also build and validate the whole world's "
                          "schedule and check this rank's list against it")  # fmt: skip
     p_sched.set_defaults(func=_cmd_schedule)
+    p_place = sub.add_parser("placement", help="print which rank is which worker, per node")
+    add_train_arguments(p_place)
+    p_place.set_defaults(func=_cmd_placement)
     p_plan = sub.add_parser("plan", help="choose the A/F split")
     add_plan_arguments(p_plan)
     p_plan.set_defaults(func=run_plan)

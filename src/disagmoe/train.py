@@ -24,7 +24,6 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from .command import CommandFailed, resolve_train_config, run_command, train_parser
 from .config import RunConfig
 from .config_io import from_dict, to_dict
-from .distributed.layout import Layout
 from .runtime.observe import prepare_run_dir
 
 
@@ -43,9 +42,9 @@ def _world_size(cfg: RunConfig) -> int:
     if par.runtime == "reference":
         return 1
     if par.runtime == "disagg":
-        from .runtime.disagg import num_slots
+        from .runtime.disagg import num_slots, run_layout
 
-        layout = Layout.build(cfg.model, par, par.world_size or None)
+        layout = run_layout(cfg, par.world_size or None)
         num_slots(cfg, layout)
         return layout.world_size
     from .baselines.layout import EPLayout
@@ -61,10 +60,10 @@ def resolve_memory(cfg: RunConfig, local_ranks: int) -> RunConfig:
     if cfg.parallel.runtime != "disagg":
         return cfg
     from .runtime.budget import in_flight_cap, resolve_memory_budget
-    from .runtime.disagg import num_slots
+    from .runtime.disagg import num_slots, run_layout
 
     cfg = resolve_memory_budget(cfg, local_ranks)
-    layout = Layout.build(cfg.model, cfg.parallel, cfg.parallel.world_size or None)
+    layout = run_layout(cfg, cfg.parallel.world_size or None)
     in_flight_cap(cfg, num_slots(cfg, layout))
     return cfg
 

@@ -150,6 +150,37 @@ def test_init_from_hf_start_point(tmp_path: Path) -> None:
     assert_equivalent([cfg], world=4)
 
 
+def placed(cfg: RunConfig, placement: str, ranks_per_node: int) -> RunConfig:
+    parallel = dataclasses.replace(cfg.parallel, placement=placement, ranks_per_node=ranks_per_node)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
+class PlacementTrainer(DisaggTrainer):
+    """Checks on every rank that its run.json role map (`placement()`) names the role it runs."""
+
+    def expert_shard(self) -> tuple[int, int] | None:
+        info = self.placement()
+        assert info["roles"][self.rank] == str(self.role)
+        assert info["ranks_per_node"] == self.cfg.parallel.ranks_per_node
+        return super().expert_shard()
+
+
+def test_six_ranks_node_aware_two_ranks_per_node() -> None:
+    """p = 2, m = 2, n = 1 on three nodes of 2 ranks: node-aware interleaves each group's
+    block A, F, A (node 1 holds a replica of each group), packed keeps A, A, F; both exact."""
+    base = case(2, 2, 1)
+    aware = placed(base, "node-aware", 2)
+    cfgs = [aware, placed(base, "packed", 2), placed(case(2, 2, 1, top_k=1), "node-aware", 2)]
+    from disagmoe.runtime.disagg import run_layout
+
+    roles = [str(run_layout(aware).role(r)) for r in range(6)]
+    assert roles == ["A(g0,r0)", "F(g0,j0)", "A(g0,r1)", "A(g1,r0)", "F(g1,j0)", "A(g1,r1)"]
+    errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:PlacementTrainer")
+    for cfg, (loss_err, grad_err, count) in zip(cfgs, errors, strict=True):
+        label = f"{cfg.parallel.placement} top_k={cfg.model.top_k}"
+        assert loss_err < TOL and grad_err < TOL and count > 10, (label, loss_err, grad_err)
+
+
 class RankLocalTrainer(DisaggTrainer):
     """Every rank builds only its own instruction list, as above `WHOLE_WORLD_RANKS`."""
 

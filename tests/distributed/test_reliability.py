@@ -217,14 +217,14 @@ def _dead_peer(timeout_s: float) -> str:
 
 
 def test_dead_peer_is_diagnosed() -> None:
-    """Expert worker rank 3 exits; its attention peers name themselves, the message and
+    """Expert worker rank 3 (F(g0,j1)) exits; its attention peers name themselves, the message and
     the dead peer (whether a receive from it or a send to it fails first is a race)."""
     start = time.monotonic()
     reports = run_ranks(_dead_peer, 4, 4.0, timeout_s=90, may_vanish={3})
     assert reports[3] is None
-    for rank in (0, 1):
+    for rank, replica in ((0, 0), (2, 1)):  # node-aware: ranks A(r0), F(j0), A(r1), F(j1)
         report = reports[rank]
-        assert f"rank {rank} A(g0,r{rank})" in report, reports
+        assert f"rank {rank} A(g0,r{replica})" in report, reports
         assert re.search(
             r"(receiving \S+ 3->\d from rank 3|sending \S+ \d->3 to rank 3)", report
         ), reports

@@ -64,13 +64,23 @@ def test_emulated_compute_runs_more_ranks_than_cores_and_says_so(tmp_path: Path)
     duration x the time scale, so the traces' compute spans are at least that long."""
     proc = bench("--compute", "emulated", "--time-scale", "2", "--nodes", "2",
                  "--ranks-per-node", "2", "--runtimes", "disagg,ep-1f1b", "--steps", "3",
-                 "--warmup", "1", "--json", "--out", str(tmp_path))  # fmt: skip
+                 "--warmup", "1", "--json", "--out", str(tmp_path),
+                 "--placements", "node-aware,packed", "--attn-workers", "2",
+                 "--expert-workers", "2")  # fmt: skip
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
     report = json.loads(out)
     assert report["emulated_compute"] is True and report["time_scale"] == 2.0
     assert "EMULATED compute" in report["compute"] and "at 1/2" in report["network"]
     assert all(r["ok"] and r["tokens_per_s"] > 0 for r in report["results"])
+    rows = {r["runtime"]: r for r in report["results"]}
+    assert set(rows) == {"disagg", "disagg (packed)", "ep-1f1b"}
+    assert all(rows[k]["predicted_step_s"] > 0 for k in ("disagg", "disagg (packed)"))
+    for name, placement in (("disagg", "node-aware"), ("disagg-packed", "packed")):
+        info = json.loads((tmp_path / f"{name}-r0" / "run.json").read_text())
+        assert info["placement"] == placement and info["ranks_per_node"] == 2
+        mixed = info["nodes"] == [{"A": 1, "F": 1}] * 2  # m = n = 2 on 2 nodes of 2
+        assert mixed == (placement == "node-aware"), info
     costs = json.loads((tmp_path / "compute_costs.json").read_text())
     assert "x2" in costs["note"]
     attn_fwd = costs["attn_fwd"]["fixed"] + costs["attn_fwd"]["per_row"] * 2 * 64

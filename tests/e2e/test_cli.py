@@ -42,7 +42,15 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
     assert all("slot" in e["args"] and "layer" in e["args"] for e in trace if e.get("cat") == "fwd")
     assert (run / "config.toml").exists() and (run / "schedule.txt").exists()
     info = json.loads((run / "run.json").read_text())
-    assert info == {"runtime": "disagg", "world_size": 4, "process_groups": 9}  # 8 + p
+    assert info == {
+        "runtime": "disagg",
+        "world_size": 4,
+        "process_groups": 9,  # 8 + p
+        "placement": "node-aware",
+        "ranks_per_node": 4,  # the local launch: every rank on this host
+        "roles": ["A(g0,r0)", "F(g0,j0)", "A(g0,r1)", "F(g0,j1)"],
+        "nodes": [{"A": 2, "F": 2}],
+    }
     assert json.loads((tmp_path / "ref" / "run.json").read_text())["process_groups"] == 0
 
 
@@ -60,6 +68,8 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
         (["train", "--runtime", "nope"], "invalid choice"),
         (["train", "--set", "train.emulate_compute=/nonexistent.json"], "does not exist"),
         (["train", "--set", "schedule.order=sideways"], "schedule.order must be"),
+        (["train", "--ranks-per-node", "3"], "parallel.ranks_per_node (3) must divide"),
+        (["train", "--placement", "random"], "invalid choice"),
     ],
 )
 def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
@@ -77,6 +87,7 @@ def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) 
         (["--compute", "emulated", "--nodes", "40", "--ranks-per-node", "2"], "at most 64"),
         (["--nodes", "99"], "would measure CPU contention"),
         (["--mtu", "100"], "--mtu must be in"),
+        (["--placements", "packed,random"], "--placements must list"),
     ],
 )
 def test_bench_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
@@ -110,10 +121,11 @@ def test_schedule_command(tmp_path: Path) -> None:
 def test_schedule_of_one_rank() -> None:
     layout = ("--groups", "2", "--attn-workers", "2", "--expert-workers", "2")
     whole = disagmoe("schedule", *layout)
-    one = disagmoe("schedule", *layout, "--rank", "6", "--validate")
+    one = disagmoe("schedule", *layout, "--rank", "5", "--validate")
     assert whole.returncode == 0 and one.returncode == 0, one.stderr
-    section = whole.stdout.split("rank 6 F(g1,j0):\n")[1].split("rank 7")[0]
-    assert one.stdout.split("rank 6 F(g1,j0):\n")[1].startswith(section)
-    assert "rank 5" not in one.stdout and "this rank's list equals its slice" in one.stdout
+    # node-aware: group 1's block is ranks 4..7 = A(g1,r0), F(g1,j0), A(g1,r1), F(g1,j1)
+    section = whole.stdout.split("rank 5 F(g1,j0):\n")[1].split("rank 6")[0]
+    assert one.stdout.split("rank 5 F(g1,j0):\n")[1].startswith(section)
+    assert "rank 4" not in one.stdout and "this rank's list equals its slice" in one.stdout
     bad = disagmoe("schedule", *layout, "--rank", "8")
     assert bad.returncode == 2 and "--rank must be in 0..7" in bad.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from disagmoe.bench.cli import nic_split
-from disagmoe.bench.runner import BenchSpec
+from disagmoe.bench.runner import BenchSpec, entry_slug, parse_entry
 from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import model_preset
@@ -35,6 +35,25 @@ def test_split_keeps_the_total_and_gives_each_role_its_rate() -> None:
     nodes = spec.node_mbit("disagg")
     assert len(nodes) == 4 and sum(nodes) == pytest.approx(sum(spec.node_mbit("ep-1f1b")))
     assert sum(spec.node_mbit("ep-1f1b")) == pytest.approx(8 * 200 / 10)
+    # packed rows keep even NICs: the split pools a node's NICs for its A and F workers
+    assert spec.worker_gbps("disagg (packed)") == [0.2] * 8
+
+
+def test_each_placement_is_a_row_with_its_own_flags() -> None:
+    spec = dataclasses.replace(SPEC, placements=("node-aware", "packed"))
+    assert spec.entries == ("disagg", "disagg (packed)", "ep-1f1b")
+    assert parse_entry("disagg (packed)") == ("disagg", "packed")
+    assert parse_entry("disagg") == ("disagg", "node-aware")
+    assert parse_entry("ep-1f1b")[0] == "ep-1f1b"
+    assert entry_slug("disagg (packed)") == "disagg-packed"
+    flags = spec.train_flags("disagg (packed)", Path("r"))
+    assert flags[flags.index("--runtime") + 1] == "disagg"
+    assert flags[flags.index("--placement") + 1] == "packed"
+    assert flags[flags.index("--ranks-per-node") + 1] == "2"
+    # 4 nodes x 2 ranks, p = 2, m = n = 2: node-aware mixes A and F on every node
+    aware, packed = spec.layout("disagg"), spec.layout("disagg (packed)")
+    assert [[aware.role(r).comp for r in (2 * k, 2 * k + 1)] for k in range(4)] == [["A", "F"]] * 4
+    assert [packed.role(r).comp for r in range(8)] == ["A", "A", "F", "F"] * 2
 
 
 def test_auto_follows_the_planner_or_stays_even() -> None:
@@ -83,3 +102,16 @@ def test_simulator_uses_the_planners_split_as_is() -> None:
     assert model.num_experts % split.expert_workers  # 128 experts on 9 shards
     with pytest.raises(ValueError, match="only 3 micro-batches"):
         planned_split(model, h800, micro_batches=3, **kw)  # type: ignore[arg-type]
+
+
+def test_emulated_network_pools_a_node_nic_like_its_token_bucket() -> None:
+    """The simulator's view of the emulated cluster: one NIC per node at R x the worker
+    rate (the node's tbf), shared by its ranks; per rank only for the NIC split."""
+    from disagmoe.bench.analysis import emulated_network
+
+    pooled = emulated_network(0.4, 2, False)
+    per_rank = emulated_network(0.4, 2, False, per_rank=True)
+    assert pooled.nics_per_node == 1 and per_rank.nics_per_node == 2
+    assert pooled.nic_bytes_per_s == pytest.approx(2 * per_rank.nic_bytes_per_s)
+    assert pooled.nic_bytes_per_gpu == pytest.approx(per_rank.nic_bytes_per_gpu)
+    assert pooled.nic_of(0) == pooled.nic_of(1) != pooled.nic_of(2)

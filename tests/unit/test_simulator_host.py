@@ -23,7 +23,7 @@ from disagmoe.simulator import (
 )
 from disagmoe.simulator import simulate_schedule as simulate_afpipe
 from disagmoe.simulator.engine import COMPUTE, Program, run_program
-from disagmoe.simulator.placement import disagg_placement, nic_shares
+from disagmoe.simulator.placement import nic_shares
 
 
 @dataclass(frozen=True)
@@ -96,15 +96,13 @@ def test_baseline_ir_replay_matches_1f1b_formula(pp: int, mb: int) -> None:
 def test_node_aware_placement_mixes_a_and_f_on_every_node() -> None:
     model = MODEL_PRESETS["qwen3-30b-a3b"]
     layout = Layout.build(model, ParallelConfig(groups=2, attn_workers=24, expert_workers=8))
-    gpu_of = disagg_placement(layout, "node-aware")
-    assert sorted(gpu_of) == list(range(64))
+    net = Network.from_cluster(CLUSTER_PRESETS["h800"])  # rank r on GPU r, 8 per node
     for node in range(8):
-        roles = {layout.role(r) for r in range(64) if gpu_of[r] // 8 == node}
-        assert {r.comp for r in roles} == {"A", "F"}
+        roles = [layout.role(r) for r in range(64) if net.node_of(r) == node]
+        assert sorted(r.comp for r in roles) == ["A"] * 6 + ["F"] * 2  # 24 : 8 on every node
         assert len({r.group for r in roles}) == 1  # a group keeps its own nodes
-    assert disagg_placement(layout, "packed") == tuple(range(64))
     with pytest.raises(ValueError, match="placement"):
-        disagg_placement(layout, "random")
+        ParallelConfig(placement="random")
 
 
 def test_nic_split_divides_the_group_pool() -> None:

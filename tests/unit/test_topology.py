@@ -15,14 +15,16 @@ from disagmoe.distributed.topology import Topology
 from disagmoe.presets import MODEL_PRESETS
 
 
-def _layout(p: int, m: int, n: int) -> Layout:
+def _layout(p: int, m: int, n: int, placement: str = "node-aware") -> Layout:
     model = dataclasses.replace(MODEL_PRESETS["tiny"], num_layers=4 * p, num_experts=384)
-    return Layout.build(model, ParallelConfig(groups=p, attn_workers=m, expert_workers=n))
+    parallel = ParallelConfig(groups=p, attn_workers=m, expert_workers=n, placement=placement)
+    return Layout.build(model, parallel)
 
 
+@pytest.mark.parametrize("placement", ["node-aware", "packed"])
 @pytest.mark.parametrize("p,m,n", [(1, 32, 32), (2, 128, 128), (4, 8, 24)])
-def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int) -> None:
-    layout = _layout(p, m, n)
+def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int, placement: str) -> None:
+    layout = _layout(p, m, n, placement)
     created: list[tuple[int, ...]] = []
 
     def fake(ranks: Sequence[int]) -> tuple[int, ...]:
@@ -35,9 +37,11 @@ def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int) -> None:
     membership = Counter(r for ranks in created for r in ranks)
     assert set(membership) == set(range(layout.world_size))
     assert max(membership.values()) <= 9  # no rank is in more than a constant number
-    # the groups are shared by every stream of a channel and direction
+    # the groups are shared by every stream of a channel and direction (to a higher rank
+    # or to a lower one, whatever the roles of the two ranks are)
     a, f = layout.attn_rank(0, m - 1), layout.expert_rank(0, n - 1)
-    assert topo.stream(0, f, "fwd") is topo.stream(a, layout.expert_rank(0, 0), "fwd")
+    up = (a, f) if a < f else (f, a)
+    assert topo.stream(*up, "fwd") is topo.stream(0, layout.world_size - 1, "fwd")
     assert topo.stream(a, f, "fwd") is not topo.stream(f, a, "fwd")  # the two directions
     assert topo.stream(0, 1, "fwd") is not topo.stream(0, 1, "bwd")
     assert topo.replica_group is None  # an expert shard has no replica group
@@ -47,3 +51,21 @@ def test_attention_rank_gets_its_replica_group() -> None:
     layout = _layout(2, 3, 2)
     topo = Topology.build(layout, rank=layout.attn_rank(1, 2), new_group=tuple)
     assert topo.replica_group == tuple(layout.attn_replicas(1))
+
+
+def test_directions_follow_rank_numbers_under_a_permuted_placement() -> None:
+    """node-aware interleaves A and F, so a group's dispatches travel both up and down; every
+    (sender, receiver) pair still uses one group per direction, the reverse stream the other."""
+    layout = _layout(1, 2, 2)
+    assert [str(layout.role(r)) for r in range(4)] == [
+        "A(g0,r0)",
+        "F(g0,j0)",
+        "A(g0,r1)",
+        "F(g0,j1)",
+    ]
+    topo = Topology.build(layout, rank=0, new_group=lambda ranks: object())
+    a1, f0 = layout.attn_rank(0, 1), layout.expert_rank(0, 0)
+    assert a1 > f0  # a dispatch to a lower rank
+    assert topo.stream(a1, f0, "fwd") is topo.channels[("fwd", "down")]
+    assert topo.stream(f0, a1, "fwd") is topo.channels[("fwd", "up")]
+    assert topo.stream(layout.attn_rank(0, 0), f0, "fwd") is topo.channels[("fwd", "up")]

@@ -199,6 +199,11 @@ class EPTrainer:
     def process_groups(self) -> int:
         return self.groups.created
 
+    def placement(self) -> dict[str, Any]:
+        lay = self.layout
+        roles = [lay.role(r) for r in range(lay.pp * lay.dp)]
+        return {"placement": "rank order", "roles": roles}
+
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6
 

@@ -174,13 +174,24 @@ def _sync_step_s(events: list[Event]) -> float:
     return statistics.median(steps.values()) if steps else 0.0
 
 
-def emulated_network(nic_gbps: float, ranks_per_node: int, loopback: bool) -> Network:
+def emulated_network(
+    nic_gbps: float, ranks_per_node: int, loopback: bool, *, per_rank: bool = False
+) -> Network:
+    """The emulated cluster as the simulator sees it: `nic_gbps` per worker.
+
+    A node's NIC is one token bucket that its ranks share (`bench.netns`), so by default
+    it is one NIC per node at `ranks_per_node x nic_gbps`: a rank may use the whole
+    bucket while its node-mates are quiet (with node-aware placement an A and an F
+    worker share it, busy at different times). `per_rank`: one NIC per rank at
+    `nic_gbps`, for per-rank rates (`Network.nic_share`, the NIC split).
+    """
     if loopback:
         return Network.single_node(LOOPBACK_BYTES_PER_S, 50e-6, ranks_per_node)
+    nics = ranks_per_node if per_rank else 1
     return Network(
         gpus_per_node=ranks_per_node,
-        nics_per_node=ranks_per_node,
-        nic_bytes_per_s=nic_gbps * 1e9 / 8 * TCP_EFFICIENCY,
+        nics_per_node=nics,
+        nic_bytes_per_s=nic_gbps * ranks_per_node / nics * 1e9 / 8 * TCP_EFFICIENCY,
         nvlink_bytes_per_s=LOOPBACK_BYTES_PER_S,
         latency_s=100e-6,
     )

@@ -6,7 +6,9 @@
 
 Every runtime gets the same model, global batch and number of workers; each worker has
 one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg` uses the
-planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise.
+planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise, and
+runs once per `--placements` entry (node-aware: A and F of a group on every node, the
+default; packed: rank order), each a row of the table with its simulator prediction.
 Compute is real, one thread per rank, so the number of ranks may not exceed the cores;
 `--compute emulated` replaces attention and expert math by waits of their durations
 measured on this machine (`bench.emulation`), so that 16-32 workers fit on a few cores:
@@ -26,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import MULTI_WORKER_RUNTIMES, ClusterConfig
+from ..config import MULTI_WORKER_RUNTIMES, PLACEMENTS, ClusterConfig
 from ..presets import model_preset
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import BenchSpec, RuntimeResult, run_all, summarize
@@ -80,6 +82,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: run waits and transfers K times slower, report /K "
                    "(default 1 for real compute, 4 x ranks (at least 10) for emulated)")  # fmt: skip
     p.add_argument("--mtu", type=int, default=9000, help="emulated NICs' MTU (bytes)")
+    p.add_argument("--placements", default="node-aware", metavar="P[,P]",
+                   help="disagg: placements to run, one row each (node-aware, packed; "
+                   "e.g. node-aware,packed)")  # fmt: skip
     p.add_argument("--nic-split", default="auto", metavar="A:F|auto",
                    help="disagg: NIC rate of an attention vs an expert worker, same total as "
                    "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
@@ -138,6 +143,16 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     unknown = [r for r in runtimes if r not in MULTI_WORKER_RUNTIMES]
     if unknown or not runtimes:
         raise ValueError(f"--runtimes: unknown {unknown}; choose from disagg, ep-1f1b, ...")
+    placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
+    if (
+        not placements
+        or len(set(placements)) < len(placements)
+        or set(placements) - set(PLACEMENTS)
+    ):
+        raise ValueError(
+            f"--placements must list distinct placements of {', '.join(PLACEMENTS)}, "
+            f"got {args.placements!r}"
+        )
     if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbps <= 0:
         raise ValueError("--nodes, --ranks-per-node must be >= 1 and --nic-gbps > 0")
     if not 0 <= args.warmup < args.steps:
@@ -174,6 +189,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         attn_workers=args.attn_workers, expert_workers=args.expert_workers, pp=args.pp,
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
         loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
+        placements=placements,
     )  # fmt: skip
     planned = None
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):
@@ -280,6 +296,8 @@ def run_bench(args: argparse.Namespace) -> int:
         a, f = spec.nic_split
         if "disagg" in spec.runtimes and (a, f) != (1.0, 1.0):
             network += f"; disagg NICs {a:.2f}x (attention) / {f:.2f}x (experts) per worker"
+            if "packed" in spec.placements:
+                network += " (node-aware; packed: even)"
     if log and spec.split_note:
         log(f"bench: disagg split — {spec.split_note}")
     if spec.compute == "emulated":

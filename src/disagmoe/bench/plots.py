@@ -19,7 +19,7 @@ def plot_bars(results: list[RuntimeResult], out: Path, network: str) -> None:
     ok = [r for r in results if r.ok and r.breakdown is not None]
     names = [r.runtime for r in ok]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
-    colors = ["#C44E52" if n == "disagg" else "#4C72B0" for n in names]
+    colors = ["#C44E52" if n.startswith("disagg") else "#4C72B0" for n in names]
     ax1.bar(names, [r.tokens_per_s for r in ok], color=colors)
     for k, r in enumerate(ok):
         label = f"{r.ratio_vs_ep_1f1b:.2f}x" if r.ratio_vs_ep_1f1b else ""

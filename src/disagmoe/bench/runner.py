@@ -8,7 +8,9 @@ workers (`nodes * ranks_per_node`), started exactly as a multi-node job is:
         --local-addr <node k> -m disagmoe.train <train flags>
 
 (c10d assigns node ranks in the order of the nodes' addresses, which are zero-padded so
-that node k gets node rank k.) Repetitions are interleaved (rep 1 of every runtime, then
+that node k gets node rank k; node k holds ranks kR .. kR+R-1.) `disagg` runs once per
+placement in `placements` (`parallel.placement`; rows `disagg` for node-aware and
+`disagg (packed)`), each with `--ranks-per-node R`. Repetitions are interleaved (rep 1 of every runtime, then
 rep 2, ...) so that slow drifts of the machine hit all runtimes alike; the first
 `warmup` steps of every run are excluded.
 """
@@ -29,7 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import ParallelConfig
 from ..config_io import load_toml
+from ..distributed.layout import Layout
+from ..presets import model_preset
 from ..simulator.bound import Bound
 from .analysis import (
     TCP_EFFICIENCY,
@@ -77,41 +82,70 @@ class BenchSpec:
     # m * a + n * f = m + n (the EP runs' total NIC bandwidth); EP runs: 1 everywhere
     nic_split: tuple[float, float] = (1.0, 1.0)
     split_note: str = ""
+    placements: tuple[str, ...] = ("node-aware",)  # disagg: one run per placement
 
     @property
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def worker_gbps(self, runtime: str) -> list[float]:
-        """NIC Gbit/s of every rank in this runtime's run (disagg: the NIC split)."""
-        if runtime != "disagg" or self.nic_split == (1.0, 1.0):
-            return [self.nic_gbps] * self.world
-        m, n = self.attn_workers, self.expert_workers
-        a, f = self.nic_split
-        # ranks go group by group, a group's m attention replicas before its n shards
-        return [self.nic_gbps * (a if r % (m + n) < m else f) for r in range(self.world)]
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The rows of the bench: every runtime, `disagg` once per placement."""
+        out: list[str] = []
+        for runtime in self.runtimes:
+            if runtime == "disagg":
+                out += [entry_label(runtime, p) for p in self.placements]
+            else:
+                out.append(runtime)
+        return tuple(out)
 
-    def node_mbit(self, runtime: str) -> list[float]:
+    def layout(self, entry: str) -> Layout:
+        """The disaggregated layout of a `disagg` entry (its placement, this cluster's R)."""
+        runtime, placement = parse_entry(entry)
+        assert runtime == "disagg", entry
+        parallel = ParallelConfig(
+            groups=self.groups, attn_workers=self.attn_workers,
+            expert_workers=self.expert_workers, placement=placement,
+        )  # fmt: skip
+        return Layout.build(
+            model_preset(self.model), parallel, self.world, ranks_per_node=self.ranks_per_node
+        )
+
+    def worker_gbps(self, entry: str) -> list[float]:
+        """NIC Gbit/s of every rank in this entry's run (disagg node-aware: the NIC split,
+        which pools a node's NICs for its A and F workers; packed runs get even NICs, as
+        in the simulator)."""
+        runtime, placement = parse_entry(entry)
+        if runtime != "disagg" or placement != "node-aware" or self.nic_split == (1.0, 1.0):
+            return [self.nic_gbps] * self.world
+        a, f = self.nic_split
+        layout = self.layout(entry)
+        return [self.nic_gbps * (a if layout.role(r).comp == "A" else f) for r in range(self.world)]
+
+    def node_mbit(self, entry: str) -> list[float]:
         """Each node's tbf rate (Mbit/s): its ranks' NICs, slowed by the time scale."""
-        rates = self.worker_gbps(runtime)
+        rates = self.worker_gbps(entry)
         R = self.ranks_per_node
         return [sum(rates[k * R : (k + 1) * R]) * 1000 / self.time_scale for k in range(self.nodes)]
 
-    def layout_flags(self, runtime: str) -> list[str]:
+    def layout_flags(self, entry: str) -> list[str]:
+        runtime, placement = parse_entry(entry)
         if runtime == "disagg":
             return ["--groups", str(self.groups), "--attn-workers", str(self.attn_workers),
-                    "--expert-workers", str(self.expert_workers)]  # fmt: skip
+                    "--expert-workers", str(self.expert_workers), "--placement", placement,
+                    "--ranks-per-node", str(self.ranks_per_node)]  # fmt: skip
         ep = self.ep or self.world // self.pp
         return ["--pp", str(self.pp), "--ep", str(ep), "--world-size", str(self.world)]
 
-    def train_flags(self, runtime: str, run_dir: Path) -> list[str]:
+    def train_flags(self, entry: str, run_dir: Path) -> list[str]:
+        runtime, _ = parse_entry(entry)
         flags = [
             "--runtime", runtime, "--model", self.model, "--seq-len", str(self.seq_len),
             "--global-batch-size", str(self.global_batch_size),
             "--micro-batch-size", str(self.micro_batch_size), "--steps", str(self.steps),
             "--threads-per-rank", "1", "--no-progress", "--run-dir", str(run_dir),
             "--comm-timeout", str(max(self.timeout_s / 2, 30.0)),
-            *self.layout_flags(runtime),
+            *self.layout_flags(entry),
         ]  # fmt: skip
         if self.costs_path:
             flags += ["--set", f"train.emulate_compute={self.costs_path}"]
@@ -121,11 +155,27 @@ class BenchSpec:
         return flags
 
 
+def entry_label(runtime: str, placement: str) -> str:
+    """A bench row: the runtime, and for `disagg` a placement other than node-aware."""
+    return runtime if runtime != "disagg" or placement == "node-aware" else f"disagg ({placement})"
+
+
+def parse_entry(entry: str) -> tuple[str, str]:
+    """(runtime, placement) of a bench row (`entry_label` read back)."""
+    runtime, _, rest = entry.partition(" (")
+    return runtime, rest.rstrip(")") or "node-aware"
+
+
+def entry_slug(entry: str) -> str:
+    """A bench row as a directory name: `disagg (packed)` -> `disagg-packed`."""
+    return entry.replace(" (", "-").rstrip(")")
+
+
 @dataclass
 class RunOutcome:
-    """One launch of one runtime."""
+    """One launch of one bench row (a runtime, or disagg with one placement)."""
 
-    runtime: str
+    runtime: str  # the row (`BenchSpec.entries`)
     repeat: int
     run_dir: Path
     ok: bool
@@ -137,7 +187,7 @@ class RunOutcome:
 Cluster = EmulatedCluster | LoopbackCluster
 
 
-def launch(cluster: Cluster, spec: BenchSpec, runtime: str, run_dir: Path) -> tuple[bool, str]:
+def launch(cluster: Cluster, spec: BenchSpec, entry: str, run_dir: Path) -> tuple[bool, str]:
     """Start one torchrun agent per node, wait for all; (ok, error line)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     env = {
@@ -163,7 +213,7 @@ def launch(cluster: Cluster, spec: BenchSpec, runtime: str, run_dir: Path) -> tu
             "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv,
             "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60",
             "--local-addr", cluster.addr(k), "--max-restarts", "0", "--monitor-interval", "0.2",
-            "-m", "disagmoe.train", *spec.train_flags(runtime, run_dir),
+            "-m", "disagmoe.train", *spec.train_flags(entry, run_dir),
         ]  # fmt: skip
         log = (run_dir / f"node{k}.log").open("w")
         proc = subprocess.Popen(
@@ -214,11 +264,11 @@ def read_steps(run_dir: Path, warmup: int) -> dict[int, float]:
 
 
 def run_all(spec: BenchSpec, cluster: Cluster, log: Any = None) -> list[RunOutcome]:
-    """Every runtime `repeats` times, interleaved; failures are recorded, not raised."""
+    """Every row `repeats` times, interleaved; failures are recorded, not raised."""
     outcomes = []
     for rep in range(spec.repeats):
-        for runtime in spec.runtimes:
-            run_dir = spec.out_dir / f"{runtime}-r{rep}"
+        for runtime in spec.entries:
+            run_dir = spec.out_dir / f"{entry_slug(runtime)}-r{rep}"
             t0 = time.perf_counter()
             if log:
                 log(f"bench: {runtime} (repeat {rep + 1}/{spec.repeats}) -> {run_dir}")
@@ -288,7 +338,7 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
     k = spec.time_scale  # wall times are k x the emulated cluster's; results are divided by k
     net = emulated_network(spec.nic_gbps / k, spec.ranks_per_node, spec.loopback)
     tokens = spec.global_batch_size * spec.seq_len
-    for runtime in spec.runtimes:
+    for runtime in spec.entries:
         mine = [o for o in outcomes if o.runtime == runtime]
         layout = " ".join(spec.layout_flags(runtime)).replace("--", "")
         res = RuntimeResult(runtime, False, "", layout, run_dirs=[str(o.run_dir) for o in mine])
@@ -308,8 +358,13 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         rates = spec.worker_gbps(runtime)
         run_net = net
         if len(set(rates)) > 1:  # the NIC split, as the simulator's per-rank NIC rates
-            per_gbps = net.nic_bytes_per_s / (spec.nic_gbps / k)
-            run_net = dataclasses.replace(net, nic_share=tuple(g / k * per_gbps for g in rates))
+            rank_net = emulated_network(
+                spec.nic_gbps / k, spec.ranks_per_node, spec.loopback, per_rank=True
+            )
+            per_gbps = rank_net.nic_bytes_per_s / (spec.nic_gbps / k)
+            run_net = dataclasses.replace(
+                rank_net, nic_share=tuple(g / k * per_gbps for g in rates)
+            )
         for o in good:
             events = _events(o.run_dir, set(o.step_times))
             parts.append(trace_breakdown(events, o.step_times))

@@ -1,8 +1,12 @@
 """Who is who in a disaggregated run (pure: no process groups).
 
-Ranks are numbered group by group: group g owns ranks
-`g*(m+n) .. g*(m+n)+m-1` (attention replicas r = 0..m-1) followed by
-`g*(m+n)+m .. (g+1)*(m+n)-1` (expert shards j = 0..n-1).
+Ranks are numbered group by group: group g owns ranks `g*(m+n) .. (g+1)*(m+n)-1`,
+its m attention replicas and n expert shards in the order `placement` gives
+(`distributed.placement`: `packed` puts the replicas first, `node-aware` interleaves
+them m : n so that every node holds both). Everything that needs a rank asks the
+layout (`attn_rank`, `expert_rank`, `role`, `attn_replicas`, `expert_shards`), never
+rank arithmetic, so the schedule, the process groups, the executor, the checkpoints,
+the traces and the simulator all follow the placement.
 
 Layer l lives on group `l mod p`; the "layer" L (after the last block: final
 norm, LM head, loss) lives on A-group `L mod p`, which is group 0 because we
@@ -17,10 +21,11 @@ i mod m's slot i // m), so only the last slot may be run by fewer than m replica
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..config import ModelConfig, ParallelConfig
 from ..models.moe import split_experts
+from .placement import block_roles
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,11 +46,29 @@ class Layout:
     num_layers: int  # L
     num_experts: int
     moe_layers: frozenset[int]
+    placement: str = "packed"  # "packed" | "node-aware" (distributed.placement)
+    ranks_per_node: int = 0  # R: node k holds ranks kR .. kR+R-1 (0: one node for all)
+    # a group's block in rank order, and each (component, index)'s position in it; derived
+    # in __post_init__, so `dataclasses.replace` re-derives them
+    _block: tuple[tuple[str, int], ...] = field(init=False, repr=False, compare=False)
+    _position: dict[tuple[str, int], int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        block = block_roles(self.attn_workers, self.expert_workers, self.placement)
+        object.__setattr__(self, "_block", block)
+        object.__setattr__(self, "_position", {role: k for k, role in enumerate(block)})
 
     @classmethod
     def build(
-        cls, model: ModelConfig, parallel: ParallelConfig, world_size: int | None = None
+        cls,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        world_size: int | None = None,
+        *,
+        ranks_per_node: int = 0,
     ) -> Layout:
+        """The layout of `parallel` for `model`; `ranks_per_node` is the resolved R (the
+        runtime resolves torchrun's LOCAL_WORLD_SIZE: `placement.resolve_ranks_per_node`)."""
         p, m, n = parallel.groups, parallel.attn_workers, parallel.expert_workers
         if model.num_layers % p:
             raise ValueError(
@@ -76,6 +99,8 @@ class Layout:
             num_layers=model.num_layers,
             num_experts=model.num_experts,
             moe_layers=frozenset(l for l in range(model.num_layers) if model.is_moe_layer(l)),
+            placement=parallel.placement,
+            ranks_per_node=ranks_per_node,
         )
 
     @property
@@ -116,16 +141,22 @@ class Layout:
         return layer % self.groups
 
     def attn_rank(self, group: int, replica: int) -> int:
-        return group * (self.attn_workers + self.expert_workers) + replica
+        assert 0 <= group < self.groups, group
+        return group * len(self._block) + self._position[("A", replica)]
 
     def expert_rank(self, group: int, shard: int) -> int:
-        return group * (self.attn_workers + self.expert_workers) + self.attn_workers + shard
+        assert 0 <= group < self.groups, group
+        return group * len(self._block) + self._position[("F", shard)]
 
     def role(self, rank: int) -> Role:
-        group, pos = divmod(rank, self.attn_workers + self.expert_workers)
-        if pos < self.attn_workers:
-            return Role("A", group, pos)
-        return Role("F", group, pos - self.attn_workers)
+        group, pos = divmod(rank, len(self._block))
+        assert 0 <= group < self.groups, rank
+        comp, index = self._block[pos]
+        return Role(comp, group, index)
+
+    def node_of(self, rank: int) -> int:
+        """The node of `rank` (torchrun numbers ranks node by node)."""
+        return rank // self.ranks_per_node if self.ranks_per_node else 0
 
     def layers_of(self, rank: int) -> list[int]:
         """Layers whose A (0..L, L = head/loss) or F component this rank runs, ascending."""

@@ -16,6 +16,7 @@ Per optimizer step:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from ..config import RunConfig, replace_section
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.layout import Layout
+from ..distributed.placement import node_mix, resolve_ranks_per_node
 from ..distributed.topology import Topology, allreduce_grads, world_sum
 from ..schedule.afpipe import build_afpipe, build_afpipe_rank
 from ..schedule.ir import Instr, Schedule, lists_text
@@ -65,6 +67,16 @@ def run_cap(cfg: RunConfig, layout: Layout) -> int:
     if cfg.train.memory_gib <= 0:
         return cfg.schedule.max_in_flight if cfg.schedule.max_in_flight > 0 else slots
     return in_flight_cap(cfg, slots)
+
+
+def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
+    """The layout of a run, with its ranks per node resolved (`parallel.ranks_per_node`,
+    else torchrun's LOCAL_WORLD_SIZE of this process, else one node)."""
+    layout = Layout.build(cfg.model, cfg.parallel, world_size)
+    ranks = resolve_ranks_per_node(
+        cfg.parallel.ranks_per_node, layout.world_size, os.environ.get("LOCAL_WORLD_SIZE")
+    )
+    return dataclasses.replace(layout, ranks_per_node=ranks)
 
 
 def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
@@ -108,7 +120,7 @@ class DisaggTrainer:
             dist.broadcast_object_list(budget, src=0)
             cfg = replace_section(cfg, "train", memory_gib=budget[0])
         self.cfg = cfg
-        self.layout = Layout.build(cfg.model, cfg.parallel, dist.get_world_size())
+        self.layout = run_layout(cfg, dist.get_world_size())
         self.cap = run_cap(cfg, self.layout)
         if self.layout.world_size <= self.whole_world_ranks:
             self.schedule: Schedule | None = run_schedule(cfg, self.layout)
@@ -235,6 +247,18 @@ class DisaggTrainer:
 
     def process_groups(self) -> int:
         return self.topo.process_groups
+
+    def placement(self) -> dict[str, Any]:
+        lay = self.layout
+        roles = [lay.role(r) for r in range(lay.world_size)]
+        return {
+            "placement": lay.placement,
+            "ranks_per_node": lay.ranks_per_node,
+            "roles": [str(r) for r in roles],
+            "nodes": [
+                {"A": a, "F": f} for a, f in node_mix([r.comp for r in roles], lay.ranks_per_node)
+            ],
+        }
 
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6

@@ -48,6 +48,10 @@ class Trainer(Protocol):
         """Process groups this run created (the world group excluded; the same on every rank)."""
         ...
 
+    def placement(self) -> dict[str, Any]:
+        """Where the ranks sit, for run.json: `roles` (rank -> role), the placement rule."""
+        ...
+
 
 class NonFiniteError(RuntimeError):
     pass
@@ -126,6 +130,7 @@ def run_training(
             "runtime": cfg.parallel.runtime,
             "world_size": world,
             "process_groups": trainer.process_groups(),
+            **trainer.placement(),
         }
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
     log = (

@@ -31,6 +31,9 @@ class ReferenceTrainer:
     def process_groups(self) -> int:
         return 0
 
+    def placement(self) -> dict[str, Any]:
+        return {"roles": ["reference"]}
+
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6
 

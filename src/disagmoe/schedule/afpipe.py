@@ -188,7 +188,7 @@ def reduced_layout(layout: Layout, num_micro_batches: int) -> tuple[Layout, int]
     shard per group: the schedule whose lists every real rank's list expands from."""
     classes = len(replica_classes(layout, num_micro_batches))
     num_slots = layout.slots_of_replica(0, num_micro_batches)
-    reduced = replace(layout, attn_workers=classes, expert_workers=1)
+    reduced = replace(layout, attn_workers=classes, expert_workers=1, placement="packed")
     return reduced, num_slots * classes - (classes - 1)
 
 
@@ -208,7 +208,8 @@ def build_afpipe_rank(
     the same list, and so do all n shards of an F-group (the generator's costs depend on
     neither m nor n, nor on a shard's expert count), so the list of one replica per class
     and one shard per group (`reduced_layout`) is built and `rank`'s list expanded from
-    its representative: a message to or from the other component stands for one message
+    its representative (peers are found through `layout`, so any placement works): a message
+    to or from the other component stands for one message
     per peer of that group (replicas r of the class, or shards j, in order); a message
     to the same component goes to the peer with the same index.
     Time and memory: the reduced schedule plus `rank`'s own instructions, whatever m

@@ -11,13 +11,19 @@ import math
 import sys
 from typing import Any
 
-from ..config import MULTI_WORKER_RUNTIMES, SCHEDULE_ORDERS, ClusterConfig, ModelConfig
+from ..config import (
+    MULTI_WORKER_RUNTIMES,
+    PLACEMENTS,
+    SCHEDULE_ORDERS,
+    ClusterConfig,
+    ModelConfig,
+)
 from ..flops import expert_flops, train_factors
 from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import simulate_ep
-from .placement import PLACEMENTS, planned_split
+from .placement import planned_split
 from .report import BREAKDOWN_KEYS, SimResult
 
 

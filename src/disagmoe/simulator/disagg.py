@@ -20,7 +20,7 @@ from .costs import AnalyticCosts, InstrCosts, MessageOverheads, Workload
 from .engine import run_program
 from .lower import Pricing, lower
 from .network import Network
-from .placement import disagg_placement, nic_shares
+from .placement import nic_shares
 from .report import SimResult, summarize
 from .symmetry import Symmetry
 
@@ -191,15 +191,17 @@ def simulate_disagg(
     micro_batch_size); replica r runs ceil((M - r) / m) slots (`Layout.slots_of_replica`).
     `reduce`: replay the one-replica(-per-class)-one-shard schedule with bundled messages
     (None: only when the full schedule has more than REDUCE_ABOVE_MESSAGES messages).
-    `placement` / `nic_split` (the planner's M_a, M_f per group; None: one fair NIC
+    `placement`: `parallel.placement`, the runtime's rule (`distributed.placement`; rank r
+    runs on GPU r). `nic_split` (the planner's M_a, M_f per group; None: one fair NIC
     share per GPU): see `simulator.placement`; the split needs `node-aware`.
     `recompute`: activation recompute none | attn | full (analytic costs: each backward adds
     one forward of the attention core, or of everything).
     """
     parallel = ParallelConfig(
-        groups=groups, attn_workers=attn_workers, expert_workers=expert_workers
-    )
-    layout = Layout.build(model, parallel)
+        groups=groups, attn_workers=attn_workers, expert_workers=expert_workers,
+        placement=placement,
+    )  # fmt: skip
+    layout = Layout.build(model, parallel, ranks_per_node=cluster.gpus_per_node)
     if num_micro_batches < attn_workers:
         raise ValueError(
             f"--micro-batches ({num_micro_batches}) leaves some of the {attn_workers} attention "
@@ -213,7 +215,6 @@ def simulate_disagg(
         workload, cluster, attn_workers, expert_workers, recompute
     )
     net = Network.from_cluster(cluster)
-    net = dataclasses.replace(net, gpu_of=disagg_placement(layout, placement))
     if nic_split is not None:
         if placement != "node-aware":
             raise ValueError("a NIC split pools a node's NICs: use placement 'node-aware'")

@@ -6,8 +6,9 @@ shared objects, so their messages queue behind each other); with more NICs
 than GPUs a GPU's ports aggregate its NICs. Out and in are separate ports: full
 duplex. Bandwidths are achievable ones (`nic_gbps * bw_efficiency`).
 
-Placement (`gpu_of`): rank r runs on physical GPU `gpu_of[r]` (node
-`gpu_of[r] // gpus_per_node`); by default GPU r. NIC split (`nic_share`): with
+Placement: rank r runs on GPU r, node `r // gpus_per_node` (as torchrun numbers
+ranks); which worker a rank is, is the layout's business (`distributed.placement`,
+one rule for the runtime and the simulator). NIC split (`nic_share`): with
 one or more NICs per GPU, rank r's NIC ports run at `nic_share[r]` bytes/s per
 direction instead of the fair share — a node's NICs used as one pool (NCCL
 routes a GPU's inter-node traffic through another GPU's NIC over NVLink, "PXN"),
@@ -29,7 +30,6 @@ class Network:
     nic_bytes_per_s: float  # one NIC, one direction
     nvlink_bytes_per_s: float  # one GPU, one direction
     latency_s: float
-    gpu_of: tuple[int, ...] = ()  # physical GPU of each rank (empty: rank r on GPU r)
     nic_share: tuple[float, ...] = ()  # per rank NIC bytes/s per direction (empty: fair share)
 
     @classmethod
@@ -48,11 +48,8 @@ class Network:
         """All workers on one host linked at `bytes_per_s` each (e.g. gloo over loopback)."""
         return cls(gpus, gpus, bytes_per_s, bytes_per_s, latency_s)
 
-    def gpu(self, rank: int) -> int:
-        return self.gpu_of[rank] if self.gpu_of else rank
-
     def node_of(self, rank: int) -> int:
-        return self.gpu(rank) // self.gpus_per_node
+        return rank // self.gpus_per_node
 
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of(a) == self.node_of(b)
@@ -67,9 +64,9 @@ class Network:
         return self.nic_share[rank] if self.nic_share else self.nic_bytes_per_gpu
 
     def nic_of(self, rank: int) -> int:
-        local = self.gpu(rank) % self.gpus_per_node
+        local = rank % self.gpus_per_node
         if self.nics_per_node >= self.gpus_per_node:
-            return self.gpu(rank)
+            return rank
         return (
             self.node_of(rank) * self.nics_per_node
             + local * self.nics_per_node // self.gpus_per_node

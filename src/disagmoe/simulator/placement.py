@@ -1,16 +1,12 @@
 """Where the simulated disaggregated workers sit, and how the NICs are split between them.
 
-Placement (`disagg_placement`):
-
-* `packed` — rank order (`distributed.layout`): group by group, a group's m
-  attention replicas, then its n expert shards. With m, n >= one node, a
-  group's A and F workers sit on different nodes and every M2N / N2M byte
-  crosses InfiniBand.
-* `node-aware` (default) — each group keeps its contiguous block of GPUs, but
-  inside it the A and F workers alternate in proportion m : n, so every node
-  of the group holds both and the share of a replica's dispatch that goes to
-  shards on its own node (about GPUs per node / (m + n)) moves over NVLink.
-  The N2M combine goes to the *next* group's replicas (p > 1), on other nodes.
+Placement is the runtime's (`parallel.placement`, `distributed.placement`): the
+`Layout` says which worker each rank is, and rank r runs on GPU r. With `packed` and
+m, n >= one node, a group's A and F workers sit on different nodes and every M2N / N2M
+byte crosses InfiniBand; `node-aware` (default) puts A and F of a group on every node in
+proportion m : n, so the share of a replica's dispatch that goes to shards on its own
+node (about GPUs per node / (m + n)) moves over NVLink. The N2M combine goes to the
+*next* group's replicas (p > 1), on other nodes.
 
 NIC split (`nic_shares`): the planner (docs/design.md §2.4) gives each group's
 attention and FFN workers M_a and M_f NICs. Physically a node's NICs form one
@@ -36,28 +32,6 @@ from typing import Any
 from ..config import ClusterConfig, ModelConfig
 from ..distributed.layout import Layout
 from .network import Network
-
-PLACEMENTS = ("node-aware", "packed")
-
-
-def disagg_placement(layout: Layout, placement: str) -> tuple[int, ...]:
-    """Physical GPU of every rank of `layout` (see the module doc)."""
-    if placement not in PLACEMENTS:
-        raise ValueError(f"unknown placement {placement!r}; choose one of {', '.join(PLACEMENTS)}")
-    if placement == "packed":
-        return tuple(range(layout.world_size))
-    m, n = layout.attn_workers, layout.expert_workers
-    gpu_of = [0] * layout.world_size
-    for g in range(layout.groups):
-        base = g * (m + n)
-        # Merge the two sides by their position in [0, 1): A, F, A, F, ... in ratio m : n.
-        order = sorted(
-            [((i + 0.5) / m, 0, layout.attn_rank(g, i)) for i in range(m)]
-            + [((j + 0.5) / n, 1, layout.expert_rank(g, j)) for j in range(n)]
-        )
-        for pos, (_, _, rank) in enumerate(order):
-            gpu_of[rank] = base + pos
-    return tuple(gpu_of)
 
 
 def nic_shares(layout: Layout, net: Network, attn_nics: int, ffn_nics: int) -> tuple[float, ...]:
