@@ -35,11 +35,15 @@ from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
 from disagmoe.simulator.costs import InstrCosts
 
 # "auto" switches to the analytic profile above this many GPUs.
-AUTO_SIMULATOR_MAX_GPUS = 256
-# Seeds (one per p and recompute mode) whose analytic seconds per sequence are more than
-# this factor above the best seed's are not simulated: a high p needs many micro-batches,
-# whose replay is the slow part of planning, and the analytic ranking is right at that range.
+AUTO_SIMULATOR_MAX_GPUS = 1024
+# Seeds (one per p and recompute mode) the simulator scores: those within this factor of
+# the best seed's analytic seconds per sequence (the two profiles disagree by up to ~30%
+# between p's, so the band is wide) ...
 SEED_BAND = 1.5
+# ... and with at most this many micro-batches per step: a high p needs many (p = 16 of a
+# 48-layer model: 104) and their replay (~8 s each) would dominate planning. Seeds above it
+# are simulated only when no other seed is left.
+SEED_MAX_MICRO_BATCHES = 64
 
 PlanKey = tuple[int, int, int, int, int, int, str, int]
 
@@ -116,8 +120,9 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
 
     With the simulator, stages 1-2 still pick each (p, recompute) seed's split and
     in-flight count with the analytic profile (the MILP's band and the memory trade-off);
-    the simulator then scores the seeds within `SEED_BAND` of the best, the best of them
-    is Stage 3's start, and every Stage-3 candidate is simulated. p stays the seed's.
+    the simulator then scores the seeds within `SEED_BAND` of the best analytic one and of
+    at most `SEED_MAX_MICRO_BATCHES` micro-batches, the best of them is Stage 3's start,
+    and every Stage-3 candidate is simulated. p stays the seed's.
     """
     name = resolve_profile(planner)
     analytic = AnalyticProfile(planner)
@@ -129,12 +134,61 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
     else:
         prof = SimulatorProfile(planner, costs)
         best = min(score(plan, plan.step_time_s) for plan in seeds)
-        scored = [
-            dataclasses.replace(plan, step_time_s=prof(plan))
-            for plan in seeds
-            if score(plan, plan.step_time_s) <= SEED_BAND * best
-        ]
+        near = [plan for plan in seeds if score(plan, plan.step_time_s) <= SEED_BAND * best]
+        small = [plan for plan in near if plan.micro_batches <= SEED_MAX_MICRO_BATCHES]
+        scored = [dataclasses.replace(plan, step_time_s=prof(plan)) for plan in small or near]
         seed = min(scored, key=lambda plan: score(plan, plan.step_time_s))
     if not (opts.roofline_only or opts.search_moves == 0):
         seed = refine_plan(planner, seed, prof).best
     return dataclasses.replace(seed, profile=name)
+
+
+def grid(lo: int, hi: int, points: int) -> list[int]:
+    """All of lo..hi when `points` is 0 or covers them, else `points` evenly spaced ones."""
+    if hi < lo:
+        return []
+    if points <= 0 or hi - lo + 1 <= points:
+        return list(range(lo, hi + 1))
+    if points == 1:
+        return [lo]
+    return sorted({lo + round(i * (hi - lo) / (points - 1)) for i in range(points)})
+
+
+def sweep_plans(
+    planner: Planner,
+    groups: int,
+    profile: Profile,
+    *,
+    m_points: int = 0,
+    nic_points: int = 0,
+    caps: str = "all",
+) -> list[Plan]:
+    """Every feasible plan of Stage 3's space at p = `groups`, scored by `profile`.
+
+    The space: m = 1..G/p-1 (n <= E), M_a = 1..M_g-1, recompute none/full (or the fixed
+    mode), in-flight cap 1..min(micro-batches, what memory admits). `m_points` /
+    `nic_points` > 0 take that many evenly spaced values instead of all; `caps`="pow2"
+    takes the powers of two and the largest cap instead of all.
+    """
+    opts = planner.options
+    modes = ["none", "full"] if opts.recompute == "auto" else [opts.recompute]
+    prob = planner.problem(groups, 1, modes[0])
+    micro = planner.micro_batches(groups)
+    out: list[Plan] = []
+    for mode in modes:
+        top = min(micro, planner.max_in_flight_attn(groups, mode))
+        if top < 1:
+            continue
+        ks = list(range(1, top + 1))
+        if caps == "pow2":
+            ks = sorted({k for k in ks if k & (k - 1) == 0} | {top})
+        for m in grid(1, prob.gpus - 1, m_points):
+            for ma in grid(1, prob.nics - 1, nic_points):
+                for k in ks:
+                    plan = planner.evaluate(
+                        groups=groups, m=m, attn_nics=ma, in_flight=k, recompute=mode,
+                        profile=profile, stage="sweep",
+                    )  # fmt: skip
+                    if plan is not None:
+                        out.append(plan)
+    return out
