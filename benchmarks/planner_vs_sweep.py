@@ -13,7 +13,8 @@ Full enumeration is ~10^4 replays per case, so the sweep takes m and M_a on grid
 and its largest value (`--caps pow2`); `gap %` = best swept tokens/s / planner's - 1
 (negative: the planner found a point off the grid that beats it).
 
-Then the planning time with the simulator profile at 64 and 1024 GPUs (`--timing-gpus`).
+Then the planning time with the simulator profile at 64 and 1024 GPUs (`--timing-gpus`,
+`--timing-models`; `--models` with no name skips the sweep).
 Cluster presets are nominal (analytic per-op costs, no GPU measurement).
 """
 
@@ -82,13 +83,14 @@ def compare(model_name: str, seq: int, gpus: int, args: argparse.Namespace) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", default="", help="write the rows and timings here")
-    parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=list(MODELS), help="swept presets")
     parser.add_argument("--seqs", nargs="+", type=int, default=list(SEQS))
     parser.add_argument("--nodes", type=int, default=8, help="h800 nodes of 8 GPUs")
     parser.add_argument("--m-points", type=int, default=16, help="sweep: m values (0: all)")
     parser.add_argument("--nic-points", type=int, default=6, help="sweep: M_a values (0: all)")
     parser.add_argument("--caps", choices=("all", "pow2"), default="pow2")
     parser.add_argument("--timing-gpus", nargs="*", type=int, default=[64, 1024])
+    parser.add_argument("--timing-models", nargs="*", default=list(MODELS))
     args = parser.parse_args()
     gpus = args.nodes * H800.gpus_per_node
     rows = []
@@ -104,7 +106,7 @@ def main() -> None:
                   flush=True)  # fmt: skip
     timings = []
     for n in args.timing_gpus:
-        for name in args.models:
+        for name in args.timing_models:
             for seq in args.seqs:
                 t0 = time.perf_counter()
                 plan = plan_for(model_preset(name), H800, gpus=n, seq_len=seq,
