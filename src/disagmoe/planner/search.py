@@ -79,7 +79,9 @@ def plan_mover(
     """Random moves over what the runtime can run, p fixed; None when infeasible.
 
     Half the moves change the split: m and M_a by up to r each, n = G/p - m and M_f follow
-    (uneven shards: any n <= E). The others change the in-flight cap by up to r (at most
+    (uneven shards: any n <= E), or n jumps to the fewest shards that keep the busiest
+    shard's expert count ceil(E/n), or that hold one expert less (the expert time follows
+    that count, so the space between such n is flat and a step of r cannot cross it). The others change the in-flight cap by up to r (at most
     the plan's micro-batches, at least 1) or jump to the most the memory admits, or flip
     the recompute mode (none <-> full, when `recompute` is auto) keeping the cap where the
     memory still admits it.
@@ -100,7 +102,14 @@ def plan_mover(
             plan.attn_gpus_per_group, plan.attn_nics_per_group, plan.in_flight, plan.recompute
         )  # fmt: skip
         kind = rng.random()
-        if kind < 0.5:
+        if kind < 0.15:  # the fewest shards at the busiest shard's load, or one expert less
+            per_group = m + plan.ffn_gpus_per_group
+            load = -(-planner.model.num_experts // plan.ffn_gpus_per_group)
+            target = rng.choice([c for c in (load, load - 1) if c >= 1])
+            m = per_group - -(-planner.model.num_experts // target)
+            if m == plan.attn_gpus_per_group:
+                return None
+        elif kind < 0.5:
             dm = rng.randint(-radius, radius)
             dn = rng.randint(-radius, radius)
             if dm == 0 and dn == 0:
