@@ -8,10 +8,11 @@ scored by `planner.sim_profile.SimulatorProfile`), timed; then every plan of the
 Stage-3 space at the planner's p (`sim_profile.sweep_plans`: m, the NIC split M_a : M_f,
 the in-flight cap, recompute none/full; the planner's memory model rules out what does
 not fit) is simulated with the same profile and the best tokens/s is reported, timed.
-Full enumeration is ~10^4 replays per case, so the sweep takes m and M_a on grids of
-`--m-points` / `--nic-points` evenly spaced values and the in-flight cap at powers of two
-and its largest value (`--caps pow2`); `gap %` = best swept tokens/s / planner's - 1
-(negative: the planner found a point off the grid that beats it).
+By default the sweep takes every m and every M_a and the in-flight cap at powers of two
+and its largest value (`--caps pow2`; `--caps all` for every cap); `--m-points` /
+`--nic-points` > 0 put m and M_a on grids of that many evenly spaced values instead.
+`gap %` = best swept tokens/s / planner's - 1 (negative: the planner found a point the
+sweep's grid misses).
 
 Then the planning time with the simulator profile at 64 and 1024 GPUs (`--timing-gpus`,
 `--timing-models`; `--models` with no name skips the sweep).
@@ -86,8 +87,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), help="swept presets")
     parser.add_argument("--seqs", nargs="+", type=int, default=list(SEQS))
     parser.add_argument("--nodes", type=int, default=8, help="h800 nodes of 8 GPUs")
-    parser.add_argument("--m-points", type=int, default=16, help="sweep: m values (0: all)")
-    parser.add_argument("--nic-points", type=int, default=6, help="sweep: M_a values (0: all)")
+    parser.add_argument("--m-points", type=int, default=0, help="sweep: m values (0: all)")
+    parser.add_argument("--nic-points", type=int, default=0, help="sweep: M_a values (0: all)")
     parser.add_argument("--caps", choices=("all", "pow2"), default="pow2")
     parser.add_argument("--timing-gpus", nargs="*", type=int, default=[64, 1024])
     parser.add_argument("--timing-models", nargs="*", default=list(MODELS))
