@@ -15,7 +15,8 @@ and its largest value (`--caps pow2`; `--caps all` for every cap); `--m-points` 
 sweep's grid misses).
 
 Then the planning time with the simulator profile at 64 and 1024 GPUs (`--timing-gpus`,
-`--timing-models`; `--models` with no name skips the sweep).
+`--timing-models`; `--models` with no name skips the sweep), wall-clock and the process's
+CPU seconds (what it costs on an idle core when the machine is shared).
 Cluster presets are nominal (analytic per-op costs, no GPU measurement).
 """
 
@@ -109,14 +110,14 @@ def main() -> None:
     for n in args.timing_gpus:
         for name in args.timing_models:
             for seq in args.seqs:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 plan = plan_for(model_preset(name), H800, gpus=n, seq_len=seq,
                                 micro_batch_size=1, profile="simulator")  # fmt: skip
-                seconds = time.perf_counter() - t0
+                seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
                 timings.append({"gpus": n, "model": name, "seq_len": seq, "plan_s": seconds,
-                                "plan": describe(plan)})  # fmt: skip
-                print(f"planning {name} seq {seq} on {n} GPUs: {seconds:.1f} s ({describe(plan)})",
-                      flush=True)  # fmt: skip
+                                "plan_cpu_s": cpu, "plan": describe(plan)})  # fmt: skip
+                print(f"planning {name} seq {seq} on {n} GPUs: {seconds:.1f} s wall, {cpu:.1f} s "
+                      f"CPU ({describe(plan)})", flush=True)  # fmt: skip
     if args.json:
         write_json(args.json, {"cluster": "h800", "gpus": gpus, "rows": rows, "timings": timings,
                                "grid": {"m_points": args.m_points,
