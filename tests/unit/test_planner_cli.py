@@ -22,7 +22,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_json_output_has_the_documented_keys(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("--model", "qwen3-30b-a3b", "--gpus", "64", "--seq-len", "8192", "--json",
-                 "--search-moves", "8")  # fmt: skip
+                 "--search-moves", "8", "--profile", "analytic")  # fmt: skip
     assert run_plan(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) >= JSON_KEYS
@@ -44,7 +44,8 @@ def test_flags_override_the_cluster_preset(capsys: pytest.CaptureFixture[str]) -
 
 def test_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     png = tmp_path / "roof.png"
-    args = parse("--model", "gpt-oss-20b", "--gpus", "64", "--plot", str(png))
+    args = parse("--model", "gpt-oss-20b", "--gpus", "64", "--plot", str(png), "--profile",
+                 "analytic")  # fmt: skip
     assert run_plan(args) == 0
     text = capsys.readouterr().out
     assert "A:F GPUs" in text and "T_stage" in text

@@ -12,7 +12,8 @@ import json
 
 from disagmoe.config import RECOMPUTE
 from disagmoe.planner import Plan, plan_for
-from disagmoe.planner.plan import PlanOptions
+from disagmoe.planner.plan import PROFILES, PlanOptions
+from disagmoe.planner.sim_profile import AUTO_SIMULATOR_MAX_GPUS
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 
 
@@ -43,6 +44,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilon", type=float, default=0.02, help="stage-2 tie band")
     parser.add_argument("--search-moves", type=int, default=64, help="stage-3 moves K")
     parser.add_argument("--search-radius", type=int, default=2, help="stage-3 radius r")
+    parser.add_argument("--profile", choices=PROFILES, default="auto",
+                        help="what scores stage 3: the simulator's replay of the plan's step or "
+                        f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
+                        "GPUs, analytic above and for --roofline-only)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write the roofline figure")
@@ -73,6 +78,7 @@ def run_plan(args: argparse.Namespace) -> int:
         search_moves=args.search_moves,
         search_radius=args.search_radius,
         seed=args.seed,
+        profile=args.profile,
     )
     if args.plot:
         from disagmoe.planner.plot import plot_roofline  # matplotlib only when asked
@@ -107,7 +113,10 @@ def format_plan(plan: Plan, epsilon: float = PlanOptions().epsilon) -> str:
         ("I_attn / I_ffn / ridge", f"{plan.i_attn:,.0f} / {plan.i_ffn:,.0f} / {plan.ridge:,.0f} FLOP/B"),
         ("memory A / F / usable", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
          f"{plan.mem_cap_gib:.1f} GiB per GPU"),
-        ("step time (profile)", f"{plan.step_time_s:.3f} s for {plan.sequences_per_step} sequences"),
+        ("step time (profile)", f"{plan.step_time_s:.3f} s for {plan.sequences_per_step} sequences"
+         f"  ({plan.profile})"),
+        ("simulated step", "-" if plan.simulated_step_s is None else
+         f"{plan.simulated_step_s:.3f} s  ({plan.seq_len * plan.sequences_per_step / plan.simulated_step_s:,.0f} tokens/s)"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

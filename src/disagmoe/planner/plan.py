@@ -24,6 +24,7 @@ from disagmoe.config import ClusterConfig, ModelConfig
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
+PROFILES = ("auto", "analytic", "simulator")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,7 +40,8 @@ class PlanOptions:
     memory_reserve: float = 0.1  # fraction of device memory kept free
     bubble_target: float = 0.1
     search_moves: int = 64  # stage 3: K random moves (0 disables)
-    search_radius: int = 2  # stage 3: r, max change of m and M_a per move
+    search_radius: int = 2  # stage 3: r, max change of m, M_a and the in-flight cap per move
+    profile: str = "analytic"  # auto | analytic | simulator (sim_profile.py); CLI default auto
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -47,6 +49,10 @@ class PlanOptions:
             raise ValueError(
                 f"recompute must be auto, {', '.join(cm.RECOMPUTE_MODES)}, got {self.recompute!r}"
             )
+        if self.profile not in PROFILES:
+            raise ValueError(f"profile must be {', '.join(PROFILES)}, got {self.profile!r}")
+        if self.profile == "simulator" and self.roofline_only:
+            raise ValueError("--roofline-only plans are scored by the roofline: use --profile auto")
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
         if self.groups < 0 or self.micro_batches < 0 or self.search_moves < 0:
@@ -93,6 +99,7 @@ class Plan:
     stage: str  # "milp" (stages 1-2) or "search" (improved by stage 3)
     step_time_s: float  # the profile's seconds per step
     stage1_gap: float = 0.0  # tau / Stage 1 optimum - 1 (<= PlanOptions.epsilon from stage 2)
+    profile: str = "analytic"  # what scored step_time_s: "analytic" or "simulator"
 
     @property
     def attn_gpus(self) -> int:
@@ -126,8 +133,14 @@ class Plan:
     def sequences_per_step(self) -> int:
         return self.micro_batches * self.attn_gpus_per_group * self.micro_batch_size
 
+    @property
+    def simulated_step_s(self) -> float | None:
+        """The simulator's seconds per step when it scored this plan, else None."""
+        return self.step_time_s if self.profile == "simulator" else None
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["simulated_step_s"] = self.simulated_step_s
         for name in ("attn_gpus", "ffn_gpus", "attn_nics", "ffn_nics", "t_attn_s", "t_ffn_s",
                      "t_stage_s", "sequences_per_step"):  # fmt: skip
             out[name] = getattr(self, name)
@@ -426,25 +439,28 @@ def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -
     return best
 
 
-def seed_plan(planner: Planner, profile: Profile | None = None) -> Plan:
-    """Stages 1-2 for every candidate p (and recompute mode); the best by the profile wins."""
+def seed_plans(planner: Planner, profile: Profile | None = None) -> list[Plan]:
+    """Stages 1-2 for every candidate p and recompute mode: the best plan of each, by the
+    profile. Raises ValueError with the reasons when none is feasible."""
     prof = profile or AnalyticProfile(planner)
     modes = ["none"] if planner.options.roofline_only else (
         ["none", "full"] if planner.options.recompute == "auto" else [planner.options.recompute]
     )  # fmt: skip
-    best: Plan | None = None
+    seeds: list[Plan] = []
     errors: dict[str, list[str]] = {}  # reason -> the (p, recompute) it ruled out
     for groups in planner.group_candidates():
         for mode in modes:
             try:
-                plan = _seed_for(planner, groups, mode, prof)
+                seeds.append(_seed_for(planner, groups, mode, prof))
             except ValueError as err:
                 errors.setdefault(str(err), []).append(f"p={groups}/{mode}")
-                continue
-            if best is None or score(plan, plan.step_time_s) < score(best, best.step_time_s):
-                best = plan
-    if best is None:
+    if not seeds:
         assert errors, "p = 1 is always a candidate"
         reasons = [f"{why} [{', '.join(where)}]" for why, where in list(errors.items())[:3]]
         raise ValueError("no feasible plan: " + "; ".join(reasons))
-    return best
+    return seeds
+
+
+def seed_plan(planner: Planner, profile: Profile | None = None) -> Plan:
+    """Stages 1-2 for every candidate p (and recompute mode); the best by the profile wins."""
+    return min(seed_plans(planner, profile), key=lambda plan: score(plan, plan.step_time_s))

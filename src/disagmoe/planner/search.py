@@ -5,11 +5,12 @@
 only when it is strictly better. The seed is scored first, so the result is never worse than
 the seed under the profile it was given, and a fixed `seed` makes the walk reproducible.
 
-`refine_plan` applies it to plans: a move changes the attention GPUs m and the attention NICs
-M_a of every group by up to r each (n and M_f follow from the group's totals), keeping p, the
-recompute mode and the in-flight count; infeasible moves (memory, locality, n > E) are skipped.
-The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe model
-(`plan.AnalyticProfile`), the simulator, or a measured short run; plans are compared by
+`refine_plan` applies it to plans (`plan_mover`): a move changes the attention GPUs m and
+the attention NICs M_a of every group (n and M_f follow from the group's totals), the
+in-flight cap, or the recompute mode, keeping p; infeasible moves (memory, locality, n > E)
+are skipped. The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe
+model (`plan.AnalyticProfile`), the simulator (`sim_profile.SimulatorProfile`), or a
+measured short run; plans are compared by
 seconds per sequence trained (`plan.score`) because m changes the sequences per step.
 """
 
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
+from disagmoe.simulator.placement import memory_in_flight
 
 T = TypeVar("T")
 
@@ -74,26 +76,63 @@ def local_search(
 def plan_mover(
     planner: Planner, profile: Profile, radius: int
 ) -> Callable[[Plan, random.Random], Plan | None]:
-    """Moves of radius r in (m, M_a) that keep the group's totals; None when infeasible."""
+    """Random moves over what the runtime can run, p fixed; None when infeasible.
+
+    Half the moves change the split: m and M_a by up to r each, n = G/p - m and M_f follow
+    (uneven shards: any n <= E), or n jumps to the fewest shards that keep the busiest
+    shard's expert count ceil(E/n), or that hold one expert less (the expert time follows
+    that count, so the space between such n is flat and a step of r cannot cross it). The others change the in-flight cap by up to r (at most
+    the plan's micro-batches, at least 1) or jump to the most the memory admits, or flip
+    the recompute mode (none <-> full, when `recompute` is auto) keeping the cap where the
+    memory still admits it.
+    """
     if radius < 1:
         raise ValueError(f"search radius must be >= 1, got {radius}")
-
+    flip = {"none": "full", "full": "none"} if planner.options.recompute == "auto" else {}
     cache: dict[tuple[int, int, int, int, str], Plan | None] = {}
 
+    def most_in_flight(plan: Plan, recompute: str) -> int:
+        k = memory_in_flight(
+            planner, plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group, recompute
+        )
+        return min(k, plan.micro_batches)
+
     def propose(plan: Plan, rng: random.Random) -> Plan | None:
-        dm = rng.randint(-radius, radius)
-        dn = rng.randint(-radius, radius)
-        if dm == 0 and dn == 0:
-            dm = rng.choice((-1, 1))
-        m, ma = plan.attn_gpus_per_group + dm, plan.attn_nics_per_group + dn
-        key = (plan.groups, m, ma, plan.in_flight, plan.recompute)
+        m, ma, k, mode = (
+            plan.attn_gpus_per_group, plan.attn_nics_per_group, plan.in_flight, plan.recompute
+        )  # fmt: skip
+        kind = rng.random()
+        if kind < 0.15:  # the fewest shards at the busiest shard's load, or one expert less
+            per_group = m + plan.ffn_gpus_per_group
+            load = -(-planner.model.num_experts // plan.ffn_gpus_per_group)
+            target = rng.choice([c for c in (load, load - 1) if c >= 1])
+            m = per_group - -(-planner.model.num_experts // target)
+            if m == plan.attn_gpus_per_group:
+                return None
+        elif kind < 0.5:
+            dm = rng.randint(-radius, radius)
+            dn = rng.randint(-radius, radius)
+            if dm == 0 and dn == 0:
+                dm = rng.choice((-1, 1))
+            m, ma = m + dm, ma + dn
+        elif kind < 0.8:
+            steps = [
+                d for d in range(-radius, radius + 1) if d and 1 <= k + d <= plan.micro_batches
+            ]
+            k = rng.choice([*(k + d for d in steps), most_in_flight(plan, mode)])
+        elif flip:
+            mode = flip[mode]
+            k = min(k, most_in_flight(plan, mode))
+        else:
+            return None
+        key = (plan.groups, m, ma, k, mode)
         if key not in cache:  # each point is profiled at most once
             cache[key] = planner.evaluate(
                 groups=plan.groups,
                 m=m,
                 attn_nics=ma,
-                in_flight=plan.in_flight,
-                recompute=plan.recompute,
+                in_flight=k,
+                recompute=mode,
                 profile=profile,
                 memory_binding=plan.memory_binding,
                 solver=plan.solver,

@@ -9,6 +9,7 @@ and not simulated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from ..config import ClusterConfig, ModelConfig, ParallelConfig
@@ -40,6 +41,18 @@ def check_schedule(schedule: Schedule) -> int:
         raise ScheduleRejected(
             f"schedule {schedule.name!r} rejected by the validator: {err}"
         ) from err
+
+
+@functools.lru_cache(maxsize=32)
+def checked_afpipe(
+    layout: Layout, num_slots: int, max_in_flight: int, order: str, num_micro_batches: int
+) -> tuple[Schedule, int]:
+    """`build_afpipe` and `check_schedule`, cached: the schedule depends on neither the
+    costs, the NIC split nor the recompute mode, which the planner's profile varies."""
+    schedule = build_afpipe(
+        layout, num_slots, max_in_flight, order, num_micro_batches=num_micro_batches
+    )
+    return schedule, check_schedule(schedule)
 
 
 def afpipe_pricing(
@@ -102,6 +115,7 @@ def simulate_schedule(
     overheads: MessageOverheads | None = None,
     cores: int = 0,
     num_micro_batches: int = 0,
+    peak_in_flight: int = 0,
 ) -> SimResult:
     """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
@@ -109,9 +123,10 @@ def simulate_schedule(
     one shard per group (`schedule.afpipe.reduced_layout`, `Symmetry.replicas`).
     `num_micro_batches`: the real step's M (0: the schedule's own, or num_slots * m of
     `full`). `overheads` and `cores` model a host runtime (see `simulator.lower` and
-    `engine.run_program`).
+    `engine.run_program`). `peak_in_flight`: the validator's answer when the caller
+    validated `schedule` already (`checked_afpipe`; 0: validate here).
     """
-    peak = check_schedule(schedule)
+    peak = peak_in_flight or check_schedule(schedule)
     real_layout = full or layout
     num_micro = num_micro_batches or (
         schedule.num_slots * real_layout.attn_workers
@@ -222,7 +237,7 @@ def simulate_disagg(
     run_layout, run_micro = (
         reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
     )
-    schedule = build_afpipe(run_layout, slots, max_in_flight, order, num_micro_batches=run_micro)
+    schedule, peak = checked_afpipe(run_layout, slots, max_in_flight, order, run_micro)
     cfg = {
         "model": model.name,
         "cluster": cluster.name,
@@ -246,4 +261,5 @@ def simulate_disagg(
         full=layout if reduce else None,
         config=cfg,
         num_micro_batches=num_micro_batches,
+        peak_in_flight=peak,
     )

@@ -1,0 +1,194 @@
+"""Stage 3's profile = the simulator: a plan is scored by replaying one step of its schedule.
+
+`SimulatorProfile(planner, costs=None)` turns a `Plan` into the arguments of
+`simulator.simulate_disagg` — the same code as `disagmoe simulate` — and returns the
+simulated seconds per step:
+
+* p groups, m attention replicas and n expert shards per group (uneven shards and
+  replica slot counts as the runtime runs them);
+* the plan's micro-batches: `Plan.micro_batches` counts group micro-batches of m*b
+  sequences, the simulator counts the global batch in per-replica micro-batches of b,
+  so it gets `micro_batches * m` (every replica runs `micro_batches` slots);
+* the in-flight cap (`max_in_flight`), the recompute mode, node-aware placement and the
+  planner's NIC split M_a : M_f of the group's NIC bandwidth (`simulator.placement`);
+* the symmetry-reduced replay (one replica per class, one shard per group; exact for
+  AF-Pipe, `simulator.symmetry`), so a step costs the same to simulate at 8 or 1024 GPUs.
+
+`costs`: analytic FLOP costs at the cluster's peak * mfu (default) or any
+`simulator.costs.InstrCosts`, e.g. a `TableCosts` of measured per-op seconds.
+Results are cached by `plan_key`, so a point the search revisits is simulated once.
+A schedule the validator rejects scores +inf (never chosen).
+
+`plan_with_profile` is stages 1-3 under the profile `PlanOptions.profile` names:
+"auto" uses the simulator up to `AUTO_SIMULATOR_MAX_GPUS` GPUs and the analytic formula
+above (docs/planner.md "Profile = simulator" has the timings behind the threshold).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score, seed_plans
+from disagmoe.planner.search import refine_plan
+from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
+from disagmoe.simulator.costs import InstrCosts
+
+# "auto" switches to the analytic profile above this many GPUs.
+AUTO_SIMULATOR_MAX_GPUS = 1024
+# Seeds (one per p and recompute mode) the simulator scores: those within this factor of
+# the best seed's analytic seconds per sequence (the two profiles disagree by up to ~30%
+# between p's, so the band is wide) ...
+SEED_BAND = 1.5
+# ... and with at most this many micro-batches per step: a high p needs many (p = 16 of a
+# 48-layer model: 104) and their replay (~8 s each) would dominate planning. Seeds above it
+# are simulated only when no other seed is left.
+SEED_MAX_MICRO_BATCHES = 64
+
+PlanKey = tuple[int, int, int, int, int, int, str, int]
+
+
+def plan_key(plan: Plan) -> PlanKey:
+    """What the simulated step depends on: p, m, n, M_a, M_f, cap, recompute, micro-batches."""
+    return (
+        plan.groups,
+        plan.attn_gpus_per_group,
+        plan.ffn_gpus_per_group,
+        plan.attn_nics_per_group,
+        plan.ffn_nics_per_group,
+        plan.in_flight,
+        plan.recompute,
+        plan.micro_batches,
+    )
+
+
+class SimulatorProfile:
+    """`profile(plan) -> seconds per step` by simulating one step of the plan (module doc)."""
+
+    def __init__(self, planner: Planner, costs: InstrCosts | None = None) -> None:
+        self.planner = planner
+        self.costs = costs
+        self.cache: dict[PlanKey, SimResult | None] = {}
+
+    def result(self, plan: Plan) -> SimResult | None:
+        """The simulated step of `plan` (cached), or None if the validator rejected it."""
+        key = plan_key(plan)
+        if key not in self.cache:
+            self.cache[key] = self._simulate(plan)
+        return self.cache[key]
+
+    def _simulate(self, plan: Plan) -> SimResult | None:
+        pl = self.planner
+        m = plan.attn_gpus_per_group
+        try:
+            return simulate_disagg(
+                pl.model,
+                pl.cluster,
+                groups=plan.groups,
+                attn_workers=m,
+                expert_workers=plan.ffn_gpus_per_group,
+                seq_len=pl.seq_len,
+                micro_batch_size=pl.micro_batch_size,
+                num_micro_batches=plan.micro_batches * m,
+                max_in_flight=plan.in_flight,
+                reduce=True,
+                costs=self.costs,
+                placement="node-aware",
+                nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group),
+                recompute=plan.recompute,
+            )
+        except ScheduleRejected:
+            return None
+
+    def __call__(self, plan: Plan) -> float:
+        result = self.result(plan)
+        return math.inf if result is None else result.step_time_s
+
+
+def resolve_profile(planner: Planner) -> str:
+    """ "analytic" or "simulator" for `planner.options.profile` (auto: by GPU count)."""
+    opts = planner.options
+    if opts.profile != "auto":
+        return opts.profile
+    if opts.roofline_only or planner.gpus > AUTO_SIMULATOR_MAX_GPUS:
+        return "analytic"
+    return "simulator"
+
+
+def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan:
+    """Stages 1-3 scored by the profile the options name; the plan records which.
+
+    With the simulator, stages 1-2 still pick each (p, recompute) seed's split and
+    in-flight count with the analytic profile (the MILP's band and the memory trade-off);
+    the simulator then scores the seeds within `SEED_BAND` of the best analytic one and of
+    at most `SEED_MAX_MICRO_BATCHES` micro-batches, the best of them is Stage 3's start,
+    and every Stage-3 candidate is simulated. p stays the seed's.
+    """
+    name = resolve_profile(planner)
+    analytic = AnalyticProfile(planner)
+    seeds = seed_plans(planner, analytic)
+    opts = planner.options
+    if name == "analytic":
+        prof: Profile = analytic
+        seed = min(seeds, key=lambda plan: score(plan, plan.step_time_s))
+    else:
+        prof = SimulatorProfile(planner, costs)
+        best = min(score(plan, plan.step_time_s) for plan in seeds)
+        near = [plan for plan in seeds if score(plan, plan.step_time_s) <= SEED_BAND * best]
+        small = [plan for plan in near if plan.micro_batches <= SEED_MAX_MICRO_BATCHES]
+        scored = [dataclasses.replace(plan, step_time_s=prof(plan)) for plan in small or near]
+        seed = min(scored, key=lambda plan: score(plan, plan.step_time_s))
+    if not (opts.roofline_only or opts.search_moves == 0):
+        seed = refine_plan(planner, seed, prof).best
+    return dataclasses.replace(seed, profile=name)
+
+
+def grid(lo: int, hi: int, points: int) -> list[int]:
+    """All of lo..hi when `points` is 0 or covers them, else `points` evenly spaced ones."""
+    if hi < lo:
+        return []
+    if points <= 0 or hi - lo + 1 <= points:
+        return list(range(lo, hi + 1))
+    if points == 1:
+        return [lo]
+    return sorted({lo + round(i * (hi - lo) / (points - 1)) for i in range(points)})
+
+
+def sweep_plans(
+    planner: Planner,
+    groups: int,
+    profile: Profile,
+    *,
+    m_points: int = 0,
+    nic_points: int = 0,
+    caps: str = "all",
+) -> list[Plan]:
+    """Every feasible plan of Stage 3's space at p = `groups`, scored by `profile`.
+
+    The space: m = 1..G/p-1 (n <= E), M_a = 1..M_g-1, recompute none/full (or the fixed
+    mode), in-flight cap 1..min(micro-batches, what memory admits). `m_points` /
+    `nic_points` > 0 take that many evenly spaced values instead of all; `caps`="pow2"
+    takes the powers of two and the largest cap instead of all.
+    """
+    opts = planner.options
+    modes = ["none", "full"] if opts.recompute == "auto" else [opts.recompute]
+    prob = planner.problem(groups, 1, modes[0])
+    micro = planner.micro_batches(groups)
+    out: list[Plan] = []
+    for mode in modes:
+        top = min(micro, planner.max_in_flight_attn(groups, mode))
+        if top < 1:
+            continue
+        ks = list(range(1, top + 1))
+        if caps == "pow2":
+            ks = sorted({k for k in ks if k & (k - 1) == 0} | {top})
+        for m in grid(1, prob.gpus - 1, m_points):
+            for ma in grid(1, prob.nics - 1, nic_points):
+                for k in ks:
+                    plan = planner.evaluate(
+                        groups=groups, m=m, attn_nics=ma, in_flight=k, recompute=mode,
+                        profile=profile, stage="sweep",
+                    )  # fmt: skip
+                    if plan is not None:
+                        out.append(plan)
+    return out
