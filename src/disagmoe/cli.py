@@ -1,4 +1,4 @@
-"""`disagmoe train | schedule | plan | simulate | bench` — the command-line interface.
+"""`disagmoe train | schedule | prepare-data | export | plan | simulate | bench` — the command-line interface.
 
 `train` and `schedule` take the same flags (`disagmoe.command`: generated from the
 config dataclasses). User mistakes print one line `disagmoe: error: ...` and exit with
@@ -12,6 +12,7 @@ import sys
 
 from .bench.cli import add_bench_arguments, run_bench
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
+from .data_prep import add_prepare_arguments, run_prepare
 from .distributed.layout import Layout
 from .planner.cli import add_plan_arguments, run_plan
 from .runtime.disagg import run_schedule, run_schedule_of_rank
@@ -76,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --rank: also build and validate the whole world's "
                          "schedule and check this rank's list against it")  # fmt: skip
     p_sched.set_defaults(func=_cmd_schedule)
+    p_prep = sub.add_parser("prepare-data", help="tokenize text / jsonl into a token file")
+    add_prepare_arguments(p_prep)
+    p_prep.set_defaults(func=run_prepare)
     p_plan = sub.add_parser("plan", help="choose the A/F split")
     add_plan_arguments(p_plan)
     p_plan.set_defaults(func=run_plan)

@@ -267,10 +267,22 @@ class TrainConfig:
         default=0.0, metadata=flag("memory budget per rank (GiB) that sets the in-flight cap")
     )
     data: str = field(  # empty: the built-in corpus
-        default="", metadata=flag(".txt (bytes), .npy or .bin token file; default: built-in corpus")
+        default="",
+        metadata=flag(
+            "PREFIX from `disagmoe prepare-data` (or PREFIX.bin), a .npy or raw .bin token "
+            "file, or .txt (bytes); default: built-in byte corpus"
+        ),
     )
-    data_dtype: str = "uint16"
+    data_dtype: str = "uint16"  # raw .bin without PREFIX.json beside it
     init_from_hf: str = ""  # --init-from-hf also takes the model's shape: disagmoe.command
+    allow_byte_data: bool = field(  # byte tokens (built-in corpus, .txt) for a HF checkpoint
+        default=False,
+        metadata=flag(
+            "train a --init-from-hf checkpoint on byte tokens (the built-in corpus or .txt)",
+            action="store_const",
+            const=True,
+        ),
+    )
     run_dir: str = field(default="", metadata=flag())
     comm_timeout_s: float = field(
         default=300.0,
@@ -310,6 +322,14 @@ class TrainConfig:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
         _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
+        _require(
+            not self.init_from_hf
+            or self.allow_byte_data
+            or (self.data != "" and not self.data.lower().endswith(".txt")),
+            "--init-from-hf with byte tokens (the built-in corpus or a .txt file) trains the "
+            "checkpoint on another vocabulary; give --data PREFIX from `disagmoe prepare-data` "
+            "with its tokenizer, or --allow-byte-data",
+        )
         _require(
             self.lr_schedule in LR_SCHEDULES,
             f"train.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}",
