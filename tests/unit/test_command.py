@@ -40,6 +40,7 @@ CONFIG_FLAGS = {
     "--recompute": "train.recompute",
     "--memory-gib": "train.memory_gib",
     "--data": "train.data",
+    "--allow-byte-data": "train.allow_byte_data",
     "--run-dir": "train.run_dir",
     "--comm-timeout": "train.comm_timeout_s",
     "--no-progress": "train.progress",
