@@ -323,14 +323,6 @@ class TrainConfig:
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
         _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
         _require(
-            not self.init_from_hf
-            or self.allow_byte_data
-            or (self.data != "" and not self.data.lower().endswith(".txt")),
-            "--init-from-hf with byte tokens (the built-in corpus or a .txt file) trains the "
-            "checkpoint on another vocabulary; give --data PREFIX from `disagmoe prepare-data` "
-            "with its tokenizer, or --allow-byte-data",
-        )
-        _require(
             self.lr_schedule in LR_SCHEDULES,
             f"train.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}",
         )

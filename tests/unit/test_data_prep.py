@@ -10,9 +10,10 @@ import pytest
 from tokenizers import Tokenizer
 
 from disagmoe.command import resolve_train_config, train_parser
-from disagmoe.config import TrainConfig
+from disagmoe.config import RunConfig, replace_section
 from disagmoe.data import build_batches, find_prepared, load_tokens
 from disagmoe.data_prep import prepare_data, read_offsets
+from disagmoe.runtime.setup import build_data
 from disagmoe.testing.tokenizer import build_tiny_tokenizer
 
 DOCS = ["the router sends a token", "an expert computes its output", "the attention layer waits"]
@@ -102,11 +103,15 @@ def test_input_errors_are_one_line(tmp_path: Path, tok: Path) -> None:
 
 
 def test_hf_checkpoints_refuse_byte_data_unless_allowed() -> None:
+    def data_of(**train: object) -> None:
+        build_data(replace_section(RunConfig(), "train", init_from_hf="hf", **train))
+
     with pytest.raises(ValueError, match="--init-from-hf with byte tokens.*--allow-byte-data"):
-        TrainConfig(init_from_hf="hf")
+        data_of()
     with pytest.raises(ValueError, match="--init-from-hf with byte tokens"):
-        TrainConfig(init_from_hf="hf", data="book.txt")
-    TrainConfig(init_from_hf="hf", data="corpus")
-    TrainConfig(init_from_hf="hf", allow_byte_data=True)
+        data_of(data="book.txt")
+    with pytest.raises(ValueError, match="'corpus' does not exist"):  # past the byte check
+        data_of(data="corpus")
+    data_of(allow_byte_data=True)
     args = train_parser().parse_args(["--allow-byte-data"])
     assert resolve_train_config(args).train.allow_byte_data
