@@ -222,6 +222,8 @@ def load_model(path: str | Path) -> MoETransformer:
     cfg = model_config_of(read_meta(step_dir))
     stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
     model = build_meta_model(cfg).to_empty(device="cpu")
+    if cfg.tie_embeddings:  # leaving the meta device unties them
+        model.lm_head.weight = model.embed.weight
     state: dict[str, torch.Tensor] = {}
     for name, param in model.named_parameters():  # tied weights appear once, as trained
         key = f"param/{name}.0" if _is_expert(name) else f"param/{name}"
