@@ -88,9 +88,14 @@ def builtin_corpus(num_sentences: int = 12000, seed: int = 1234) -> str:
     return " ".join(out) + "\n"
 
 
-# A tokenizer's vocabulary may be padded in the model (Qwen3: 151669 -> 151936); more than
-# this much padding means another tokenizer (e.g. bytes for a 150k-token model).
+# A model's vocabulary may be a tokenizer's padded (Qwen3: 151669 -> 151936, GPT-2: 50257 ->
+# 50304); padding of more than this many ids, or an eighth of the vocabulary, means
+# another tokenizer (e.g. 256 bytes for a 150k-token model).
 VOCAB_PADDING_SLACK = 1024
+
+
+def _vocab_fits(data_vocab: int, model_vocab: int) -> bool:
+    return 0 <= model_vocab - data_vocab < max(min(VOCAB_PADDING_SLACK, model_vocab // 8), 1)
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ class PreparedData:
     def check_vocab(self, model_vocab_size: int) -> None:
         """Refuse data tokenized for another vocabulary than the model's (one line)."""
         v = self.vocab_size
-        if not model_vocab_size - VOCAB_PADDING_SLACK < v <= model_vocab_size:
+        if not _vocab_fits(v, model_vocab_size):
             raise ValueError(
                 f"data {str(self.bin_path)!r} was tokenized with vocab size {v} "
                 f"({self.meta.get('tokenizer', '?')}), but model.vocab_size is "

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from disagmoe.command import resolve_train_config, train_parser
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.data import build_batches, find_prepared, load_tokens
+from disagmoe.data import _vocab_fits, build_batches, find_prepared, load_tokens
 from disagmoe.data_prep import prepare_data, read_offsets
 from disagmoe.runtime.setup import build_data
 from disagmoe.testing.tokenizer import build_tiny_tokenizer
@@ -54,19 +54,20 @@ def test_round_trip_with_eos_after_every_document(tmp_path: Path, tok: Path) -> 
 
 def test_large_vocabularies_are_written_as_uint32(tmp_path: Path) -> None:
     tok = build_tiny_tokenizer(tmp_path / "big", extra_words=70000)
-    meta = prepare_data(str(tok), [str(write_jsonl(tmp_path / "d.jsonl", ["w69999 w3"]))],
-                        str(tmp_path / "c"))  # fmt: skip
+    meta = prepare_data(
+        str(tok), [str(write_jsonl(tmp_path / "d.jsonl", ["w69999 w3"]))], str(tmp_path / "c")
+    )
     assert meta["dtype"] == "uint32" and meta["vocab_size"] > 1 << 16
     assert load_tokens(str(tmp_path / "c")).max() >= 1 << 16
 
 
 def test_batches_come_from_the_memory_map(tmp_path: Path, tok: Path) -> None:
-    prepare_data(str(tok), [str(write_jsonl(tmp_path / "d.jsonl", DOCS * 20))],
-                 str(tmp_path / "c"))  # fmt: skip
+    prepare_data(str(tok), [str(write_jsonl(tmp_path / "d.jsonl", DOCS * 20))], str(tmp_path / "c"))
     tokens = np.asarray(load_tokens(str(tmp_path / "c")))
     vocab = json.loads((tmp_path / "c.json").read_text())["vocab_size"]
-    batches = build_batches(str(tmp_path / "c"), "uint16", seq_len=7, global_batch_size=4,
-                            seed=3, vocab_size=vocab)  # fmt: skip
+    batches = build_batches(
+        str(tmp_path / "c"), "uint16", seq_len=7, global_batch_size=4, seed=3, vocab_size=vocab
+    )
     assert isinstance(batches.tokens, np.memmap)
     samples = {tuple(tokens[i * 8 : (i + 1) * 8]) for i in range(len(tokens) // 8)}
     batch = batches.global_batch(2)
@@ -74,15 +75,16 @@ def test_batches_come_from_the_memory_map(tmp_path: Path, tok: Path) -> None:
 
 
 def test_vocab_mismatch_is_refused(tmp_path: Path, tok: Path) -> None:
-    prepare_data(str(tok), [str(write_jsonl(tmp_path / "d.jsonl", DOCS * 5))],
-                 str(tmp_path / "c"))  # fmt: skip
+    prepare_data(str(tok), [str(write_jsonl(tmp_path / "d.jsonl", DOCS * 5))], str(tmp_path / "c"))
     vocab = find_prepared(str(tmp_path / "c")).vocab_size  # type: ignore[union-attr]
     kwargs = dict(seq_len=4, global_batch_size=2, seed=0)
-    build_batches(str(tmp_path / "c"), "uint16", vocab_size=vocab + 64, **kwargs)  # padded: ok
+    build_batches(str(tmp_path / "c"), "uint16", vocab_size=vocab + 2, **kwargs)  # padded: ok
+    assert _vocab_fits(151669, 151936) and _vocab_fits(50257, 50304)  # Qwen3, GPT-2 padding
+    assert not _vocab_fits(256, 151936) and not _vocab_fits(151937, 151936)
     with pytest.raises(ValueError, match=f"tokenized with vocab size {vocab}.*model.vocab_size"):
         build_batches(str(tmp_path / "c"), "uint16", vocab_size=vocab - 1, **kwargs)
     with pytest.raises(ValueError, match="prepare the data with the model's tokenizer"):
-        build_batches(str(tmp_path / "c"), "uint16", vocab_size=vocab + 5000, **kwargs)
+        build_batches(str(tmp_path / "c"), "uint16", vocab_size=256, **kwargs)  # bytes
 
 
 def test_input_errors_are_one_line(tmp_path: Path, tok: Path) -> None:
