@@ -11,7 +11,8 @@ Sources (`train.data`):
 Token files (`.bin`, `.npy`) are memory-mapped, never read whole: a batch copies only
 its own samples. A stream is cut into consecutive non-overlapping samples of
 `seq_len + 1` tokens (input = first `seq_len`, target = last `seq_len`). Each epoch
-visits the samples in a permutation drawn from `seed + epoch`; step t takes the next
+visits the samples in a pseudo-random permutation keyed by `seed` and the epoch
+(`permuted_index`, O(1) memory); step t takes the next
 `global_batch_size` samples, so the data position is the step (a checkpoint's step
 resumes it), and every runtime splits a global batch into micro-batches the same way
 (consecutive chunks of `micro_batch_size`).
@@ -196,6 +197,35 @@ def max_token(tokens: np.ndarray, chunk: int = 1 << 24) -> int:
     return max((int(tokens[i : i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
 
 
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: a well-mixed 64-bit function of `x`."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def permuted_index(index: int, n: int, key: int, rounds: int = 4) -> int:
+    """Position `index` of a pseudo-random permutation of `range(n)` chosen by `key`.
+
+    A balanced Feistel network on the smallest even-bit domain holding `n` (at most 4n)
+    is a bijection there; "cycle walking" (apply it again until the value is < n) makes
+    it one of `range(n)`. O(1) memory, where a stored permutation of a 1 GB token file's
+    samples would take tens of MB per rank.
+    """
+    assert 0 <= index < n, (index, n)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = (1 << half) - 1
+    x = index
+    while True:
+        left, right = x >> half, x & mask
+        for r in range(rounds):
+            left, right = right, left ^ (_mix(key * 0x1000193 + r * 0x3C6EF372 + right) & mask)
+        x = (left << half) | right
+        if x < n:
+            return x
+
+
 class TokenBatches:
     """Deterministic global batches of `[global_batch_size, seq_len + 1]` token samples.
 
@@ -230,13 +260,6 @@ class TokenBatches:
                 "raise model.vocab_size or check train.data_dtype"
             )
         self.tokens = tokens
-        self._orders: dict[int, torch.Tensor] = {}
-
-    def _order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._orders:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._orders = {epoch: torch.randperm(self.num_samples, generator=gen)}
-        return self._orders[epoch]
 
     def sample(self, index: int) -> np.ndarray:
         """Sample `index` of the stream (in file order): `seq_len + 1` tokens."""
@@ -249,7 +272,8 @@ class TokenBatches:
         rows = []
         for pos in range(start, start + self.global_batch_size):
             epoch, index = divmod(pos, self.num_samples)
-            rows.append(self.sample(int(self._order(epoch)[index])))
+            key = self.seed * 1_000_003 + epoch
+            rows.append(self.sample(permuted_index(index, self.num_samples, key)))
         return torch.from_numpy(np.stack(rows).astype(np.int64))
 
 
