@@ -1,4 +1,5 @@
-"""`disagmoe train | schedule | placement | plan | simulate | bench` — the command-line interface.
+"""`disagmoe train | schedule | placement | prepare-data | export | plan | simulate | bench` —
+the command-line interface.
 
 `train` and `schedule` take the same flags (`disagmoe.command`: generated from the
 config dataclasses). User mistakes print one line `disagmoe: error: ...` and exit with
@@ -12,6 +13,8 @@ import sys
 
 from .bench.cli import add_bench_arguments, run_bench
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
+from .data_prep import add_prepare_arguments, run_prepare
+from .export import add_export_arguments, run_export
 from .planner.cli import add_plan_arguments, run_plan
 from .runtime.disagg import run_layout, run_schedule, run_schedule_of_rank
 from .schedule.ir import lists_csv, lists_text
@@ -99,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
     p_place = sub.add_parser("placement", help="print which rank is which worker, per node")
     add_train_arguments(p_place)
     p_place.set_defaults(func=_cmd_placement)
+    p_prep = sub.add_parser("prepare-data", help="tokenize text / jsonl into a token file")
+    add_prepare_arguments(p_prep)
+    p_prep.set_defaults(func=run_prepare)
+    p_export = sub.add_parser("export", help="write a run's checkpoint as a HF checkpoint")
+    add_export_arguments(p_export)
+    p_export.set_defaults(func=run_export)
     p_plan = sub.add_parser("plan", help="choose the A/F split")
     add_plan_arguments(p_plan)
     p_plan.set_defaults(func=run_plan)

@@ -31,7 +31,7 @@ MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` 
 RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "wsd")  # runtime.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
 PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)
 
@@ -233,15 +233,29 @@ class TrainConfig:
     seq_len: int = field(default=64, metadata=flag())
     global_batch_size: int = field(default=8, metadata=flag("sequences per optimizer step"))
     micro_batch_size: int = field(default=2, metadata=flag("sequences per micro-batch"))
-    lr: float = field(default=3e-3, metadata=flag())
-    min_lr_ratio: float = 0.1
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    weight_decay: float = 0.01
+    lr: float = field(default=3e-3, metadata=flag("peak learning rate"))
+    lr_schedule: str = field(
+        default="constant",
+        metadata=flag(
+            "after warmup: constant, cosine (to --min-lr at the end) or wsd (stable, then "
+            "linear decay to --min-lr over the last --decay-fraction of the steps)",
+            choices=LR_SCHEDULES,
+        ),
+    )
+    warmup_steps: int = field(default=0, metadata=flag("linear warmup from lr/N to lr"))
+    min_lr: float = field(  # absolute; replaces min_lr_ratio (config_io migrates old files)
+        default=0.0, metadata=flag("learning rate at the end of cosine / wsd decay")
+    )
+    decay_fraction: float = field(
+        default=0.2, metadata=flag("wsd: fraction of the post-warmup steps that decay")
+    )
+    weight_decay: float = field(default=0.01, metadata=flag("AdamW decay of matrices"))
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
-    grad_clip: float = 1.0  # 0 disables clipping
+    grad_clip: float = field(  # 0 disables clipping
+        default=1.0, metadata=flag("clip the global gradient L2 norm to this (0: off)")
+    )
     recompute: str = field(
         default="none",
         metadata=flag(
@@ -253,10 +267,22 @@ class TrainConfig:
         default=0.0, metadata=flag("memory budget per rank (GiB) that sets the in-flight cap")
     )
     data: str = field(  # empty: the built-in corpus
-        default="", metadata=flag(".txt (bytes), .npy or .bin token file; default: built-in corpus")
+        default="",
+        metadata=flag(
+            "PREFIX from `disagmoe prepare-data` (or PREFIX.bin), a .npy or raw .bin token "
+            "file, or .txt (bytes); default: built-in byte corpus"
+        ),
     )
-    data_dtype: str = "uint16"
+    data_dtype: str = "uint16"  # raw .bin without PREFIX.json beside it
     init_from_hf: str = ""  # --init-from-hf also takes the model's shape: disagmoe.command
+    allow_byte_data: bool = field(  # byte tokens (built-in corpus, .txt) for a HF checkpoint
+        default=False,
+        metadata=flag(
+            "train a --init-from-hf checkpoint on byte tokens (the built-in corpus or .txt)",
+            action="store_const",
+            const=True,
+        ),
+    )
     run_dir: str = field(default="", metadata=flag())
     comm_timeout_s: float = field(
         default=300.0,
@@ -296,7 +322,10 @@ class TrainConfig:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
         _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
-        _require(self.lr_schedule in LR_SCHEDULES, "train.lr_schedule: constant or cosine")
+        _require(
+            self.lr_schedule in LR_SCHEDULES,
+            f"train.lr_schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}",
+        )
         _require(
             self.recompute in RECOMPUTE,
             f"train.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}",
@@ -313,7 +342,14 @@ class TrainConfig:
             f"train.micro_batch_size ({self.micro_batch_size})",
         )
         _require(self.lr >= 0 and self.weight_decay >= 0, "train.lr and weight_decay >= 0")
-        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio must be in [0, 1]")
+        _require(
+            0 <= self.min_lr <= self.lr,
+            f"train.min_lr ({self.min_lr}) must be in [0, train.lr ({self.lr})]",
+        )
+        _require(
+            0 < self.decay_fraction <= 1,
+            f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}",
+        )
         _require(self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup_steps, grad_clip >= 0")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2 in [0, 1)")
         _require(

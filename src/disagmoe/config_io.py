@@ -90,6 +90,23 @@ def _build_section(cls: type, base: Any, values: dict[str, Any], section: str) -
     return dataclasses.replace(base, **changes)
 
 
+def _migrate_train(values: dict[str, Any], base_lr: float) -> dict[str, Any]:
+    """Old `[train]` keys in their current form: `min_lr_ratio = r` is `min_lr = r * lr`.
+
+    `lr` is the same table's (or, without one, the config's so far); a later `--lr`
+    flag does not rescale it.
+    """
+    if "min_lr_ratio" not in values:
+        return values
+    if "min_lr" in values:
+        raise ValueError("set train.min_lr or the older train.min_lr_ratio, not both")
+    values = dict(values)
+    ratio = _coerce(values.pop("min_lr_ratio"), float, "train.min_lr_ratio")
+    lr = _coerce(values["lr"], float, "train.lr") if "lr" in values else base_lr
+    values["min_lr"] = ratio * lr
+    return values
+
+
 def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
     """Build a RunConfig from nested dicts; `model.preset = "name"` starts from a preset."""
     base = base or RunConfig()
@@ -106,6 +123,8 @@ def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
             start = model_preset(str(values.pop("preset")))
         if name == "cluster" and "preset" in values:
             start = cluster_preset(str(values.pop("preset")))
+        if name == "train":
+            values = _migrate_train(values, start.lr)
         sections[name] = _build_section(cls, start, values, name)
     return RunConfig(**sections)
 

@@ -144,7 +144,7 @@ def test_init_from_hf_start_point(tmp_path: Path) -> None:
     cfg = dataclasses.replace(
         base,
         model=read_hf_config(tmp_path),
-        train=dataclasses.replace(base.train, init_from_hf=str(tmp_path)),
+        train=dataclasses.replace(base.train, init_from_hf=str(tmp_path), allow_byte_data=True),
     )
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_moe"
     assert_equivalent([cfg], world=4)

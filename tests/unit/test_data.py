@@ -13,6 +13,7 @@ from disagmoe.data import (
     builtin_corpus,
     inputs_targets,
     load_tokens,
+    permuted_index,
     split_micro_batches,
 )
 
@@ -77,3 +78,14 @@ def test_bad_data(tmp_path: Path) -> None:
 def test_builtin_corpus_is_deterministic_text() -> None:
     text = builtin_corpus()
     assert text == builtin_corpus() and len(text) > 100_000 and text.isascii()
+
+
+def test_permuted_index_is_a_keyed_bijection() -> None:
+    for n in (1, 2, 3, 10, 64, 65, 1000, 4097):
+        for key in (0, 7):
+            assert sorted(permuted_index(i, n, key) for i in range(n)) == list(range(n))
+    first = [permuted_index(i, 1000, 0) for i in range(1000)]
+    assert first != [permuted_index(i, 1000, 1) for i in range(1000)]
+    assert first != list(range(1000))
+    # a few calls on a huge range need no memory proportional to it
+    assert 0 <= permuted_index(123, 10**12, 5) < 10**12

@@ -54,7 +54,7 @@ def test_lr_schedule() -> None:
         warmup_steps=2,
         lr_schedule="cosine",
         steps=12,
-        min_lr_ratio=0.1,
+        min_lr=0.1,
     )
     t = cfg.train
     assert lr_at(t, 0) == 0.5 and lr_at(t, 1) == 1.0

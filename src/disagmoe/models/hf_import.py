@@ -131,7 +131,7 @@ def _index(path: Path) -> dict[str, _Stored]:
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
-_ATTN = {
+ATTN_NAMES = {  # HF name in a layer -> ours (hf_export inverts it)
     "input_layernorm.weight": "attn_block.norm1.weight",
     "post_attention_layernorm.weight": "attn_block.norm2.weight",
     **{
@@ -139,21 +139,19 @@ _ATTN = {
         for p in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
     },
 }
-_DENSE = {
+DENSE_NAMES = {
     f"mlp.{p}.weight": f"attn_block.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
 }
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 _FUSED = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(gate_up_proj|down_proj)")
 _ROUTER = re.compile(r"(?:mlp|block_sparse_moe)\.gate\.weight")
-# Per-expert projection names -> role (gate, up, down).
-_EXPERT_ROLES = {
-    "gate_proj": "gate",
-    "up_proj": "up",
-    "down_proj": "down",
-    "w1": "gate",
-    "w3": "up",
-    "w2": "down",
+# Per architecture: the MoE module's name and its per-expert projections by role.
+MOE_MODULE = {"qwen3_moe": "mlp", "mixtral": "block_sparse_moe"}
+EXPERT_PROJECTIONS = {
+    "qwen3_moe": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
 }
+_EXPERT_ROLES = {name: role for p in EXPERT_PROJECTIONS.values() for role, name in p.items()}
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
@@ -228,10 +226,10 @@ def _map_layer(
 ) -> bool:
     """Map one per-layer HF tensor; False if the name is unknown."""
     prefix = f"layers.{layer}."
-    if rest in _ATTN:
-        out[prefix + _ATTN[rest]] = _Source("direct", (key,), shape)
-    elif rest in _DENSE:
-        out[prefix + _DENSE[rest]] = _Source("direct", (key,), shape)
+    if rest in ATTN_NAMES:
+        out[prefix + ATTN_NAMES[rest]] = _Source("direct", (key,), shape)
+    elif rest in DENSE_NAMES:
+        out[prefix + DENSE_NAMES[rest]] = _Source("direct", (key,), shape)
     elif _ROUTER.fullmatch(rest):
         out[prefix + "attn_block.router.weight"] = _Source("direct", (key,), shape)
     elif m := _EXPERT.fullmatch(rest):

@@ -34,8 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import ModelConfig
+from ..models.model import MoETransformer, build_meta_model
 
 EXPERT_SUFFIXES = ("experts.gate_up", "experts.down")
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
@@ -203,3 +205,36 @@ def load_checkpoint(
         dcp.load(state, checkpoint_id=str(step_dir), no_dist=not _is_dist())
     _set_optimizer_steps(optimizer, float(meta["optimizer_steps"]))
     return int(meta["step"])
+
+
+def model_config_of(meta: dict[str, Any]) -> ModelConfig:
+    """The `ModelConfig` a checkpoint was written for (its meta.json)."""
+    return ModelConfig(**meta["model"])
+
+
+def load_model(path: str | Path) -> MoETransformer:
+    """The whole model of a checkpoint on this process (CPU, the dtype it was trained in).
+
+    Not collective: reads every parameter's logical keys (experts from whichever shards
+    wrote them), no optimizer state. For export and inspection.
+    """
+    step_dir = resolve_checkpoint(path)
+    cfg = model_config_of(read_meta(step_dir))
+    stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
+    model = build_meta_model(cfg).to_empty(device="cpu")
+    if cfg.tie_embeddings:  # leaving the meta device unties them
+        model.lm_head.weight = model.embed.weight
+    state: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():  # tied weights appear once, as trained
+        key = f"param/{name}.0" if _is_expert(name) else f"param/{name}"
+        entry = stored.get(key)
+        assert isinstance(entry, TensorStorageMetadata), (step_dir, key)
+        param.data = param.data.to(entry.properties.dtype)
+        if _is_expert(name):
+            state.update({f"param/{name}.{e}": param.data[e] for e in range(param.shape[0])})
+        else:
+            state[f"param/{name}"] = param.data
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return model.eval()

@@ -54,15 +54,33 @@ class LossScale:
 
 
 def lr_at(train: TrainConfig, step: int) -> float:
-    """Learning rate of optimizer step `step` (0-based): linear warmup, then constant or cosine."""
+    """Learning rate of optimizer step `step` (0-based); the one schedule every runtime uses.
+
+    Warmup: steps `0 .. warmup_steps-1` ramp linearly, `lr * (step + 1) / warmup_steps`.
+    Then, over the `span = steps - warmup_steps` remaining steps:
+
+    * `constant` — `lr`;
+    * `cosine` — `min_lr + (lr - min_lr) * (1 + cos(pi * t / span)) / 2` at `t` steps after
+      warmup (reaches `min_lr` at `step == steps`);
+    * `wsd` (warmup, stable, decay) — `lr` until the last `decay = max(1, round(
+      decay_fraction * span))` steps, which decay linearly so that the last step
+      (`steps - 1`) runs at `min_lr`.
+    """
     if train.warmup_steps and step < train.warmup_steps:
         return train.lr * (step + 1) / train.warmup_steps
     if train.lr_schedule == "constant":
         return train.lr
     span = max(train.steps - train.warmup_steps, 1)
-    progress = min(max(step - train.warmup_steps, 0) / span, 1.0)
-    floor = train.lr * train.min_lr_ratio
-    return floor + (train.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    done = max(step - train.warmup_steps, 0)
+    if train.lr_schedule == "cosine":
+        progress = min(done / span, 1.0)
+        return train.min_lr + (train.lr - train.min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    assert train.lr_schedule == "wsd", train.lr_schedule
+    decay = max(1, round(train.decay_fraction * span))
+    into_decay = done - (span - decay) + 1  # 1 on the first decaying step
+    if into_decay <= 0:
+        return train.lr
+    return train.lr + (train.min_lr - train.lr) * min(into_decay / decay, 1.0)
 
 
 def build_optimizer(

@@ -65,7 +65,15 @@ def build_initial_model(cfg: RunConfig, device: torch.device = CPU) -> MoETransf
 
 
 def build_data(cfg: RunConfig) -> TokenBatches:
+    """The run's batches; refuses byte tokens for a `--init-from-hf` checkpoint unless
+    `train.allow_byte_data` (its vocabulary is the tokenizer's, not bytes)."""
     t = cfg.train
+    if t.init_from_hf and not t.allow_byte_data and (not t.data or t.data.endswith(".txt")):
+        raise ValueError(
+            "--init-from-hf with byte tokens (the built-in corpus or a .txt file) trains the "
+            "checkpoint on another vocabulary; give --data PREFIX from `disagmoe prepare-data` "
+            "with its tokenizer, or --allow-byte-data"
+        )
     return build_batches(
         t.data,
         t.data_dtype,

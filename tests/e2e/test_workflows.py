@@ -1,0 +1,180 @@
+"""Train on your own data and export it, as a user does (issue 17's workflow):
+
+tiny tokenizer built offline -> `prepare-data` on jsonl -> `train --init-from-hf --data`
+on `reference` and `disagg` (same float64 losses) -> `export` -> `transformers` loads
+the export and its logits are ours. And the one-line errors (exit 2) along the way.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from disagmoe.runtime.checkpoint import load_model
+from disagmoe.testing.cli import run_cli
+from disagmoe.testing.tokenizer import WORDS, build_tiny_tokenizer
+from tests.unit.test_hf_import import FLOAT64_ATOL, build_hf, patch_hf_for_float64
+
+
+def disagmoe(*args: str) -> subprocess.CompletedProcess[str]:
+    return run_cli(*args, timeout=600)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], match: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert match in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def write_corpus(path: Path, num_docs: int = 200) -> Path:
+    rng = random.Random(0)
+    with path.open("w") as f:
+        for i in range(num_docs):
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 25)))
+            f.write(json.dumps({"id": i, "text": text}) + "\n")
+    return path
+
+
+def records(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_prepare_train_export_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    docs = write_corpus(tmp_path / "docs.jsonl")
+    prefix = str(tmp_path / "data" / "corpus")
+    result = disagmoe(
+        "prepare-data", "--tokenizer", str(tok), "--input", str(docs), "--out", prefix
+    )
+    assert result.returncode == 0, result.stderr
+    meta = json.loads(Path(prefix + ".json").read_text())
+    assert f"{meta['num_documents']} documents" in result.stdout and meta["num_documents"] == 200
+
+    hf_dir = tmp_path / "hf"  # Qwen3-MoE: a dense first layer, tied embeddings, 4 experts
+    build_hf("qwen3_moe", torch.float64, vocab_size=meta["vocab_size"]).save_pretrained(hf_dir)
+    common = [
+        *("--init-from-hf", str(hf_dir), "--data", prefix, "--dtype", "float64"),
+        *("--steps", "3", "--seq-len", "16", "--lr", "1e-3", "--lr-schedule", "wsd"),
+        *("--warmup-steps", "1", "--min-lr", "1e-4", "--checkpoint-every", "3", "--no-progress"),
+    ]
+    runs = {rt: tmp_path / rt for rt in ("reference", "disagg")}
+    for runtime, run_dir in runs.items():
+        result = disagmoe("train", "--runtime", runtime, "--run-dir", str(run_dir), *common)
+        assert result.returncode == 0, result.stderr
+    ref, dis = (records(runs[rt]) for rt in ("reference", "disagg"))
+    assert [r["lr"] for r in ref] == pytest.approx(
+        [1e-3, 1e-3, 1e-4]
+    )  # warmup 1, stable, decay (wsd)
+    for a, b in zip(ref, dis, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"])
+
+    for runtime, run_dir in runs.items():
+        result = disagmoe(
+            "export",
+            str(run_dir),
+            "--step",
+            "3",
+            "--format",
+            "hf",
+            "--out",
+            str(tmp_path / f"export-{runtime}"),
+        )
+        assert result.returncode == 0, result.stderr
+        assert "(qwen3_moe, config.json + model.safetensors)" in result.stdout
+    a, b = (load_file(tmp_path / f"export-{rt}" / "model.safetensors") for rt in runs)
+    assert a.keys() == b.keys()
+    for key in a:  # both runtimes trained the same weights
+        torch.testing.assert_close(a[key], b[key], rtol=1e-9, atol=1e-12)
+
+    patch_hf_for_float64(monkeypatch)
+    toks = torch.randint(0, meta["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for name in ("export-disagg", "hf"):
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float64)
+        hf.set_attn_implementation("sdpa")
+        hf.set_experts_implementation("eager")
+        with torch.no_grad():
+            logits[name] = hf.eval()(input_ids=toks).logits
+    with torch.no_grad():
+        ours = load_model(runs["disagg"] / "checkpoints" / "step-00000003")(toks)[0]
+    assert (ours - logits["export-disagg"]).abs().max().item() < FLOAT64_ATOL
+    assert (ours - logits["hf"]).abs().max().item() > 1e-4  # training moved the weights
+
+
+def test_bad_input_is_one_line(tmp_path: Path) -> None:
+    tok = build_tiny_tokenizer(tmp_path / "tok")
+    docs = write_corpus(tmp_path / "docs.jsonl", num_docs=50)
+    prefix = str(tmp_path / "corpus")
+    one_line_error(
+        disagmoe(
+            "prepare-data",
+            "--tokenizer",
+            str(tmp_path / "no-tok"),
+            "--input",
+            str(docs),
+            "--out",
+            prefix,
+        ),
+        "no tokenizer at",
+    )
+    one_line_error(
+        disagmoe(
+            "prepare-data",
+            "--tokenizer",
+            str(tok),
+            "--input",
+            str(docs),
+            "--text-key",
+            "body",
+            "--out",
+            prefix,
+        ),
+        "line 1 has no string field 'body'",
+    )
+    assert (
+        disagmoe(
+            "prepare-data", "--tokenizer", str(tok), "--input", str(docs), "--out", prefix
+        ).returncode
+        == 0
+    )
+    # the tiny preset's 256-token vocabulary is not this tokenizer's
+    one_line_error(disagmoe("train", "--data", prefix, "--steps", "1"), "tokenized with vocab size")
+    hf_dir = tmp_path / "hf"
+    build_hf("mixtral", torch.float32).save_pretrained(hf_dir)
+    one_line_error(disagmoe("train", "--init-from-hf", str(hf_dir)), "--allow-byte-data")
+
+    (tmp_path / "empty-run").mkdir()
+    one_line_error(
+        disagmoe("export", str(tmp_path / "empty-run"), "--out", str(tmp_path / "x")),
+        "no checkpoints in",
+    )
+    run_dir = tmp_path / "shared"
+    result = disagmoe(
+        "train",
+        "--model",
+        "tiny-shared",
+        "--runtime",
+        "reference",
+        "--steps",
+        "1",
+        "--checkpoint-every",
+        "1",
+        "--run-dir",
+        str(run_dir),
+        "--no-progress",
+    )
+    assert result.returncode == 0, result.stderr
+    one_line_error(
+        disagmoe("export", str(run_dir), "--out", str(tmp_path / "x")),
+        "shared experts, which neither Qwen3-MoE nor Mixtral has",
+    )
+    one_line_error(
+        disagmoe("export", str(run_dir), "--step", "7", "--out", str(tmp_path / "x")),
+        "has no checkpoint of step 7; it has steps 1",
+    )
