@@ -26,6 +26,23 @@ CASES: dict[str, list[str]] = {
     "default (p=1 m=2 n=2)": [],
     "n=1": ["--expert-workers", "1"],
     "n=1, cap 1": ["--expert-workers", "1", "--max-in-flight", "1"],
+    "n=1, cap 1, recompute attn": [
+        "--expert-workers",
+        "1",
+        "--max-in-flight",
+        "1",
+        "--recompute",
+        "attn",
+    ],
+    "n=1, cap 1, recompute full": [
+        "--expert-workers",
+        "1",
+        "--max-in-flight",
+        "1",
+        "--recompute",
+        "full",
+    ],
+    "n=1, recompute full": ["--expert-workers", "1", "--recompute", "full"],
     "p=2 m=1 n=1": ["--groups", "2", "--attn-workers", "1", "--expert-workers", "1"],
     "float64, n=1": ["--dtype", "float64", "--expert-workers", "1"],
     "batch 32, 9.5 MiB budget": ["--global-batch-size", "32", "--memory-gib", "0.0095"],
@@ -47,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = {name: measure(flags, args.steps) for name, flags in CASES.items()}
     print("MiB per rank (largest of the role), measured / predicted; act: activations at peak")
-    head = f"{'config':28} {'cap':>6} {'A act':>13} {'A states':>13} {'F act':>13} {'F states':>13}"
+    head = f"{'config':30} {'cap':>6} {'A act':>13} {'A states':>13} {'F act':>13} {'F states':>13}"
     print(head)
     for name, mem in rows.items():
         cap = f"{mem['cap']['in_flight']}/{mem['cap']['slots']}"
@@ -56,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in ("A", "F")
             for k in ("act_peak", "states")
         ]
-        print(f"{name:28} {cap:>6} " + " ".join(f"{c:>13}" for c in cells))
+        print(f"{name:30} {cap:>6} " + " ".join(f"{c:>13}" for c in cells))
     if args.json:
         write_json(args.json, {"steps": args.steps, "cases": CASES, "memory_mib": rows})
     return 0

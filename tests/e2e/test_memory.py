@@ -20,8 +20,8 @@ import pytest
 
 from disagmoe.testing.cli import run_cli
 
-# Recompute modes checked; "attn" and "full" join once the runtime implements them.
-RECOMPUTE = ["none"]
+# Recompute modes checked: every mode on the first layout; `full` also with p = 2.
+RECOMPUTE = ["none", "attn", "full"]
 
 
 def train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -33,13 +33,12 @@ def last_record(tmp_path: Path) -> dict[str, Any]:
     return dict(json.loads(lines[-1]))
 
 
-@pytest.mark.parametrize("recompute", RECOMPUTE)
 @pytest.mark.parametrize(
-    ("dtype", "layout", "cap"),
+    ("recompute", "dtype", "layout", "cap"),
     [
-        ("float32", ["--groups", "1", "--attn-workers", "2"], "1"),
-        ("float64", ["--groups", "1", "--attn-workers", "2"], "0"),
-        ("float32", ["--groups", "2", "--attn-workers", "1"], "1"),
+        *[(r, "float32", ["--groups", "1", "--attn-workers", "2"], "1") for r in RECOMPUTE],
+        ("none", "float64", ["--groups", "1", "--attn-workers", "2"], "0"),
+        *[(r, "float32", ["--groups", "2", "--attn-workers", "1"], "1") for r in ("none", "full")],
     ],
 )
 def test_measured_memory_matches_the_model(

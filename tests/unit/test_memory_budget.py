@@ -28,7 +28,10 @@ def test_ffn_bytes_by_hand() -> None:
     inputs_outputs = 128 * 2 * 4 * 64 + 256 * (4 + 16)
     swiglu = 256 * (4 * (3 * 64 + 4 * 64 + 1) + 16)
     assert kept == inputs_outputs + swiglu
-    assert rm.ffn_act_bytes(TINY, "full", F32, tokens=128, shards=1) == inputs_outputs
+    # full: the checkpoint keeps the concatenated rows and their ids, and the assignments
+    checkpoint_inputs = 128 * (4 * 64 + 8) + 256 * (4 + 16)
+    full = rm.ffn_act_bytes(TINY, "full", F32, tokens=128, shards=1)
+    assert full == inputs_outputs + checkpoint_inputs
     assert rm.ffn_act_bytes(TINY, "attn", F32, tokens=128, shards=1) == kept
 
 
@@ -39,6 +42,16 @@ def test_attention_bytes_follow_recompute_and_dtype() -> None:
     )  # type: ignore[arg-type]
     assert none - attn == 128 * 4 * TINY.num_heads  # the attention core's log-sum-exp
     assert full < attn
+    # full, by hand (T = 128, n = 2 shards, rho = k * distinct fraction): combines received,
+    # the checkpoint's input x and RoPE tables, the residual and the dispatched rows,
+    # weights, rows and expert ids, the dispatch's token ids and masks.
+    rho = rm.shards_per_token(TINY, 2)
+    per_token = rho * (4 * 64 + 8) + 4 * 64 + 4 * 64 + rho * 4 * 64 + 2 * (4 + 16)
+    per_token += rho * 8 + 2 * 2
+    assert full == pytest.approx(128 * per_token + 2 * 64 * 16 * 4)
+    # the loss head is never recomputed
+    head = [rm.attn_layer_act_bytes(TINY, 4, m, F32, **kw) for m in cm.RECOMPUTE_MODES]  # type: ignore[arg-type]
+    assert head[0] == head[1] == head[2]
     f64 = rm.attn_layer_act_bytes(TINY, 1, "none", cm.runtime_precision("float64"), **kw)  # type: ignore[arg-type]
     assert f64 > 1.9 * none  # activations follow the dtype (index tensors do not)
     # rows per token across shards: 1 with one shard, top_k when unknown

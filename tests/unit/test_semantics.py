@@ -58,6 +58,9 @@ class _Worker:
         self.ran.append(f"B l{layer} s{slot}")
         return {}
 
+    def kept(self, layer: int, slot: int) -> Payload:
+        return []
+
     def sync(self, step: int) -> int:
         self.ran.append("SYNC")
         return 0

@@ -59,9 +59,15 @@ def attn_layer_act_bytes(
     * a residual that is a new tensor (shared experts, dense MLP, or b < 4 where the norm saves
       an upcast copy instead), b*H; a dense MLP 4b*D_dense;
     * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
-    The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8.
-    `recompute=full` keeps the stage's inputs and outputs only (the recomputed forward is a
-    transient).
+    The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8; it is
+    not recomputed in any mode.
+
+    `recompute=full` (the block's forward is a transient, rerun in backward) keeps the stage's
+    inputs and outputs (the residual is always a new tensor: b*H), the checkpoint's inputs —
+    the layer input x, b*H where it is a new tensor (layer 0's embedding, a MoE layer's combine
+    sum; after a dense layer it is the previous residual), and the RoPE tables 2*S*D*b per
+    micro-batch — and what the ops outside the block save: the dispatch's token ids 8*rho and
+    masks n*k, and on layer 0 the embedding's token ids, 8.
     """
     if recompute not in cm.RECOMPUTE_MODES:
         raise ValueError(
@@ -78,22 +84,23 @@ def attn_layer_act_bytes(
         inputs += rho * (b * h + idx) if model.is_moe_layer(layer - 1) else 0.0
         inputs += b * h if groups > 1 else 0.0
     if layer == model.num_layers:  # loss head
-        kept = inputs + (
-            idx if recompute == "full" else _norm_bytes(h, prec) + f * model.vocab_size
-        )
-        return tokens * (kept + idx)
+        return tokens * (inputs + _norm_bytes(h, prec) + f * model.vocab_size + idx)
     moe = model.is_moe_layer(layer)
     shared_dim = model.num_shared_experts * model.expert_dim if moe else 0
     new_residual = shared_dim > 0 or not moe or b < 4
     outputs = b * h if new_residual or recompute == "full" else 0.0
     if moe:
         outputs += rho * b * h + k * (b + 2 * idx) + (rho * idx if groups > 1 else 0.0)
+    per_mb = 2 * seq_len * hd * b
     if recompute == "full":
-        return tokens * (inputs + outputs)
+        new_input = layer == 0 or model.is_moe_layer(layer - 1)
+        per_token = inputs + outputs + (b * h if new_input else 0.0)
+        per_token += idx if layer == 0 else 0.0
+        per_token += rho * idx + n * k if moe else 0.0
+        return tokens * per_token + per_mb
     per_token = inputs + outputs + 2 * _norm_bytes(h, prec) + b * (2 * q + 2 * kv)
     per_token += f * model.num_heads if recompute == "none" else 0.0
     per_token += idx if layer == 0 else 0.0
-    per_mb = 2 * seq_len * hd * b
     if moe:
         per_token += f * model.num_experts + idx * k + (f * (k + 1) if model.norm_topk_prob else 0)
         per_token += rho * idx + n * k + 4 * b * shared_dim
@@ -119,7 +126,9 @@ def ffn_act_bytes(
     Inputs u (b*H per row), weights b, rows and expert ids 16 per pair; outputs b*H per row.
     Without full recompute also the SwiGLU experts' saved tensors per pair: the gathered
     input, gate|up, SiLU(gate), the product, the expert output and the weighted output,
-    b*(3H + 4I), the sorted weights b and two index tensors 16.
+    b*(3H + 4I), the sorted weights b and two index tensors 16. With full recompute instead
+    the checkpoint's inputs: the replicas' rows concatenated with their ids, b*H + 8 per row,
+    and the concatenated assignments (weights, rows, expert ids), b + 16 per pair.
     """
     if recompute not in cm.RECOMPUTE_MODES:
         raise ValueError(
@@ -129,7 +138,9 @@ def ffn_act_bytes(
     pairs = tokens * model.top_k / shards
     rows = tokens * shards_per_token(model, shards) / shards if rows_known else pairs
     kept = rows * 2 * b * h + pairs * (b + 2 * idx)
-    if recompute != "full":
+    if recompute == "full":
+        kept += rows * (b * h + idx) + pairs * (b + 2 * idx)
+    else:
         kept += pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
     return kept
 

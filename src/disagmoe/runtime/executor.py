@@ -69,6 +69,10 @@ class StageWorker(Protocol):
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]: ...
+    def kept(self, layer: int, slot: int) -> Payload:
+        """The tensors the FWD of (layer, slot) keeps for its BWD beyond its messages (the
+        meter holds them with the FWD's received and sent payloads)."""
+        ...
 
 
 class StepHooks(Protocol):
@@ -368,7 +372,8 @@ class Executor:
             return self.worker.forward(instr.layer, instr.slot, received, outgoing)
         with self.meter.saving():
             out = self.worker.forward(instr.layer, instr.slot, received, outgoing)
-        self.meter.hold(task, [*received.values(), *out.values()])
+        kept = self.worker.kept(instr.layer, instr.slot)
+        self.meter.hold(task, [*received.values(), *out.values(), kept])
         return out
 
     # ------------------------------------------------------------------- step

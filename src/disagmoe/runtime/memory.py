@@ -10,19 +10,23 @@ count once), refcounted so that a storage is released when its last holder goes:
   goes and its bytes with it. Saved-tensor hooks are thread-local state, and the
   executor runs forward computes on a lane thread: the executor enters `saving()`
   around each FWD on the thread that runs it;
-* the stage's inputs and outputs (received and sent payloads of a FWD), which the
-  stage keeps until its BWD (leaves whose gradient it sends back, outputs it
-  differentiates): `hold` at the FWD, `release` after the matching BWD. Index tensors
-  among them (token ids, rows) are freed earlier by the stage once sent; counting
-  them until the BWD is an upper bound of a few bytes per token.
+* the stage's inputs and outputs (received and sent payloads of a FWD, and what the
+  stage's stash keeps besides, `StageWorker.kept`: the residual handed to the next layer
+  on the same rank), which the stage keeps until its BWD (leaves whose gradient it sends
+  back, outputs it differentiates): `hold` at the FWD, `release` after the matching
+  BWD. Index tensors among them (token ids, rows) are freed earlier by the stage once
+  sent; counting them until the BWD is an upper bound of a few bytes per token. On a
+  host (gloo) a received message whose small tensors travel inside its header keeps
+  the whole header buffer (`distributed.exchange`, 4.5 KiB), which is counted.
 
 Parameters are not activations: saved tensors whose storage is a parameter's (a
 weight saved by a linear, a view of an expert's weight) are skipped.
 
-Not counted: transients of a compute (freed before it returns), gradients in flight,
-and tensors that an activation checkpoint keeps in its own closure (its hooks replace
-ours inside the checkpointed region). On CUDA, `torch.cuda.max_memory_allocated`
-reports everything the caching allocator handed out.
+An activation checkpoint (`models.recompute`) saves its inputs as saved tensors, which
+these hooks count; what its region saves goes to the checkpoint's own (inner) hooks and
+is not kept, only recomputed. Not counted: transients of a compute (freed before it
+returns) and gradients in flight. On CUDA, `torch.cuda.max_memory_allocated` reports
+everything the caching allocator handed out.
 """
 
 from __future__ import annotations

@@ -191,6 +191,15 @@ class AttnWorker:
         self.stash[(layer, slot)] = st
         return out
 
+    def kept(self, layer: int, slot: int) -> Payload:
+        """The stash of (layer, slot): its leaves and the roots of its backward. Most are
+        messages too; the residual handed to the next layer on this rank (p = 1) is not, and
+        under `recompute=full` no op saves it either."""
+        st = self.stash[(layer, slot)]
+        roots = [st.resid_leaf, st.residual, st.objective]
+        dispatched = [t for pair in st.dispatched.values() for t in pair]
+        return [t for t in roots if t is not None] + list(st.combine_leaves.values()) + dispatched
+
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]:
@@ -283,6 +292,11 @@ class ExpertWorker:
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
         self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
         return {msg: [outputs[self.layout.role(msg.dst).index].detach()] for msg in outgoing}
+
+    def kept(self, layer: int, slot: int) -> Payload:
+        """The stash of (layer, slot): the received leaves and the outputs."""
+        st = self.stash[(layer, slot)]
+        return [t for pair in st.inputs.values() for t in pair] + list(st.outputs.values())
 
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
