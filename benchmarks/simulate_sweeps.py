@@ -26,10 +26,10 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 from disagmoe.config import MULTI_WORKER_RUNTIMES, ModelConfig
+from disagmoe.planner.split import planned_split, runnable_in_flight
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.simulator import SimResult, simulate_disagg, simulate_ep
 from disagmoe.simulator.cli import default_disagg_split
-from disagmoe.simulator.placement import planned_split, runnable_in_flight
 
 PRESETS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 H800 = CLUSTER_PRESETS["h800"]

@@ -21,9 +21,9 @@ import argparse
 from results_io import write_json
 
 from disagmoe.planner import Planner, PlanOptions
+from disagmoe.planner.split import planned_split, runnable_in_flight
 from disagmoe.presets import CLUSTER_PRESETS, model_preset
 from disagmoe.simulator import simulate_disagg
-from disagmoe.simulator.placement import planned_split, runnable_in_flight
 
 H800 = CLUSTER_PRESETS["h800"]
 CASES = [("gpt-oss-20b", 1, 8192), ("qwen3-30b-a3b", 2, 8192)]  # (model, nodes, seq_len)

@@ -88,8 +88,8 @@ def test_bench_runs_the_planners_uneven_split(nodes: int, split: tuple[int, int]
 
 def test_simulator_uses_the_planners_split_as_is() -> None:
     from disagmoe.planner import plan_for
+    from disagmoe.planner.split import planned_split
     from disagmoe.presets import CLUSTER_PRESETS
-    from disagmoe.simulator.placement import planned_split
 
     model, h800 = model_preset("qwen3-30b-a3b"), CLUSTER_PRESETS["h800"]
     kw = dict(gpus=16, seq_len=8192, micro_batch_size=1)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
-from disagmoe.simulator.placement import memory_in_flight
+from disagmoe.planner.split import memory_in_flight
 
 T = TypeVar("T")
 

@@ -19,11 +19,11 @@ from ..config import (
     ModelConfig,
 )
 from ..flops import expert_flops, train_factors
+from ..planner.split import planned_split
 from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import simulate_ep
-from .placement import planned_split
 from .report import BREAKDOWN_KEYS, SimResult
 
 
