@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from disagmoe.bench.cli import nic_split
-from disagmoe.bench.runner import BenchSpec, entry_slug, parse_entry
+from disagmoe.bench.runner import BenchSpec, Entry
 from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import model_preset
@@ -42,10 +42,10 @@ def test_split_keeps_the_total_and_gives_each_role_its_rate() -> None:
 def test_each_placement_is_a_row_with_its_own_flags() -> None:
     spec = dataclasses.replace(SPEC, placements=("node-aware", "packed"))
     assert spec.entries == ("disagg", "disagg (packed)", "ep-1f1b")
-    assert parse_entry("disagg (packed)") == ("disagg", "packed")
-    assert parse_entry("disagg") == ("disagg", "node-aware")
-    assert parse_entry("ep-1f1b")[0] == "ep-1f1b"
-    assert entry_slug("disagg (packed)") == "disagg-packed"
+    assert Entry.parse("disagg (packed)") == Entry("disagg", "packed")
+    assert Entry.parse("disagg") == Entry("disagg", "node-aware")
+    assert Entry.parse("ep-1f1b").runtime == "ep-1f1b"
+    assert Entry.parse("disagg (packed)").slug == "disagg-packed"
     flags = spec.train_flags("disagg (packed)", Path("r"))
     assert flags[flags.index("--runtime") + 1] == "disagg"
     assert flags[flags.index("--placement") + 1] == "packed"
@@ -115,3 +115,57 @@ def test_emulated_network_pools_a_node_nic_like_its_token_bucket() -> None:
     assert pooled.nic_bytes_per_s == pytest.approx(2 * per_rank.nic_bytes_per_s)
     assert pooled.nic_bytes_per_gpu == pytest.approx(per_rank.nic_bytes_per_gpu)
     assert pooled.nic_of(0) == pooled.nic_of(1) != pooled.nic_of(2)
+
+
+def test_splits_and_recompute_modes_are_rows_of_one_run() -> None:
+    """`--splits planner,even` x `--placements` x `--recomputes`: every combination is a
+    row with its own layout flags and recompute override; labels read back exactly."""
+    spec = dataclasses.replace(
+        SPEC, groups=1, attn_workers=3, expert_workers=5, nic_split=(1.2, 0.88),
+        splits=("planner", "even"), placements=("node-aware", "packed"),
+        recomputes=("none", "full"), overrides=("train.recompute=attn",),
+    )  # fmt: skip
+    rows = spec.entries
+    assert rows[:3] == ("disagg (recompute none)", "disagg (recompute full)",
+                        "disagg (packed, recompute none)")  # fmt: skip
+    assert "disagg (even, packed, recompute full)" in rows and len(rows) == 4 * 2 + 2
+    assert rows[-1] == "ep-1f1b (recompute full)"
+    for row in rows:
+        assert Entry.parse(row).label == row
+    flags = spec.train_flags("disagg (even, packed, recompute full)", Path("r"))
+    assert flags[flags.index("--attn-workers") + 1] == "4"
+    assert flags[flags.index("--expert-workers") + 1] == "4"
+    assert flags[flags.index("--placement") + 1] == "packed"
+    sets = [flags[i + 1] for i, f in enumerate(flags) if f == "--set"]
+    assert sets[-1] == "train.recompute=full"  # the row's mode after the global override
+    planned = spec.train_flags("disagg (recompute none)", Path("r"))
+    assert planned[planned.index("--attn-workers") + 1] == "3"
+    # the NIC split belongs to the planner's node-aware row only
+    assert len(set(spec.worker_gbps("disagg (recompute none)"))) == 2
+    assert spec.worker_gbps("disagg (even, recompute none)") == [0.2] * 8
+    assert Entry.parse("disagg (even, packed)").slug == "disagg-even-packed"
+    with pytest.raises(ValueError, match="unknown qualifier"):
+        Entry.parse("disagg (sideways)")
+
+
+def test_bench_flags_for_splits_and_recomputes_are_checked() -> None:
+    import argparse
+
+    from disagmoe.bench.cli import add_bench_arguments, spec_from_args
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+
+    def spec(*argv: str) -> BenchSpec:
+        return spec_from_args(parser.parse_args(["--loopback", *argv]))
+
+    # 2 workers: the planner's split is the even one, so it is one row
+    two = spec("--runtimes", "disagg,ep-1f1b", "--splits", "planner,even")
+    assert two.splits == ("planner",) and "even split" in two.split_note
+    eight = spec("--compute", "emulated", "--nodes", "4", "--ranks-per-node", "2",
+                 "--nic-gbps", "0.4", "--runtimes", "disagg", "--splits", "planner,even")  # fmt: skip
+    assert eight.entries == ("disagg", "disagg (even)")
+    assert eight.split_of("disagg") == (1, 3, 5) and eight.split_of("disagg (even)") == (1, 4, 4)
+    for bad in (("--splits", "uneven"), ("--recomputes", "full,full"), ("--splits", "")):
+        with pytest.raises(ValueError, match=bad[0]):
+            spec("--runtimes", "disagg", *bad)

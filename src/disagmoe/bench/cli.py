@@ -7,8 +7,15 @@
 Every runtime gets the same model, global batch and number of workers; each worker has
 one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg` uses the
 planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise, and
-runs once per `--placements` entry (node-aware: A and F of a group on every node, the
-default; packed: rank order), each a row of the table with its simulator prediction.
+runs once per `--splits` entry (planner, the default; even: p = 1, m = n) and per
+`--placements` entry (node-aware: A and F of a group on every node, the default; packed:
+rank order); `--recomputes none,full` runs every runtime once per recompute mode. Each is
+a row of the table with its simulator prediction and bound:
+
+    disagmoe bench --compute emulated --nodes 4 --ranks-per-node 2 --runtimes disagg,ep-1f1b \
+        --splits planner,even --placements node-aware,packed
+    disagmoe bench --runtimes disagg,ep-1f1b --recomputes none,attn,full
+
 Compute is real, one thread per rank, so the number of ranks may not exceed the cores;
 `--compute emulated` replaces attention and expert math by waits of their durations
 measured on this machine (`bench.emulation`), so that 16-32 workers fit on a few cores:
@@ -28,10 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import MULTI_WORKER_RUNTIMES, PLACEMENTS, ClusterConfig
+from ..config import MULTI_WORKER_RUNTIMES, PLACEMENTS, RECOMPUTE, ClusterConfig
 from ..presets import model_preset
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
-from .runner import BenchSpec, RuntimeResult, run_all, summarize
+from .runner import SPLITS, BenchSpec, RuntimeResult, even_split, run_all, summarize
 
 MAX_EMULATED_RANKS = 64
 RANK_MEMORY_BYTES = 400 * 2**20  # a rank's Python + torch + gloo, measured ~250-350 MB
@@ -85,6 +92,12 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--placements", default="node-aware", metavar="P[,P]",
                    help="disagg: placements to run, one row each (node-aware, packed; "
                    "e.g. node-aware,packed)")  # fmt: skip
+    p.add_argument("--splits", default="planner", metavar="S[,S]",
+                   help="disagg: splits to run, one row each (planner: the planner's or the "
+                   "given m, n; even: p=1, m=n; e.g. planner,even)")  # fmt: skip
+    p.add_argument("--recomputes", default="", metavar="R[,R]",
+                   help="run every runtime once per train.recompute mode, one row each "
+                   "(none, attn, full; default: the config's, one row)")  # fmt: skip
     p.add_argument("--nic-split", default="auto", metavar="A:F|auto",
                    help="disagg: NIC rate of an attention vs an expert worker, same total as "
                    "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
@@ -116,7 +129,7 @@ def planner_split(spec: BenchSpec) -> tuple[int, int, int, str, tuple[int, int] 
         reason = f"planner: {str(err).split(';')[0]}"
     if world % 2:
         raise ValueError(f"disagg needs an even worker count here, got {world}; set --groups ...")
-    return 1, world // 2, world // 2, f"{reason}; even split m=n={world // 2}", None
+    return (*even_split(world), f"{reason}; even split m=n={world // 2}", None)
 
 
 def nic_split(text: str, m: int, n: int, planned: tuple[int, int] | None) -> tuple[float, float]:
@@ -143,16 +156,9 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     unknown = [r for r in runtimes if r not in MULTI_WORKER_RUNTIMES]
     if unknown or not runtimes:
         raise ValueError(f"--runtimes: unknown {unknown}; choose from disagg, ep-1f1b, ...")
-    placements = tuple(p.strip() for p in args.placements.split(",") if p.strip())
-    if (
-        not placements
-        or len(set(placements)) < len(placements)
-        or set(placements) - set(PLACEMENTS)
-    ):
-        raise ValueError(
-            f"--placements must list distinct placements of {', '.join(PLACEMENTS)}, "
-            f"got {args.placements!r}"
-        )
+    placements = _choices("--placements", args.placements, PLACEMENTS)
+    splits = _choices("--splits", args.splits, SPLITS)
+    recomputes = _choices("--recomputes", args.recomputes, RECOMPUTE) if args.recomputes else ()
     if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbps <= 0:
         raise ValueError("--nodes, --ranks-per-node must be >= 1 and --nic-gbps > 0")
     if not 0 <= args.warmup < args.steps:
@@ -189,7 +195,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         attn_workers=args.attn_workers, expert_workers=args.expert_workers, pp=args.pp,
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
         loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
-        placements=placements,
+        placements=placements, splits=splits, recomputes=recomputes,
     )  # fmt: skip
     planned = None
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):
@@ -202,21 +208,38 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         m, n = spec.attn_workers, spec.expert_workers
         shares = nic_split(args.nic_split, m, n, planned)
         spec = dataclasses.replace(spec, nic_split=shares)
+        if "even" in splits:
+            even_split(world)  # an odd worker count has none: say so before any run
+            if (spec.groups, m, n) == even_split(world) and "planner" in splits:
+                spec = dataclasses.replace(
+                    spec,
+                    splits=tuple(s for s in splits if s != "even"),
+                    split_note=f"{spec.split_note}; it is the even split (one row)",
+                )
     return spec
 
 
+def _choices(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    """A comma-separated list of distinct values of `allowed`, or a one-line error."""
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items or len(set(items)) < len(items) or set(items) - set(allowed):
+        raise ValueError(f"{flag} must list distinct values of {', '.join(allowed)}, got {text!r}")
+    return items
+
+
 def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) -> str:
+    w = max([15, *(len(r.runtime) for r in results)])
     lines = [
         f"# {spec.model}, {spec.world} workers ({network}), global batch "
         f"{spec.global_batch_size}x{spec.seq_len}, {spec.steps - spec.warmup} measured steps "
         f"x {spec.repeats} repeats ({compute_label(spec)})",
-        f"{'runtime':15s} {'tokens/s':>9s} {'vs 1f1b':>8s} {'step s':>7s} {'exposed':>8s} "
+        f"{'runtime':{w}s} {'tokens/s':>9s} {'vs 1f1b':>8s} {'step s':>7s} {'exposed':>8s} "
         f"{'comm%':>6s} {'bubble':>7s} {'sim s':>7s} {'sim err':>8s} {'bound s':>8s} "
         f"{'step/bd':>7s} {'binds':16s} layout",
     ]
     for r in results:
         if not r.ok:
-            lines.append(f"{r.runtime:15s} FAILED: {r.error}")
+            lines.append(f"{r.runtime:{w}s} FAILED: {r.error}")
             continue
         b = r.breakdown
         assert b is not None
@@ -225,7 +248,7 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
         over = f"{r.step_over_bound:.2f}x" if r.step_over_bound else "-"
         binds = f"{r.bound.binding} {r.bound.worker}" if r.bound else "-"
         lines.append(
-            f"{r.runtime:15s} {r.tokens_per_s:9.0f} {ratio:>8s} {r.step_time_s:7.3f} "
+            f"{r.runtime:{w}s} {r.tokens_per_s:9.0f} {ratio:>8s} {r.step_time_s:7.3f} "
             f"{b.exposed_comm_s:8.3f} {100 * b.exposed_comm_s / r.step_time_s:5.0f}% "
             f"{b.bubble_s:7.3f} {r.predicted_step_s:7.3f} {100 * r.prediction_error:+7.0f}% "
             f"{bound_s:8.3f} {over:>7s} {binds:16s} {r.layout}"
@@ -296,8 +319,8 @@ def run_bench(args: argparse.Namespace) -> int:
         a, f = spec.nic_split
         if "disagg" in spec.runtimes and (a, f) != (1.0, 1.0):
             network += f"; disagg NICs {a:.2f}x (attention) / {f:.2f}x (experts) per worker"
-            if "packed" in spec.placements:
-                network += " (node-aware; packed: even)"
+            if "packed" in spec.placements or "even" in spec.splits:
+                network += " (planner split, node-aware; other rows: even)"
     if log and spec.split_note:
         log(f"bench: disagg split — {spec.split_note}")
     if spec.compute == "emulated":

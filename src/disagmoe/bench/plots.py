@@ -47,13 +47,14 @@ def plot_bars(results: list[RuntimeResult], out: Path, network: str) -> None:
 
 
 def plot_trace_pair(results: list[RuntimeResult], out: Path, step: int, note: str = "") -> None:
-    """One measured step of AF-Pipe above one of ep-1f1b (first repetition), same axis."""
-    by_name = {r.runtime: r for r in results if r.ok}
-    pair = [("AF-Pipe (disagg)", "disagg"), ("ep-1f1b (EP all-to-all + 1F1B)", "ep-1f1b")]
+    """One measured step of AF-Pipe above one of ep-1f1b (first repetition), same axis: the
+    first row of each runtime (`disagg`, or its first variant)."""
+    pair = [("AF-Pipe", "disagg"), ("ep-1f1b (EP all-to-all + 1F1B)", "ep-1f1b")]
     traces: list[tuple[str, str | Path]] = []
     for title, name in pair:
-        if name in by_name:
-            dirs = [Path(d) for d in by_name[name].run_dirs if (Path(d) / "trace.json").exists()]
-            traces.append((f"{title}{note}", dirs[0] / "trace.json"))
+        row = next((r for r in results if r.ok and r.runtime.split(" (")[0] == name), None)
+        if row is not None:
+            dirs = [Path(d) for d in row.run_dirs if (Path(d) / "trace.json").exists()]
+            traces.append((f"{title} ({row.runtime}){note}", dirs[0] / "trace.json"))
     if traces:
         plot_traces(traces, out, step=step)

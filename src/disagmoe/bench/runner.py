@@ -8,11 +8,14 @@ workers (`nodes * ranks_per_node`), started exactly as a multi-node job is:
         --local-addr <node k> -m disagmoe.train <train flags>
 
 (c10d assigns node ranks in the order of the nodes' addresses, which are zero-padded so
-that node k gets node rank k; node k holds ranks kR .. kR+R-1.) `disagg` runs once per
-placement in `placements` (`parallel.placement`; rows `disagg` for node-aware and
-`disagg (packed)`), each with `--ranks-per-node R`. Repetitions are interleaved (rep 1 of every runtime, then
-rep 2, ...) so that slow drifts of the machine hit all runtimes alike; the first
-`warmup` steps of every run are excluded.
+that node k gets node rank k; node k holds ranks kR .. kR+R-1.) A row of the bench is an
+`Entry`: a runtime and, for `disagg`, one split (`splits`: the planner's, or the even
+m = n) and one placement (`placements`: node-aware or packed), each with
+`--ranks-per-node R`; with `recomputes`, every runtime once per recompute mode. Rows are
+labelled `disagg`, `disagg (even, packed)`, `ep-1f1b (recompute full)`, ... (defaults
+left out). Repetitions are interleaved (rep 1 of every row, then rep 2, ...) so that slow
+drifts of the machine hit all rows alike; the first `warmup` steps of every run are
+excluded.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import ParallelConfig
+from ..config import PLACEMENTS, RECOMPUTE, ParallelConfig
 from ..config_io import load_toml
 from ..distributed.layout import Layout
 from ..presets import model_preset
@@ -47,6 +50,46 @@ from .analysis import (
 from .netns import EmulatedCluster, LoopbackCluster
 
 RDZV_PORT = 29500
+SPLITS = ("planner", "even")  # disagg: the planner's (or the given) split; m = n
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the bench: a runtime and the variant it runs in."""
+
+    runtime: str
+    placement: str = "node-aware"  # disagg only
+    split: str = "planner"  # disagg only: "planner" (or given) | "even"
+    recompute: str = ""  # "" = the config's; else train.recompute for this row
+
+    @property
+    def label(self) -> str:
+        """`disagg`, `disagg (packed)`, `disagg (even, packed, recompute full)`, ..."""
+        quals = [self.split] if self.split != "planner" else []
+        quals += [self.placement] if self.placement != "node-aware" else []
+        quals += [f"recompute {self.recompute}"] if self.recompute else []
+        return f"{self.runtime} ({', '.join(quals)})" if quals else self.runtime
+
+    @property
+    def slug(self) -> str:
+        """The row as a directory name: `disagg (even, packed)` -> `disagg-even-packed`."""
+        return self.label.replace(" (", "-").replace(", ", "-").replace(" ", "-").rstrip(")")
+
+    @classmethod
+    def parse(cls, label: str) -> Entry:
+        """`Entry.label` read back."""
+        runtime, _, rest = label.partition(" (")
+        entry = cls(runtime)
+        for q in filter(None, rest.rstrip(")").split(", ")):
+            if q in PLACEMENTS:
+                entry = dataclasses.replace(entry, placement=q)
+            elif q in SPLITS:
+                entry = dataclasses.replace(entry, split=q)
+            elif q.startswith("recompute ") and q.split()[1] in RECOMPUTE:
+                entry = dataclasses.replace(entry, recompute=q.split()[1])
+            else:
+                raise ValueError(f"bench row {label!r}: unknown qualifier {q!r}")
+        return entry
 
 
 @dataclass(frozen=True)
@@ -83,6 +126,8 @@ class BenchSpec:
     nic_split: tuple[float, float] = (1.0, 1.0)
     split_note: str = ""
     placements: tuple[str, ...] = ("node-aware",)  # disagg: one run per placement
+    splits: tuple[str, ...] = ("planner",)  # disagg: one run per split (SPLITS)
+    recomputes: tuple[str, ...] = ()  # every runtime once per mode; () = the config's
 
     @property
     def world(self) -> int:
@@ -90,33 +135,48 @@ class BenchSpec:
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """The rows of the bench: every runtime, `disagg` once per placement."""
+        """The rows of the bench (`Entry.label`): every runtime, `disagg` once per split and
+        placement, everything once per recompute mode."""
         out: list[str] = []
         for runtime in self.runtimes:
+            variants = [Entry(runtime)]
             if runtime == "disagg":
-                out += [entry_label(runtime, p) for p in self.placements]
-            else:
-                out.append(runtime)
+                variants = [Entry(runtime, p, s) for s in self.splits for p in self.placements]
+            out += [
+                dataclasses.replace(v, recompute=r).label
+                for v in variants
+                for r in (self.recomputes or ("",))
+            ]
         return tuple(out)
 
+    def split_of(self, entry: str) -> tuple[int, int, int]:
+        """(p, m, n) of a `disagg` row: the planner's (or given) split, or the even one."""
+        if Entry.parse(entry).split == "even":
+            return even_split(self.world)
+        return self.groups, self.attn_workers, self.expert_workers
+
     def layout(self, entry: str) -> Layout:
-        """The disaggregated layout of a `disagg` entry (its placement, this cluster's R)."""
-        runtime, placement = parse_entry(entry)
-        assert runtime == "disagg", entry
-        parallel = ParallelConfig(
-            groups=self.groups, attn_workers=self.attn_workers,
-            expert_workers=self.expert_workers, placement=placement,
-        )  # fmt: skip
+        """The disaggregated layout of a `disagg` row (its split and placement, this
+        cluster's R)."""
+        e = Entry.parse(entry)
+        assert e.runtime == "disagg", entry
+        p, m, n = self.split_of(entry)
+        parallel = ParallelConfig(groups=p, attn_workers=m, expert_workers=n, placement=e.placement)
         return Layout.build(
             model_preset(self.model), parallel, self.world, ranks_per_node=self.ranks_per_node
         )
 
     def worker_gbps(self, entry: str) -> list[float]:
-        """NIC Gbit/s of every rank in this entry's run (disagg node-aware: the NIC split,
-        which pools a node's NICs for its A and F workers; packed runs get even NICs, as
-        in the simulator)."""
-        runtime, placement = parse_entry(entry)
-        if runtime != "disagg" or placement != "node-aware" or self.nic_split == (1.0, 1.0):
+        """NIC Gbit/s of every rank in this row's run (disagg node-aware with the planner's
+        split: the NIC split, which pools a node's NICs for its A and F workers; packed
+        and even rows get even NICs, as in the simulator)."""
+        e = Entry.parse(entry)
+        if (
+            e.runtime != "disagg"
+            or e.placement != "node-aware"
+            or e.split != "planner"
+            or self.nic_split == (1.0, 1.0)
+        ):
             return [self.nic_gbps] * self.world
         a, f = self.nic_split
         layout = self.layout(entry)
@@ -129,16 +189,18 @@ class BenchSpec:
         return [sum(rates[k * R : (k + 1) * R]) * 1000 / self.time_scale for k in range(self.nodes)]
 
     def layout_flags(self, entry: str) -> list[str]:
-        runtime, placement = parse_entry(entry)
-        if runtime == "disagg":
-            return ["--groups", str(self.groups), "--attn-workers", str(self.attn_workers),
-                    "--expert-workers", str(self.expert_workers), "--placement", placement,
+        e = Entry.parse(entry)
+        if e.runtime == "disagg":
+            p, m, n = self.split_of(entry)
+            return ["--groups", str(p), "--attn-workers", str(m), "--expert-workers", str(n),
+                    "--placement", e.placement,
                     "--ranks-per-node", str(self.ranks_per_node)]  # fmt: skip
         ep = self.ep or self.world // self.pp
         return ["--pp", str(self.pp), "--ep", str(ep), "--world-size", str(self.world)]
 
     def train_flags(self, entry: str, run_dir: Path) -> list[str]:
-        runtime, _ = parse_entry(entry)
+        e = Entry.parse(entry)
+        runtime = e.runtime
         flags = [
             "--runtime", runtime, "--model", self.model, "--seq-len", str(self.seq_len),
             "--global-batch-size", str(self.global_batch_size),
@@ -152,23 +214,16 @@ class BenchSpec:
         extra = self.disagg_overrides if runtime == "disagg" else ()
         for item in (*self.overrides, *extra):
             flags += ["--set", item]
+        if e.recompute:  # after the overrides: the row's mode wins
+            flags += ["--set", f"train.recompute={e.recompute}"]
         return flags
 
 
-def entry_label(runtime: str, placement: str) -> str:
-    """A bench row: the runtime, and for `disagg` a placement other than node-aware."""
-    return runtime if runtime != "disagg" or placement == "node-aware" else f"disagg ({placement})"
-
-
-def parse_entry(entry: str) -> tuple[str, str]:
-    """(runtime, placement) of a bench row (`entry_label` read back)."""
-    runtime, _, rest = entry.partition(" (")
-    return runtime, rest.rstrip(")") or "node-aware"
-
-
-def entry_slug(entry: str) -> str:
-    """A bench row as a directory name: `disagg (packed)` -> `disagg-packed`."""
-    return entry.replace(" (", "-").rstrip(")")
+def even_split(world: int) -> tuple[int, int, int]:
+    """The even disaggregated split of `world` workers: p = 1, m = n = world / 2."""
+    if world % 2:
+        raise ValueError(f"an even split needs an even worker count, got {world}")
+    return 1, world // 2, world // 2
 
 
 @dataclass
@@ -268,7 +323,7 @@ def run_all(spec: BenchSpec, cluster: Cluster, log: Any = None) -> list[RunOutco
     outcomes = []
     for rep in range(spec.repeats):
         for runtime in spec.entries:
-            run_dir = spec.out_dir / f"{entry_slug(runtime)}-r{rep}"
+            run_dir = spec.out_dir / f"{Entry.parse(runtime).slug}-r{rep}"
             t0 = time.perf_counter()
             if log:
                 log(f"bench: {runtime} (repeat {rep + 1}/{spec.repeats}) -> {run_dir}")
@@ -388,8 +443,10 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
         )
         res.prediction_error = res.predicted_step_s / res.step_time_s - 1.0
         results.append(res)
-    base = next((r for r in results if r.runtime == "ep-1f1b" and r.ok), None)
-    for r in results:
+    by_label = {r.runtime: r for r in results if r.ok}
+    for r in results:  # against ep-1f1b in the row's recompute mode
+        mode = Entry.parse(r.runtime).recompute
+        base = by_label.get(Entry("ep-1f1b", recompute=mode).label)
         if base is not None and r.ok:
             r.ratio_vs_ep_1f1b = r.tokens_per_s / base.tokens_per_s
     return results
