@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from .command import CommandFailed, resolve_train_config, run_command, train_parser
-from .config import RunConfig
+from .config import RunConfig, replace_section
 from .config_io import from_dict, to_dict
 from .runtime.observe import prepare_run_dir
 
@@ -261,9 +261,10 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         if dist.get_rank() == 0:
             try:
                 world_size_for(cfg)
-                resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-                check_inputs(cfg)
-                decision = [str(prepare_run_dir(cfg))]
+                # rank 0 resolves the memory budget once; config.toml and every rank get it
+                resolved = resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                check_inputs(resolved)
+                decision = [(str(prepare_run_dir(resolved)), resolved.train.memory_gib)]
             except ValueError as err:
                 decision = [ValueError(str(err))]
         dist.broadcast_object_list(decision, src=0)
@@ -272,7 +273,8 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"disagmoe: error: {decision[0]}\n")
             dist.destroy_process_group()
             return 2
-        run_rank(cfg, Path(decision[0]))
+        run_dir, memory_gib = decision[0]
+        run_rank(replace_section(cfg, "train", memory_gib=memory_gib), Path(run_dir))
     except ValueError as err:  # configuration errors: the same line on every rank
         sys.stderr.write(f"disagmoe: error: {err}\n")
         return 2

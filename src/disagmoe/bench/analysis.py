@@ -215,7 +215,10 @@ def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network
             kind = workload.layer_kind(comp, e["args"]["layer"])
             groups[(op, comp, kind)].append(e["dur"] / 1e6)
     table = {k: statistics.median(v) for k, v in groups.items()}
-    layout = Layout.build(cfg.model, cfg.parallel, world)
+    # the run's placement: its roles depend on the ranks per node it ran with
+    layout = Layout.build(
+        cfg.model, cfg.parallel, world, ranks_per_node=cfg.parallel.ranks_per_node or world
+    )
     schedule = run_schedule(cfg, layout)
     sim = simulate_schedule(
         schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
