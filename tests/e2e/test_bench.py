@@ -57,6 +57,14 @@ def test_bench_reports_every_runtime_and_cleans_up(tmp_path: Path) -> None:
     assert report["emulated_compute"] is False
     assert ours(proc.pid) == []
     assert (tmp_path / "disagg-r0" / "trace.json").exists()
+    # torchrun-launched ranks save the config they ran: the memory budget rank 0 resolved
+    # (the in-flight cap follows from it; the simulator's replay needs the same cap)
+    from disagmoe.config_io import load_toml
+
+    assert load_toml(tmp_path / "disagg-r0" / "config.toml").train.memory_gib > 0
+    # the run dir keeps the report and the table, whatever was printed
+    assert json.loads((tmp_path / "bench.json").read_text())["results"] == report["results"]
+    assert (tmp_path / "bench.txt").read_text().splitlines()[1].startswith("runtime")
 
 
 def test_emulated_compute_runs_more_ranks_than_cores_and_says_so(tmp_path: Path) -> None:

@@ -103,6 +103,15 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
 
 
+def emulated_cluster(spec: BenchSpec) -> ClusterConfig:
+    """The emulated cluster as the planner sees it: one NIC of `nic_gbps` per worker."""
+    return ClusterConfig(
+        name="emulated", gpus_per_node=spec.ranks_per_node, nics_per_node=spec.ranks_per_node,
+        nic_gbps=spec.nic_gbps / 8, nvlink_gbps=1.5, peak_tflops=0.02, gpu_mem_gib=8.0,
+        mfu=0.5, bw_efficiency=0.94, latency_us=100.0,
+    )  # fmt: skip
+
+
 def planner_split(spec: BenchSpec) -> tuple[int, int, int, str, tuple[int, int] | None]:
     """(p, m, n, note, (attention NICs, expert NICs) per group or None): the planner's
     split for this emulated cluster, or an even one (with no NIC split)."""
@@ -110,19 +119,20 @@ def planner_split(spec: BenchSpec) -> tuple[int, int, int, str, tuple[int, int] 
 
     model = model_preset(spec.model)
     world = spec.world
-    cluster = ClusterConfig(
-        name="emulated", gpus_per_node=spec.ranks_per_node, nics_per_node=spec.ranks_per_node,
-        nic_gbps=spec.nic_gbps / 8, nvlink_gbps=1.5, peak_tflops=0.02, gpu_mem_gib=8.0,
-        mfu=0.5, bw_efficiency=0.94, latency_us=100.0,
-    )  # fmt: skip
+    cluster = emulated_cluster(spec)
     num_micro = spec.global_batch_size // spec.micro_batch_size
     try:
+        # what `disagmoe plan` prints for this cluster (its CLI default, profile auto: the
+        # simulator scores stage 3 at this size), not the analytic stage-2 split alone
         plan = plan_for(model, cluster, gpus=world, seq_len=spec.seq_len,
-                        micro_batch_size=spec.micro_batch_size, search_moves=0)  # fmt: skip
+                        micro_batch_size=spec.micro_batch_size, profile="simulator")  # fmt: skip
         p, m, n = plan.groups, plan.attn_gpus_per_group, plan.ffn_gpus_per_group
         if p * (m + n) == world and m <= num_micro and model.num_layers % p == 0:
             nics = (plan.attn_nics_per_group, plan.ffn_nics_per_group)
-            note = f"planner: p={p} m={m} n={n}, NICs {nics[0]}:{nics[1]} ({plan.binding} binds)"
+            note = (
+                f"planner ({plan.profile} profile): p={p} m={m} n={n}, NICs {nics[0]}:{nics[1]} "
+                f"({plan.binding} binds)"
+            )
             return p, m, n, note, nics
         reason = f"planner's p={p} m={m} n={n} does not fit this batch/model"
     except ValueError as err:
@@ -336,14 +346,16 @@ def run_bench(args: argparse.Namespace) -> int:
         note = f" [emulated compute, wall clock = {spec.time_scale:g}x]" if emulated else ""
         plot_bars(results, Path(args.plots) / "bench_tokens.png", label)
         plot_trace_pair(results, Path(args.plots) / "bench_trace.png", spec.steps - 1, note)
-    if args.json:
-        print(json.dumps({
-            "network": network, "emulated_compute": spec.compute == "emulated",
-            "time_scale": spec.time_scale, "compute": compute_label(spec), "spec": _spec_dict(spec),
-            "results": [r.to_dict() for r in results],
-        }, indent=2))  # fmt: skip
-    else:
-        print(format_table(spec, results, network))
+    report = json.dumps({
+        "network": network, "emulated_compute": spec.compute == "emulated",
+        "time_scale": spec.time_scale, "compute": compute_label(spec), "spec": _spec_dict(spec),
+        "results": [r.to_dict() for r in results],
+    }, indent=2)  # fmt: skip
+    table = format_table(spec, results, network)
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    (spec.out_dir / "bench.json").write_text(report + "\n")
+    (spec.out_dir / "bench.txt").write_text(table + "\n")
+    print(report if args.json else table)
     return 0 if all(r.ok for r in results) else 1
 
 
