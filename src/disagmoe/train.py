@@ -195,13 +195,21 @@ def train_command(args: argparse.Namespace) -> int:
         first, last = records[0], records[-1]
         print(
             f"{cfg.parallel.runtime}: {len(records)} steps, loss {first['loss']:.4f} -> "
-            f"{last['loss']:.4f}, {last['tokens_per_s']:.0f} tokens/s; run dir {run_dir}"
+            f"{last['loss']:.4f}, {mean_tokens_per_s(records):.0f} tokens/s; run dir {run_dir}"
         )
         if "memory_mib" in last:
             print(memory_summary(last["memory_mib"]))
     else:
         print(f"{cfg.parallel.runtime}: 0 steps; run dir {run_dir}")
     return 0
+
+
+def mean_tokens_per_s(records: list[dict[str, Any]]) -> float:
+    """Tokens/s over the measured steps: all steps of this invocation but its first (thread
+    start-up, first allocations), or that one step alone; total tokens / total step time."""
+    measured = records[1:] or records
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in measured)
+    return tokens / sum(r["step_time_s"] for r in measured)
 
 
 def memory_summary(mem: dict[str, dict[str, float]]) -> str:

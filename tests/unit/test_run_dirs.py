@@ -13,6 +13,7 @@ from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.runtime.checkpoint import resolve_checkpoint, save_checkpoint
 from disagmoe.runtime.observe import prepare_run_dir
+from disagmoe.train import mean_tokens_per_s
 
 
 def test_fresh_run_refuses_a_used_run_dir(tmp_path: Path) -> None:
@@ -42,3 +43,14 @@ def test_every_group_needs_a_moe_layer() -> None:
     model = dataclasses.replace(MODEL_PRESETS["tiny"], num_dense_layers=1)
     with pytest.raises(ValueError, match=r"expert group\(s\) \[0\] would hold no MoE layer"):
         Layout.build(model, ParallelConfig(groups=4, attn_workers=1, expert_workers=1))
+
+
+def test_summary_tokens_per_s_is_the_mean_over_measured_steps() -> None:
+    # 100 tokens per step; the first step (warm-up) is left out; total tokens / total time
+    records = [
+        {"tokens_per_s": 10.0, "step_time_s": 10.0},
+        {"tokens_per_s": 100.0, "step_time_s": 1.0},
+        {"tokens_per_s": 50.0, "step_time_s": 2.0},
+    ]
+    assert mean_tokens_per_s(records) == pytest.approx(200 / 3)
+    assert mean_tokens_per_s(records[:1]) == pytest.approx(10.0)
