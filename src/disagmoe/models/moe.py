@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -36,19 +35,25 @@ class Routing:
     probs_TE: torch.Tensor  # full softmax (differentiable, for the aux loss)
 
 
-_RECOMPUTING = threading.local()
+_RECOMPUTING = threading.local()  # .depth: recompute reruns this thread is inside
 
 
-@contextmanager
-def recomputing() -> Iterator[None]:
-    """Marks a forward that this thread reruns for backward (activation recompute): routers
-    record no statistics inside it, so every token is counted once per step."""
-    previous = getattr(_RECOMPUTING, "active", False)
-    _RECOMPUTING.active = True
-    try:
-        yield
-    finally:
-        _RECOMPUTING.active = previous
+class _Recomputing:
+    def __enter__(self) -> None:
+        _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _RECOMPUTING.depth -= 1
+
+
+def recomputing() -> _Recomputing:
+    """A context for a forward that this thread reruns for backward (activation recompute):
+    routers record no statistics inside it, so every token is counted once per step.
+
+    Re-entrant and reusable (not a generator): a checkpoint enters its recompute context
+    once per rerun, and a split backward (input, then weight gradients) reruns twice.
+    """
+    return _Recomputing()
 
 
 class RoutingStats:
@@ -102,7 +107,7 @@ class Router(nn.Module):
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-        if self.stats.recording and not getattr(_RECOMPUTING, "active", False):
+        if self.stats.recording and not getattr(_RECOMPUTING, "depth", 0):
             self.stats.add(top_i, probs.detach())
         return Routing(indices_TK=top_i, weights_TK=top_w.to(logits.dtype), probs_TE=probs)
 
