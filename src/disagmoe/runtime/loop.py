@@ -33,6 +33,7 @@ from .memory import MEMORY_FIELDS
 from .model_stats import StepStats
 from .objective import StepResult, lr_at
 from .observe import MetricsLog, Tracer, write_trace
+from .tensorboard import open_tensorboard
 
 
 class Trainer(Protocol):
@@ -140,7 +141,13 @@ def run_training(
         }
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
     log = (
-        MetricsLog(run_dir, train.steps, progress=train.progress, start_step=start_step)
+        MetricsLog(
+            run_dir,
+            train.steps,
+            progress=train.progress,
+            start_step=start_step,
+            tensorboard=open_tensorboard(cfg, run_dir, start_step),
+        )
         if rank == 0
         else None
     )
