@@ -3,7 +3,8 @@
 Routing, per MoE layer (in layer order), over the whole global batch:
 
 * `load_imbalance` — `max_e c_e / mean_e c_e`, where `c_e` counts the (token, expert)
-  assignments of expert e (1.0: perfectly even; E: every token on one expert's k slots);
+  assignments of expert e (1.0: perfectly even; E/k, the most: every token on the same
+  k experts);
 * `router_entropy` — the entropy (nats) of the router's softmax over all E experts, averaged
   over the tokens (`log E` for a uniform router, 0 for a one-hot one);
 * `expert_tokens`  — the counts `c_e` themselves, a list of E integers per MoE layer, only
