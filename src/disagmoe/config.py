@@ -292,6 +292,23 @@ class TrainConfig:
         default=True,
         metadata=flag("no progress bar", name="--no-progress", action="store_const", const=False),
     )
+    log_expert_tokens: bool = field(  # load_imbalance and router_entropy are always logged
+        default=False,
+        metadata=flag(
+            "metrics.jsonl: also the tokens of every expert of every MoE layer (expert_tokens)",
+            action="store_const",
+            const=True,
+        ),
+    )
+    tensorboard: bool = field(  # needs the `tensorboard` extra
+        default=False,
+        metadata=flag(
+            "also write TensorBoard event files to RUN_DIR/tensorboard "
+            "(pip install 'disagmoe[tensorboard]')",
+            action="store_const",
+            const=True,
+        ),
+    )
     checkpoint_every: int = field(  # 0 disables checkpoints
         default=0, metadata=flag("save a checkpoint every N steps and at the end")
     )

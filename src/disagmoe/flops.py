@@ -21,6 +21,8 @@ Imports only the config, so that `planner` and `simulator` both import it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .config import RECOMPUTE, ModelConfig
 
 GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a GEMM
@@ -89,3 +91,31 @@ def train_factors(recompute: str = "none") -> tuple[float, float]:
     """(GEMM, attention core): forward + backward FLOPs / forward FLOPs."""
     gemm, core = backward_factors(recompute)
     return 1.0 + gemm, 1.0 + core
+
+
+def train_step_flops(
+    model: ModelConfig, seq_len: int, num_seqs: int, pairs: Sequence[float] | None = None
+) -> float:
+    """Model FLOPs of one training step on `num_seqs` sequences of `seq_len` tokens.
+
+    Forward + backward with `train_factors("none")`: activation recompute is not counted
+    (the MFU convention: work the model needs, not work a memory saving adds). Every
+    layer's attention block (router, shared experts or dense MLP included), the routed
+    experts of `pairs[i]` (token, expert) pairs on the i-th MoE layer (default: top_k
+    per token, what a dropless router sends), and the LM head; embedding lookups and
+    norms are not counted.
+    """
+    gemm_factor, core_factor = train_factors("none")
+    tokens = float(seq_len * num_seqs)
+    moe_layers = [l for l in range(model.num_layers) if model.is_moe_layer(l)]
+    if pairs is None:
+        pairs = [tokens * model.top_k] * len(moe_layers)
+    if len(pairs) != len(moe_layers):
+        raise ValueError(f"pairs: one count per MoE layer ({len(moe_layers)}), got {len(pairs)}")
+    total = lm_head_flops(model, tokens) * gemm_factor
+    for l in range(model.num_layers):
+        moe = 1.0 if model.is_moe_layer(l) else 0.0
+        gemm, core = attn_flops(model, seq_len, num_seqs, moe=moe, dense=1.0 - moe)
+        total += gemm * gemm_factor + core * core_factor
+    total += sum(expert_flops(model, p) for p in pairs) * gemm_factor
+    return total

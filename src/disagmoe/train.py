@@ -161,6 +161,10 @@ def check_inputs(cfg: RunConfig) -> None:
 
     build_data(cfg)
     load_emulation(cfg)
+    if cfg.train.tensorboard:
+        from .runtime.tensorboard import require_tensorboard
+
+        require_tensorboard()
     if cfg.train.init_from_hf:  # the whole checkpoint, from its headers: no tensor is read
         from .models.hf_import import check_hf_weights
 

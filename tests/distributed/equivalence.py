@@ -1,5 +1,6 @@
 """Shared machinery: run a distributed trainer on spawned gloo ranks and compare it
-with the single-process reference trainer, step by step (losses and every gradient)."""
+with the single-process reference trainer, step by step (losses, every gradient, and the
+routing statistics of metrics.jsonl: tokens per expert exact, router entropy to 1e-10)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Any
 
 import torch
 
-from disagmoe.config import RunConfig
+from disagmoe.config import RunConfig, replace_section
+from disagmoe.runtime.model_stats import StepStats
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
 
@@ -23,6 +25,35 @@ def collapse_routing(named_params: Any) -> None:
                 param.zero_()
 
 
+def recorded_step(trainer: Any, cfg: RunConfig, step: int) -> tuple[Any, dict[str, Any]]:
+    """One step of `trainer` with its routers recording, as `runtime.loop` runs it; the
+    routing fields of the step's record (`expert_tokens` included), reduced over the world."""
+    import torch.distributed as dist
+
+    stats = StepStats(
+        replace_section(cfg, "train", log_expert_tokens=True), trainer.local_modules()
+    )
+    with stats.recording():
+        result = trainer.step(step, capture_grads=True)
+    sums = torch.zeros(stats.size, dtype=torch.float64)
+    stats.fill(sums)
+    world = 1
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+        world = dist.get_world_size()
+    record = stats.record(sums, 1.0, world)
+    return result, {k: record[k] for k in ("expert_tokens", "load_imbalance", "router_entropy")}
+
+
+def assert_same_routing(got: dict[str, Any], want: dict[str, Any], what: str) -> None:
+    """Tokens per expert equal (exact integers), entropy per layer to 1e-10 relative."""
+    assert got["expert_tokens"] == want["expert_tokens"], f"{what}: expert_tokens differ"
+    assert got["load_imbalance"] == want["load_imbalance"], f"{what}: load_imbalance differs"
+    assert all(sum(row) > 0 for row in want["expert_tokens"]), f"{what}: nothing routed"
+    for layer, (g, w) in enumerate(zip(got["router_entropy"], want["router_entropy"], strict=True)):
+        assert abs(g - w) <= 1e-10 * abs(w), f"{what}: router_entropy of MoE layer {layer}"
+
+
 def trainer_steps(
     cfg: RunConfig, steps: int, trainer_path: str, prepare: bool = False
 ) -> dict[str, Any]:
@@ -35,8 +66,8 @@ def trainer_steps(
         collapse_routing(trainer.named_params)
     out = []
     for step in range(steps):
-        result = trainer.step(step, capture_grads=True)
-        out.append({"loss": result.loss, "grads": result.grads})
+        result, routing = recorded_step(trainer, cfg, step)
+        out.append({"loss": result.loss, "grads": result.grads, "routing": routing})
     shard = getattr(trainer, "expert_shard", None)
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
@@ -62,8 +93,8 @@ def reference_steps(cfg: RunConfig, steps: int, prepare: bool = False) -> list[d
         collapse_routing(ref.named_params)
     out = []
     for step in range(steps):
-        result = ref.step(step, capture_grads=True)
-        out.append({"loss": result.loss, "grads": result.grads})
+        result, routing = recorded_step(ref, cfg, step)
+        out.append({"loss": result.loss, "grads": result.grads, "routing": routing})
     return out
 
 
@@ -84,6 +115,9 @@ def max_rel_errors(
             for rank_out in results:
                 got = rank_out[k]["steps"][step]
                 loss_err = max(loss_err, abs(got["loss"] - ref_loss) / abs(ref_loss))
+                assert_same_routing(
+                    got["routing"], ref[step]["routing"], f"{cfg.parallel} step {step}"
+                )
                 shard = rank_out[k]["shard"]
                 for name, grad in got["grads"].items():
                     expected = ref[step]["grads"][name]

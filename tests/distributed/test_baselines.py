@@ -5,7 +5,8 @@ each case costs a few seconds instead of a spawn. Per case and step: the loss,
 the gradient norm and every parameter's gradient (expert shards against the
 matching slice of the reference gradient) must match the reference; the order
 in which PyTorch's schedule ran the stage computations must equal the
-exported schedule (`schedule.baselines.pytorch_order`).
+exported schedule (`schedule.baselines.pytorch_order`); the routing statistics of
+metrics.jsonl (tokens per expert, router entropy) must equal the reference's.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from disagmoe.presets import model_preset
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
 
-from .equivalence import recomputing, without_recompute
+from .equivalence import assert_same_routing, recomputing, recorded_step, without_recompute
 
 STEPS = 2
 RTOL = 1e-10
@@ -62,8 +63,8 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
         trainer = TRAINERS[cfg.parallel.runtime](cfg, overlap_chunks=chunks)
         steps = []
         for s in range(STEPS):
-            r = trainer.step(s, capture_grads=True)
-            steps.append((r.loss, r.grad_norm, r.grads))
+            r, routing = recorded_step(trainer, cfg, s)
+            steps.append((r.loss, r.grad_norm, r.grads, routing))
         expected = [a for _ in range(STEPS) for a in pytorch_order(trainer.layout)[trainer.pp_rank]]
         out.append(
             {
@@ -92,14 +93,15 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
         )
         ref = ReferenceTrainer(without_recompute(cfg))
         for s in range(STEPS):
-            rr = ref.step(s, capture_grads=True)
+            rr, ref_routing = recorded_step(ref, cfg, s)
             seen = set()
             for rank_results in results:
                 res = rank_results[k]
                 assert res["order_ok"], (
                     f"{what}: executed order {res['order']} differs from the export"
                 )
-                loss, norm, grads = res["steps"][s]
+                loss, norm, grads, routing = res["steps"][s]
+                assert_same_routing(routing, ref_routing, f"{what} step {s}")
                 assert loss == pytest.approx(rr.loss, rel=RTOL, abs=0), f"{what} step {s}: loss"
                 assert norm == pytest.approx(rr.grad_norm, rel=RTOL, abs=0), (
                     f"{what} step {s}: norm"
@@ -129,6 +131,7 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
     ]
     results = run_ranks(_worker, 2, cases, str(tmp_path))
     _check(cases, results)
+    cfg0 = cases[0][0]
     records = results[0][-1]["records"]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -144,7 +147,16 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
         "elapsed_s",
         "busy_s",
         "idle_s",
+        "load_imbalance",
+        "router_entropy",
+        "model_flops",
+        "flops_per_s",
+        "flops_per_s_per_worker",
+        "mfu",
     }
+    assert "expert_tokens" not in lines[0]  # only with train.log_expert_tokens
+    assert len(lines[0]["load_imbalance"]) == cfg0.model.num_moe_layers
+    assert lines[0]["mfu"] is None  # on CPU: the cluster's peak is a GPU's
     assert len(lines[0]["busy_s"]) == 2 and all(b > 0 for b in lines[0]["busy_s"])
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in trace if e["name"] == "thread_name"}

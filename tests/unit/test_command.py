@@ -44,6 +44,8 @@ CONFIG_FLAGS = {
     "--run-dir": "train.run_dir",
     "--comm-timeout": "train.comm_timeout_s",
     "--no-progress": "train.progress",
+    "--log-expert-tokens": "train.log_expert_tokens",
+    "--tensorboard": "train.tensorboard",
     "--checkpoint-every": "train.checkpoint_every",
     "--resume": "train.resume",
     "--max-restarts": "train.max_restarts",
@@ -69,6 +71,7 @@ def test_each_flag_sets_its_field() -> None:
         *("--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "0.5", "--data", "d"),
         *("--run-dir", "r", "--comm-timeout", "9.5", "--no-progress", "--checkpoint-every", "2"),
         *("--resume", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2"),
+        *("--log-expert-tokens", "--tensorboard"),
     )
     par, train = cfg.parallel, cfg.train
     assert (par.runtime, par.groups, par.attn_workers, par.expert_workers) == ("ep-1f1b", 2, 1, 1)
@@ -84,6 +87,7 @@ def test_each_flag_sets_its_field() -> None:
     )
     assert (train.checkpoint_every, train.resume, train.max_restarts) == (2, "latest", 1)
     assert (train.fail_at_step, train.fail_rank) == (3, 2)
+    assert train.log_expert_tokens and train.tensorboard
     assert resolve("--resume", "runs/x").train.resume == "runs/x"
 
 

@@ -55,3 +55,20 @@ def test_sequences_scale_linearly_and_head_and_factors() -> None:
     assert flops.train_factors("attn") == (3.0, 4.5)  # the core's forward again, GEMMs not
     with pytest.raises(ValueError, match="recompute must be one of none, attn, full"):
         flops.backward_factors("some")
+
+
+def test_train_step_flops_by_hand() -> None:
+    """metrics.jsonl's model FLOPs: 3x the forward GEMMs, 3.5x the attention core, no
+    recompute; one dense first layer; routed pairs measured per MoE layer or top_k each."""
+    model = dataclasses.replace(TINY, num_dense_layers=1)
+    b, n = 3, 3 * S
+    moe_gemm, core = flops.attn_flops(model, S, b, moe=1.0, dense=0.0)
+    dense_gemm, _ = flops.attn_flops(model, S, b, moe=0.0, dense=1.0)
+    pairs = [10.0, 0.0, float(n * K)]
+    want = 3 * (dense_gemm + 3 * moe_gemm + flops.lm_head_flops(model, n))
+    want += 3.5 * 4 * core + 3 * sum(6 * H * D_E * p for p in pairs)
+    assert flops.train_step_flops(model, S, b, pairs) == pytest.approx(want, rel=1e-15)
+    nominal = flops.train_step_flops(model, S, b)
+    assert nominal == flops.train_step_flops(model, S, b, [n * K] * 3)
+    with pytest.raises(ValueError, match="one count per MoE layer"):
+        flops.train_step_flops(model, S, b, [1.0])

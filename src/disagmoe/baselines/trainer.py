@@ -196,6 +196,9 @@ class EPTrainer:
         per = self.layout.experts_per_rank
         return self.ep_rank * per, (self.ep_rank + 1) * per
 
+    def local_modules(self) -> list[torch.nn.Module]:
+        return list(self.modules)
+
     def process_groups(self) -> int:
         return self.groups.created
 

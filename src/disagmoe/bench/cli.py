@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import MULTI_WORKER_RUNTIMES, PLACEMENTS, RECOMPUTE, ClusterConfig
+from ..extras import require_extra
 from ..presets import model_preset
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import SPLITS, BenchSpec, RuntimeResult, even_split, run_all, summarize
@@ -304,6 +305,8 @@ def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.plots:  # before the runs, not after them
+        require_extra("matplotlib", "plots", "--plots")
     spec = spec_from_args(args)
     reason = "" if args.loopback else available()
     log = None if args.json else (lambda s: print(s, file=sys.stderr, flush=True))

@@ -1,6 +1,8 @@
 """Mixture-of-Experts pieces, named by Megatron's phases: route / dispatch / compute / combine.
 
-* route    — `Router`: softmax over experts, top-k, optional renormalisation.
+* route    — `Router`: softmax over experts, top-k, optional renormalisation;
+             while the runtime has it record (`RoutingStats`), the tokens each
+             expert received and the entropy of the softmax.
 * dispatch — `flatten_routing` / `split_by_owner`: turn a routing into
              (row, expert, weight) assignments, optionally split by the worker
              that owns each expert (each token sent at most once per worker).
@@ -15,6 +17,7 @@ Shape legend: T tokens, H model dim, E experts, K top-k, A assignments
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +35,61 @@ class Routing:
     probs_TE: torch.Tensor  # full softmax (differentiable, for the aux loss)
 
 
+_RECOMPUTING = threading.local()  # .depth: recompute reruns this thread is inside
+
+
+class _Recomputing:
+    def __enter__(self) -> None:
+        _RECOMPUTING.depth = getattr(_RECOMPUTING, "depth", 0) + 1
+
+    def __exit__(self, *exc: object) -> None:
+        _RECOMPUTING.depth -= 1
+
+
+def recomputing() -> _Recomputing:
+    """A context for a forward that this thread reruns for backward (activation recompute):
+    routers record no statistics inside it, so every token is counted once per step.
+
+    Re-entrant and reusable (not a generator): a checkpoint enters its recompute context
+    once per rerun, and a split backward (input, then weight gradients) reruns twice.
+    """
+    return _Recomputing()
+
+
+class RoutingStats:
+    """What one router saw since the last `reset`: tokens per expert, summed entropy.
+
+    Accumulated on the device of the routing with no host synchronisation (scatter_add,
+    not bincount, which reads the largest id back on CUDA); the runtime reads the sums
+    once per step. `recording` is off by default: a router only records when the runtime
+    switches it on for a training step, so evaluation and other forwards leave no trace.
+    """
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.recording = False
+        self.counts_E: torch.Tensor | None = None  # int64, assignments per expert
+        self.entropy_sum: torch.Tensor | None = None  # float64, sum over tokens of H(p)
+        self.num_tokens = 0
+
+    def add(self, indices_TK: torch.Tensor, probs_TE: torch.Tensor) -> None:
+        if self.counts_E is None or self.entropy_sum is None:
+            device = indices_TK.device
+            self.counts_E = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+            self.entropy_sum = torch.zeros((), dtype=torch.float64, device=device)
+        with torch.no_grad():
+            flat = indices_TK.flatten()
+            self.counts_E.scatter_add_(0, flat, torch.ones_like(flat))
+            self.entropy_sum += torch.special.entr(probs_TE).sum(dtype=torch.float64)
+        self.num_tokens += indices_TK.shape[0]
+
+    def reset(self) -> None:
+        if self.counts_E is not None and self.entropy_sum is not None:
+            self.counts_E.zero_()
+            self.entropy_sum.zero_()
+        self.num_tokens = 0
+
+
 class Router(nn.Module):
     """Top-k softmax router (Qwen3-MoE / Mixtral style; no bias, no noise)."""
 
@@ -40,6 +98,7 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
+        self.stats = RoutingStats(num_experts)
 
     def forward(self, u_TH: torch.Tensor) -> Routing:
         logits = F.linear(u_TH, self.weight)
@@ -48,6 +107,8 @@ class Router(nn.Module):
         top_w, top_i = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if self.stats.recording and not getattr(_RECOMPUTING, "depth", 0):
+            self.stats.add(top_i, probs.detach())
         return Routing(indices_TK=top_i, weights_TK=top_w.to(logits.dtype), probs_TE=probs)
 
 

@@ -23,12 +23,15 @@ recomputed tensor has the shape, dtype and device of the one it stands for (a di
 routing would change the expert shapes and fail loudly). The forward draws no random
 numbers (there is no dropout), so no RNG state is kept; a variant that adds randomness
 must draw from a generator of its own. The variants hold no state and have no side
-effects, so running a forward twice changes nothing but time. Only modules of exactly the
-base class are swapped: an emulated block (`bench.emulation`) stays emulated.
+effects, so running a forward twice changes nothing but time; the rerun runs under
+`moe.recomputing`, in which routers record no statistics (`RoutingStats`). Only modules
+of exactly the base class are swapped: an emulated block (`bench.emulation`) stays
+emulated.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -38,14 +41,21 @@ from torch.utils.checkpoint import checkpoint
 from ..config import RECOMPUTE
 from .layers import Attention
 from .model import AttentionBlock, AttnOutput
-from .moe import Assignments, Experts
+from .moe import Assignments, Experts, recomputing
 
 
 def _checkpointed(fn: Any, *args: Any) -> Any:
     # No RNG state is saved or restored: the model draws no random numbers (no dropout), and
     # restoring the global generator from the backward lane would race with the forward
-    # lane, which runs concurrently in the disaggregated executor.
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    # lane, which runs concurrently in the disaggregated executor. The rerun is marked
+    # `recomputing` (thread-local: that lane only), so routers do not count tokens twice.
+    return checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=lambda: (nullcontext(), recomputing()),
+    )
 
 
 class CoreRecomputedAttention(Attention):

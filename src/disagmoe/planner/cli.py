@@ -11,6 +11,7 @@ import dataclasses
 import json
 
 from disagmoe.config import RECOMPUTE
+from disagmoe.extras import require_extra
 from disagmoe.planner import Plan, plan_for
 from disagmoe.planner.plan import PROFILES, PlanOptions
 from disagmoe.planner.sim_profile import AUTO_SIMULATOR_MAX_GPUS
@@ -55,6 +56,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Plan, print a table (or JSON), optionally plot. ValueError propagates to the caller."""
+    if args.plot:
+        require_extra("matplotlib", "plots", "--plot")
     model = model_preset(args.model)
     if args.top_k is not None:
         model = dataclasses.replace(model, top_k=args.top_k)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from ..config import RunConfig, replace_section
 from ..data import inputs_targets, split_micro_batches
@@ -214,6 +215,9 @@ class DisaggTrainer:
             return None
         experts = self.layout.expert_range(self.role.index)
         return experts.start, experts.stop
+
+    def local_modules(self) -> list[nn.Module]:
+        return [self.worker.modules]
 
     def memory_bytes(self) -> list[int]:
         """This rank's `runtime.memory.MEMORY_FIELDS` for the step that just ran."""

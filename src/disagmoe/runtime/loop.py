@@ -7,8 +7,9 @@ A runtime provides a `Trainer` (one per rank); this loop drives it:
   first attempt only: the restarted worker must get past it),
 * numerical guard: a non-finite loss or gradient stops the run naming the step
   and the workers, before any checkpoint could store it,
-* metrics.jsonl + progress on rank 0, checkpoints every `checkpoint_every`
-  steps and at the end, trace.json gathered to rank 0.
+* metrics.jsonl + progress on rank 0 (routing and FLOP/s from `model_stats`, reduced in
+  the step's one all-reduce), checkpoints every `checkpoint_every` steps and at the end,
+  trace.json gathered to rank 0.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ import torch.distributed as dist
 from ..config import RunConfig
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from .memory import MEMORY_FIELDS
+from .model_stats import StepStats
 from .objective import StepResult, lr_at
 from .observe import MetricsLog, Tracer, write_trace
+from .tensorboard import open_tensorboard
 
 
 class Trainer(Protocol):
@@ -44,6 +47,10 @@ class Trainer(Protocol):
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult: ...
     def busy_seconds(self, step: int) -> float: ...
     def expert_shard(self) -> tuple[int, int] | None: ...
+    def local_modules(self) -> list[torch.nn.Module]:
+        """The modules this rank runs (their routers' statistics go to metrics.jsonl)."""
+        ...
+
     def process_groups(self) -> int:
         """Process groups this run created (the world group excluded; the same on every rank)."""
         ...
@@ -134,11 +141,18 @@ def run_training(
         }
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
     log = (
-        MetricsLog(run_dir, train.steps, progress=train.progress, start_step=start_step)
+        MetricsLog(
+            run_dir,
+            train.steps,
+            progress=train.progress,
+            start_step=start_step,
+            tensorboard=open_tensorboard(cfg, run_dir, start_step),
+        )
         if rank == 0
         else None
     )
     tokens_per_step = train.global_batch_size * train.seq_len
+    model_stats = StepStats(cfg, trainer.local_modules())
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
     try:
@@ -146,7 +160,8 @@ def run_training(
             if step == train.fail_at_step and rank == train.fail_rank and restart == 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a worker dies
             t0 = time.perf_counter()
-            result = trainer.step(step)
+            with model_stats.recording():
+                result = trainer.step(step)
             dt = time.perf_counter() - t0
             if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
                 bad = _non_finite_ranks(trainer)
@@ -156,17 +171,19 @@ def run_training(
                     f"gradients on rank(s) {bad or 'none'}; last checkpoint left untouched"
                 )
             # One all-reduce per step: busy seconds and, where the runtime measures it,
-            # each rank's memory (runtime.memory.MEMORY_FIELDS, exact in float64).
+            # each rank's memory (runtime.memory.MEMORY_FIELDS, exact in float64), one row
+            # per rank; then the routing sums of all ranks (runtime.model_stats).
             memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
             memory_record = getattr(trainer, "memory_record", None)
-            stats = torch.zeros(
-                world, 1 + (len(MEMORY_FIELDS) if memory else 0), dtype=torch.float64
-            )
+            cols = 1 + (len(MEMORY_FIELDS) if memory else 0)
+            flat = torch.zeros(world * cols + model_stats.size, dtype=torch.float64)
+            stats, routing = flat[: world * cols].view(world, cols), flat[world * cols :]
             stats[rank, 0] = trainer.busy_seconds(step)
             if memory is not None:
                 stats[rank, 1:] = torch.tensor(memory(), dtype=torch.float64)
+            model_stats.fill(routing)
             if _dist():
-                dist.all_reduce(stats)
+                dist.all_reduce(flat)
             busy = stats[:, 0]
             record = {
                 "step": step + 1,
@@ -180,6 +197,7 @@ def run_training(
                 "elapsed_s": time.perf_counter() - start,
                 "busy_s": [round(b, 6) for b in busy.tolist()],
                 "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
+                **model_stats.record(routing, dt, world),
             }
             if memory_record is not None:
                 record["memory_mib"] = memory_record(stats[:, 1:].tolist())

@@ -2,6 +2,7 @@
 
 * `config.toml`   — the fully resolved RunConfig,
 * `metrics.jsonl` — one JSON object per optimizer step,
+* `tensorboard/`  — with `train.tensorboard`, the same scalars as TensorBoard events,
 * `trace.json`    — Chrome / Perfetto trace events: one process per worker,
                     one thread per lane, one event per executed instruction.
 
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from ..config import RunConfig
 from ..config_io import save_toml
+from .tensorboard import TensorBoardLog
 
 LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
 COMPUTE_LANES = ("compute", "fwd", "bwd")
@@ -133,13 +135,21 @@ def prepare_run_dir(cfg: RunConfig) -> Path:
 
 
 class MetricsLog:
-    """Appends one JSON object per step to `metrics.jsonl` and drives the progress bar."""
+    """Appends one JSON object per step to `metrics.jsonl` and drives the progress bar;
+    with `tensorboard` also the records' scalars as TensorBoard events."""
 
     def __init__(
-        self, run_dir: Path, total_steps: int, *, progress: bool, start_step: int = 0
+        self,
+        run_dir: Path,
+        total_steps: int,
+        *,
+        progress: bool,
+        start_step: int = 0,
+        tensorboard: TensorBoardLog | None = None,
     ) -> None:
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
+        self._tensorboard = tensorboard
         self._bar = (
             tqdm(
                 total=total_steps,
@@ -156,6 +166,8 @@ class MetricsLog:
     def log(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
+        if self._tensorboard is not None:
+            self._tensorboard.log(record)
         if self._bar is not None:
             self._bar.set_postfix(
                 loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}"
@@ -164,6 +176,8 @@ class MetricsLog:
 
     def close(self) -> None:
         self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if self._bar is not None:
             self._bar.close()
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from .objective import LossScale, StepResult, build_optimizer, fill_missing_grads, finish_step
@@ -27,6 +29,9 @@ class ReferenceTrainer:
 
     def expert_shard(self) -> tuple[int, int] | None:
         return None  # every expert, whole
+
+    def local_modules(self) -> list[nn.Module]:
+        return [self.model]
 
     def process_groups(self) -> int:
         return 0
