@@ -1,5 +1,6 @@
 """Shared machinery: run a distributed trainer on spawned gloo ranks and compare it
-with the single-process reference trainer, step by step (losses and every gradient)."""
+with the single-process reference trainer, step by step (losses and every gradient;
+with eval data, also the eval loss of an evaluation between the first two steps)."""
 
 from __future__ import annotations
 
@@ -33,10 +34,7 @@ def trainer_steps(
     trainer = getattr(importlib.import_module(module), name)(cfg)
     if prepare:
         collapse_routing(trainer.named_params)
-    out = []
-    for step in range(steps):
-        result = trainer.step(step, capture_grads=True)
-        out.append({"loss": result.loss, "grads": result.grads})
+    out = _steps(trainer, cfg, steps)
     shard = getattr(trainer, "expert_shard", None)
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
@@ -60,11 +58,30 @@ def reference_steps(cfg: RunConfig, steps: int, prepare: bool = False) -> list[d
     ref = ReferenceTrainer(without_recompute(cfg))
     if prepare:
         collapse_routing(ref.named_params)
+    return _steps(ref, cfg, steps)
+
+
+def _steps(trainer: Any, cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
+    """`steps` steps with their losses and gradients; with eval data, the first step's
+    record also holds the `eval_loss` of an evaluation right after it (forward only: the
+    later steps must not notice)."""
+    from disagmoe.runtime.evaluate import evaluate
+
     out = []
     for step in range(steps):
-        result = ref.step(step, capture_grads=True)
+        result = trainer.step(step, capture_grads=True)
         out.append({"loss": result.loss, "grads": result.grads})
+        if step == 0 and cfg.train.eval_data:
+            out[-1]["eval_loss"] = evaluate(trainer, step)["eval_loss"]
     return out
+
+
+def evaluating(cfg: RunConfig, eval_data: str, eval_batches: int = 2) -> RunConfig:
+    """`cfg` with an eval set: the first `eval_batches` global batches of `eval_data`."""
+    import dataclasses
+
+    train = dataclasses.replace(cfg.train, eval_data=eval_data, eval_batches=eval_batches)
+    return dataclasses.replace(cfg, train=train)
 
 
 def max_rel_errors(
@@ -84,6 +101,9 @@ def max_rel_errors(
             for rank_out in results:
                 got = rank_out[k]["steps"][step]
                 loss_err = max(loss_err, abs(got["loss"] - ref_loss) / abs(ref_loss))
+                if "eval_loss" in ref[step]:  # an eval loss error counts as a loss error
+                    want = ref[step]["eval_loss"]
+                    loss_err = max(loss_err, abs(got["eval_loss"] - want) / abs(want))
                 shard = rank_out[k]["shard"]
                 for name, grad in got["grads"].items():
                     expected = ref[step]["grads"][name]

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from disagmoe.cli import main
-from disagmoe.config import RunConfig, TrainConfig
+from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
 from disagmoe.data import TokenBatches
 from disagmoe.runtime.evaluate import EvalSet, eval_batch_count, evaluate, should_evaluate
 from disagmoe.runtime.reference import ReferenceTrainer, run_reference
@@ -37,7 +37,8 @@ def cfg_with(tmp_path: Path, **train: object) -> RunConfig:
         progress=False,
         run_dir=str(tmp_path / "run"),
     )
-    return RunConfig(train=dataclasses.replace(base, **train))  # type: ignore[arg-type]
+    train_cfg = dataclasses.replace(base, **train)  # type: ignore[arg-type]
+    return RunConfig(parallel=ParallelConfig(threads_per_rank=1), train=train_cfg)
 
 
 @pytest.mark.parametrize(
