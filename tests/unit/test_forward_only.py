@@ -75,3 +75,15 @@ def test_simulator_replays_the_forward_chain() -> None:
         sync=False,
     )
     assert result.step_time_s == pytest.approx(9 * 1.0 + 8 * 0.25)
+
+
+def test_schedule_command_prints_it(capsys: pytest.CaptureFixture[str]) -> None:
+    from disagmoe.cli import main
+
+    assert main(["schedule", "--forward-only"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# schedule afpipe-forward: 4 ranks") and "peak in-flight 0" in out
+    assert " B" not in out and "SYNC" not in out and "STEP" not in out
+    assert main(["schedule", "--forward-only", "--rank", "1", "--validate"]) == 0
+    out = capsys.readouterr().out
+    assert "afpipe-forward: rank 1 of 4, built alone" in out and "equals its slice" in out
