@@ -73,6 +73,8 @@ def _steps(trainer: Any, cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
         out.append({"loss": result.loss, "grads": result.grads})
         if step == 0 and cfg.train.eval_data:
             out[-1]["eval_loss"] = evaluate(trainer, step)["eval_loss"]
+            worker = getattr(trainer, "worker", None)  # disagg: nothing kept for a backward
+            assert worker is None or not (worker.stash or getattr(worker, "local", None))
     return out
 
 
