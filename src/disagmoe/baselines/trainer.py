@@ -17,7 +17,8 @@ Per optimizer step, on every rank:
 Evaluation (`runtime.evaluate`) runs the same stage modules forward only, stage by stage
 (`EPTrainer.eval_ce`), not through PyTorch's schedules: torch 2.13's
 `ScheduleDualPipeV.eval()` fails on the V's local hand-over between the two stages of the
-last rank, and its schedule validator refuses a forward-only action list.
+last rank, and its schedule validator refuses a forward-only action list (docs/baselines.md,
+"Evaluation").
 """
 
 from __future__ import annotations
