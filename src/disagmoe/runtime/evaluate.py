@@ -12,7 +12,8 @@
 * **What.** `eval_loss` = mean cross-entropy over every target token of those batches: the
   training objective's cross-entropy (`objective.LossScale.ce`: each micro-batch's share of
   its global batch's mean), without the balance loss; `eval_ppl = exp(eval_loss)`. Both go
-  into the step's `metrics.jsonl` record.
+  into the step's `metrics.jsonl` record, with `eval_time_s` (the evaluation's wall time,
+  in no step's `step_time_s`; its work is not in `trace.json` either).
 * **Forward only.** A runtime evaluates without autograd and keeps nothing for a backward:
   no gradient, no optimizer state, no data position changes, so training with evaluation
   follows the same trajectory as without (tests pin it exactly in float64). `reference`
@@ -24,6 +25,7 @@
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -103,9 +105,15 @@ def perplexity(loss: float) -> float:
 
 
 def evaluate(trainer: Evaluates, step: int) -> dict[str, float]:
-    """`eval_loss` and `eval_ppl` after training step `step` (0-based); collective."""
+    """`eval_loss`, `eval_ppl` and `eval_time_s` (this rank's wall time of the evaluation)
+    after training step `step` (0-based); collective."""
     eval_set = trainer.eval_set
     assert eval_set is not None and eval_set.num_batches > 0, "the run has no eval data"
+    t0 = time.perf_counter()
     total = math.fsum(trainer.eval_ce(k, step) for k in range(eval_set.num_batches))
     loss = total / eval_set.num_batches  # every batch has the same number of target tokens
-    return {"eval_loss": loss, "eval_ppl": perplexity(loss)}
+    return {
+        "eval_loss": loss,
+        "eval_ppl": perplexity(loss),
+        "eval_time_s": time.perf_counter() - t0,
+    }
