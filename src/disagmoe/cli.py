@@ -29,8 +29,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     cfg = resolve_train_config(args)
     layout = run_layout(cfg)
     cfg = resolve_memory(cfg, layout.world_size)  # the cap `disagmoe train` would run here
+    fwd = args.forward_only
     if args.rank is None:
-        schedule = run_schedule(cfg, layout)
+        schedule = run_schedule(cfg, layout, forward_only=fwd)
         peak = validate(schedule)
         if args.format == "csv":
             sys.stdout.write(schedule.to_csv())
@@ -43,15 +44,16 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         return 0
     if not 0 <= args.rank < layout.world_size:
         raise ValueError(f"--rank must be in 0..{layout.world_size - 1}, got {args.rank}")
-    instrs = run_schedule_of_rank(cfg, layout, args.rank)
+    instrs = run_schedule_of_rank(cfg, layout, args.rank, forward_only=fwd)
     entries = [(args.rank, str(layout.role(args.rank)), instrs)]
     if args.format == "csv":
         sys.stdout.write(lists_csv(entries))
     else:
-        header = f"# schedule afpipe: rank {args.rank} of {layout.world_size}, built alone"
+        name = "afpipe-forward" if fwd else "afpipe"
+        header = f"# schedule {name}: rank {args.rank} of {layout.world_size}, built alone"
         sys.stdout.write(lists_text(header, entries))
     if args.validate:
-        schedule = run_schedule(cfg, layout)
+        schedule = run_schedule(cfg, layout, forward_only=fwd)
         peak = validate(schedule)
         if schedule.ranks[args.rank] != instrs:
             raise AssertionError(f"rank {args.rank}'s list differs from the global schedule's")
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p_sched.add_argument("--validate", action="store_true",
                          help="with --rank: also build and validate the whole world's "
                          "schedule and check this rank's list against it")  # fmt: skip
+    p_sched.add_argument("--forward-only", action="store_true",
+                         help="the forward-only schedule of an evaluation batch")  # fmt: skip
     p_sched.set_defaults(func=_cmd_schedule)
     p_place = sub.add_parser("placement", help="print which rank is which worker, per node")
     add_train_arguments(p_place)

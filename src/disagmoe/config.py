@@ -274,6 +274,20 @@ class TrainConfig:
         ),
     )
     data_dtype: str = "uint16"  # raw .bin without PREFIX.json beside it
+    eval_data: str = field(  # runtime/evaluate.py: which batches, when, what is measured
+        default="",
+        metadata=flag(
+            "validation data in --data's formats: loss and perplexity every --eval-every "
+            "steps and after the last step"
+        ),
+    )
+    eval_every: int = field(
+        default=0, metadata=flag("evaluate every N steps (0: only after the last step)")
+    )
+    eval_batches: int = field(
+        default=0,
+        metadata=flag("global batches per evaluation: the eval data's first N (0: all)"),
+    )
     init_from_hf: str = ""  # --init-from-hf also takes the model's shape: disagmoe.command
     allow_byte_data: bool = field(  # byte tokens (built-in corpus, .txt) for a HF checkpoint
         default=False,
@@ -375,6 +389,16 @@ class TrainConfig:
         )
         _require(math.isfinite(self.lr), "train.lr must be finite")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")
+        for name in ("eval_every", "eval_batches"):
+            value = getattr(self, name)
+            _require(
+                value >= 0, f"train.{name} (--{name.replace('_', '-')}) must be >= 0, got {value}"
+            )
+            _require(
+                bool(self.eval_data) or value == 0,
+                f"--{name.replace('_', '-')} needs --eval-data (train.eval_data): the data to "
+                "evaluate on",
+            )
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
         _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")

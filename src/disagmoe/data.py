@@ -153,8 +153,9 @@ def _memmap_bin(p: Path, data_dtype: str) -> np.ndarray:
     return np.memmap(p, dtype=data_dtype, mode="r")
 
 
-def load_tokens(path: str, data_dtype: str = "uint16") -> np.ndarray:
-    """The token stream (memory-mapped for token files); ValueError with the fix on bad input."""
+def load_tokens(path: str, data_dtype: str = "uint16", *, flag: str = "--data") -> np.ndarray:
+    """The token stream (memory-mapped for token files); ValueError with the fix on bad input
+    (`flag`: the option that named `path`, `--data` or `--eval-data`)."""
     if not path:
         return np.frombuffer(builtin_corpus().encode("utf-8"), dtype=np.uint8)
     prepared = find_prepared(path)
@@ -163,8 +164,8 @@ def load_tokens(path: str, data_dtype: str = "uint16") -> np.ndarray:
     p = Path(path)
     if not p.is_file():
         raise ValueError(
-            f"data file {path!r} does not exist (train.data / --data: a prepare-data PREFIX, "
-            ".bin, .npy or .txt)"
+            f"data file {path!r} does not exist (train.{flag[2:].replace('-', '_')} / {flag}: "
+            "a prepare-data PREFIX, .bin, .npy or .txt)"
         )
     suffix = p.suffix.lower()
     if suffix == ".npy":
@@ -266,6 +267,22 @@ class TokenBatches:
         width = self.seq_len + 1
         return self.tokens[index * width : (index + 1) * width]
 
+    @property
+    def num_batches(self) -> int:
+        """Whole global batches in the stream, in file order (`ordered_batch`)."""
+        return self.num_samples // self.global_batch_size
+
+    def ordered_batch(self, index: int) -> torch.Tensor:
+        """Samples [G, S+1] (int64) of global batch `index` in file order, no shuffle: samples
+        `index*G .. index*G + G - 1` (evaluation: the same batches every time)."""
+        assert 0 <= index < self.num_batches, (index, self.num_batches)
+        start = index * self.global_batch_size
+        width = self.seq_len + 1
+        rows = self.tokens[start * width : (start + self.global_batch_size) * width]
+        return torch.from_numpy(
+            np.asarray(rows).reshape(self.global_batch_size, width).astype(np.int64)
+        )
+
     def global_batch(self, step: int) -> torch.Tensor:
         """Samples [G, S+1] (int64) for optimizer step `step` (0-based)."""
         start = step * self.global_batch_size
@@ -287,14 +304,21 @@ def inputs_targets(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build_batches(
-    data: str, data_dtype: str, *, seq_len: int, global_batch_size: int, seed: int, vocab_size: int
+    data: str,
+    data_dtype: str,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    seed: int,
+    vocab_size: int,
+    flag: str = "--data",
 ) -> TokenBatches:
     """The run's batches; prepared data must match the model's vocabulary (`check_vocab`)."""
     prepared = find_prepared(data) if data else None
     if prepared is not None:
         prepared.check_vocab(vocab_size)
     return TokenBatches(
-        load_tokens(data, data_dtype),
+        load_tokens(data, data_dtype, flag=flag),
         seq_len=seq_len,
         global_batch_size=global_batch_size,
         seed=seed,

@@ -157,9 +157,11 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
 def check_inputs(cfg: RunConfig) -> None:
     """Load data and initial weights once in the launching process, so that bad input is
     reported as one clear error before any rank starts."""
+    from .runtime.evaluate import check_eval_data
     from .runtime.setup import build_data, load_emulation
 
     build_data(cfg)
+    check_eval_data(cfg)
     load_emulation(cfg)
     if cfg.train.tensorboard:
         from .runtime.tensorboard import require_tensorboard
@@ -197,9 +199,17 @@ def train_command(args: argparse.Namespace) -> int:
     run_dir, records = train(cfg)
     if records:
         first, last = records[0], records[-1]
+        evals = [r for r in records if "eval_loss" in r]
+        eval_part = (
+            f", eval_loss {evals[-1]['eval_loss']:.4f} (ppl {evals[-1]['eval_ppl']:.2f}) "
+            f"at step {evals[-1]['step']}"
+            if evals
+            else ""
+        )
         print(
             f"{cfg.parallel.runtime}: {len(records)} steps, loss {first['loss']:.4f} -> "
-            f"{last['loss']:.4f}, {mean_tokens_per_s(records):.0f} tokens/s; run dir {run_dir}"
+            f"{last['loss']:.4f}{eval_part}, {mean_tokens_per_s(records):.0f} tokens/s; "
+            f"run dir {run_dir}"
         )
         if "memory_mib" in last:
             print(memory_summary(last["memory_mib"]))

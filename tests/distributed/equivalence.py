@@ -1,6 +1,7 @@
 """Shared machinery: run a distributed trainer on spawned gloo ranks and compare it
 with the single-process reference trainer, step by step (losses, every gradient, and the
-routing statistics of metrics.jsonl: tokens per expert exact, router entropy to 1e-10)."""
+routing statistics of metrics.jsonl: tokens per expert exact, router entropy to 1e-10;
+with eval data, also the eval loss of an evaluation between the first two steps)."""
 
 from __future__ import annotations
 
@@ -64,10 +65,7 @@ def trainer_steps(
     trainer = getattr(importlib.import_module(module), name)(cfg)
     if prepare:
         collapse_routing(trainer.named_params)
-    out = []
-    for step in range(steps):
-        result, routing = recorded_step(trainer, cfg, step)
-        out.append({"loss": result.loss, "grads": result.grads, "routing": routing})
+    out = _steps(trainer, cfg, steps)
     shard = getattr(trainer, "expert_shard", None)
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
@@ -91,11 +89,32 @@ def reference_steps(cfg: RunConfig, steps: int, prepare: bool = False) -> list[d
     ref = ReferenceTrainer(without_recompute(cfg))
     if prepare:
         collapse_routing(ref.named_params)
+    return _steps(ref, cfg, steps)
+
+
+def _steps(trainer: Any, cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
+    """`steps` steps with their losses and gradients; with eval data, the first step's
+    record also holds the `eval_loss` of an evaluation right after it (forward only: the
+    later steps must not notice)."""
+    from disagmoe.runtime.evaluate import evaluate
+
     out = []
     for step in range(steps):
-        result, routing = recorded_step(ref, cfg, step)
+        result, routing = recorded_step(trainer, cfg, step)
         out.append({"loss": result.loss, "grads": result.grads, "routing": routing})
+        if step == 0 and cfg.train.eval_data:
+            out[-1]["eval_loss"] = evaluate(trainer, step)["eval_loss"]
+            worker = getattr(trainer, "worker", None)  # disagg: nothing kept for a backward
+            assert worker is None or not (worker.stash or getattr(worker, "local", None))
     return out
+
+
+def evaluating(cfg: RunConfig, eval_data: str, eval_batches: int = 2) -> RunConfig:
+    """`cfg` with an eval set: the first `eval_batches` global batches of `eval_data`."""
+    import dataclasses
+
+    train = dataclasses.replace(cfg.train, eval_data=eval_data, eval_batches=eval_batches)
+    return dataclasses.replace(cfg, train=train)
 
 
 def max_rel_errors(
@@ -118,6 +137,9 @@ def max_rel_errors(
                 assert_same_routing(
                     got["routing"], ref[step]["routing"], f"{cfg.parallel} step {step}"
                 )
+                if "eval_loss" in ref[step]:  # an eval loss error counts as a loss error
+                    want = ref[step]["eval_loss"]
+                    loss_err = max(loss_err, abs(got["eval_loss"] - want) / abs(want))
                 shard = rank_out[k]["shard"]
                 for name, grad in got["grads"].items():
                     expected = ref[step]["grads"][name]

@@ -6,7 +6,9 @@ the gradient norm and every parameter's gradient (expert shards against the
 matching slice of the reference gradient) must match the reference; the order
 in which PyTorch's schedule ran the stage computations must equal the
 exported schedule (`schedule.baselines.pytorch_order`); the routing statistics of
-metrics.jsonl (tokens per expert, router entropy) must equal the reference's.
+metrics.jsonl (tokens per expert, router entropy) must equal the reference's. Cases with
+eval data evaluate after the first step (forward only, runtime/evaluate.py): the eval
+loss must be the reference's, and the second step (after it) still match.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ import pytest
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from disagmoe.presets import model_preset
+from disagmoe.runtime.evaluate import evaluate
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
+from tests.unit.test_evaluate import eval_file
 
 from .equivalence import assert_same_routing, recomputing, recorded_step, without_recompute
 
@@ -37,6 +41,7 @@ def _cfg(
     model: ModelConfig | None = None,
     gbs: int = 8,
     virtual_stages: int = 2,
+    eval_data: str = "",
 ) -> RunConfig:
     return RunConfig(
         model=model or ModelConfig(),
@@ -48,6 +53,8 @@ def _cfg(
             global_batch_size=gbs,
             micro_batch_size=2,
             progress=False,
+            eval_data=eval_data,
+            eval_batches=2 if eval_data else 0,
         ),
     )
 
@@ -61,10 +68,12 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
     out = []
     for cfg, chunks in cases:
         trainer = TRAINERS[cfg.parallel.runtime](cfg, overlap_chunks=chunks)
-        steps = []
+        steps, evals = [], []
         for s in range(STEPS):
             r, routing = recorded_step(trainer, cfg, s)
             steps.append((r.loss, r.grad_norm, r.grads, routing))
+            if s == 0 and cfg.train.eval_data:  # between the steps: must change nothing
+                evals.append(evaluate(trainer, s)["eval_loss"])
         expected = [a for _ in range(STEPS) for a in pytorch_order(trainer.layout)[trainer.pp_rank]]
         out.append(
             {
@@ -74,6 +83,7 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
                 "order_ok": trainer.order == expected,
                 "order": trainer.order[:8],
                 "busy": trainer.busy_seconds(0),
+                "evals": evals,
             }
         )
     if run_dir:  # the runner with the outputs a user sees
@@ -94,6 +104,11 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
         ref = ReferenceTrainer(without_recompute(cfg))
         for s in range(STEPS):
             rr, ref_routing = recorded_step(ref, cfg, s)
+            if s == 0 and cfg.train.eval_data:
+                want = evaluate(ref, s)["eval_loss"]
+                for rank_results in results:
+                    (got,) = rank_results[k]["evals"]
+                    assert got == pytest.approx(want, rel=RTOL, abs=0), f"{what}: eval_loss"
             seen = set()
             for rank_results in results:
                 res = rank_results[k]
@@ -119,11 +134,12 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
 
 def test_baselines_two_ranks(tmp_path: Path) -> None:
     tied = dataclasses.replace(ModelConfig(), name="tiny-tied", tie_embeddings=True, top_k=1)
+    val = eval_file(tmp_path / "val.npy", num_tokens=17 * 8 * 2)
     cases = [
-        (_cfg("ep-1f1b", pp=1, ep=2), 1),
-        (_cfg("ep-overlap", pp=1, ep=2), 3),
-        (_cfg("ep-interleaved", pp=2, ep=1), 1),
-        (_cfg("ep-dualpipev", pp=2, ep=1, model=tied), 1),
+        (_cfg("ep-1f1b", pp=1, ep=2, eval_data=val), 1),
+        (_cfg("ep-overlap", pp=1, ep=2, eval_data=val), 3),
+        (_cfg("ep-interleaved", pp=2, ep=1, eval_data=val), 1),
+        (_cfg("ep-dualpipev", pp=2, ep=1, model=tied, eval_data=val), 1),
         (recomputing(_cfg("ep-1f1b", pp=1, ep=2), "attn"), 1),
         (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full"), 1),
         (recomputing(_cfg("ep-overlap", pp=1, ep=2), "full"), 3),
@@ -167,14 +183,15 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
     assert "A2A dispatch" in (tmp_path / "schedule.txt").read_text()
 
 
-def test_baselines_four_ranks() -> None:
+def test_baselines_four_ranks(tmp_path: Path) -> None:
     shared = model_preset("tiny-shared")  # a dense first layer and a shared expert
+    val = eval_file(tmp_path / "val.npy", num_tokens=17 * 16 * 2)
     cases = [
         (_cfg("ep-1f1b", pp=2, ep=2, model=dataclasses.replace(ModelConfig(), top_k=1)), 1),
         (_cfg("ep-1f1b", pp=1, ep=4), 1),
         (_cfg("ep-overlap", pp=1, ep=2, gbs=16), 2),  # dp=4: expert grads over EDP groups
-        (_cfg("ep-interleaved", pp=2, ep=2, model=shared), 1),
-        (_cfg("ep-dualpipev", pp=2, ep=2, gbs=16, model=shared), 1),
+        (_cfg("ep-interleaved", pp=2, ep=2, model=shared, eval_data=val), 1),
+        (_cfg("ep-dualpipev", pp=2, ep=2, gbs=16, model=shared, eval_data=val), 1),
         (recomputing(_cfg("ep-1f1b", pp=2, ep=2, model=shared), "full"), 1),
         (recomputing(_cfg("ep-interleaved", pp=2, ep=2, model=shared), "attn"), 1),
     ]

@@ -2,7 +2,9 @@
 
 float64, 3 optimizer steps per case: per-step losses and every parameter's
 gradient (expert gradients against the matching slice of the reference's)
-agree to 1e-10 relative. Several cases share one spawn of the ranks.
+agree to 1e-10 relative; cases with eval data also evaluate after the first step (the
+forward-only AF-Pipe schedule, runtime/evaluate.py) and match the reference's eval loss.
+Several cases share one spawn of the ranks.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
 from disagmoe.models.hf_import import read_hf_config
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.runtime.disagg import DisaggTrainer
+from tests.unit.test_evaluate import eval_file
 
-from .equivalence import max_rel_errors, recomputing
+from .equivalence import evaluating, max_rel_errors, recomputing
 
 TRAINER = "disagmoe.runtime.disagg:DisaggTrainer"
 TOL = 1e-10
@@ -76,12 +79,13 @@ def test_four_ranks_p1_m2_n2() -> None:
     )
 
 
-def test_four_ranks_p2_m1_n1() -> None:
+def test_four_ranks_p2_m1_n1(tmp_path: Path) -> None:
     """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
-    full recompute with the hop."""
+    full recompute with the hop; an evaluation between steps."""
+    val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     assert_equivalent(
         [
-            case(2, 1, 1),
+            evaluating(case(2, 1, 1), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
             recomputing(case(2, 1, 1), "full"),
         ],
@@ -103,15 +107,22 @@ def capped(cfg: RunConfig, cap: int) -> RunConfig:
     return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_in_flight=cap))
 
 
-def test_four_ranks_uneven_splits_and_in_flight_cap() -> None:
+def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
     """Uneven splits (docs/design-notes.md, "Uneven splits"): 8 experts on n=3 shards
     (3, 3, 2), also with an in-flight cap of one slot; 8 micro-batches on m=3 replicas
-    (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2."""
+    (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2 and
+    evaluated (the forward-only schedule ignores the cap)."""
+    val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     uneven_experts = case(1, 1, 3)
     uneven_micro = case(1, 3, 1, micro=1)
     assert uneven_micro.train.num_micro_batches == 8
     assert_equivalent(
-        [uneven_experts, capped(uneven_experts, 1), uneven_micro, capped(uneven_micro, 2)],
+        [
+            uneven_experts,
+            capped(uneven_experts, 1),
+            uneven_micro,
+            evaluating(capped(uneven_micro, 2), val),
+        ],
         world=4,
     )
 
@@ -187,13 +198,15 @@ class RankLocalTrainer(DisaggTrainer):
     whole_world_ranks = 0
 
 
-def test_six_ranks_p2_m2_n1_rank_local_lists() -> None:
-    """m != n, p = 2, each rank running the list it built alone (no whole-world schedule);
-    the third case has 3 micro-batches on m = 2 replicas (slots 2 and 1)."""
+def test_six_ranks_p2_m2_n1_rank_local_lists(tmp_path: Path) -> None:
+    """m != n, p = 2, each rank running the list it built alone (no whole-world schedule,
+    also for evaluation); the third case has 3 micro-batches on m = 2 replicas (slots 2
+    and 1)."""
+    val = eval_file(tmp_path / "val.npy", num_tokens=33 * 6 * 2)
     cfgs = [
         case(2, 2, 1),
         case(2, 2, 1, top_k=1, num_shared_experts=1),
-        case(2, 2, 1, batch=6, num_experts=5),
+        evaluating(case(2, 2, 1, batch=6, num_experts=5), val),
     ]
     errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:RankLocalTrainer")
     assert len(errors) == len(cfgs)

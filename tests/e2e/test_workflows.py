@@ -1,13 +1,15 @@
 """Train on your own data and export it, as a user does (issue 17's workflow):
 
-tiny tokenizer built offline -> `prepare-data` on jsonl -> `train --init-from-hf --data`
-on `reference` and `disagg` (same float64 losses) -> `export` -> `transformers` loads
-the export and its logits are ours. And the one-line errors (exit 2) along the way.
+tiny tokenizer built offline -> `prepare-data` on jsonl (training and validation sets)
+-> `train --init-from-hf --data --eval-data --eval-every 5` on `reference` and `disagg`
+(same float64 losses and eval losses) -> `export` -> `transformers` loads the export and
+its logits are ours. And the one-line errors (exit 2) along the way.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 import subprocess
 from pathlib import Path
@@ -32,8 +34,8 @@ def one_line_error(result: subprocess.CompletedProcess[str], match: str) -> None
     assert match in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def write_corpus(path: Path, num_docs: int = 200) -> Path:
-    rng = random.Random(0)
+def write_corpus(path: Path, num_docs: int = 200, seed: int = 0) -> Path:
+    rng = random.Random(seed)
     with path.open("w") as f:
         for i in range(num_docs):
             text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 25)))
@@ -55,31 +57,49 @@ def test_prepare_train_export_load(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert result.returncode == 0, result.stderr
     meta = json.loads(Path(prefix + ".json").read_text())
     assert f"{meta['num_documents']} documents" in result.stdout and meta["num_documents"] == 200
+    val = str(tmp_path / "data" / "val")  # held-out documents, same tokenizer
+    result = disagmoe(
+        "prepare-data",
+        "--tokenizer",
+        str(tok),
+        "--input",
+        str(write_corpus(tmp_path / "val.jsonl", 40, seed=1)),
+        "--out",
+        val,
+    )
+    assert result.returncode == 0, result.stderr
 
     hf_dir = tmp_path / "hf"  # Qwen3-MoE: a dense first layer, tied embeddings, 4 experts
     build_hf("qwen3_moe", torch.float64, vocab_size=meta["vocab_size"]).save_pretrained(hf_dir)
     common = [
         *("--init-from-hf", str(hf_dir), "--data", prefix, "--dtype", "float64"),
-        *("--steps", "3", "--seq-len", "16", "--lr", "1e-3", "--lr-schedule", "wsd"),
+        *("--steps", "6", "--seq-len", "16", "--lr", "1e-3", "--lr-schedule", "wsd"),
         *("--warmup-steps", "1", "--min-lr", "1e-4", "--checkpoint-every", "3", "--no-progress"),
+        *("--eval-data", val, "--eval-every", "5"),
     ]
     runs = {rt: tmp_path / rt for rt in ("reference", "disagg")}
     for runtime, run_dir in runs.items():
         result = disagmoe("train", "--runtime", runtime, "--run-dir", str(run_dir), *common)
         assert result.returncode == 0, result.stderr
+        assert f"{runtime}: 6 steps, loss " in result.stdout and " at step 6, " in result.stdout
     ref, dis = (records(runs[rt]) for rt in ("reference", "disagg"))
     assert [r["lr"] for r in ref] == pytest.approx(
-        [1e-3, 1e-3, 1e-4]
+        [1e-3] * 5 + [1e-4]
     )  # warmup 1, stable, decay (wsd)
     for a, b in zip(ref, dis, strict=True):
         assert abs(a["loss"] - b["loss"]) <= 1e-10 * abs(a["loss"])
+        assert ("eval_loss" in a) == ("eval_loss" in b) == (a["step"] in (5, 6))  # and the last
+        if "eval_loss" in a:
+            assert abs(a["eval_loss"] - b["eval_loss"]) <= 1e-10 * a["eval_loss"]
+            assert b["eval_ppl"] == pytest.approx(math.exp(b["eval_loss"]), rel=1e-12)
+    assert ref[4]["eval_loss"] != ref[5]["eval_loss"]  # step 6 trained the weights further
 
     for runtime, run_dir in runs.items():
         result = disagmoe(
             "export",
             str(run_dir),
             "--step",
-            "3",
+            "6",
             "--format",
             "hf",
             "--out",
@@ -102,7 +122,7 @@ def test_prepare_train_export_load(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         with torch.no_grad():
             logits[name] = hf.eval()(input_ids=toks).logits
     with torch.no_grad():
-        ours = load_model(runs["disagg"] / "checkpoints" / "step-00000003")(toks)[0]
+        ours = load_model(runs["disagg"] / "checkpoints" / "step-00000006")(toks)[0]
     assert (ours - logits["export-disagg"]).abs().max().item() < FLOAT64_ATOL
     assert (ours - logits["hf"]).abs().max().item() > 1e-4  # training moved the weights
 

@@ -13,6 +13,12 @@ Per optimizer step, on every rank:
    over the expert-data-parallel group (one flat all-reduce each);
 4. global gradient norm (each parameter counted on one rank), clipping,
    AdamW on this rank's parameters; losses reduced over the world.
+
+Evaluation (`runtime.evaluate`) runs the same stage modules forward only, stage by stage
+(`EPTrainer.eval_ce`), not through PyTorch's schedules: torch 2.13's
+`ScheduleDualPipeV.eval()` fails on the V's local hand-over between the two stages of the
+last rank, and its schedule validator refuses a forward-only action list (docs/baselines.md,
+"Evaluation").
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..distributed.topology import allreduce_grads, world_sum
+from ..runtime.evaluate import EvalSet
 from ..runtime.objective import (
     LossScale,
     StepResult,
@@ -85,6 +92,8 @@ class EPTrainer:
         self.has_first = 0 in self.stage_ids
         self.has_last = self.layout.num_stages - 1 in self.stage_ids
         self.batches = build_data(cfg) if self.has_first or self.has_last else None
+        self.eval_set = EvalSet.build(cfg, feeds_data=self.batches is not None)
+        self.eval_tracer = Tracer(self.rank, self.role, keep_steps=1)  # eval's all-to-alls
 
     def _stage(self, module: StageModule) -> TracedStage:
         c, t = self.cfg.model, self.cfg.train
@@ -121,9 +130,9 @@ class EPTrainer:
             return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
         return ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
 
-    def _local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.batches is not None
-        mbs = split_micro_batches(self.batches.global_batch(step), self.cfg.train.micro_batch_size)
+    def _local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of this replica's micro-batches of a global batch, in order."""
+        mbs = split_micro_batches(batch, self.cfg.train.micro_batch_size)
         mine = [
             mbs[self.layout.global_micro_batch(self.dp_rank, s)]
             for s in range(self.layout.num_local_micro_batches)
@@ -158,7 +167,7 @@ class EPTrainer:
         args: tuple[torch.Tensor, ...] = ()
         target = None
         if self.batches is not None:
-            inputs, targets = self._local_batch(step)
+            inputs, targets = self._local_batch(self.batches.global_batch(step))
             args = (inputs,) if self.has_first else ()
             target = targets if self.has_last else None
         losses: list[torch.Tensor] = []
@@ -190,6 +199,53 @@ class EPTrainer:
         )
         self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
         return result
+
+    def eval_ce(self, index: int, step: int) -> float:
+        """Forward only, under `torch.no_grad()`: eval batch `index` through this rank's
+        stages, GPipe-style (each stage runs every local micro-batch, then the next stage
+        does; activations go to the rank of the next stage, or stay when it is this rank's,
+        as on DualPipeV's last rank), with the EP all-to-alls inside the MoE layers (EP peers
+        run the same order) and the loss on the last stage; the batch's mean cross-entropy,
+        summed over the workers. Its all-to-alls are traced apart (`eval_tracer`)."""
+        assert self.eval_set is not None
+        t = self.cfg.train
+        B, n = t.micro_batch_size, self.layout.num_local_micro_batches
+        inputs = targets = torch.zeros(0)
+        if self.batches is not None:
+            inputs, targets = self._local_batch(self.eval_set.batch(index))
+        owner = self.layout.stage_to_pp_rank()
+        held: dict[int, list[torch.Tensor]] = {}  # stage -> outputs for this rank's next stage
+        sends: list[Any] = []
+        ce = 0.0
+        train_tracer, self.comm.tracer, self.comm.step = self.comm.tracer, self.eval_tracer, step
+        try:
+            with torch.no_grad():
+                for module in sorted(self.modules, key=lambda m: m.stage):
+                    s = module.stage
+                    held[s] = []
+                    for mb in range(n):
+                        self.comm.micro_batch = mb
+                        if module.is_first:
+                            x = inputs[mb * B : (mb + 1) * B]
+                        elif owner[s - 1] == self.pp_rank:
+                            x = held[s - 1][mb]
+                        else:
+                            like = next(module.parameters())
+                            x = like.new_empty(B, t.seq_len, self.cfg.model.dim)
+                            dist.recv(x, self.layout.rank_of(owner[s - 1], self.dp_rank))
+                        y = module(x)
+                        if module.is_last:
+                            ce += float(self.scale.ce(y, targets[mb * B : (mb + 1) * B]))
+                        elif owner[s + 1] == self.pp_rank:
+                            held[s].append(y)
+                        else:
+                            dst = self.layout.rank_of(owner[s + 1], self.dp_rank)
+                            sends.append(dist.isend(y.contiguous(), dst))
+                for work in sends:
+                    work.wait()
+        finally:
+            self.comm.tracer = train_tracer
+        return float(world_sum(torch.tensor([ce], dtype=torch.float64))[0])
 
     def expert_shard(self) -> tuple[int, int] | None:
         """Global expert ids [lo, hi) of this rank's shard (every rank holds one)."""

@@ -12,6 +12,11 @@ Per optimizer step:
 4. STEP: global gradient norm (replicated parameters counted once), clipping,
    AdamW on this rank's own parameters;
 5. losses and busy times are reduced to rank 0, which logs them.
+
+Evaluation (`runtime.evaluate`) runs the forward-only AF-Pipe schedule of the same layout
+and slots (`run_schedule(forward_only=True)`, validated like the training one) on a second
+executor: eval batch k is loaded like a training batch and its loss comes back like the
+step's cross-entropy, with no gradient, SYNC or STEP.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -34,6 +40,7 @@ from ..schedule.ir import Instr, Schedule, lists_text
 from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
 from .budget import in_flight_cap, predict_memory, resolve_memory_budget
+from .evaluate import EvalSet
 from .executor import Executor
 from .memory import MEMORY_FIELDS, ActivationMeter, device_peak_bytes, state_bytes
 from .objective import (
@@ -80,14 +87,16 @@ def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
     return dataclasses.replace(layout, ranks_per_node=ranks)
 
 
-def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
-    """The AF-Pipe instruction lists a run of `cfg` on `layout` executes."""
+def run_schedule(cfg: RunConfig, layout: Layout, *, forward_only: bool = False) -> Schedule:
+    """The AF-Pipe instruction lists a run of `cfg` on `layout` executes (per training step,
+    or with `forward_only` per evaluation batch)."""
     return build_afpipe(
         layout,
         num_slots(cfg, layout),
         run_cap(cfg, layout),
         cfg.schedule.order,
         num_micro_batches=cfg.train.num_micro_batches,
+        forward_only=forward_only,
     )
 
 
@@ -98,7 +107,9 @@ def run_schedule(cfg: RunConfig, layout: Layout) -> Schedule:
 WHOLE_WORLD_RANKS = 64
 
 
-def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Instr, ...]:
+def run_schedule_of_rank(
+    cfg: RunConfig, layout: Layout, rank: int, *, forward_only: bool = False
+) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     return build_afpipe_rank(
         layout,
@@ -107,7 +118,20 @@ def run_schedule_of_rank(cfg: RunConfig, layout: Layout, rank: int) -> tuple[Ins
         run_cap(cfg, layout),
         cfg.schedule.order,
         num_micro_batches=cfg.train.num_micro_batches,
+        forward_only=forward_only,
     )
+
+
+def rank_lists(
+    cfg: RunConfig, layout: Layout, rank: int, *, whole_world: bool, forward_only: bool = False
+) -> tuple[Schedule | None, tuple[Instr, ...]]:
+    """(the whole world's schedule, validated, or None, `rank`'s list): with `whole_world`
+    the rank builds every rank's list, else only its own (`WHOLE_WORLD_RANKS`)."""
+    if whole_world:
+        schedule = run_schedule(cfg, layout, forward_only=forward_only)
+        validate(schedule)
+        return schedule, schedule.ranks[rank]
+    return None, run_schedule_of_rank(cfg, layout, rank, forward_only=forward_only)
 
 
 class DisaggTrainer:
@@ -123,13 +147,11 @@ class DisaggTrainer:
         self.cfg = cfg
         self.layout = run_layout(cfg, dist.get_world_size())
         self.cap = run_cap(cfg, self.layout)
-        if self.layout.world_size <= self.whole_world_ranks:
-            self.schedule: Schedule | None = run_schedule(cfg, self.layout)
-            validate(self.schedule)
-            self.instrs = self.schedule.ranks[self.rank]
-        else:  # only this rank's list: time and memory follow its own instructions
-            self.schedule = None
-            self.instrs = run_schedule_of_rank(cfg, self.layout, self.rank)
+        # above `whole_world_ranks` only this rank's list: time and memory follow its own
+        self.whole_world = self.layout.world_size <= self.whole_world_ranks
+        self.schedule, self.instrs = rank_lists(
+            cfg, self.layout, self.rank, whole_world=self.whole_world
+        )
         program = RankProgram.compile(self.rank, self.instrs, self.cap)
         self.topo = Topology.build(self.layout)
         self.role = self.layout.role(self.rank)
@@ -162,12 +184,12 @@ class DisaggTrainer:
             drop_message=cfg.train.drop_message,
             meter=self.meter,
         )
+        self.eval_set = EvalSet.build(cfg, feeds_data=self.has_data)
+        self._eval_executor: Executor | None = None  # built at the first evaluation
 
-    def _load_micro_batches(self, step: int) -> None:
-        if self.batches is None:
-            return
+    def _load_micro_batches(self, batch: torch.Tensor) -> None:
         assert isinstance(self.worker, AttnWorker)
-        mbs = split_micro_batches(self.batches.global_batch(step), self.cfg.train.micro_batch_size)
+        mbs = split_micro_batches(batch, self.cfg.train.micro_batch_size)
         r = self.role.index
         self.worker.micro_batches = {
             s: inputs_targets(mbs[self.layout.micro_batch(r, s)])
@@ -199,7 +221,8 @@ class DisaggTrainer:
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)
-        self._load_micro_batches(step)
+        if self.batches is not None:
+            self._load_micro_batches(self.batches.global_batch(step))
         if isinstance(self.worker, AttnWorker):
             self.worker.ce_sum = self.worker.aux_sum = 0.0
         self._capture_grads = capture_grads
@@ -208,6 +231,33 @@ class DisaggTrainer:
         self.executor.run_step(step)
         assert self._result is not None, "the schedule has no STEP instruction"
         return self._result
+
+    def eval_ce(self, index: int, step: int) -> float:
+        """Forward only: eval batch `index` through the forward-only AF-Pipe schedule, on an
+        executor of its own (its trace stays out of the run's); the mean cross-entropy of
+        the batch, summed over the workers."""
+        assert self.eval_set is not None
+        if self._eval_executor is None:
+            _, instrs = rank_lists(
+                self.cfg, self.layout, self.rank, whole_world=self.whole_world, forward_only=True
+            )
+            self._eval_executor = Executor(
+                RankProgram.compile(self.rank, instrs, self.cap),
+                str(self.role),
+                self.topo,
+                self.worker,
+                self,
+                Tracer(self.rank, str(self.role), keep_steps=1),
+                timeout_s=self.cfg.train.comm_timeout_s,
+            )
+        attn = self.worker if isinstance(self.worker, AttnWorker) else None
+        if attn is not None:
+            if self.has_data:
+                self._load_micro_batches(self.eval_set.batch(index))
+            attn.ce_sum = attn.aux_sum = 0.0
+        self._eval_executor.run_step(step)
+        ce = torch.tensor([attn.ce_sum if attn else 0.0], dtype=torch.float64)
+        return float(world_sum(ce)[0])
 
     def expert_shard(self) -> tuple[int, int] | None:
         """Global expert ids [lo, hi) held by this rank (None on attention ranks)."""

@@ -64,8 +64,17 @@ class StageWorker(Protocol):
     """The compute behind FWD and BWD instructions (`runtime.stages`)."""
 
     def forward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
-    ) -> dict[Msg, Payload]: ...
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool = True,
+    ) -> dict[Msg, Payload]:
+        """`keep=False`: no backward follows (a forward-only list), keep nothing for one."""
+        ...
+
     def backward(
         self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]: ...
@@ -361,8 +370,13 @@ class Executor:
         self, instr: Instr, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]:
         """The worker's FWD or BWD; with a meter, what a FWD saves and keeps is counted
-        (on this lane's thread) until the matching BWD has run."""
+        (on this lane's thread) until the matching BWD has run. The FWDs of a forward-only
+        list run without autograd (grad mode is per thread: set on this lane's) and keep
+        nothing (`schedule.semantics`)."""
         task = (instr.layer, instr.slot)
+        if self.program.forward_only:
+            with torch.no_grad():
+                return self.worker.forward(instr.layer, instr.slot, received, outgoing, keep=False)
         if instr.op != Op.FWD:
             out = self.worker.backward(instr.layer, instr.slot, received, outgoing)
             if self.meter is not None:

@@ -7,6 +7,7 @@ A runtime provides a `Trainer` (one per rank); this loop drives it:
   first attempt only: the restarted worker must get past it),
 * numerical guard: a non-finite loss or gradient stops the run naming the step
   and the workers, before any checkpoint could store it,
+* evaluation (`eval_loss`, `eval_ppl`) on the steps `runtime.evaluate` says, forward only,
 * metrics.jsonl + progress on rank 0 (routing and FLOP/s from `model_stats`, reduced in
   the step's one all-reduce), checkpoints every `checkpoint_every` steps and at the end,
   trace.json gathered to rank 0.
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .evaluate import Evaluates, evaluate, should_evaluate
 from .memory import MEMORY_FIELDS
 from .model_stats import StepStats
 from .objective import StepResult, lr_at
@@ -36,7 +38,7 @@ from .observe import MetricsLog, Tracer, write_trace
 from .tensorboard import open_tensorboard
 
 
-class Trainer(Protocol):
+class Trainer(Evaluates, Protocol):
     @property
     def tracer(self) -> Tracer: ...
     @property
@@ -201,6 +203,8 @@ def run_training(
             }
             if memory_record is not None:
                 record["memory_mib"] = memory_record(stats[:, 1:].tolist())
+            if should_evaluate(train, step + 1):  # forward only (runtime/evaluate.py)
+                record.update(evaluate(trainer, step))
             records.append(record)
             if log is not None:
                 log.log(record)

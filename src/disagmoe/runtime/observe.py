@@ -1,7 +1,8 @@
 """What a run leaves behind: run directory, resolved config, metrics, progress, trace.
 
 * `config.toml`   — the fully resolved RunConfig,
-* `metrics.jsonl` — one JSON object per optimizer step,
+* `metrics.jsonl` — one JSON object per optimizer step (`eval_loss`, `eval_ppl` on the
+                    steps that evaluate: runtime/evaluate.py),
 * `tensorboard/`  — with `train.tensorboard`, the same scalars as TensorBoard events,
 * `trace.json`    — Chrome / Perfetto trace events: one process per worker,
                     one thread per lane, one event per executed instruction.
@@ -150,6 +151,7 @@ class MetricsLog:
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._tensorboard = tensorboard
+        self._eval = ""  # the last evaluation's loss, kept in the progress bar
         self._bar = (
             tqdm(
                 total=total_steps,
@@ -168,10 +170,13 @@ class MetricsLog:
         self._file.flush()
         if self._tensorboard is not None:
             self._tensorboard.log(record)
+        if "eval_loss" in record:
+            self._eval = f"{record['eval_loss']:.4f}"
         if self._bar is not None:
-            self._bar.set_postfix(
-                loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}"
-            )
+            postfix = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s']:.0f}"}
+            if self._eval:
+                postfix["eval_loss"] = self._eval
+            self._bar.set_postfix(postfix)
             self._bar.update(1)
 
     def close(self) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
+from .evaluate import EvalSet
 from .objective import LossScale, StepResult, build_optimizer, fill_missing_grads, finish_step
 from .observe import Tracer
 from .setup import apply_variants, build_data, build_initial_model, set_threads
@@ -26,6 +28,7 @@ class ReferenceTrainer:
         self.named_params = list(self.model.named_parameters())
         self.optimizer = build_optimizer(self.named_params, cfg.train)
         self.tracer = Tracer(0, "reference")
+        self.eval_set = EvalSet.build(cfg, feeds_data=True)
 
     def expert_shard(self) -> tuple[int, int] | None:
         return None  # every expert, whole
@@ -72,6 +75,19 @@ class ReferenceTrainer:
             aux=aux_total,
             capture_grads=capture_grads,
         )
+
+    def eval_ce(self, index: int, step: int) -> float:
+        """Forward only, under `torch.no_grad()`: eval batch `index`'s mean cross-entropy."""
+        assert self.eval_set is not None
+        ce = 0.0
+        with torch.no_grad():
+            for samples in split_micro_batches(
+                self.eval_set.batch(index), self.cfg.train.micro_batch_size
+            ):
+                inputs, targets = inputs_targets(samples)
+                logits, _ = self.model(inputs)
+                ce += float(self.scale.ce(logits, targets))
+        return ce
 
 
 def run_reference(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:

@@ -64,19 +64,23 @@ def build_initial_model(cfg: RunConfig, device: torch.device = CPU) -> MoETransf
     return model
 
 
-def build_data(cfg: RunConfig) -> TokenBatches:
-    """The run's batches; refuses byte tokens for a `--init-from-hf` checkpoint unless
+def build_data(cfg: RunConfig, *, evaluation: bool = False) -> TokenBatches:
+    """The run's training batches (or, with `evaluation`, those of `train.eval_data`, checked
+    the same way); refuses byte tokens for a `--init-from-hf` checkpoint unless
     `train.allow_byte_data` (its vocabulary is the tokenizer's, not bytes)."""
     t = cfg.train
-    if t.init_from_hf and not t.allow_byte_data and (not t.data or t.data.endswith(".txt")):
+    data, flag = (t.eval_data, "--eval-data") if evaluation else (t.data, "--data")
+    if t.init_from_hf and not t.allow_byte_data and (not data or data.endswith(".txt")):
         raise ValueError(
-            "--init-from-hf with byte tokens (the built-in corpus or a .txt file) trains the "
-            "checkpoint on another vocabulary; give --data PREFIX from `disagmoe prepare-data` "
-            "with its tokenizer, or --allow-byte-data"
+            "--init-from-hf with byte tokens (the built-in corpus or a .txt file) "
+            f"{'evaluates' if evaluation else 'trains'} the checkpoint on another vocabulary; "
+            f"give {flag} PREFIX from `disagmoe prepare-data` with its tokenizer, or "
+            "--allow-byte-data"
         )
     return build_batches(
-        t.data,
+        data,
         t.data_dtype,
+        flag=flag,
         seq_len=t.seq_len,
         global_batch_size=t.global_batch_size,
         seed=t.seed,

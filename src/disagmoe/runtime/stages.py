@@ -132,7 +132,13 @@ class AttnWorker:
         )
 
     def forward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool = True,
     ) -> dict[Msg, Payload]:
         st = _AttnState()
         if layer == 0:
@@ -188,7 +194,8 @@ class AttnWorker:
                 out[act_msg] = act_payload
             else:
                 self.local[("act", layer, slot)] = act_payload
-        self.stash[(layer, slot)] = st
+        if keep:  # for the backward
+            self.stash[(layer, slot)] = st
         return out
 
     def kept(self, layer: int, slot: int) -> Payload:
@@ -267,7 +274,13 @@ class ExpertWorker:
         return list(self.modules.named_parameters())
 
     def forward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool = True,
     ) -> dict[Msg, Payload]:
         by_replica = sorted((self.layout.role(m.src).index, p) for m, p in received.items())
         inputs, xs, rows, experts, weights, counts = {}, [], [], [], [], []
@@ -290,7 +303,8 @@ class ExpertWorker:
         )
         y = self.modules[f"layers.{layer}.experts"](x, plan)
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
-        self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
+        if keep:  # for the backward
+            self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
         return {msg: [outputs[self.layout.role(msg.dst).index].detach()] for msg in outgoing}
 
     def kept(self, layer: int, slot: int) -> Payload:

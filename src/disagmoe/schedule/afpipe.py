@@ -17,6 +17,10 @@ of a rank's first stage for slot s waits for that stage's backward of slot
 s - max_in_flight (the rule of `schedule.semantics`, which the generator's task
 graph mirrors so that the order it emits can run).
 
+`forward_only=True` gives the forward-only schedule of evaluation: the same forwards and
+forward messages, no backward, no SYNC or STEP, and no in-flight cap (a forward-only list
+keeps nothing: `schedule.semantics`).
+
 `order` says which ready compute a lane prefers:
 
 * "breadth" (default) — the lowest layer (forward) / highest layer (backward), then
@@ -63,6 +67,7 @@ def build_afpipe_graph(
     order: str = "breadth",
     *,
     num_micro_batches: int = 0,
+    forward_only: bool = False,
 ) -> TaskGraph:
     if order not in SCHEDULE_ORDERS:
         raise ValueError(
@@ -71,7 +76,7 @@ def build_afpipe_graph(
     p, n, L = layout.groups, layout.expert_workers, layout.num_layers
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
     replicas = [layout.replicas_of_slot(s, num_micro) for s in range(num_slots)]
-    cap = max_in_flight or num_slots
+    cap = num_slots if forward_only else max_in_flight or num_slots  # forward-only: no cap
     g = TaskGraph()
 
     def fwd_key(l: int, s: int) -> tuple[int, int]:
@@ -96,30 +101,39 @@ def build_afpipe_graph(
         for l in range(L + 1):
             for r in range(replicas[s]):
                 g.add(fa(l, s, r), _FWD_COST, fwd_key(l, s))
-                g.add(ba(l, s, r), _BWD_COST, bwd_key(l, s))
+                if not forward_only:
+                    g.add(ba(l, s, r), _BWD_COST, bwd_key(l, s))
             if l in layout.moe_layers:
                 for j in range(n):
                     g.add(ff(l, s, j), _FWD_COST, fwd_key(l, s))
-                    g.add(bf(l, s, j), _BWD_COST, bwd_key(l, s))
+                    if not forward_only:
+                        g.add(bf(l, s, j), _BWD_COST, bwd_key(l, s))
 
     for s in range(num_slots):
         for l in range(L + 1):
             moe = l in layout.moe_layers
             prev_moe = l - 1 in layout.moe_layers
             for r in range(replicas[s]):
-                g.local_deps[ba(l, s, r)].append(fa(l, s, r))
                 if l > 0:
                     g.message(fa(l - 1, s, r), fa(l, s, r), "act", l - 1)
-                    g.message(ba(l, s, r), ba(l - 1, s, r), "grad_act", l - 1)
                     if prev_moe:
                         for j in range(n):
                             g.message(ff(l - 1, s, j), fa(l, s, r), "combine", l - 1)
-                            g.message(ba(l, s, r), bf(l - 1, s, j), "grad_combine", l - 1)
                 if moe:
                     for j in range(n):
                         g.message(fa(l, s, r), ff(l, s, j), "dispatch", l)
+                if forward_only:
+                    continue
+                g.local_deps[ba(l, s, r)].append(fa(l, s, r))
+                if l > 0:
+                    g.message(ba(l, s, r), ba(l - 1, s, r), "grad_act", l - 1)
+                    if prev_moe:
+                        for j in range(n):
+                            g.message(ba(l, s, r), bf(l - 1, s, j), "grad_combine", l - 1)
+                if moe:
+                    for j in range(n):
                         g.message(bf(l, s, j), ba(l, s, r), "grad_dispatch", l)
-            if moe:
+            if moe and not forward_only:
                 for j in range(n):
                     g.local_deps[bf(l, s, j)].append(ff(l, s, j))
 
@@ -145,23 +159,32 @@ def build_afpipe(
     order: str = "breadth",
     *,
     num_micro_batches: int = 0,
+    forward_only: bool = False,
 ) -> Schedule:
-    """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots.
+    """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots (with
+    `forward_only`, for one evaluation batch: forwards only, no cap, named "afpipe-forward").
 
     `num_micro_batches` (M, 0: num_slots*m): with M < num_slots*m the last slot is run
     by `layout.replicas_of_slot` replicas only."""
     if num_slots < 1:
         raise ValueError("AF-Pipe needs at least one micro-batch slot per attention replica")
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
-    graph = build_afpipe_graph(layout, num_slots, max_in_flight, order, num_micro_batches=num_micro)
+    graph = build_afpipe_graph(
+        layout,
+        num_slots,
+        max_in_flight,
+        order,
+        num_micro_batches=num_micro,
+        forward_only=forward_only,
+    )
     timeline = list_schedule(graph, _LATENCY)
     return emit_schedule(
         graph,
         timeline,
-        name="afpipe",
+        name="afpipe-forward" if forward_only else "afpipe",
         num_ranks=layout.world_size,
         num_slots=num_slots,
-        max_in_flight=max_in_flight or num_slots,
+        max_in_flight=num_slots if forward_only else max_in_flight or num_slots,
         roles=tuple(str(layout.role(r)) for r in range(layout.world_size)),
         meta={
             "groups": layout.groups,
@@ -171,6 +194,7 @@ def build_afpipe(
             "num_micro_batches": num_micro,
             "order": order,
         },
+        sync=not forward_only,
     )
 
 
@@ -200,6 +224,7 @@ def build_afpipe_rank(
     order: str = "breadth",
     *,
     num_micro_batches: int = 0,
+    forward_only: bool = False,
 ) -> tuple[Instr, ...]:
     """`rank`'s AF-Pipe list without building the whole world's schedule.
 
@@ -218,7 +243,14 @@ def build_afpipe_rank(
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
     classes = replica_classes(layout, num_micro)
     reduced, reduced_micro = reduced_layout(layout, num_micro)
-    rep = build_afpipe(reduced, num_slots, max_in_flight, order, num_micro_batches=reduced_micro)
+    rep = build_afpipe(
+        reduced,
+        num_slots,
+        max_in_flight,
+        order,
+        num_micro_batches=reduced_micro,
+        forward_only=forward_only,
+    )
     role = layout.role(rank)
     if role.comp == "A":
         cls = next(c for c, members in enumerate(classes) if role.index in members)

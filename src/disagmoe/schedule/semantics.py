@@ -29,6 +29,11 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
 
 * **Streams.** Per (sender, receiver, channel) a receive lane takes one message at
   a time, so a message moves only after the previous one of its stream arrived.
+* **Forward-only lists.** A list with forwards and no backward (evaluation:
+  `afpipe.build_afpipe(forward_only=True)`; no SYNC or STEP either, the validator checks)
+  is forward-only (`RankProgram.forward_only`): its forwards keep nothing for a backward
+  (the executor runs them without autograd, the worker stashes nothing), so the in-flight
+  cap does not apply.
 
 Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs them;
 `InOrderProgram`):
@@ -98,6 +103,7 @@ class RankProgram:
     streams: dict[tuple[int, str], list[Msg]]  # (src, channel) -> incoming messages, FIFO
     finals: list[tuple[int, Instr]]  # SYNC / STEP in list order
     first_layer: int  # lowest layer of the rank's forwards (-1 without any)
+    forward_only: bool = False  # forwards and no backward: see "Forward-only lists"
     local: dict[TaskKey, list[TaskKey]] = field(default_factory=dict)  # local dependencies
     SERIAL_STREAMS: ClassVar[bool] = True  # see "Streams" in the module doc
 
@@ -145,6 +151,7 @@ class RankProgram:
             streams=streams,
             finals=finals,
             first_layer=min(forwards) if forwards else -1,
+            forward_only=bool(forwards) and not lanes["bwd"],
         )
         prog.local = prog._local_dependencies()
         return prog
@@ -163,7 +170,7 @@ class RankProgram:
                 deps: list[TaskKey] = []
                 if ins.op == Op.BWD:
                     deps.append((Op.FWD.value, comp, layer, slot))
-                elif layer == self.first_layer and slot >= self.cap:
+                elif not self.forward_only and layer == self.first_layer and slot >= self.cap:
                     deps.append((Op.BWD.value, comp, layer, slot - self.cap))
                 for prod, cons in handovers:
                     if (cons.op.value, cons.comp) == (op, comp):

@@ -1,4 +1,5 @@
-"""Schedule validator: matching messages, FIFO channels, F before B, in-flight cap, no deadlock.
+"""Schedule validator: matching messages, FIFO channels, F before B, in-flight cap, no deadlock
+(training and forward-only schedules).
 
 `validate(schedule)` raises `ScheduleError` naming the first violation. The
 deadlock check executes the lists under the rules of `schedule.semantics` (the
@@ -60,7 +61,14 @@ def check_fifo(schedule: Schedule) -> None:
 
 
 def check_forward_before_backward(schedule: Schedule) -> None:
+    """Every BWD after its FWD and every FWD with its BWD, or (forward-only schedules, see
+    `schedule.semantics`) no BWD, SYNC or STEP on any rank."""
+    forward_only = not any(i.op == Op.BWD for instrs in schedule.ranks for i in instrs)
     for rank, instrs in enumerate(schedule.ranks):
+        if forward_only:
+            extra = next((i for i in instrs if i.op in (Op.SYNC, Op.STEP)), None)
+            if extra is not None:
+                raise ScheduleError(f"rank {rank}: forward-only schedule has {extra}")
         seen: set[tuple[str, int, int]] = set()
         for i in instrs:
             if i.op == Op.FWD:
@@ -70,7 +78,7 @@ def check_forward_before_backward(schedule: Schedule) -> None:
             elif i.op == Op.BWD and (i.comp, i.layer, i.slot) not in seen:
                 raise ScheduleError(f"rank {rank}: {i} comes before its forward")
         backward = {(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.BWD}
-        if backward != seen:
+        if not forward_only and backward != seen:
             raise ScheduleError(
                 f"rank {rank}: forwards and backwards differ: {sorted(seen ^ backward)[:3]}"
             )
@@ -113,7 +121,7 @@ def simulate(schedule: Schedule) -> int:
             instr = queue[0]
             if not prog.ready(instr, done[rank], delivered.__contains__):
                 continue
-            if instr.layer == prog.first_layer:
+            if instr.layer == prog.first_layer and not prog.forward_only:
                 slots = in_flight[rank]
                 slots.add(instr.slot) if instr.op == Op.FWD else slots.discard(instr.slot)
                 peak = max(peak, len(slots))
