@@ -192,6 +192,8 @@ def run_program(
     capacities = [p.bytes_per_s for p in program.ports]
     links: Links = FairLinks(capacities) if link_model == "fair" else FifoLinks(capacities)
     moving: set[int] = set()  # messages whose bytes move now (links that release)
+    unsettled = False  # the links changed at `now` and have not been settled yet
+    now = 0.0
     kinds, work, ranks = program.kind, program.work, program.rank
 
     def push(events: list[tuple[float, int]]) -> None:
@@ -205,7 +207,7 @@ def run_program(
         push(res.finishes(now))
 
     def begin(op: int, now: float) -> None:
-        nonlocal seq
+        nonlocal seq, unsettled
         start[op] = now
         kind = kinds[op]
         if kind == XFER:
@@ -215,10 +217,12 @@ def run_program(
                 finish = now
             elif links.releases:
                 moving.add(op)
-                push(links.start(op, now, loads, program.xfer_unit[op]))
+                links.start(op, now, loads, program.xfer_unit[op])
+                unsettled = True
                 return
             else:
-                [(done, _)] = links.start(op, now, loads, program.xfer_unit[op])
+                links.start(op, now, loads, program.xfer_unit[op])
+                [(done, _)] = links.settle(now)
                 xfer_begin[op] = links.begin(op)
                 finish = done + program.latency_s
         elif (kind == COMPUTE and share_compute) or kind == A2A:
@@ -234,13 +238,18 @@ def run_program(
     for op in range(n):
         if remaining[op] == 0:
             begin(op, 0.0)
-    while heap:
+    while heap or unsettled:
+        if unsettled and (not heap or heap[0][0] > now):  # every change of `now` is in
+            push(links.settle(now))
+            unsettled = False
+            continue
         now, _, op, ver = heapq.heappop(heap)
         if ver != version[op] or end[op] >= 0.0:
             continue
         if op in moving:  # its last byte left: the others speed up, it arrives later
             moving.discard(op)
-            push(links.finish(op, now))
+            links.finish(op, now)
+            unsettled = True
             push([(now + program.latency_s, op)])
             continue
         end[op] = now

@@ -32,6 +32,7 @@ rate of each of its real flows, `r * unit`.
 
 from __future__ import annotations
 
+import heapq
 from typing import Literal, Protocol
 
 LinkModel = Literal["fair", "fifo"]
@@ -41,20 +42,24 @@ LINK_MODELS: tuple[LinkModel, ...] = ("fair", "fifo")
 class Links(Protocol):
     """A link model: when do the messages in flight finish moving their bytes?
 
-    `releases`: whether a message's end changes the others' finish times (then the engine
-    reports it with `finish`; otherwise `start`'s answer is final)."""
+    The engine reports every message that becomes ready (`start`) and, when `releases`,
+    every one that moved its last byte (`finish`), then asks `settle` once per instant for
+    the finish times that changed (messages not named keep theirs). Rates depend only on
+    which messages are in flight, so settling the changes of one instant together is exact.
+    """
 
-    releases: bool
+    releases: bool  # whether a message's end changes the others' finish times
 
-    def start(
-        self, op: int, now: float, loads: list[tuple[int, float]], unit: float
-    ) -> list[tuple[float, int]]:
-        """Message `op` is ready at `now`; (finish time, message) for every message whose
-        finish time is new (the others keep theirs)."""
+    def start(self, op: int, now: float, loads: list[tuple[int, float]], unit: float) -> None:
+        """Message `op` (`loads`: (port, bytes); `unit`: bytes of one real message) is ready."""
         ...
 
-    def finish(self, op: int, now: float) -> list[tuple[float, int]]:
-        """Message `op` moved its last byte at `now`; new finish times of the others."""
+    def finish(self, op: int, now: float) -> None:
+        """Message `op` moved its last byte at `now`."""
+        ...
+
+    def settle(self, now: float) -> list[tuple[float, int]]:
+        """(finish time, message) of every message whose finish time is new."""
         ...
 
     def begin(self, op: int) -> float:
@@ -71,10 +76,9 @@ class FifoLinks:
         self.bytes_per_s = bytes_per_s
         self.free = [0.0] * len(bytes_per_s)
         self.began: dict[int, float] = {}
+        self.pending: list[tuple[float, int]] = []
 
-    def start(
-        self, op: int, now: float, loads: list[tuple[int, float]], unit: float
-    ) -> list[tuple[float, int]]:
+    def start(self, op: int, now: float, loads: list[tuple[int, float]], unit: float) -> None:
         t0 = max([now] + [self.free[p] for p, _ in loads])
         longest = 0.0
         for p, nbytes in loads:
@@ -82,10 +86,14 @@ class FifoLinks:
             self.free[p] = t0 + dur
             longest = max(longest, dur)
         self.began[op] = t0
-        return [(t0 + longest, op)]
+        self.pending.append((t0 + longest, op))
 
-    def finish(self, op: int, now: float) -> list[tuple[float, int]]:
-        return []
+    def finish(self, op: int, now: float) -> None:
+        pass
+
+    def settle(self, now: float) -> list[tuple[float, int]]:
+        done, self.pending = self.pending, []
+        return done
 
     def begin(self, op: int) -> float:
         return self.began[op]
@@ -105,10 +113,9 @@ class FairLinks:
         self.since: dict[int, float] = {}
         self.rate: dict[int, float] = {}  # op -> fraction per second
         self.began: dict[int, float] = {}
+        self.touched: set[int] = set()  # ports whose messages changed since the last settle
 
-    def start(
-        self, op: int, now: float, loads: list[tuple[int, float]], unit: float
-    ) -> list[tuple[float, int]]:
+    def start(self, op: int, now: float, loads: list[tuple[int, float]], unit: float) -> None:
         assert loads and unit > 0.0, "a message without bytes does not use the links"
         flows = [(p, nbytes / unit) for p, nbytes in loads]
         self.flows[op], self.unit[op] = flows, unit
@@ -116,20 +123,19 @@ class FairLinks:
         self.began[op] = now
         for p, count in flows:
             self.on_port[p][op] = count
-        return self._refill(now, [p for p, _ in flows])
+            self.touched.add(p)
 
-    def finish(self, op: int, now: float) -> list[tuple[float, int]]:
-        ports = [p for p, _ in self.flows.pop(op)]
-        for p in ports:
+    def finish(self, op: int, now: float) -> None:
+        for p, _ in self.flows.pop(op):
             del self.on_port[p][op]
+            self.touched.add(p)
         for table in (self.unit, self.left, self.since, self.rate):
             del table[op]
-        return self._refill(now, ports)
 
     def begin(self, op: int) -> float:
         return self.began[op]
 
-    def _component(self, seeds: list[int]) -> tuple[list[int], set[int]]:
+    def _component(self, seeds: set[int]) -> tuple[set[int], set[int]]:
         """Ports and messages connected to `seeds` through messages in flight."""
         ports, ops = set(seeds), set()
         todo = list(seeds)
@@ -141,36 +147,43 @@ class FairLinks:
                         if q not in ports:
                             ports.add(q)
                             todo.append(q)
-        return sorted(ports), ops
+        return ports, ops
 
-    def _refill(self, now: float, seeds: list[int]) -> list[tuple[float, int]]:
-        """Progressive filling of the component of `seeds`; new finish times.
+    def settle(self, now: float) -> list[tuple[float, int]]:
+        """Progressive filling of the ports the changes touched, and all connected to them.
 
-        `level` is absolute: the unfrozen messages all sit at the same byte rate per real
-        flow, so a port fills at (its capacity minus what the frozen ones use) / (its
-        unfrozen flows); the lowest such port freezes its messages there."""
-        ports, ops = self._component(seeds)
-        for op in ops:  # bring every message of the component to `now` at its old rate
-            self.left[op] -= (now - self.since[op]) * self.rate[op]
-            self.since[op] = now
+        The unfrozen messages all sit at one byte rate per real flow (the level), so a port
+        fills at (its capacity minus what its frozen messages use) / (its unfrozen flows);
+        the lowest such port freezes its messages at that level (a heap of port levels,
+        refreshed as messages freeze), and the others fill on."""
+        ports, ops = self._component(self.touched)
+        self.touched = set()
         residual = {p: self.capacity[p] for p in ports}
         weight = {p: sum(self.on_port[p].values()) for p in ports}  # unfrozen flows
         open_on = {p: set(self.on_port[p]) for p in ports}
+        heap = [(residual[p] / weight[p], p) for p in ports if open_on[p]]
+        heapq.heapify(heap)
         level: dict[int, float] = {}
-        while len(level) < len(ops):
-            full = min((p for p in ports if open_on[p]), key=lambda p: residual[p] / weight[p])
-            fill = max(residual[full] / weight[full], 0.0)
-            for op in list(open_on[full]):
+        while heap:
+            fill, full = heapq.heappop(heap)
+            if not open_on[full] or fill != residual[full] / weight[full]:
+                continue  # stale: the port's level moved (or it has no open flow left)
+            for op in open_on[full]:
                 level[op] = fill
                 for q, count in self.flows[op]:
                     residual[q] -= fill * count
                     weight[q] -= count
-                    open_on[q].discard(op)
+                    if q != full:
+                        open_on[q].discard(op)
+                        if open_on[q]:
+                            heapq.heappush(heap, (residual[q] / weight[q], q))
+            open_on[full] = set()
         changed = []
         for op in ops:
             rate = level[op] / self.unit[op]
             assert rate > 0.0, "a port left a message no bandwidth"
             if rate != self.rate[op]:  # a new message's rate is 0 until here
-                self.rate[op] = rate
+                self.left[op] -= (now - self.since[op]) * self.rate[op]
+                self.since[op], self.rate[op] = now, rate
                 changed.append((now + max(self.left[op], 0.0) / rate, op))
         return changed
