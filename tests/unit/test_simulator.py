@@ -174,9 +174,10 @@ def test_reduced_replay_equals_full_replay_under_fair_links(placement: str) -> N
 @pytest.mark.parametrize(("m", "n", "micro", "cap"), [(3, 3, 8, 0), (2, 3, 5, 2), (3, 4, 9, 0)])
 def test_reduced_replay_of_uneven_splits(m: int, n: int, micro: int, cap: int) -> None:
     """Uneven splits (16 experts on n = 3 shards; m not dividing the micro-batches: two
-    replica classes, one without the last slot). With bytes free (no FIFO convoy, the
-    known inexactness of bundles) the reduced replay equals the full one; on a real
-    network its compute is the full replay's and the tokens are the M micro-batches'."""
+    replica classes, one without the last slot). With bytes free the reduced replay
+    equals the full one; on a real network (the members of a class sit on nodes
+    differently here, which a bundle averages) its compute is the full replay's and the
+    tokens are the M micro-batches'."""
     model = MODEL_PRESETS["small"]
     real = dataclasses.replace(CLUSTER_PRESETS["h800"], gpus_per_node=4, nics_per_node=4)
     free = dataclasses.replace(real, nic_gbps=1e9, nvlink_gbps=1e9)
