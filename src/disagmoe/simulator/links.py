@@ -8,10 +8,12 @@ ingress, a GPU's NVLink out or in) with a byte count each. Two models of a port:
   connected to it through shared ports are recomputed by progressive filling: all of them
   speed up together until some port is full, the messages through that port are frozen at
   its fair share, and the rest keep filling. That is what the runtime's transports do:
-  gloo keeps one TCP connection per peer and channel and the kernel shares a link among
-  all active connections (about equally under a common bottleneck); NCCL spreads its
+  the executor posts every send of a compute at once (`isend`), gloo keeps one TCP
+  connection per pair of ranks and process group, and the kernel shares a link among all
+  active connections (about equally under a common bottleneck); NCCL spreads its
   channels over many queue pairs. A message alone still takes `max(bytes / bandwidth)`
-  over its ports.
+  over its ports. Only the ports connected to the instant's changes (through messages in
+  flight) are refilled.
 * `"fifo"` (`FifoLinks`, kept for A/B comparisons): a port serves one message at a time,
   in the order messages become ready; a message starts when all its ports are free.
   With many senders and many receivers (M2N / N2M) this idles a sender's port while its
