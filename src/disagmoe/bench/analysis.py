@@ -43,6 +43,7 @@ from ..runtime.observe import (
 from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
 from ..simulator.bound import Bound, worker_bound
 from ..simulator.ep import EPCosts
+from ..simulator.links import LinkModel
 
 Event = dict[str, Any]
 TCP_EFFICIENCY = 0.94  # goodput / tbf rate of a bulk TCP stream (headers, acks)
@@ -202,7 +203,9 @@ def _workload(cfg: RunConfig) -> Workload:
     return Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, act, 8)
 
 
-def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
+def predict_disagg(
+    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+) -> float:
     """Simulated step seconds of an AF-Pipe run with its measured instruction medians."""
     from ..runtime.disagg import run_schedule
 
@@ -222,7 +225,7 @@ def predict_disagg(cfg: RunConfig, world: int, events: list[Event], net: Network
     schedule = run_schedule(cfg, layout)
     sim = simulate_schedule(
         schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
-        sync=False,
+        sync=False, link_model=link_model,
     )  # fmt: skip
     return sim.step_time_s + _sync_step_s(events)
 
@@ -242,7 +245,9 @@ class _FittedEP:
         return self.base.experts(kind) * self.s_per_flop["F" if kind == "F" else "B"]
 
 
-def predict_ep(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
+def predict_ep(
+    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+) -> float:
     """Simulated step seconds of an ep-* run: measured compute rate, emulated network."""
     from ..baselines.layout import EPLayout
 
@@ -299,15 +304,19 @@ def predict_ep(cfg: RunConfig, world: int, events: list[Event], net: Network) ->
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
         num_micro_batches=cfg.train.num_micro_batches, chunks=cfg.parallel.virtual_stages,
         overlap_chunks=cfg.parallel.overlap_chunks, sync=False, costs=costs, net=net,
+        link_model=link_model,
     )  # fmt: skip
     return sim.step_time_s + _sync_step_s(events)
 
 
-def predict(cfg: RunConfig, world: int, events: list[Event], net: Network) -> float:
-    """Simulator's step seconds for a measured run (events of its measured steps only)."""
+def predict(
+    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+) -> float:
+    """Simulator's step seconds for a measured run (events of its measured steps only);
+    `link_model` as in `simulator.links`."""
     if cfg.parallel.runtime == "disagg":
-        return predict_disagg(cfg, world, events, net)
-    return predict_ep(cfg, world, events, net)
+        return predict_disagg(cfg, world, events, net, link_model)
+    return predict_ep(cfg, world, events, net, link_model)
 
 
 __all__ = ["Breakdown", "emulated_network", "predict", "trace_bound", "trace_breakdown"]

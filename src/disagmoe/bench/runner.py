@@ -39,6 +39,7 @@ from ..config_io import load_toml
 from ..distributed.layout import Layout
 from ..presets import model_preset
 from ..simulator.bound import Bound
+from ..simulator.links import LinkModel
 from .analysis import (
     TCP_EFFICIENCY,
     Breakdown,
@@ -387,8 +388,11 @@ class RuntimeResult:
         }
 
 
-def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult]:
-    """Pool each runtime's measured steps; breakdown and prediction from its traces."""
+def summarize(
+    spec: BenchSpec, outcomes: list[RunOutcome], link_model: LinkModel = "fair"
+) -> list[RuntimeResult]:
+    """Pool each runtime's measured steps; breakdown and prediction (`link_model`,
+    `simulator.links`) from its traces."""
     results = []
     k = spec.time_scale  # wall times are k x the emulated cluster's; results are divided by k
     net = emulated_network(spec.nic_gbps / k, spec.ranks_per_node, spec.loopback)
@@ -425,7 +429,7 @@ def summarize(spec: BenchSpec, outcomes: list[RunOutcome]) -> list[RuntimeResult
             parts.append(trace_breakdown(events, o.step_times))
             bounds.append(trace_bound(events, o.step_times, node_of, node_rates))
             cfg = load_toml(o.run_dir / "config.toml")
-            predictions.append(predict(cfg, spec.world, events, run_net))
+            predictions.append(predict(cfg, spec.world, events, run_net, link_model))
         res.breakdown = Breakdown(
             *(
                 statistics.fmean(getattr(p, f) for p in parts) / k

@@ -24,6 +24,7 @@ from ..presets import cluster_preset, model_preset
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import simulate_ep
+from .links import LINK_MODELS
 from .report import BREAKDOWN_KEYS, SimResult
 
 
@@ -77,6 +78,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="disagg: replay one replica and one shard per group with bundled "
         "messages (auto: for large schedules)",
+    )
+    parser.add_argument(
+        "--link-model",
+        choices=LINK_MODELS,
+        default="fair",
+        help="how messages share a port: max-min fair among all in flight (as TCP / NCCL "
+        "do) or one at a time in readiness order (fifo, for comparison)",
     )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--trace", default="", help="write a Chrome trace of the step here")
@@ -192,6 +200,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
         seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size,
         num_micro_batches=r["micro_batches"],
+        link_model=args.link_model,
     )
     if args.runtime == "disagg":
         reduce = {"auto": None, "on": True, "off": False}[args.reduce]

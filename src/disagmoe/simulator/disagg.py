@@ -19,6 +19,7 @@ from ..schedule.ir import Instr, Schedule
 from ..schedule.validate import ScheduleError, validate
 from .costs import AnalyticCosts, InstrCosts, MessageOverheads, Workload
 from .engine import run_program
+from .links import LinkModel
 from .lower import Pricing, lower
 from .network import Network
 from .placement import nic_shares
@@ -116,6 +117,7 @@ def simulate_schedule(
     cores: int = 0,
     num_micro_batches: int = 0,
     peak_in_flight: int = 0,
+    link_model: LinkModel = "fair",
 ) -> SimResult:
     """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
@@ -124,7 +126,8 @@ def simulate_schedule(
     `num_micro_batches`: the real step's M (0: the schedule's own, or num_slots * m of
     `full`). `overheads` and `cores` model a host runtime (see `simulator.lower` and
     `engine.run_program`). `peak_in_flight`: the validator's answer when the caller
-    validated `schedule` already (`checked_afpipe`; 0: validate here).
+    validated `schedule` already (`checked_afpipe`; 0: validate here). `link_model`: how
+    messages share ports (`simulator.links`).
     """
     peak = peak_in_flight or check_schedule(schedule)
     real_layout = full or layout
@@ -149,7 +152,7 @@ def simulate_schedule(
         num_micro_batches=num_micro,
     )
     program = lower(schedule, pricing, symmetry)
-    timeline = run_program(program, share_compute=share_compute, cores=cores)
+    timeline = run_program(program, share_compute=share_compute, cores=cores, link_model=link_model)
     real = [symmetry.real(r) for r in range(schedule.num_ranks)]
     roles = [str(real_layout.role(r)) for r in real]
     tokens = num_micro * workload.tokens
@@ -199,6 +202,7 @@ def simulate_disagg(
     nic_split: tuple[int, int] | None = None,
     recompute: str = "none",
     order: str = "breadth",
+    link_model: LinkModel = "fair",
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -210,7 +214,8 @@ def simulate_disagg(
     runs on GPU r). `nic_split` (the planner's M_a, M_f per group; None: one fair NIC
     share per GPU): see `simulator.placement`; the split needs `node-aware`.
     `recompute`: activation recompute none | attn | full (analytic costs: each backward adds
-    one forward of the attention core, or of everything).
+    one forward of the attention core, or of everything). `link_model`: how messages share
+    ports (`simulator.links`, default max-min fair).
     """
     parallel = ParallelConfig(
         groups=groups, attn_workers=attn_workers, expert_workers=expert_workers,
@@ -251,6 +256,7 @@ def simulate_disagg(
         "nic_split": list(nic_split) if nic_split else None,
         "recompute": recompute,
         "order": order,
+        "link_model": link_model,
     }
     return simulate_schedule(
         schedule,
@@ -262,4 +268,5 @@ def simulate_disagg(
         config=cfg,
         num_micro_batches=num_micro_batches,
         peak_in_flight=peak,
+        link_model=link_model,
     )

@@ -10,11 +10,12 @@ A `Program` is what every front end (AF-Pipe replay, EP baselines) lowers to:
   instead: each runs at `min(1, C / active)`.
 * `A2A` — a collective of `work` seconds when alone; the A2As of one rank share
   its network by processor sharing (two lanes exchanging at once each get half).
-* `XFER` — a point-to-point message. It occupies ports (NIC or NVLink, out and
-  in, full duplex: out and in are separate ports) for `bytes / bandwidth` each;
-  a port serves one message at a time in the order messages become ready, so
-  messages that share a NIC queue behind each other. Arrival = transfer end +
-  latency.
+* `XFER` — a point-to-point message. It loads ports (NIC or NVLink, out and in,
+  full duplex: out and in are separate ports) with bytes; the messages in flight
+  share each port max-min fairly (`link_model="fair"`, `simulator.links`), or a port
+  serves one message at a time in readiness order (`"fifo"`, for comparison).
+  Alone, a message takes `max(bytes / bandwidth)` over its ports. Arrival =
+  transfer end + latency.
 * `DELAY` — a fixed wait (gradient all-reduce, latency-only steps).
 
 Lanes (in-order streams) and FIFO message streams are expressed as ordinary
@@ -27,6 +28,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from typing import Any
+
+from .links import LINK_MODELS, FairLinks, FifoLinks, LinkModel, Links
 
 COMPUTE, A2A, XFER, DELAY = 0, 1, 2, 3
 
@@ -59,6 +62,7 @@ class Program:
     # XFER: ranks that count the transfer as their communication time, and port loads.
     xfer_ranks: dict[int, tuple[int, ...]] = field(default_factory=dict)
     xfer_ports: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # (port, bytes)
+    xfer_unit: dict[int, float] = field(default_factory=dict)  # bytes of one real message
     ports: list[Port] = field(default_factory=list)
     latency_s: float = 0.0
     # Fan-out: how many real workers each simulated rank stands for (symmetry reduction).
@@ -99,10 +103,14 @@ class Program:
         label: str,
         deps: list[int],
         args: dict[str, Any] | None = None,
+        unit: float = 0.0,
     ) -> int:
+        """A message of `loads` (port, bytes). `unit`: bytes of one real message when it
+        stands for a bundle (`simulator.links`; 0: one message, its largest load)."""
         op = self.add(XFER, src, "", 0.0, "comm", label, deps, args)
         self.xfer_ranks[op] = (src, dst) if src != dst else (src,)
         self.xfer_ports[op] = [(p, b) for p, b in loads if b > 0]
+        self.xfer_unit[op] = unit or max((b for _, b in loads), default=0.0)
         return op
 
     def __len__(self) -> int:
@@ -113,7 +121,7 @@ class Program:
 class Timeline:
     start: list[float]
     end: list[float]
-    xfer_begin: dict[int, float]  # when a message's bytes start moving (after port queueing)
+    xfer_begin: dict[int, float]  # when a message's bytes start moving (fifo: after queueing)
 
     @property
     def makespan(self) -> float:
@@ -152,11 +160,13 @@ class _Sharing:
         return [(now + max(rem, 0.0) / rate, op) for op, rem in self.active.items()]
 
 
-def run_program(program: Program, *, share_compute: bool = True, cores: int = 0) -> Timeline:
+def run_program(
+    program: Program, *, share_compute: bool = True, cores: int = 0, link_model: LinkModel = "fair"
+) -> Timeline:
     """Simulate `program`; every op starts as soon as its dependencies have finished.
 
     `cores > 0`: the compute ops of all ranks share one pool of `cores` processors
-    (overrides `share_compute`).
+    (overrides `share_compute`). `link_model`: how messages share ports (`simulator.links`).
     """
     n = len(program)
     remaining = [len(d) for d in program.deps]
@@ -177,30 +187,44 @@ def run_program(program: Program, *, share_compute: bool = True, cores: int = 0)
     else:
         gpus = [_Sharing() for _ in range(program.num_ranks)]
     nets = [_Sharing() for _ in range(program.num_ranks)]
-    port_free = [0.0] * len(program.ports)
+    if link_model not in LINK_MODELS:
+        raise ValueError(f"link model {link_model!r}: use one of {', '.join(LINK_MODELS)}")
+    capacities = [p.bytes_per_s for p in program.ports]
+    links: Links = FairLinks(capacities) if link_model == "fair" else FifoLinks(capacities)
+    moving: set[int] = set()  # messages whose bytes move now (links that release)
+    unsettled = False  # the links changed at `now` and have not been settled yet
+    now = 0.0
     kinds, work, ranks = program.kind, program.work, program.rank
 
-    def reschedule(res: _Sharing, now: float) -> None:
+    def push(events: list[tuple[float, int]]) -> None:
         nonlocal seq
-        for t, op in res.finishes(now):
+        for t, op in events:
             version[op] += 1
             seq += 1
             heapq.heappush(heap, (t, seq, op, version[op]))
 
+    def reschedule(res: _Sharing, now: float) -> None:
+        push(res.finishes(now))
+
     def begin(op: int, now: float) -> None:
-        nonlocal seq
+        nonlocal seq, unsettled
         start[op] = now
         kind = kinds[op]
         if kind == XFER:
             loads = program.xfer_ports[op]
-            t0 = max([now] + [port_free[p] for p, _ in loads])
-            longest = 0.0
-            for p, nbytes in loads:
-                dur = nbytes / program.ports[p].bytes_per_s
-                port_free[p] = t0 + dur
-                longest = max(longest, dur)
-            xfer_begin[op] = t0
-            finish = t0 + longest + (program.latency_s if loads else 0.0)
+            xfer_begin[op] = now
+            if not loads:
+                finish = now
+            elif links.releases:
+                moving.add(op)
+                links.start(op, now, loads, program.xfer_unit[op])
+                unsettled = True
+                return
+            else:
+                links.start(op, now, loads, program.xfer_unit[op])
+                [(done, _)] = links.settle(now)
+                xfer_begin[op] = links.begin(op)
+                finish = done + program.latency_s
         elif (kind == COMPUTE and share_compute) or kind == A2A:
             res = (gpus if kind == COMPUTE else nets)[ranks[op]]
             res.change(now, add=op, work=work[op])
@@ -214,9 +238,19 @@ def run_program(program: Program, *, share_compute: bool = True, cores: int = 0)
     for op in range(n):
         if remaining[op] == 0:
             begin(op, 0.0)
-    while heap:
+    while heap or unsettled:
+        if unsettled and (not heap or heap[0][0] > now):  # every change of `now` is in
+            push(links.settle(now))
+            unsettled = False
+            continue
         now, _, op, ver = heapq.heappop(heap)
         if ver != version[op] or end[op] >= 0.0:
+            continue
+        if op in moving:  # its last byte left: the others speed up, it arrives later
+            moving.discard(op)
+            links.finish(op, now)
+            unsettled = True
+            push([(now + program.latency_s, op)])
             continue
         end[op] = now
         kind = kinds[op]

@@ -38,6 +38,7 @@ from ..schedule.ir import Instr, Msg, Schedule
 from ..schedule.pipelines import split_layers
 from .costs import MessageOverheads, Workload
 from .engine import run_program
+from .links import LinkModel
 from .lower import Pricing, lower
 from .network import Network
 from .report import SimResult, summarize
@@ -97,8 +98,10 @@ def simulate_ep(
     sync: bool = True,
     costs: EPCostModel | None = None,
     net: Network | None = None,
+    link_model: LinkModel = "fair",
 ) -> SimResult:
-    """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global)."""
+    """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
+    `link_model`: how its pipeline messages share ports (`simulator.links`)."""
     if runtime not in EP_RUNTIMES:
         raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
     if gpus % pp:
@@ -145,7 +148,7 @@ def simulate_ep(
         sync_s=_ep_sync_s(lay, workload, net, model) if sync else None,
     )
     prog = lower(schedule, pricing, symmetry)
-    timeline = run_program(prog)
+    timeline = run_program(prog, link_model=link_model)
     roles = [f"EP(stage {r})" for r in range(pp)]
     tokens = num_micro_batches * workload.tokens
     cfg = {

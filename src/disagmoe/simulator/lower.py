@@ -13,7 +13,8 @@ operations, through one path for both executions:
 * with `MessageOverheads` a lane spends `post_s` per message after the op that posts
   it, and the receiver's stream spends `receive_s(bytes)` on each message (FIFO);
 * a message moves over the network's ports (`Symmetry.loads`: one message or the
-  bundle a representative stands for; arrival = transfer end + latency) or, without
+  bundle a representative stands for, whose real messages share ports as flows of their
+  own, `simulator.links`; arrival = transfer end + latency) or, without
   a network, arrives `latency_s` after it is posted; on lanes a message waits for the
   previous one of its stream;
 * SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank.
@@ -212,7 +213,7 @@ class _Lowering:
         ports = Ports(prog, pricing.net) if pricing.net is not None else None
         stream_last: dict[tuple[int, int, str], int] = {}
         recv_last: dict[tuple[int, int, str], int] = {}
-        load_cache: dict[tuple[str, int, int, int], list[tuple[int, float]]] = {}
+        load_cache: dict[tuple[str, int, int, int], tuple[list[tuple[int, float]], float]] = {}
         for instrs in self.schedule.ranks:
             for ins in instrs:
                 if ins.op != Op.SEND or ins.msg is None:
@@ -227,10 +228,13 @@ class _Lowering:
                     key = (msg.kind, msg.layer, msg.src, msg.dst)
                     if key not in load_cache:
                         nbytes = pricing.message_bytes(msg)
-                        load_cache[key] = self.symmetry.loads(msg, nbytes, ports)
+                        load_cache[key] = (self.symmetry.loads(msg, nbytes, ports), nbytes)
+                    loads, unit = load_cache[key]
                     real = {"src": self.symmetry.real(msg.src), "dst": self.symmetry.real(msg.dst)}
                     label = message_label(msg.kind, msg.layer, msg.slot)
-                    xop = prog.add_xfer(msg.src, msg.dst, load_cache[key], label, deps, args | real)
+                    xop = prog.add_xfer(
+                        msg.src, msg.dst, loads, label, deps, args | real, unit=unit
+                    )
                 else:
                     name = message_event_name("send", str(msg))
                     xop = prog.add(

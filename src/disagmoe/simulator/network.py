@@ -2,7 +2,7 @@
 
 Every GPU has an NVLink port pair (out, in) and uses a NIC port pair; when a
 node has fewer NICs than GPUs, neighbouring GPUs share one NIC (its ports are
-shared objects, so their messages queue behind each other); with more NICs
+shared objects, so their messages share them, `simulator.links`); with more NICs
 than GPUs a GPU's ports aggregate its NICs. Out and in are separate ports: full
 duplex. Bandwidths are achievable ones (`nic_gbps * bw_efficiency`).
 

@@ -1,0 +1,81 @@
+"""Recompute a finished `disagmoe bench`'s simulator predictions under each link model.
+
+.venv/bin/python benchmarks/bench_repredict.py runs/bench-fair8 [--json PATH]
+
+Reads `<out>/bench.json` (the spec and each row's run dirs) and every run dir's
+`metrics.jsonl`, `config.toml` and `trace.json` — what the bench itself reads — and runs
+the bench's own summary (`bench.runner.summarize`: measured step, breakdown, bound,
+prediction) once per link model (`simulator.links`: "fifo", the model before max-min
+sharing, and "fair"). Nothing is re-measured. Prints one row per bench row: measured
+step, then the predicted step and its error per model, then the bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from disagmoe.bench.runner import BenchSpec, RunOutcome, RuntimeResult, read_steps, summarize
+from disagmoe.simulator.links import LINK_MODELS, LinkModel
+
+
+def load_spec(out_dir: Path) -> tuple[BenchSpec, list[dict[str, Any]]]:
+    """The bench's spec and its JSON rows, as `disagmoe bench` wrote them."""
+    report = json.loads((out_dir / "bench.json").read_text())
+    raw = dict(report["spec"])
+    raw.pop("world", None)
+    fields = BenchSpec.__dataclass_fields__
+    kw = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in fields}
+    kw["out_dir"] = out_dir
+    return BenchSpec(**kw), report["results"]
+
+
+def outcomes(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[RunOutcome]:
+    """One outcome per run dir of a row that measured steps (the bench's `RunOutcome`)."""
+    out = []
+    for row in rows:
+        for k, run_dir in enumerate(row.get("run_dirs") or []):
+            path = Path(run_dir)
+            if row.get("ok") and (path / "trace.json").exists():
+                steps = read_steps(path, spec.warmup)
+                out.append(RunOutcome(row["runtime"], k, path, True, step_times=steps))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("out_dir", type=Path, help="a `disagmoe bench --out` directory")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args()
+    spec, rows = load_spec(args.out_dir)
+    runs = outcomes(spec, rows)
+    models: tuple[LinkModel, ...] = LINK_MODELS[::-1]  # fifo first: the old model
+    results: dict[LinkModel, list[RuntimeResult]] = {m: summarize(spec, runs, m) for m in models}
+    head = f"{'runtime':22s} {'step s':>7s}"
+    for m in models:
+        head += f" {m + ' sim s':>11s} {'err':>6s}"
+    print(head + f" {'bound s':>8s}")
+    table = []
+    for k, res in enumerate(results[models[0]]):
+        if not res.ok:
+            continue
+        line = f"{res.runtime:22s} {res.step_time_s:7.3f}"
+        entry: dict[str, Any] = {"runtime": res.runtime, "step_time_s": res.step_time_s}
+        for m in models:
+            r = results[m][k]
+            line += f" {r.predicted_step_s:11.3f} {100 * r.prediction_error:+5.0f}%"
+            entry[f"predicted_step_s_{m}"] = r.predicted_step_s
+            entry[f"prediction_error_{m}"] = r.prediction_error
+        bound = res.bound.seconds if res.bound else 0.0
+        entry["bound_s"] = bound
+        print(line + f" {bound:8.3f}")
+        table.append(entry)
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
