@@ -34,7 +34,7 @@ def plot_split(out: Path, data: list[dict[str, Any]], model: str) -> None:
             xlabel="FFN share n / (m + n) of GPUs",
             ylabel="tokens/s per GPU vs EP 1F1B",
         )
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=8)
     fig.suptitle(f"{model}, 8 x H800 (nominal): A:F split (dotted: bound)", fontsize=10)
     fig.tight_layout()
     fig.savefig(out / "ablation_split_vs_seq.png", dpi=110)
