@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from disagmoe import flops
 from disagmoe.config import ModelConfig
 from disagmoe.planner import Plan, Planner, PlanOptions, plan_for
 from disagmoe.planner import costmodel as cm
@@ -108,11 +109,11 @@ def ep_states_gib(model: ModelConfig, pp: int, ep: int) -> float:
     check memory, so this says which EP points could not run."""
     layers = range(model.num_layers // pp)
     params = sum(
-        cm.attn_params_per_layer(model)
-        + (cm.expert_params_per_layer(model) / ep if model.is_moe_layer(layer) else 0)
+        flops.attn_params(model, layer)
+        + (flops.expert_params(model) / ep if model.is_moe_layer(layer) else 0)
         for layer in layers
     )
-    params += model.vocab_size * model.dim * (1 if model.tie_embeddings else 2)
+    params += flops.head_params(model)
     return params * cm.MIXED_BF16.state / 1024**3
 
 

@@ -1,4 +1,5 @@
-"""FLOP and byte formulas of one layer: the planner's and the simulator's single source.
+"""FLOP, byte and parameter formulas of one layer: the planner's and the simulator's single
+source.
 
 Shapes: b sequences of S tokens (N = b*S tokens), H = model dim, g = heads / kv_heads,
 q / kv = query / key-value widths (heads * head_dim, kv_heads * head_dim), k = top-k,
@@ -15,6 +16,10 @@ E experts of width D_e, D_dense the dense MLP width, V the vocabulary.
 * backward = 2x forward for GEMMs, 2.5x for the attention core (FlashAttention
   recomputes QK^T); activation recompute (`train.recompute`) adds one forward of what it
   recomputes: the attention core for "attn", everything for "full".
+
+Parameter counts (`attn_params`, `expert_params`, `head_params`) are the model's own
+(`models/`: RMSNorm weights, no biases), so memory, gradient all-reduce bytes and
+optimizer states all derive from one count.
 
 Imports only the config, so that `planner` and `simulator` both import it.
 """
@@ -119,3 +124,26 @@ def train_step_flops(
         total += gemm * gemm_factor + core * core_factor
     total += sum(expert_flops(model, p) for p in pairs) * gemm_factor
     return total
+
+
+def attn_params(model: ModelConfig, layer: int) -> int:
+    """Parameters of layer `layer`'s attention block (everything but its routed experts):
+    Q, K, V, O, the two norms (+ q/k norms), and the router and shared experts of a MoE
+    layer or the dense SwiGLU MLP of a dense one."""
+    h, hd = model.dim, model.head_dim_resolved
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    params = h * (q + 2 * kv) + q * h + 2 * h + (2 * hd if model.qk_norm else 0)
+    if model.is_moe_layer(layer):
+        return params + h * model.num_experts + 3 * h * model.expert_dim * model.num_shared_experts
+    return params + 3 * h * model.dense_dim_resolved
+
+
+def expert_params(model: ModelConfig, experts: int | None = None) -> int:
+    """Parameters of `experts` routed SwiGLU experts of one MoE layer (default: all E)."""
+    count = model.num_experts if experts is None else experts
+    return count * 3 * model.dim * model.expert_dim
+
+
+def head_params(model: ModelConfig) -> int:
+    """Embedding, final norm and LM head (one matrix when the embeddings are tied)."""
+    return model.vocab_size * model.dim * (1 if model.tie_embeddings else 2) + model.dim

@@ -72,3 +72,23 @@ def test_train_step_flops_by_hand() -> None:
     assert nominal == flops.train_step_flops(model, S, b, [n * K] * 3)
     with pytest.raises(ValueError, match="one count per MoE layer"):
         flops.train_step_flops(model, S, b, [1.0])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("preset", ["tiny", "tiny-shared"])
+def test_parameter_counts_are_the_models(preset: str, tied: bool) -> None:
+    """attn_params / expert_params / head_params count exactly the model's parameters
+    (q/k norms on, a dense first layer and shared experts with tiny-shared)."""
+    from disagmoe.models import MoETransformer
+    from disagmoe.presets import MODEL_PRESETS
+
+    cfg = dataclasses.replace(MODEL_PRESETS[preset], qk_norm=True, tie_embeddings=tied)
+    model = MoETransformer(cfg)
+    for l, layer in enumerate(model.layers):
+        assert sum(p.numel() for p in layer.attn_block.parameters()) == flops.attn_params(cfg, l)
+        experts = sum(p.numel() for p in layer.experts.parameters()) if layer.experts else 0
+        assert experts == (flops.expert_params(cfg) if cfg.is_moe_layer(l) else 0)
+    body = sum(flops.attn_params(cfg, l) for l in range(cfg.num_layers))
+    body += flops.expert_params(cfg) * sum(cfg.is_moe_layer(l) for l in range(cfg.num_layers))
+    total = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    assert total == body + flops.head_params(cfg)

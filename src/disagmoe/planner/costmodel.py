@@ -198,17 +198,13 @@ def ridge_point(cluster: ClusterConfig, *, achievable: bool = False) -> float:
 
 
 def attn_params_per_layer(model: ModelConfig) -> int:
-    """Q/K/V/O, two norms (+ q/k norms), router and shared experts of one MoE layer."""
-    h, hd = model.dim, model.head_dim_resolved
-    q, kv = model.num_heads * hd, model.num_kv_heads * hd
-    qk_norm = 2 * hd if model.qk_norm else 0
-    router = h * model.num_experts
-    shared = 3 * h * model.expert_dim * model.num_shared_experts
-    return h * (q + 2 * kv) + q * h + 2 * h + qk_norm + router + shared
+    """Attention-block parameters of one MoE layer (`flops.attn_params`)."""
+    first_moe = next((l for l in range(model.num_layers) if model.is_moe_layer(l)), 0)
+    return flops.attn_params(model, first_moe)
 
 
 def expert_params_per_layer(model: ModelConfig) -> int:
-    return model.num_experts * 3 * model.dim * model.expert_dim
+    return flops.expert_params(model)
 
 
 def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float:
@@ -278,16 +274,9 @@ class MemoryBreakdown:
 def attn_group_params(model: ModelConfig, groups: int, group: int) -> int:
     """Parameters of one A replica of `group`. Group 0 also holds embedding, final norm and LM
     head (the layer after L-1 maps to group L mod p, which is 0 when p divides L)."""
-    params = 0
-    for layer in group_layers(model, groups, group):
-        params += attn_params_per_layer(model)
-        if not model.is_moe_layer(layer):
-            params -= model.dim * model.num_experts
-            params -= 3 * model.dim * model.expert_dim * model.num_shared_experts
-            params += 3 * model.dim * model.dense_dim_resolved
+    params = sum(flops.attn_params(model, layer) for layer in group_layers(model, groups, group))
     if group == 0:
-        emb = model.vocab_size * model.dim
-        params += emb * (1 if model.tie_embeddings else 2) + model.dim
+        params += flops.head_params(model)
     return params
 
 

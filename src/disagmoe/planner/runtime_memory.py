@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+from .. import flops
 from ..config import ModelConfig
 from . import costmodel as cm
 
@@ -197,7 +198,7 @@ def ffn_shard_memory(
     experts = math.ceil(model.num_experts / shards)
     per_mb = ffn_act_bytes(model, recompute, prec, tokens=seq_len * micro_batch_size, shards=shards)
     return cm.MemoryBreakdown(
-        states=float(moe_layers * experts * 3 * model.dim * model.expert_dim * prec.state),
+        states=float(moe_layers * flops.expert_params(model, experts) * prec.state),
         activations=float(in_flight * moe_layers * replicas * per_mb),
         transient=0.0,
     )

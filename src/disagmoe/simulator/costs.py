@@ -113,24 +113,19 @@ class Workload:
         return flops.routed_bytes(self.model, self.tokens, self.act_bytes) / ep
 
     def attn_param_count(self, layer: int) -> int:
-        """Parameters of the A component of `layer` (layer L: final norm + LM head)."""
+        """Parameters of the A component of `layer` (layer L: final norm + LM head; layer 0
+        also holds the embedding unless it is tied to the LM head)."""
         c = self.model
         if layer == c.num_layers:
             return c.vocab_size * c.dim + c.dim
-        q = c.num_heads * c.head_dim_resolved
-        kv = c.num_kv_heads * c.head_dim_resolved
-        params = c.dim * (2 * q + 2 * kv) + 2 * c.dim
-        if c.is_moe_layer(layer):
-            params += c.dim * c.num_experts + 3 * c.dim * c.expert_dim * c.num_shared_experts
-        else:
-            params += 3 * c.dim * c.dense_dim_resolved
+        params = flops.attn_params(c, layer)
         if layer == 0 and not c.tie_embeddings:
             params += c.vocab_size * c.dim
         return params
 
     def expert_param_count(self) -> int:
         """Routed-expert parameters of one MoE layer."""
-        return 3 * self.model.num_experts * self.model.dim * self.model.expert_dim
+        return flops.expert_params(self.model)
 
 
 class InstrCosts(Protocol):
