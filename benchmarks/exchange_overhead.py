@@ -52,11 +52,20 @@ class _Worker:
         self.payload = [torch.ones(floats, dtype=torch.float64), torch.arange(ints)]
 
     def forward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool = True,
     ) -> dict[Msg, Payload]:
         return {m: self.payload for m in outgoing}
 
-    backward = forward
+    def backward(
+        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+    ) -> dict[Msg, Payload]:
+        return self.forward(layer, slot, received, outgoing)
 
     def sync(self, step: int) -> int:
         return 0
