@@ -191,7 +191,8 @@ class ParallelConfig:
         _require(self.world_size >= 0, "parallel.world_size must be >= 0 (0: derived)")
 
 
-SCHEDULE_ORDERS = ("breadth", "depth")
+# schedule.orders.GENERATED_ORDERS, and "auto": the best of them by simulated step
+SCHEDULE_ORDERS = ("breadth", "depth", "steady", "auto")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,7 +201,9 @@ class ScheduleConfig:
 
     `order`: "breadth" runs every slot of a layer before the next layer (the links stay
     busy back to back); "depth" runs a slot ahead through the layers (its backward
-    starts earlier, forward and backward lanes overlap).
+    starts earlier, forward and backward lanes overlap); "steady" runs a ready backward
+    before a forward (1F1B per stage); "auto" the one of them, generated with the run's
+    costs or the nominal ones, whose simulated step is shortest (`simulator.choose`).
     """
 
     max_in_flight: int = field(  # 0: from the memory model and budget; -1: no cap
@@ -210,7 +213,7 @@ class ScheduleConfig:
             "-1: no cap)"
         ),
     )
-    order: str = "breadth"  # which ready compute a lane runs first: "breadth" | "depth"
+    order: str = "breadth"  # breadth | depth | steady | auto (schedule.orders)
 
     def __post_init__(self) -> None:
         _require(
