@@ -79,15 +79,22 @@ def test_four_ranks_p1_m2_n2() -> None:
     )
 
 
+def ordered(cfg: RunConfig, order: str) -> RunConfig:
+    return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, order=order))
+
+
 def test_four_ranks_p2_m1_n1(tmp_path: Path) -> None:
     """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
-    full recompute with the hop; an evaluation between steps."""
+    full recompute with the hop; an evaluation between steps; the steady order capped at
+    one slot, and auto (the best candidate for the default cluster, schedule.orders)."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     assert_equivalent(
         [
             evaluating(case(2, 1, 1), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
             recomputing(case(2, 1, 1), "full"),
+            ordered(capped(case(2, 1, 1), 1), "steady"),
+            ordered(case(2, 1, 1), "auto"),
         ],
         world=4,
     )
@@ -122,6 +129,7 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
             capped(uneven_experts, 1),
             uneven_micro,
             evaluating(capped(uneven_micro, 2), val),
+            ordered(capped(uneven_micro, 2), "steady"),
         ],
         world=4,
     )
