@@ -204,6 +204,8 @@ class ScheduleConfig:
     starts earlier, forward and backward lanes overlap); "steady" runs a ready backward
     before a forward (1F1B per stage); "auto" the one of them, generated with the run's
     costs or the nominal ones, whose simulated step is shortest (`simulator.choose`).
+    `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
+    run's analytic costs and links, `simulator.choose.schedule_costs`); auto decides it.
     """
 
     max_in_flight: int = field(  # 0: from the memory model and budget; -1: no cap
@@ -214,6 +216,7 @@ class ScheduleConfig:
         ),
     )
     order: str = "breadth"  # breadth | depth | steady | auto (schedule.orders)
+    costs: str = "nominal"  # nominal | run
 
     def __post_init__(self) -> None:
         _require(
@@ -223,6 +226,10 @@ class ScheduleConfig:
         _require(
             self.order in SCHEDULE_ORDERS,
             f"schedule.order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}",
+        )
+        _require(
+            self.costs in ("nominal", "run"),
+            f"schedule.costs must be nominal or run, got {self.costs!r}",
         )
 
 

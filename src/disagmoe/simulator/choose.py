@@ -131,14 +131,14 @@ def run_choice(
 ) -> tuple[OrderChoice, ScheduleCosts]:
     """`choose_order` for a run of `cfg` on `layout` with the analytic costs of
     `cfg.cluster`: among every candidate for `schedule.order = auto`, else of the given
-    order with the nominal costs alone (its predicted step, for `disagmoe schedule`)."""
+    order and `schedule.costs` alone (its predicted step, for `disagmoe schedule`)."""
     workload = Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size)
     costs = AnalyticCosts.for_cluster(
         workload, cfg.cluster, layout.attn_workers, layout.expert_workers, cfg.train.recompute
     )
     net = Network.from_cluster(cfg.cluster)
     order = cfg.schedule.order
-    candidates = CANDIDATES if order == "auto" else ((order, False),)
+    candidates = CANDIDATES if order == "auto" else ((order, cfg.schedule.costs == "run"),)
     return choose_order(
         layout,
         num_slots,
@@ -154,9 +154,9 @@ def run_choice(
 def run_order(
     cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
 ) -> tuple[str, ScheduleCosts | None]:
-    """(order, generator costs or None) of a run: `schedule.order` as given, or for
-    "auto" `run_choice`'s pick — the same pure computation on every rank."""
-    if cfg.schedule.order != "auto":
+    """(order, generator costs or None) of a run: `schedule.order` and `schedule.costs` as
+    given, or for "auto" `run_choice`'s pick — the same pure computation on every rank."""
+    if cfg.schedule.order != "auto" and cfg.schedule.costs == "nominal":
         return cfg.schedule.order, None
     choice, priced = run_choice(cfg, layout, num_slots, max_in_flight)
     return choice.order, priced if choice.costed else None
