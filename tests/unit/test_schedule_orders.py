@@ -116,3 +116,20 @@ def test_steady_prefers_backward_and_interleaves_under_a_cap() -> None:
     last_fwd = max(k for k, i in enumerate(computes) if i.op == Op.FWD)
     first_bwd = min(k for k, i in enumerate(computes) if i.op == Op.BWD)
     assert first_bwd < last_fwd  # a backward runs before the last forward: 1F1B, not GPipe
+
+
+def test_schedule_command_prints_the_order_and_its_predicted_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from disagmoe.cli import main
+
+    assert (
+        main(["schedule", "--set", "schedule.order=auto", "--set", "schedule.max_in_flight=2"]) == 0
+    )
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("# order "))
+    assert "predicted step" in line and "bound" in line and "step/bound" in line
+    assert "# auto candidates (ms): breadth " in out and "steady+costs" in out
+    assert main(["schedule", "--set", "schedule.order=steady", "--set", "schedule.costs=run"]) == 0
+    out = capsys.readouterr().out
+    assert "# order steady (run costs): predicted step" in out
