@@ -6,10 +6,11 @@ Per setting this replays one optimizer step (`simulate_disagg`, fair links) of e
 candidate of `schedule.order = auto` — breadth, depth and steady, each ordered with the
 nominal costs and with the run's costs and links (`simulator.choose`) — and of `auto`
 itself, and prints the chosen order's step, its bound (`simulator.bound`) and their ratio.
-`one-slot` is the step of the same layout when every replica runs one micro-batch: what
-the dependency chain of a single micro-batch (every layer forward and backward, each
-with its exchange) costs there. No order can run a step faster than that chain, so
-where `one-slot` is near the step the miss is the batch's, not the order's.
+`one-slot` is the step of the same layout when every replica runs one micro-batch: about
+what the dependency chain of a single micro-batch (every layer forward and backward, each
+with its m-way exchange) costs there — not a strict bound (a schedule could stagger the
+replicas' first slots), but where it is near the step, the step is the chain's, and
+the order has little left to move.
 
 Settings: the default `disagmoe bench` (small model, 2 workers p=1 m=n=1, 0.2 Gbit/s,
 global batch 16 x 128, micro-batch 2); the 8- and 16-worker emulated settings of
