@@ -18,7 +18,7 @@ from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import Op
-from disagmoe.schedule.orders import GENERATED_ORDERS, ScheduleCosts, priority
+from disagmoe.schedule.orders import GENERATED_ORDERS, PortLoads, ScheduleCosts, priority
 from disagmoe.schedule.validate import validate
 from disagmoe.simulator import AnalyticCosts, Network, Workload
 from disagmoe.simulator.choose import CANDIDATES, choose_order, schedule_costs
@@ -133,3 +133,31 @@ def test_schedule_command_prints_the_order_and_its_predicted_step(
     assert main(["schedule", "--set", "schedule.order=steady", "--set", "schedule.costs=run"]) == 0
     out = capsys.readouterr().out
     assert "# order steady (run costs): predicted step" in out
+
+
+def test_any_costs_give_valid_lists() -> None:
+    """Property: random compute seconds, random port loads (ports shared between a
+    rank's messages), shared or separate compute lanes — every order validates and the
+    rank-local lists still equal the global ones."""
+    rng = random.Random(3)
+    for p, m, n, layers, slots, cap, dense in rng.sample(CONFIGS, 20):
+        lay = layout(p, m, n, layers, dense)
+        salt = rng.random()
+
+        def compute_s(op: Op, comp: str, layer: int, salt: float = salt) -> float:
+            return random.Random(f"{salt} {op.value} {comp} {layer}").uniform(0.1, 3.0)
+
+        def ports(kind: str, layer: int, src: int, dst: int, salt: float = salt) -> PortLoads:
+            r = random.Random(f"{salt} {kind} {layer} {src} {dst}")
+            return ((f"out{src}", r.uniform(0.0, 2.0)), (f"in{dst}", r.uniform(0.0, 2.0)))
+
+        for shared in (True, False):
+            costs = ScheduleCosts(compute_s, ports, rng.uniform(0.0, 1.0), shared_compute=shared)
+            for order in GENERATED_ORDERS:
+                sched = build_afpipe(lay, slots, cap, order, costs=costs)
+                assert 1 <= validate(sched) <= (cap or slots), (p, m, n, slots, cap, order)
+                rank = rng.randrange(lay.world_size)
+                assert (
+                    build_afpipe_rank(lay, rank, slots, cap, order, costs=costs)
+                    == (sched.ranks[rank])
+                )
