@@ -161,3 +161,11 @@ def test_any_costs_give_valid_lists() -> None:
                     build_afpipe_rank(lay, rank, slots, cap, order, costs=costs)
                     == (sched.ranks[rank])
                 )
+
+
+def test_planner_options_take_an_order() -> None:
+    from disagmoe.planner.plan import PlanOptions
+
+    assert PlanOptions(order="auto").order == "auto"
+    with pytest.raises(ValueError, match="order must be one of"):
+        PlanOptions(order="sideways")
