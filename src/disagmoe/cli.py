@@ -66,16 +66,19 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                 "# valid: the whole world's lists check out and this rank's list equals its "
                 f"slice; peak in-flight {peak}"
             )
+    if args.format != "csv":
+        print(_order_line(cfg, layout))
     return 0
 
 
 def _order_line(cfg: RunConfig, layout: Layout) -> str:
-    """The order the lists follow and its simulated step on `cfg.cluster` (analytic costs)."""
+    """The order the lists follow and the simulated optimizer step of the training lists on
+    `cfg.cluster` (analytic costs), with its bound."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
     choice, _ = run_choice(cfg, layout, slots, cap)
     ratio = f" (step/bound {choice.step_s / choice.bound_s:.2f})" if choice.bound_s else ""
     line = (
-        f"# order {choice.label}: predicted step {choice.step_s * 1e3:.4g} ms, bound "
+        f"# order {choice.label}: predicted optimizer step {choice.step_s * 1e3:.4g} ms, bound "
         f"{choice.bound_s * 1e3:.4g} ms{ratio} on cluster {cfg.cluster.name} "
         "(simulator, analytic costs, fair links)"
     )

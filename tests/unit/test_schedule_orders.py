@@ -128,11 +128,11 @@ def test_schedule_command_prints_the_order_and_its_predicted_step(
     )
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if x.startswith("# order "))
-    assert "predicted step" in line and "bound" in line and "step/bound" in line
+    assert "predicted optimizer step" in line and "bound" in line and "step/bound" in line
     assert "# auto candidates (ms): breadth " in out and "steady+costs" in out
     assert main(["schedule", "--set", "schedule.order=steady", "--set", "schedule.costs=run"]) == 0
     out = capsys.readouterr().out
-    assert "# order steady (run costs): predicted step" in out
+    assert "# order steady (run costs): predicted optimizer step" in out
 
 
 def test_any_costs_give_valid_lists() -> None:
