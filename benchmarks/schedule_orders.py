@@ -15,7 +15,8 @@ the order has little left to move.
 Settings: the default `disagmoe bench` (small model, 2 workers p=1 m=n=1, 0.2 Gbit/s,
 global batch 16 x 128, micro-batch 2); the 8- and 16-worker emulated settings of
 docs/bench.md (4 x 2 and 8 x 2 ranks, 0.4 Gbit/s, global batch 64, m=n=4 with micro-batch
-4, m=n=8 with micro-batch 2), all on the emulated cluster as the planner sees it
+4, m=n=8 with micro-batch 2; each also with an in-flight cap of 3 slots), all on the
+emulated cluster as the planner sees it
 (`bench.cli.emulated_cluster_of`, analytic compute at 0.02 TFLOP/s); and the three presets
 at 8K on 8 H800 nodes with p, m, n, in-flight cap, recompute and NIC split from the
 planner (`disagmoe plan --gpus 64 --seq-len 8192`: `planner.plan_for`, profile auto), global batch 64.
@@ -50,6 +51,13 @@ def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
         ("bench 16 workers (8x2)", small, emulated_cluster_of(2, 0.4),
          dict(groups=1, attn_workers=8, expert_workers=8, seq_len=128, micro_batch_size=2,
               num_micro_batches=32)),
+        # the same two with an in-flight cap of 3 slots (memory-bound runs): where steady wins
+        ("bench 8 workers, cap 3", small, emulated_cluster_of(2, 0.4),
+         dict(groups=1, attn_workers=4, expert_workers=4, seq_len=128, micro_batch_size=4,
+              num_micro_batches=16, max_in_flight=3)),
+        ("bench 16 workers, cap 3", small, emulated_cluster_of(2, 0.4),
+         dict(groups=1, attn_workers=8, expert_workers=8, seq_len=128, micro_batch_size=2,
+              num_micro_batches=32, max_in_flight=3)),
     ]  # fmt: skip
     h800 = CLUSTER_PRESETS["h800"]
     for name in ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b"):
@@ -76,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     names = [f"{o}{'+c' if c else ''}" for o, c in CANDIDATES]
-    print(f"{'setting':30s} {'p/m/n':>8s} {'M':>3s} {'cap':>3s} "
+    print(f"{'setting':34s} {'p/m/n':>8s} {'M':>3s} {'cap':>3s} "
           + " ".join(f"{n:>9s}" for n in names)
           + f" {'chosen':>9s} {'step s':>8s} {'bound s':>8s} {'st/bd':>6s} {'one-slot':>8s}"
           f"  binding")  # fmt: skip
@@ -94,7 +102,7 @@ def main() -> None:
         chosen = f"{auto.config['order']}{'+c' if auto.config['costed'] else ''}"
         layout = f"{kw['groups']}/{kw['attn_workers']}/{kw['expert_workers']}"
         cap = kw.get("max_in_flight", 0)
-        print(f"{label:30s} {layout:>8s} {kw['num_micro_batches']:3d} {cap:3d} "
+        print(f"{label:34s} {layout:>8s} {kw['num_micro_batches']:3d} {cap:3d} "
               + " ".join(f"{steps[n]:9.4f}" for n in names)
               + f" {chosen:>9s} {auto.step_time_s:8.4f} {bound:8.4f} "
               f"{auto.step_time_s / bound:6.3f} {one.step_time_s:8.4f}  "
