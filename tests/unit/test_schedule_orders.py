@@ -169,3 +169,9 @@ def test_planner_options_take_an_order() -> None:
     assert PlanOptions(order="auto").order == "auto"
     with pytest.raises(ValueError, match="order must be one of"):
         PlanOptions(order="sideways")
+
+
+def test_config_orders_are_the_generated_ones_and_auto() -> None:
+    from disagmoe.config import SCHEDULE_ORDERS
+
+    assert SCHEDULE_ORDERS == (*GENERATED_ORDERS, "auto")
