@@ -174,4 +174,4 @@ def test_planner_options_take_an_order() -> None:
 def test_config_orders_are_the_generated_ones_and_auto() -> None:
     from disagmoe.config import SCHEDULE_ORDERS
 
-    assert SCHEDULE_ORDERS == (*GENERATED_ORDERS, "auto")
+    assert (*GENERATED_ORDERS, "auto") == SCHEDULE_ORDERS
