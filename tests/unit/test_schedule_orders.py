@@ -175,3 +175,36 @@ def test_config_orders_are_the_generated_ones_and_auto() -> None:
     from disagmoe.config import SCHEDULE_ORDERS
 
     assert (*GENERATED_ORDERS, "auto") == SCHEDULE_ORDERS
+
+
+_CHOICE = """
+from disagmoe.config import ParallelConfig, RunConfig, ScheduleConfig, TrainConfig
+from disagmoe.distributed.layout import Layout
+from disagmoe.presets import MODEL_PRESETS
+from disagmoe.simulator.choose import run_choice
+cfg = RunConfig(model=MODEL_PRESETS["tiny"], schedule=ScheduleConfig(order="auto"),
+                parallel=ParallelConfig(groups=2, attn_workers=2, expert_workers=1),
+                train=TrainConfig(seq_len=32, global_batch_size=16, micro_batch_size=2))
+layout = Layout.build(cfg.model, cfg.parallel)
+print(repr(run_choice(cfg, layout, 4, 2)[0]))
+"""
+
+
+def test_auto_is_the_same_in_every_process() -> None:
+    """Ranks are processes with their own string-hash seeds: the choice must not depend
+    on one (two interpreters with different PYTHONHASHSEED print the same choice)."""
+    import os
+    import subprocess
+    import sys
+
+    outs = {
+        subprocess.run(
+            [sys.executable, "-c", _CHOICE],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(outs) == 1 and "OrderChoice(" in outs.pop()
