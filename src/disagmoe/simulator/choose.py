@@ -8,10 +8,11 @@ cluster — NIC egress/ingress or NVLink out/in, through the same `Symmetry.load
 `Ports` the replay uses — with the seconds it holds each (bytes / the port's rate).
 
 `choose_order` generates every candidate — each order of `GENERATED_ORDERS`, ordered
-with the nominal costs and with the run's — validates it, replays it (the reduced replay
-of `simulate_schedule` with the run's costs and the fair link model) and keeps the
-shortest step; ties go to the earlier candidate of `CANDIDATES`, so every rank that
-calls it with the same inputs picks the same schedule (`schedule.order = auto`).
+with the nominal costs and with the run's — validates it, replays it (`simulate_schedule`
+on the reduced layout, or with `reduce=False` on every rank, with the run's costs and
+the fair link model) and keeps the shortest step; ties go to the earlier candidate of
+`CANDIDATES`, so every rank that calls it with the same inputs picks the same schedule
+(`schedule.order = auto`).
 """
 
 from __future__ import annotations
@@ -88,11 +89,16 @@ def choose_order(
     *,
     candidates: tuple[tuple[str, bool], ...] = CANDIDATES,
     link_model: LinkModel = "fair",
+    reduce: bool = True,
 ) -> tuple[OrderChoice, ScheduleCosts]:
     """The candidate with the shortest simulated step on the real `layout` (module doc),
-    and the run's generator costs (pass them to `build_afpipe` when `choice.costed`)."""
+    and the run's generator costs (pass them to `build_afpipe` when `choice.costed`).
+    `reduce`: replay the reduced schedules (else every rank's, as `simulate_disagg` does
+    for small layouts)."""
     priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
-    reduced, reduced_micro = reduced_layout(layout, num_micro_batches)
+    reduced, reduced_micro = (
+        reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
+    )
     best: tuple[float, float, str, bool] | None = None
     steps = []
     for order, costed in candidates:
@@ -111,7 +117,7 @@ def choose_order(
             costs,
             workload,
             net,
-            full=layout,
+            full=layout if reduce else None,
             num_micro_batches=num_micro_batches,
             peak_in_flight=peak,
             link_model=link_model,

@@ -122,7 +122,7 @@ def simulate_disagg(
     if order == "auto":
         choice, priced = choose_order(
             layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
-            link_model=link_model,
+            link_model=link_model, reduce=reduce,
         )  # fmt: skip
         order, costed = choice.order, choice.costed
         chosen = {"order_choice": "auto", "auto_steps": [list(c) for c in choice.steps]}
