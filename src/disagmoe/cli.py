@@ -13,12 +13,15 @@ import sys
 
 from .bench.cli import add_bench_arguments, run_bench
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
+from .config import RunConfig
 from .data_prep import add_prepare_arguments, run_prepare
+from .distributed.layout import Layout
 from .export import add_export_arguments, run_export
 from .planner.cli import add_plan_arguments, run_plan
-from .runtime.disagg import run_layout, run_schedule, run_schedule_of_rank
+from .runtime.disagg import num_slots, run_cap, run_layout, run_schedule, run_schedule_of_rank
 from .schedule.ir import lists_csv, lists_text
 from .schedule.validate import validate
+from .simulator.choose import run_choice
 from .simulator.cli import add_simulate_arguments, run_simulate
 from .train import resolve_memory, train_command
 
@@ -41,6 +44,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                 "# valid: matching sends/receives, FIFO channels, no deadlock; "
                 f"peak in-flight {peak}"
             )
+            print(_order_line(cfg, layout))
         return 0
     if not 0 <= args.rank < layout.world_size:
         raise ValueError(f"--rank must be in 0..{layout.world_size - 1}, got {args.rank}")
@@ -62,7 +66,26 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
                 "# valid: the whole world's lists check out and this rank's list equals its "
                 f"slice; peak in-flight {peak}"
             )
+    if args.format != "csv":
+        print(_order_line(cfg, layout))
     return 0
+
+
+def _order_line(cfg: RunConfig, layout: Layout) -> str:
+    """The order the lists follow and the simulated optimizer step of the training lists on
+    `cfg.cluster` (analytic costs), with its bound."""
+    slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
+    choice, _ = run_choice(cfg, layout, slots, cap)
+    ratio = f" (step/bound {choice.step_s / choice.bound_s:.2f})" if choice.bound_s else ""
+    line = (
+        f"# order {choice.label}: predicted optimizer step {choice.step_s * 1e3:.4g} ms, bound "
+        f"{choice.bound_s * 1e3:.4g} ms{ratio} on cluster {cfg.cluster.name} "
+        "(simulator, analytic costs, fair links)"
+    )
+    if cfg.schedule.order == "auto":
+        steps = ", ".join(f"{o}{'+costs' if c else ''} {t * 1e3:.4g}" for o, c, t in choice.steps)
+        line += f"\n# auto candidates (ms): {steps}"
+    return line
 
 
 def _cmd_placement(args: argparse.Namespace) -> int:

@@ -191,7 +191,8 @@ class ParallelConfig:
         _require(self.world_size >= 0, "parallel.world_size must be >= 0 (0: derived)")
 
 
-SCHEDULE_ORDERS = ("breadth", "depth")
+# schedule.orders.GENERATED_ORDERS, and "auto": the best of them by simulated step
+SCHEDULE_ORDERS = ("breadth", "depth", "steady", "auto")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -200,7 +201,11 @@ class ScheduleConfig:
 
     `order`: "breadth" runs every slot of a layer before the next layer (the links stay
     busy back to back); "depth" runs a slot ahead through the layers (its backward
-    starts earlier, forward and backward lanes overlap).
+    starts earlier, forward and backward lanes overlap); "steady" runs a ready backward
+    before a forward (1F1B per stage); "auto" the one of them, generated with the run's
+    costs or the nominal ones, whose simulated step is shortest (`simulator.choose`).
+    `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
+    run's analytic costs and links, `simulator.choose.schedule_costs`); auto decides it.
     """
 
     max_in_flight: int = field(  # 0: from the memory model and budget; -1: no cap
@@ -210,7 +215,8 @@ class ScheduleConfig:
             "-1: no cap)"
         ),
     )
-    order: str = "breadth"  # which ready compute a lane runs first: "breadth" | "depth"
+    order: str = "breadth"  # breadth | depth | steady | auto (schedule.orders)
+    costs: str = "nominal"  # nominal | run
 
     def __post_init__(self) -> None:
         _require(
@@ -220,6 +226,10 @@ class ScheduleConfig:
         _require(
             self.order in SCHEDULE_ORDERS,
             f"schedule.order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}",
+        )
+        _require(
+            self.costs in ("nominal", "run"),
+            f"schedule.costs must be nominal or run, got {self.costs!r}",
         )
 
 

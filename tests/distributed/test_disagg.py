@@ -79,15 +79,26 @@ def test_four_ranks_p1_m2_n2() -> None:
     )
 
 
+def ordered(cfg: RunConfig, order: str, costs: str = "nominal") -> RunConfig:
+    """`cfg` with `schedule.order` and `schedule.costs` (run: lanes ordered with the run's
+    costs and links, simulator.choose)."""
+    schedule = dataclasses.replace(cfg.schedule, order=order, costs=costs)
+    return dataclasses.replace(cfg, schedule=schedule)
+
+
 def test_four_ranks_p2_m1_n1(tmp_path: Path) -> None:
     """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
-    full recompute with the hop; an evaluation between steps."""
+    full recompute with the hop; an evaluation between steps; the steady order capped at
+    one slot, ordered with the run's costs, and auto (the best candidate for the default
+    cluster, simulator.choose)."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     assert_equivalent(
         [
             evaluating(case(2, 1, 1), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
             recomputing(case(2, 1, 1), "full"),
+            ordered(capped(case(2, 1, 1), 1), "steady", "run"),
+            ordered(case(2, 1, 1), "auto"),
         ],
         world=4,
     )
@@ -111,7 +122,8 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
     """Uneven splits (docs/design-notes.md, "Uneven splits"): 8 experts on n=3 shards
     (3, 3, 2), also with an in-flight cap of one slot; 8 micro-batches on m=3 replicas
     (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2 and
-    evaluated (the forward-only schedule ignores the cap)."""
+    evaluated (the forward-only schedule ignores the cap); the latter in the steady order
+    with the run's costs."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     uneven_experts = case(1, 1, 3)
     uneven_micro = case(1, 3, 1, micro=1)
@@ -122,6 +134,7 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
             capped(uneven_experts, 1),
             uneven_micro,
             evaluating(capped(uneven_micro, 2), val),
+            ordered(capped(uneven_micro, 2), "steady", "run"),
         ],
         world=4,
     )

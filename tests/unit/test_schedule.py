@@ -33,7 +33,7 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("order", ["breadth", "depth"])
+@pytest.mark.parametrize("order", ["breadth", "depth", "steady"])
 def test_validator_accepts_every_generated_schedule(order: str) -> None:
     assert len(CONFIGS) > 300
     for p, m, n, layers, slots, cap, dense in random.Random(0).sample(CONFIGS, 150):
@@ -169,7 +169,7 @@ def test_layout_errors() -> None:
         Layout.build(model, ParallelConfig(), world_size=3)
 
 
-@pytest.mark.parametrize("order", ["breadth", "depth"])
+@pytest.mark.parametrize("order", ["breadth", "depth", "steady"])
 def test_rank_local_lists_equal_slices_of_the_global_schedule(order: str) -> None:
     for p, m, n, layers, slots, cap, dense in random.Random(1).sample(CONFIGS, 40):
         lay = layout(p, m, n, layers, dense)
@@ -189,7 +189,7 @@ UNEVEN = [
 ]
 
 
-@pytest.mark.parametrize("order", ["breadth", "depth"])
+@pytest.mark.parametrize("order", ["breadth", "depth", "steady"])
 def test_uneven_micro_batches_schedule_is_valid_and_replicas_run_their_slots(order: str) -> None:
     for p, m, n, layers, micro, cap, dense in UNEVEN:
         lay = layout(p, m, n, layers, dense)
@@ -218,7 +218,7 @@ def test_uneven_micro_batches_rejects_wrong_slot_count() -> None:
         build_afpipe(layout(1, 3, 1), 2, num_micro_batches=8)
 
 
-@pytest.mark.parametrize("order", ["breadth", "depth"])
+@pytest.mark.parametrize("order", ["breadth", "depth", "steady"])
 def test_rank_local_lists_equal_slices_of_an_uneven_global_schedule(order: str) -> None:
     for p, m, n, layers, micro, cap, dense in UNEVEN:
         lay = layout(p, m, n, layers, dense)

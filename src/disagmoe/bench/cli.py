@@ -106,9 +106,14 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 def emulated_cluster(spec: BenchSpec) -> ClusterConfig:
     """The emulated cluster as the planner sees it: one NIC of `nic_gbps` per worker."""
+    return emulated_cluster_of(spec.ranks_per_node, spec.nic_gbps)
+
+
+def emulated_cluster_of(ranks_per_node: int, nic_gbps: float) -> ClusterConfig:
+    """`emulated_cluster` of a bench with these ranks per node and NIC Gbit/s per worker."""
     return ClusterConfig(
-        name="emulated", gpus_per_node=spec.ranks_per_node, nics_per_node=spec.ranks_per_node,
-        nic_gbps=spec.nic_gbps / 8, nvlink_gbps=1.5, peak_tflops=0.02, gpu_mem_gib=8.0,
+        name="emulated", gpus_per_node=ranks_per_node, nics_per_node=ranks_per_node,
+        nic_gbps=nic_gbps / 8, nvlink_gbps=1.5, peak_tflops=0.02, gpu_mem_gib=8.0,
         mfu=0.5, bw_efficiency=0.94, latency_us=100.0,
     )  # fmt: skip
 

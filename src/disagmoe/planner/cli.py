@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import json
 
-from disagmoe.config import RECOMPUTE
+from disagmoe.config import RECOMPUTE, SCHEDULE_ORDERS
 from disagmoe.extras import require_extra
 from disagmoe.planner import Plan, plan_for
 from disagmoe.planner.plan import PROFILES, PlanOptions
@@ -45,6 +45,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilon", type=float, default=0.02, help="stage-2 tie band")
     parser.add_argument("--search-moves", type=int, default=64, help="stage-3 moves K")
     parser.add_argument("--search-radius", type=int, default=2, help="stage-3 radius r")
+    parser.add_argument("--order", choices=SCHEDULE_ORDERS, default="breadth",
+                        help="schedule.order the simulator profile replays (auto: each plan "
+                        "scored by its best order, simulator.choose; 6x the replays)")  # fmt: skip
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
@@ -82,6 +85,7 @@ def run_plan(args: argparse.Namespace) -> int:
         search_radius=args.search_radius,
         seed=args.seed,
         profile=args.profile,
+        order=args.order,
     )
     if args.plot:
         from disagmoe.planner.plot import plot_roofline  # matplotlib only when asked

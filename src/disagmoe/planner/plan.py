@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import disagmoe.planner.costmodel as cm
-from disagmoe.config import ClusterConfig, ModelConfig
+from disagmoe.config import SCHEDULE_ORDERS, ClusterConfig, ModelConfig
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
@@ -42,6 +42,7 @@ class PlanOptions:
     search_moves: int = 64  # stage 3: K random moves (0 disables)
     search_radius: int = 2  # stage 3: r, max change of m, M_a and the in-flight cap per move
     profile: str = "analytic"  # auto | analytic | simulator (sim_profile.py); CLI default auto
+    order: str = "breadth"  # schedule.order the simulator profile replays (auto: best of all)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -53,6 +54,10 @@ class PlanOptions:
             raise ValueError(f"profile must be {', '.join(PROFILES)}, got {self.profile!r}")
         if self.profile == "simulator" and self.roofline_only:
             raise ValueError("--roofline-only plans are scored by the roofline: use --profile auto")
+        if self.order not in SCHEDULE_ORDERS:
+            raise ValueError(
+                f"order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}"
+            )
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
         if self.groups < 0 or self.micro_batches < 0 or self.search_moves < 0:

@@ -96,6 +96,7 @@ class SimulatorProfile:
                 placement="node-aware",
                 nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group),
                 recompute=plan.recompute,
+                order=pl.options.order,
             )
         except ScheduleRejected:
             return None

@@ -39,6 +39,7 @@ from ..schedule.afpipe import build_afpipe, build_afpipe_rank
 from ..schedule.ir import Instr, Schedule, lists_text
 from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
+from ..simulator.choose import run_order
 from .budget import in_flight_cap, predict_memory, resolve_memory_budget
 from .evaluate import EvalSet
 from .executor import Executor
@@ -89,14 +90,18 @@ def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
 
 def run_schedule(cfg: RunConfig, layout: Layout, *, forward_only: bool = False) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes (per training step,
-    or with `forward_only` per evaluation batch)."""
+    or with `forward_only` per evaluation batch); `schedule.order = auto` is resolved by
+    `simulator.choose.run_order`, the same on every rank."""
+    slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
+    order, costs = run_order(cfg, layout, slots, cap)
     return build_afpipe(
         layout,
-        num_slots(cfg, layout),
-        run_cap(cfg, layout),
-        cfg.schedule.order,
+        slots,
+        cap,
+        order,
         num_micro_batches=cfg.train.num_micro_batches,
         forward_only=forward_only,
+        costs=costs,
     )
 
 
@@ -111,14 +116,17 @@ def run_schedule_of_rank(
     cfg: RunConfig, layout: Layout, rank: int, *, forward_only: bool = False
 ) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
+    slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
+    order, costs = run_order(cfg, layout, slots, cap)
     return build_afpipe_rank(
         layout,
         rank,
-        num_slots(cfg, layout),
-        run_cap(cfg, layout),
-        cfg.schedule.order,
+        slots,
+        cap,
+        order,
         num_micro_batches=cfg.train.num_micro_batches,
         forward_only=forward_only,
+        costs=costs,
     )
 
 

@@ -21,28 +21,24 @@ graph mirrors so that the order it emits can run).
 forward messages, no backward, no SYNC or STEP, and no in-flight cap (a forward-only list
 keeps nothing: `schedule.semantics`).
 
-`order` says which ready compute a lane prefers:
-
-* "breadth" (default) — the lowest layer (forward) / highest layer (backward), then
-  the lowest slot: every slot of a layer goes before the next layer, so a layer's
-  messages of all slots are on the wire while the next ones compute, and the links
-  stay busy back to back (docs/bench.md: 0.99 vs 1.36 s/step on the default bench).
-* "depth" — the lowest slot, then the layer: a slot runs ahead through the layers
-  and its backward starts early (forward and backward lanes overlap).
+`order` says which ready compute runs first ("breadth", "depth" or "steady":
+`schedule.orders`) and `costs` what the list schedule that orders each lane is timed
+with: `orders.NOMINAL` by default (forward 1, backward 2, message latency 0.5), or the
+run's (`orders.ScheduleCosts`, priced by `simulator.choose`), given for the
+`reduced_layout`: a schedule with costs is always generated on it and every rank's list
+expanded from its representative's (`build_afpipe_rank`), so the global and the
+rank-local lists are one computation. Breadth on the default bench: docs/bench.md
+(0.99 vs 1.36 s/step for depth); choosing between orders: `simulator.choose`.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import SCHEDULE_ORDERS
 from ..distributed.layout import Layout
 from .graph import Task, TaskGraph, emit_schedule, list_schedule
 from .ir import Instr, Msg, Op, Schedule
-
-# Nominal costs used only to order each lane (the executor follows the order,
-# not the times): forward 1, backward 2, loss head 1, message latency 0.5.
-_FWD_COST, _BWD_COST, _LATENCY = 1.0, 2.0, 0.5
+from .orders import NOMINAL, ScheduleCosts, check_order, priority
 
 
 def micro_batch_count(layout: Layout, num_slots: int, num_micro_batches: int = 0) -> int:
@@ -68,22 +64,21 @@ def build_afpipe_graph(
     *,
     num_micro_batches: int = 0,
     forward_only: bool = False,
+    costs: ScheduleCosts = NOMINAL,
 ) -> TaskGraph:
-    if order not in SCHEDULE_ORDERS:
-        raise ValueError(
-            f"schedule.order must be one of {', '.join(SCHEDULE_ORDERS)}, got {order!r}"
-        )
+    check_order(order)
     p, n, L = layout.groups, layout.expert_workers, layout.num_layers
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
     replicas = [layout.replicas_of_slot(s, num_micro) for s in range(num_slots)]
     cap = num_slots if forward_only else max_in_flight or num_slots  # forward-only: no cap
     g = TaskGraph()
 
-    def fwd_key(l: int, s: int) -> tuple[int, int]:
-        return (l, s) if order == "breadth" else (s, l)
-
-    def bwd_key(l: int, s: int) -> tuple[int, int]:
-        return (-l, s) if order == "breadth" else (s, -l)
+    def add(task: Task) -> None:
+        g.add(
+            task,
+            costs.compute_s(task.op, task.comp, task.layer),
+            priority(order, task.op, task.layer, task.slot),
+        )
 
     def fa(l: int, s: int, r: int) -> Task:
         return Task(Op.FWD, "A", l, s, layout.attn_rank(l % p, r))
@@ -100,14 +95,14 @@ def build_afpipe_graph(
     for s in range(num_slots):
         for l in range(L + 1):
             for r in range(replicas[s]):
-                g.add(fa(l, s, r), _FWD_COST, fwd_key(l, s))
+                add(fa(l, s, r))
                 if not forward_only:
-                    g.add(ba(l, s, r), _BWD_COST, bwd_key(l, s))
+                    add(ba(l, s, r))
             if l in layout.moe_layers:
                 for j in range(n):
-                    g.add(ff(l, s, j), _FWD_COST, fwd_key(l, s))
+                    add(ff(l, s, j))
                     if not forward_only:
-                        g.add(bf(l, s, j), _BWD_COST, bwd_key(l, s))
+                        add(bf(l, s, j))
 
     for s in range(num_slots):
         for l in range(L + 1):
@@ -149,6 +144,11 @@ def build_afpipe_graph(
                 g.local_deps[fa(first, s, role.index)].append(ba(first, s - cap, role.index))
             elif role.comp == "F":
                 g.local_deps[ff(first, s, role.index)].append(bf(first, s - cap, role.index))
+    for msgs in g.outputs.values():
+        for msg in msgs:
+            loads = costs.message_ports(msg.kind, msg.layer, msg.src, msg.dst)
+            if loads:
+                g.ports[msg] = loads
     return g
 
 
@@ -160,15 +160,43 @@ def build_afpipe(
     *,
     num_micro_batches: int = 0,
     forward_only: bool = False,
+    costs: ScheduleCosts | None = None,
 ) -> Schedule:
     """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots (with
     `forward_only`, for one evaluation batch: forwards only, no cap, named "afpipe-forward").
 
     `num_micro_batches` (M, 0: num_slots*m): with M < num_slots*m the last slot is run
-    by `layout.replicas_of_slot` replicas only."""
+    by `layout.replicas_of_slot` replicas only. `costs` (None: `orders.NOMINAL`): what
+    the lanes are ordered against, given for `reduced_layout(layout)` (module doc)."""
     if num_slots < 1:
         raise ValueError("AF-Pipe needs at least one micro-batch slot per attention replica")
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
+    cap = num_slots if forward_only else max_in_flight or num_slots
+    meta: dict[str, int | str] = {
+        "groups": layout.groups,
+        "attn_workers": layout.attn_workers,
+        "expert_workers": layout.expert_workers,
+        "num_layers": layout.num_layers,
+        "num_micro_batches": num_micro,
+        "order": order,
+    }
+    if costs is not None:
+        meta["costs"] = costs.name
+        reduced, reduced_micro = reduced_layout(layout, num_micro)
+        if reduced != layout:
+            rep = build_afpipe(
+                reduced,
+                num_slots,
+                max_in_flight,
+                order,
+                num_micro_batches=reduced_micro,
+                forward_only=forward_only,
+                costs=costs,
+            )
+            ranks = tuple(_expand(layout, num_micro, rep, r) for r in range(layout.world_size))
+            roles = tuple(str(layout.role(r)) for r in range(layout.world_size))
+            return replace(rep, num_ranks=layout.world_size, roles=roles, ranks=ranks, meta=meta)
+    priced = costs or NOMINAL
     graph = build_afpipe_graph(
         layout,
         num_slots,
@@ -176,24 +204,19 @@ def build_afpipe(
         order,
         num_micro_batches=num_micro,
         forward_only=forward_only,
+        costs=priced,
     )
-    timeline = list_schedule(graph, _LATENCY)
+    shared = priced.shared_compute or order == "steady"
+    timeline = list_schedule(graph, priced.latency_s, shared_compute=shared)
     return emit_schedule(
         graph,
         timeline,
         name="afpipe-forward" if forward_only else "afpipe",
         num_ranks=layout.world_size,
         num_slots=num_slots,
-        max_in_flight=num_slots if forward_only else max_in_flight or num_slots,
+        max_in_flight=cap,
         roles=tuple(str(layout.role(r)) for r in range(layout.world_size)),
-        meta={
-            "groups": layout.groups,
-            "attn_workers": layout.attn_workers,
-            "expert_workers": layout.expert_workers,
-            "num_layers": layout.num_layers,
-            "num_micro_batches": num_micro,
-            "order": order,
-        },
+        meta=meta,
         sync=not forward_only,
     )
 
@@ -225,13 +248,15 @@ def build_afpipe_rank(
     *,
     num_micro_batches: int = 0,
     forward_only: bool = False,
+    costs: ScheduleCosts | None = None,
 ) -> tuple[Instr, ...]:
     """`rank`'s AF-Pipe list without building the whole world's schedule.
 
     All replicas of a class (`replica_classes`: every replica when m divides the
     micro-batches, else those with and those without the last slot) of an A-group run
-    the same list, and so do all n shards of an F-group (the generator's costs depend on
-    neither m nor n, nor on a shard's expert count), so the list of one replica per class
+    the same list, and so do all n shards of an F-group (the nominal costs depend on
+    neither m nor n, nor on a shard's expert count; given `costs` are those of the reduced
+    layout), so the list of one replica per class
     and one shard per group (`reduced_layout`) is built and `rank`'s list expanded from
     its representative (peers are found through `layout`, so any placement works): a message
     to or from the other component stands for one message
@@ -241,7 +266,6 @@ def build_afpipe_rank(
     and n are. Tests check the result equals `build_afpipe(layout, ...).ranks[rank]`.
     """
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
-    classes = replica_classes(layout, num_micro)
     reduced, reduced_micro = reduced_layout(layout, num_micro)
     rep = build_afpipe(
         reduced,
@@ -250,7 +274,15 @@ def build_afpipe_rank(
         order,
         num_micro_batches=reduced_micro,
         forward_only=forward_only,
+        costs=costs,
     )
+    return _expand(layout, num_micro, rep, rank)
+
+
+def _expand(layout: Layout, num_micro: int, rep: Schedule, rank: int) -> tuple[Instr, ...]:
+    """`rank`'s list from its representative's in `rep`, the `reduced_layout` schedule."""
+    classes = replica_classes(layout, num_micro)
+    reduced, _ = reduced_layout(layout, num_micro)
     role = layout.role(rank)
     if role.comp == "A":
         cls = next(c for c, members in enumerate(classes) if role.index in members)

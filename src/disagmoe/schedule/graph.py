@@ -2,7 +2,8 @@
 
 A generator describes one optimizer step as compute `Task`s with the messages
 they consume/produce and local dependencies; `list_schedule` orders every
-rank's lanes by a greedy event simulation with nominal costs, and
+rank's lanes by a greedy event simulation with the graph's costs (each task's
+seconds; per message the link ports it holds, `TaskGraph.ports`), and
 `emit_schedule` turns that timeline into per-rank instruction lists (RECVs at
 their arrival time, SENDs right after the producing compute), so that FIFO
 order per (sender, receiver, channel) holds by construction.
@@ -38,6 +39,8 @@ class TaskGraph:
     local_deps: dict[Task, list[Task]] = field(default_factory=lambda: defaultdict(list))
     cost: dict[Task, float] = field(default_factory=dict)
     priority: dict[Task, tuple[int, ...]] = field(default_factory=dict)
+    # Ports a message holds and for how long: ((port, seconds), ...); absent: none.
+    ports: dict[Msg, tuple[tuple[str, float], ...]] = field(default_factory=dict)
 
     def add(self, task: Task, cost: float, priority: tuple[int, ...]) -> None:
         self.tasks.append(task)
@@ -61,28 +64,49 @@ class Timeline:
     arrival: dict[Msg, float]
 
 
-def list_schedule(graph: TaskGraph, latency: float) -> Timeline:
-    """Greedy non-delay list scheduling: each (rank, lane) runs its best-priority ready task."""
+def list_schedule(graph: TaskGraph, latency: float, *, shared_compute: bool = False) -> Timeline:
+    """Greedy non-delay list scheduling: each resource runs its best-priority ready task.
+
+    A resource is a (rank, lane), or with `shared_compute` a rank's compute (its two lanes
+    share it). A message leaves when its producer ends and every port it holds
+    (`graph.ports`) is free, holds each for its seconds (ports are reserved in the order
+    producers start) and arrives `latency` after the longest of them."""
     producer_of = {m: t for t, msgs in graph.outputs.items() for m in msgs}
-    consumers: dict[Task, list[Task]] = defaultdict(list)
+    consumer_of = {m: t for t, msgs in graph.inputs.items() for m in msgs}
+    local_consumers: dict[Task, list[Task]] = defaultdict(list)
     remaining: dict[Task, int] = {}
     for task in graph.tasks:
-        deps = [producer_of[m] for m in graph.inputs.get(task, [])] + graph.local_deps.get(task, [])
-        remaining[task] = len(deps)
+        deps = graph.local_deps.get(task, [])
+        remaining[task] = len(graph.inputs.get(task, [])) + len(deps)
         for dep in deps:
-            consumers[dep].append(task)
+            local_consumers[dep].append(task)
+    assert all(m in producer_of for m in consumer_of), "a message without a producer"
+
+    def resource(task: Task) -> tuple[int, str]:
+        return (task.rank, "compute" if shared_compute else task.lane)
+
     ready_at: dict[Task, float] = defaultdict(float)
     lane_free: dict[tuple[int, str], float] = defaultdict(float)
+    port_free: dict[str, float] = defaultdict(float)
     waiting: dict[tuple[int, str], list[tuple[float, tuple[int, ...], Task]]] = defaultdict(list)
     for task in graph.tasks:
         if remaining[task] == 0:
-            heapq.heappush(waiting[(task.rank, task.lane)], (0.0, graph.priority[task], task))
+            waiting[resource(task)].append((0.0, graph.priority[task], task))
     start: dict[Task, float] = {}
     end: dict[Task, float] = {}
     arrival: dict[Msg, float] = {}
-    # Event heap of lanes to (re)consider: (time, lane).
+    # Event heap of resources to (re)consider: (time, resource).
     events: list[tuple[float, tuple[int, str]]] = [(0.0, lane) for lane in waiting]
     heapq.heapify(events)
+
+    def release(nxt: Task, at: float) -> None:
+        ready_at[nxt] = max(ready_at[nxt], at)
+        remaining[nxt] -= 1
+        if remaining[nxt] == 0:
+            nlane = resource(nxt)
+            waiting[nlane].append((ready_at[nxt], graph.priority[nxt], nxt))
+            heapq.heappush(events, (max(ready_at[nxt], lane_free[nlane]), nlane))
+
     while events:
         now, lane = heapq.heappop(events)
         if lane_free[lane] > now or not waiting[lane]:
@@ -100,15 +124,14 @@ def list_schedule(graph: TaskGraph, latency: float) -> Timeline:
         lane_free[lane] = finish
         heapq.heappush(events, (finish, lane))
         for msg in graph.outputs.get(task, []):
-            arrival[msg] = finish + latency
-        for nxt in consumers[task]:
-            delay = latency if nxt.rank != task.rank else 0.0
-            ready_at[nxt] = max(ready_at[nxt], finish + delay)
-            remaining[nxt] -= 1
-            if remaining[nxt] == 0:
-                nlane = (nxt.rank, nxt.lane)
-                waiting[nlane].append((ready_at[nxt], graph.priority[nxt], nxt))
-                heapq.heappush(events, (max(ready_at[nxt], lane_free[nlane]), nlane))
+            loads = graph.ports.get(msg, ())
+            leave = max([finish] + [port_free[port] for port, _ in loads])
+            for port, seconds in loads:
+                port_free[port] = leave + seconds
+            arrival[msg] = leave + max([0.0] + [seconds for _, seconds in loads]) + latency
+            release(consumer_of[msg], arrival[msg])
+        for nxt in local_consumers[task]:
+            release(nxt, finish)
     missing = [t for t in graph.tasks if t not in end]
     assert not missing, f"task graph has a cycle or missing producer: {missing[:3]}"
     return Timeline(start, end, arrival)

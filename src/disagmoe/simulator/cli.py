@@ -51,7 +51,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--order",
         choices=SCHEDULE_ORDERS,
         default="breadth",
-        help="disagg: lane order (schedule.order)",
+        help="disagg: lane order (schedule.order; auto: the best candidate by simulated step)",
+    )
+    parser.add_argument(
+        "--costed",
+        action="store_true",
+        help="disagg: order the lanes with this run's costs and links, not the nominal ones "
+        "(simulator.choose; auto decides it itself)",
     )
     parser.add_argument(
         "--placement",
@@ -216,6 +222,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             nic_split=r["nic_split"],
             recompute=r["recompute"],
             order=args.order,
+            costed=args.costed,
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])

@@ -1,0 +1,168 @@
+"""The AF-Pipe order of a run: the generator's costs priced here, candidates replayed.
+
+`schedule_costs` turns the simulator's cost model into the plain data and callables the
+generator orders against (`schedule.orders.ScheduleCosts`): each compute's seconds from
+`InstrCosts`, and for each message of the reduced layout (`afpipe.reduced_layout`: one
+replica per class, one shard per group) the ports its bundle crosses on the real
+cluster — NIC egress/ingress or NVLink out/in, through the same `Symmetry.loads` and
+`Ports` the replay uses — with the seconds it holds each (bytes / the port's rate).
+
+`choose_order` generates every candidate — each order of `GENERATED_ORDERS`, ordered
+with the nominal costs and with the run's — validates it, replays it (`simulate_schedule`
+on the reduced layout, or with `reduce=False` on every rank, with the run's costs and
+the fair link model) and keeps the shortest step; ties go to the earlier candidate of
+`CANDIDATES`, so every rank that calls it with the same inputs picks the same schedule
+(`schedule.order = auto`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from ..config import RunConfig
+from ..distributed.layout import Layout
+from ..schedule.afpipe import build_afpipe, reduced_layout, replica_classes
+from ..schedule.ir import Msg, Op
+from ..schedule.orders import GENERATED_ORDERS, PortLoads, ScheduleCosts
+from .costs import AnalyticCosts, InstrCosts, Workload
+from .engine import Program
+from .links import LinkModel
+from .network import Network, Ports
+from .replay import check_schedule, simulate_schedule
+from .symmetry import Symmetry
+
+# (order, ordered with the run's costs?), in tie-break order: the nominal lists first.
+CANDIDATES: tuple[tuple[str, bool], ...] = tuple(
+    (order, costed) for costed in (False, True) for order in GENERATED_ORDERS
+)
+
+
+def schedule_costs(
+    layout: Layout, num_micro_batches: int, costs: InstrCosts, workload: Workload, net: Network
+) -> ScheduleCosts:
+    """The generator's costs of a step of `num_micro_batches` on the real `layout`, for
+    the lists of its `reduced_layout` (see the module doc)."""
+    symmetry = Symmetry.replicas(layout, replica_classes(layout, num_micro_batches))
+    ports = Ports(Program(num_ranks=symmetry.num_ranks, latency_s=net.latency_s), net)
+    shards = layout.expert_workers
+
+    @functools.cache
+    def message_ports(kind: str, layer: int, src: int, dst: int) -> PortLoads:
+        nbytes = workload.message_bytes(kind, layer, shards)
+        loads = symmetry.loads(Msg(kind, layer, 0, src, dst), nbytes, ports)
+        return tuple(
+            (ports.program.ports[port].name, load / ports.program.ports[port].bytes_per_s)
+            for port, load in loads
+        )
+
+    @functools.cache
+    def compute_s(op: Op, comp: str, layer: int) -> float:
+        return costs.compute_s(op, comp, layer)
+
+    return ScheduleCosts(compute_s, message_ports, net.latency_s, name="run")
+
+
+@dataclass(frozen=True)
+class OrderChoice:
+    """The chosen candidate and every candidate's simulated step (seconds)."""
+
+    order: str
+    costed: bool  # ordered with the run's costs (else the nominal ones)
+    step_s: float
+    bound_s: float
+    steps: tuple[tuple[str, bool, float], ...]
+
+    @property
+    def label(self) -> str:
+        return f"{self.order}{' (run costs)' if self.costed else ''}"
+
+
+def choose_order(
+    layout: Layout,
+    num_slots: int,
+    max_in_flight: int,
+    num_micro_batches: int,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    candidates: tuple[tuple[str, bool], ...] = CANDIDATES,
+    link_model: LinkModel = "fair",
+    reduce: bool = True,
+) -> tuple[OrderChoice, ScheduleCosts]:
+    """The candidate with the shortest simulated step on the real `layout` (module doc),
+    and the run's generator costs (pass them to `build_afpipe` when `choice.costed`).
+    `reduce`: replay the reduced schedules (else every rank's, as `simulate_disagg` does
+    for small layouts)."""
+    priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
+    reduced, reduced_micro = (
+        reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
+    )
+    best: tuple[float, float, str, bool] | None = None
+    steps = []
+    for order, costed in candidates:
+        schedule = build_afpipe(
+            reduced,
+            num_slots,
+            max_in_flight,
+            order,
+            num_micro_batches=reduced_micro,
+            costs=priced if costed else None,
+        )
+        peak = check_schedule(schedule)
+        result = simulate_schedule(
+            schedule,
+            reduced,
+            costs,
+            workload,
+            net,
+            full=layout if reduce else None,
+            num_micro_batches=num_micro_batches,
+            peak_in_flight=peak,
+            link_model=link_model,
+        )
+        steps.append((order, costed, result.step_time_s))
+        bound = result.bound.seconds if result.bound else 0.0
+        if best is None or result.step_time_s < best[0]:
+            best = (result.step_time_s, bound, order, costed)
+    assert best is not None, "no candidate order"
+    step, bound, order, costed = best
+    return OrderChoice(order, costed, step, bound, tuple(steps)), priced
+
+
+@functools.lru_cache(maxsize=8)
+def run_choice(
+    cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
+) -> tuple[OrderChoice, ScheduleCosts]:
+    """`choose_order` for a run of `cfg` on `layout` with the analytic costs of
+    `cfg.cluster`: among every candidate for `schedule.order = auto`, else of the given
+    order and `schedule.costs` alone (its predicted step, for `disagmoe schedule`)."""
+    workload = Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size)
+    costs = AnalyticCosts.for_cluster(
+        workload, cfg.cluster, layout.attn_workers, layout.expert_workers, cfg.train.recompute
+    )
+    net = Network.from_cluster(cfg.cluster)
+    order = cfg.schedule.order
+    candidates = CANDIDATES if order == "auto" else ((order, cfg.schedule.costs == "run"),)
+    return choose_order(
+        layout,
+        num_slots,
+        max_in_flight,
+        cfg.train.num_micro_batches,
+        costs,
+        workload,
+        net,
+        candidates=candidates,
+    )
+
+
+def run_order(
+    cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
+) -> tuple[str, ScheduleCosts | None]:
+    """(order, generator costs or None) of a run: `schedule.order` and `schedule.costs` as
+    given, or for "auto" `run_choice`'s pick — the same pure computation on every rank."""
+    if cfg.schedule.order != "auto" and cfg.schedule.costs == "nominal":
+        return cfg.schedule.order, None
+    choice, priced = run_choice(cfg, layout, num_slots, max_in_flight)
+    return choice.order, priced if choice.costed else None

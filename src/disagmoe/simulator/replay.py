@@ -1,0 +1,159 @@
+"""Replay one AF-Pipe schedule: validate it, price it, lower it, run it.
+
+`simulate_schedule` is the one replay of an AF-Pipe schedule (any generator's, any
+costs): `schedule.validate.validate` first — a schedule the validator rejects
+(deadlock, unmatched message, broken FIFO) is reported as `ScheduleRejected` and not
+simulated — then `afpipe_pricing` and `simulator.lower`. `simulator.disagg` builds the
+schedule of a layout and calls it; `simulator.choose` calls it per candidate order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..distributed.layout import Layout
+from ..schedule.afpipe import replica_classes
+from ..schedule.ir import Instr, Schedule
+from ..schedule.validate import ScheduleError, validate
+from .costs import InstrCosts, MessageOverheads, Workload
+from .engine import run_program
+from .links import LinkModel
+from .lower import Pricing, lower
+from .network import Network
+from .report import SimResult, summarize
+from .symmetry import Symmetry
+
+
+class ScheduleRejected(ValueError):
+    """The validator rejected the schedule; it was not simulated."""
+
+
+def check_schedule(schedule: Schedule) -> int:
+    """`validate` with its error re-raised as `ScheduleRejected`; returns peak in-flight slots."""
+    try:
+        return validate(schedule)
+    except ScheduleError as err:
+        raise ScheduleRejected(
+            f"schedule {schedule.name!r} rejected by the validator: {err}"
+        ) from err
+
+
+def afpipe_pricing(
+    layout: Layout,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    sync: bool = True,
+    step_s: float = 0.0,
+    grad_bytes: int = 2,
+    overheads: MessageOverheads | None = None,
+    num_micro_batches: int = 0,
+) -> Pricing:
+    """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
+    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas.
+
+    `num_micro_batches` (M; 0: m divides it): an F compute of a slot that only k < m
+    replicas run (the last one when m does not divide M) costs k/m of a full slot's."""
+
+    def sync_s(rank: int) -> float:
+        role = layout.role(rank)
+        if role.comp != "A":
+            return 0.0  # expert gradients are complete on their shard
+        group = role.group
+        layers = layout.layers_of(layout.attn_rank(group, 0))
+        params = sum(workload.attn_param_count(l) for l in layers)
+        return net.allreduce_s(layout.attn_replicas(group), params * grad_bytes)
+
+    shards, m = layout.expert_workers, layout.attn_workers
+
+    def compute_s(ins: Instr, kind: str) -> float:
+        seconds = costs.compute_s(ins.op, ins.comp, ins.layer)
+        if ins.comp == "F" and num_micro_batches:
+            seconds *= layout.replicas_of_slot(ins.slot, num_micro_batches) / m
+        return seconds
+
+    return Pricing(
+        compute_s=compute_s,
+        message_bytes=lambda msg: workload.message_bytes(msg.kind, msg.layer, shards),
+        net=net,
+        sync_s=sync_s if sync else None,
+        step_s=step_s,
+        overheads=overheads,
+    )
+
+
+def simulate_schedule(
+    schedule: Schedule,
+    layout: Layout,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    full: Layout | None = None,
+    share_compute: bool = True,
+    sync: bool = True,
+    step_s: float = 0.0,
+    config: dict[str, Any] | None = None,
+    overheads: MessageOverheads | None = None,
+    cores: int = 0,
+    num_micro_batches: int = 0,
+    peak_in_flight: int = 0,
+    link_model: LinkModel = "fair",
+) -> SimResult:
+    """Validate, lower and simulate an AF-Pipe schedule of `layout`.
+
+    `full`: the real layout when `schedule` was generated for one replica per class and
+    one shard per group (`schedule.afpipe.reduced_layout`, `Symmetry.replicas`).
+    `num_micro_batches`: the real step's M (0: the schedule's own, or num_slots * m of
+    `full`). `overheads` and `cores` model a host runtime (see `simulator.lower` and
+    `engine.run_program`). `peak_in_flight`: the validator's answer when the caller
+    validated `schedule` already (`checked_afpipe`; 0: validate here). `link_model`: how
+    messages share ports (`simulator.links`).
+    """
+    peak = peak_in_flight or check_schedule(schedule)
+    real_layout = full or layout
+    num_micro = num_micro_batches or (
+        schedule.num_slots * real_layout.attn_workers
+        if full
+        else int(schedule.meta.get("num_micro_batches", schedule.num_slots * layout.attn_workers))
+    )
+    symmetry = (
+        Symmetry.replicas(real_layout, replica_classes(real_layout, num_micro))
+        if full
+        else Symmetry.identity(schedule.num_ranks)
+    )
+    pricing = afpipe_pricing(
+        real_layout,
+        costs,
+        workload,
+        net,
+        sync=sync,
+        step_s=step_s,
+        overheads=overheads,
+        num_micro_batches=num_micro,
+    )
+    program = lower(schedule, pricing, symmetry)
+    timeline = run_program(program, share_compute=share_compute, cores=cores, link_model=link_model)
+    real = [symmetry.real(r) for r in range(schedule.num_ranks)]
+    roles = [str(real_layout.role(r)) for r in real]
+    tokens = num_micro * workload.tokens
+    cfg = {
+        "schedule": schedule.name,
+        "num_slots": schedule.num_slots,
+        "num_micro_batches": num_micro,
+        "max_in_flight": schedule.max_in_flight,
+        "peak_in_flight": peak,
+        "reduced": full is not None,
+        **(config or {}),
+    }
+    return summarize(
+        "disagg",
+        program,
+        timeline,
+        tokens_per_step=tokens,
+        roles=roles,
+        real_ranks=real,
+        config=cfg,
+        cores=cores,
+    )
