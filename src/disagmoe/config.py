@@ -34,6 +34,7 @@ DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine", "wsd")  # runtime.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
 PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)
+DEVICES = ("auto", "cpu", "cuda")  # disagmoe.device: what each resolves to on a rank
 
 
 def _require(condition: bool, message: str) -> None:
@@ -152,7 +153,13 @@ class ParallelConfig:
     world_size: int = field(  # 0: p*(m+n) for disagg, pp*ep for the baselines
         default=0, metadata=flag("workers (default: p*(m+n), or pp*ep for ep-*)")
     )
-    backend: str = "auto"  # auto | gloo | nccl
+    device: str = field(
+        default="auto",
+        metadata=flag(
+            "where ranks compute: auto (CUDA when available), cpu or cuda", choices=DEVICES
+        ),
+    )
+    backend: str = "auto"  # auto (from the device: disagmoe.device) | gloo | nccl
     placement: str = field(
         default="node-aware",
         metadata=flag(
@@ -182,6 +189,10 @@ class ParallelConfig:
         ):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        _require(
+            self.device in DEVICES,
+            f"parallel.device must be one of {', '.join(DEVICES)}, got {self.device!r}",
+        )
         _require(
             self.placement in PLACEMENTS,
             f"parallel.placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}",

@@ -118,7 +118,9 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
     f_e is the fraction of the T*K assignments that chose expert e (no gradient),
     P_e the mean router probability of e over the T tokens.
     """
-    counts = torch.bincount(routing.indices_TK.flatten(), minlength=num_experts)
+    chosen = routing.indices_TK.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=chosen.device)
+    counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no host sync (bincount has one)
     frac = counts.to(routing.probs_TE.dtype) / routing.indices_TK.numel()
     return num_experts * torch.sum(frac * routing.probs_TE.mean(dim=0))
 

@@ -11,6 +11,7 @@ from torch import nn
 from ..bench.emulation import ComputeCosts, emulate_compute
 from ..config import RunConfig
 from ..data import TokenBatches, build_batches
+from ..device import HOST
 from ..models import (
     MoETransformer,
     build_meta_model,
@@ -18,7 +19,6 @@ from ..models import (
     materialize,
     seeded_values,
 )
-from ..models.init import CPU
 from ..models.recompute import apply_recompute
 from .objective import torch_dtype
 
@@ -28,7 +28,7 @@ def materialize_initial_weights(
     modules: Sequence[nn.Module],
     *,
     first_expert: int = 0,
-    device: torch.device = CPU,
+    device: torch.device = HOST,
 ) -> None:
     """Give the meta parameters of one rank's `modules` the run's initial weights, on `device`.
 
@@ -57,7 +57,7 @@ def materialize_initial_weights(
     )
 
 
-def build_initial_model(cfg: RunConfig, device: torch.device = CPU) -> MoETransformer:
+def build_initial_model(cfg: RunConfig, device: torch.device = HOST) -> MoETransformer:
     """The whole model with the run's initial weights (seeded init, or a HF checkpoint)."""
     model = build_meta_model(cfg.model)
     materialize_initial_weights(cfg, [model], device=device)

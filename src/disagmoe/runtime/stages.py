@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
+from ..device import HOST
 from ..distributed.layout import Layout
 from ..models import Assignments, MoETransformer, build_meta_model, split_by_owner
 from ..models.layers import rope_tables
 from ..schedule.ir import Msg
-from .objective import LossScale
+from .objective import LossScale, loss_total
 from .setup import materialize_initial_weights
 
 Payload = list[torch.Tensor]
@@ -100,8 +101,16 @@ class _AttnState:
 class AttnWorker:
     """An attention replica: A components of its layers, plus embedding / head on group 0."""
 
-    def __init__(self, model: MoETransformer, layout: Layout, rank: int, scale: LossScale) -> None:
+    def __init__(
+        self,
+        model: MoETransformer,
+        layout: Layout,
+        rank: int,
+        scale: LossScale,
+        device: torch.device = HOST,
+    ) -> None:
         self.layout = layout
+        self.device = device
         self.role = layout.role(rank)
         self.layers = layout.layers_of(rank)
         self.num_layers = layout.num_layers
@@ -119,8 +128,12 @@ class AttnWorker:
         self.stash: dict[tuple[int, int], _AttnState] = {}
         self.micro_batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.local: dict[tuple[str, int, int], Payload] = {}
-        self.ce_sum = 0.0
-        self.aux_sum = 0.0
+        self.ce_sum = loss_total(device)  # this replica's loss shares, summed on the device
+        self.aux_sum = loss_total(device)
+
+    def reset_sums(self) -> None:
+        self.ce_sum = loss_total(self.device)
+        self.aux_sum = loss_total(self.device)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return unique_named_parameters(self.modules)
@@ -167,7 +180,7 @@ class AttnWorker:
             _, targets = self.micro_batches[slot]
             logits = self.modules["lm_head"](self.modules["norm"](x))
             st.objective = self.scale.ce(logits, targets)
-            self.ce_sum += float(st.objective.detach())
+            self.ce_sum += st.objective.detach().double()
         else:
             cos, sin = self._rope(x)
             res = self.modules[f"layers.{layer}.attn_block"](x, cos, sin)
@@ -188,7 +201,7 @@ class AttnWorker:
                 aux = self.scale.aux([res.aux])
                 if aux is not None:
                     st.objective = aux
-                    self.aux_sum += float(aux.detach())
+                    self.aux_sum += aux.detach().double()
             act_msg = next((m for m in outgoing if m.kind == "act"), None)
             if act_msg is not None:
                 out[act_msg] = act_payload
@@ -296,7 +309,7 @@ class ExpertWorker:
             offset += u.shape[0]
         x = torch.cat(xs)
         plan = Assignments(
-            token_ids=torch.arange(x.shape[0]),
+            token_ids=torch.arange(x.shape[0], device=x.device),
             rows_A=torch.cat(rows),
             experts_A=torch.cat(experts),
             weights_A=torch.cat(weights),
@@ -327,9 +340,10 @@ class ExpertWorker:
 
 
 def build_worker(
-    cfg: RunConfig, layout: Layout, rank: int, scale: LossScale
+    cfg: RunConfig, layout: Layout, rank: int, scale: LossScale, device: torch.device = HOST
 ) -> AttnWorker | ExpertWorker:
-    """`rank`'s worker, holding only its own parameters with the run's initial weights.
+    """`rank`'s worker, holding only its own parameters with the run's initial weights,
+    on `device`.
 
     The full model exists only on the meta device; the worker picks its modules from it
     (an expert shard narrows the experts on meta) and materialises just those, so a rank's
@@ -337,9 +351,11 @@ def build_worker(
     """
     model = build_meta_model(cfg.model)
     if layout.role(rank).comp == "A":
-        attn = AttnWorker(model, layout, rank, scale)
-        materialize_initial_weights(cfg, [attn.modules])
+        attn = AttnWorker(model, layout, rank, scale, device)
+        materialize_initial_weights(cfg, [attn.modules], device=device)
         return attn
     experts = ExpertWorker(model, layout, rank)
-    materialize_initial_weights(cfg, [experts.modules], first_expert=experts.expert_offset)
+    materialize_initial_weights(
+        cfg, [experts.modules], first_expert=experts.expert_offset, device=device
+    )
     return experts
