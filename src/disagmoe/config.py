@@ -240,7 +240,22 @@ class TrainConfig:
 
     steps: int = field(default=100, metadata=flag())
     seed: int = field(default=0, metadata=flag())
-    dtype: str = field(default="float32", metadata=flag(choices=DTYPES))
+    dtype: str = field(  # runtime/precision.py: compute vs parameter dtype
+        default="float32",
+        metadata=flag(
+            "compute dtype; bfloat16 is mixed precision (autocast, float32 master weights and "
+            "optimizer state) unless --param-dtype bfloat16",
+            choices=DTYPES,
+        ),
+    )
+    param_dtype: str = field(  # "": float32 for --dtype bfloat16, else --dtype
+        default="",
+        metadata=flag(
+            "dtype of weights, gradients and optimizer state (default: float32 for --dtype "
+            "bfloat16, else --dtype); --param-dtype bfloat16: pure bf16",
+            choices=DTYPES,
+        ),
+    )
     seq_len: int = field(default=64, metadata=flag())
     global_batch_size: int = field(default=8, metadata=flag("sequences per optimizer step"))
     micro_batch_size: int = field(default=2, metadata=flag("sequences per micro-batch"))
@@ -363,6 +378,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
+        _require(
+            self.param_dtype in ("", *DTYPES),
+            f"train.param_dtype must be empty or one of {', '.join(DTYPES)}",
+        )
+        _require(
+            self.param_dtype in ("", self.dtype)
+            or (self.dtype == "bfloat16" and self.param_dtype == "float32"),
+            f"train.param_dtype ({self.param_dtype}) differs from train.dtype ({self.dtype}): "
+            "mixed precision is --dtype bfloat16 with float32 parameters; give --param-dtype "
+            f"float32 or {self.dtype}",
+        )
         _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
         _require(
             self.lr_schedule in LR_SCHEDULES,

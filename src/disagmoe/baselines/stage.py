@@ -26,6 +26,7 @@ from ..models import DecoderLayer, Experts, MoETransformer, build_meta_model
 from ..models.layers import rope_tables
 from ..runtime.objective import LossScale
 from ..runtime.observe import Tracer, message_event_name, stage_event_name
+from ..runtime.precision import Precision
 from ..runtime.setup import materialize_initial_weights
 from ..runtime.stages import NamedParts
 from .layout import EPLayout
@@ -61,9 +62,11 @@ class StageModule(NamedParts):
         ep_rank: int,
         scale: LossScale,
         comm: EPComm,
+        precision: Precision,
     ) -> None:
         super().__init__()
         self.cfg = model.cfg
+        self.precision = precision
         self.stage = stage
         self.layer_ids = list(layout.layers_of_stage(stage))
         self.is_first = stage == 0
@@ -85,6 +88,10 @@ class StageModule(NamedParts):
             self.add("lm_head", model.lm_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():  # entered here: autocast state is per thread
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self["embed"](x)
         c = self.cfg
@@ -123,8 +130,10 @@ def build_stage_modules(
     the run's initial weights on `device`: built from a meta model and materialised alone
     (tied embedding and LM head stay one parameter across the rank's stages)."""
     model = build_meta_model(cfg.model)
+    precision = Precision.for_run(cfg.train, device)
     modules = [
-        StageModule(model, layout, s, ep_rank, scale, comm) for s in layout.stages_of(pp_rank)
+        StageModule(model, layout, s, ep_rank, scale, comm, precision)
+        for s in layout.stages_of(pp_rank)
     ]
     materialize_initial_weights(
         cfg, modules, first_expert=ep_rank * layout.experts_per_rank, device=device

@@ -48,6 +48,7 @@ from ..runtime.objective import (
     torch_dtype,
 )
 from ..runtime.observe import Tracer
+from ..runtime.precision import param_dtype_name
 from ..runtime.setup import apply_variants, build_data, set_threads
 from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
@@ -100,14 +101,15 @@ class EPTrainer:
 
     def _stage(self, module: StageModule) -> TracedStage:
         c, t = self.cfg.model, self.cfg.train
-        dtype = torch_dtype(t.dtype)
+        # the residual stream in the parameters' dtype, logits in the compute dtype
+        dtype, logits_dtype = torch_dtype(param_dtype_name(t)), torch_dtype(t.dtype)
         B, S = t.micro_batch_size, t.seq_len
         # Static shapes (no metadata inference pass); requires_grad marks what carries gradients.
         dev = self.device
         hidden = torch.zeros(B, S, c.dim, dtype=dtype, device=dev, requires_grad=True)
         example_in = torch.zeros(B, S, dtype=torch.long, device=dev) if module.is_first else hidden
         example_out = (
-            torch.zeros(B, S, c.vocab_size, dtype=dtype, device=dev, requires_grad=True)
+            torch.zeros(B, S, c.vocab_size, dtype=logits_dtype, device=dev, requires_grad=True)
             if module.is_last
             else hidden
         )

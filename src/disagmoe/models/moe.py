@@ -256,4 +256,5 @@ class Experts(nn.Module):
         gate, up = h.chunk(2, dim=-1)
         out_AH = grouped_mm(F.silu(gate) * up, self.down, counts)
         out_AH = out_AH * plan.weights_A[order].unsqueeze(-1)
-        return x_RH.new_zeros(x_RH.shape).index_add(0, rows, out_AH)
+        # summed in x's dtype (under autocast the GEMMs' output is the compute dtype)
+        return x_RH.new_zeros(x_RH.shape).index_add(0, rows, out_AH.to(x_RH.dtype))

@@ -25,6 +25,7 @@ from ..config import RunConfig
 from ..device import is_accelerator, resolve_device
 from ..planner import costmodel as cm
 from ..planner import runtime_memory as rm
+from .precision import param_dtype_name
 
 NO_CAP = -1  # schedule.max_in_flight: every slot in flight
 
@@ -80,6 +81,9 @@ def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
     """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
     train, par = cfg.train, cfg.parallel
     prec = cm.runtime_precision(train.dtype)
+    if param_dtype_name(train) != train.dtype:  # mixed: activations in compute, states in fp32
+        states = cm.runtime_precision(param_dtype_name(train)).state
+        prec = dataclasses.replace(prec, state=states)
     attn = rm.attn_replica_memory(
         cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
         micro_batch_size=train.micro_batch_size, in_flight=in_flight,

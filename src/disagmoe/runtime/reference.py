@@ -21,6 +21,7 @@ from .objective import (
     loss_total,
 )
 from .observe import Tracer
+from .precision import Precision
 from .setup import apply_variants, build_data, build_initial_model, set_threads
 
 
@@ -32,6 +33,7 @@ class ReferenceTrainer:
         self.device = resolve_device(cfg.parallel.device)
         bind_device(self.device)
         self.model = build_initial_model(cfg, self.device)
+        self.precision = Precision.for_run(cfg.train, self.device)
         apply_variants(cfg, [self.model])
         self.batches = build_data(cfg)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
@@ -63,7 +65,8 @@ class ReferenceTrainer:
         for mb, samples in enumerate(split_micro_batches(batch, train.micro_batch_size)):
             t0 = Tracer.now_us()
             inputs, targets = inputs_targets(samples, self.device)
-            logits, aux = self.model(inputs)
+            with self.precision.autocast():
+                logits, aux = self.model(inputs)
             ce = self.scale.ce(logits, targets)
             aux_term = self.scale.aux(aux)
             total = ce if aux_term is None else ce + aux_term
@@ -96,7 +99,8 @@ class ReferenceTrainer:
                 self.eval_set.batch(index), self.cfg.train.micro_batch_size
             ):
                 inputs, targets = inputs_targets(samples, self.device)
-                logits, _ = self.model(inputs)
+                with self.precision.autocast():
+                    logits, _ = self.model(inputs)
                 ce += self.scale.ce(logits, targets).double()
         return float(ce)
 

@@ -21,6 +21,7 @@ from ..models import (
 )
 from ..models.recompute import apply_recompute
 from .objective import torch_dtype
+from .precision import param_dtype_name
 
 
 def materialize_initial_weights(
@@ -39,7 +40,7 @@ def materialize_initial_weights(
     tensors (and, of the experts, only this shard) are read. Either way each tensor equals
     the reference model's, so all ranks start from its weights without a broadcast.
     """
-    dtype = torch_dtype(cfg.train.dtype)
+    dtype = torch_dtype(param_dtype_name(cfg.train))
     if not cfg.train.init_from_hf:
         values = seeded_values(
             seed=cfg.train.seed, std=cfg.model.init_std, dtype=dtype, device=device

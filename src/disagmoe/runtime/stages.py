@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import RunConfig
+from ..config import RunConfig, TrainConfig
 from ..device import HOST
 from ..distributed.layout import Layout
 from ..models import Assignments, MoETransformer, build_meta_model, split_by_owner
 from ..models.layers import rope_tables
 from ..schedule.ir import Msg
 from .objective import LossScale, loss_total
+from .precision import Precision
 from .setup import materialize_initial_weights
 
 Payload = list[torch.Tensor]
@@ -108,9 +109,11 @@ class AttnWorker:
         rank: int,
         scale: LossScale,
         device: torch.device = HOST,
+        precision: Precision | None = None,
     ) -> None:
         self.layout = layout
         self.device = device
+        self.precision = precision or Precision.for_run(TrainConfig(), device)
         self.role = layout.role(rank)
         self.layers = layout.layers_of(rank)
         self.num_layers = layout.num_layers
@@ -153,6 +156,18 @@ class AttnWorker:
         *,
         keep: bool = True,
     ) -> dict[Msg, Payload]:
+        with self.precision.autocast():
+            return self._forward(layer, slot, received, outgoing, keep=keep)
+
+    def _forward(
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool,
+    ) -> dict[Msg, Payload]:
         st = _AttnState()
         if layer == 0:
             tokens, _ = self.micro_batches[slot]
@@ -173,7 +188,7 @@ class AttnWorker:
                 for j in sorted(combines):
                     y_leaf = _leaf(combines[j][0])
                     st.combine_leaves[j] = y_leaf
-                    x_TH = x_TH.index_add(0, token_ids[j], y_leaf)
+                    x_TH = x_TH.index_add(0, token_ids[j], y_leaf.to(x_TH.dtype))
                 x = x_TH.view(B, S, H)
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
@@ -191,8 +206,9 @@ class AttnWorker:
                 plans = split_by_owner(res.routing, self.layout.expert_ranges())
                 counts = torch.tensor([plan.token_ids.numel() for plan in plans], dtype=torch.long)
                 act_payload += [counts, torch.cat([plan.token_ids for plan in plans])]
+                message = self.precision.message
                 for j, plan in enumerate(plans):
-                    st.dispatched[j] = (res.u_TH[plan.token_ids], plan.weights_A)
+                    st.dispatched[j] = (message(res.u_TH[plan.token_ids]), message(plan.weights_A))
                 for msg in outgoing:
                     if msg.kind == "dispatch":
                         j = self.layout.role(msg.dst).index
@@ -271,8 +287,15 @@ class ExpertWorker:
     0..k-1 for a last slot that only k replicas run (m does not divide the micro-batches).
     """
 
-    def __init__(self, model: MoETransformer, layout: Layout, rank: int) -> None:
+    def __init__(
+        self,
+        model: MoETransformer,
+        layout: Layout,
+        rank: int,
+        precision: Precision | None = None,
+    ) -> None:
         self.layout = layout
+        self.precision = precision or Precision.for_run(TrainConfig(), HOST)
         self.role = layout.role(rank)
         experts = layout.expert_range(self.role.index)
         self.modules = NamedParts()
@@ -314,7 +337,8 @@ class ExpertWorker:
             experts_A=torch.cat(experts),
             weights_A=torch.cat(weights),
         )
-        y = self.modules[f"layers.{layer}.experts"](x, plan)
+        with self.precision.autocast():
+            y = self.precision.message(self.modules[f"layers.{layer}.experts"](x, plan))
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
         if keep:  # for the backward
             self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
@@ -350,11 +374,12 @@ def build_worker(
     memory is its own share of the model, never the whole.
     """
     model = build_meta_model(cfg.model)
+    precision = Precision.for_run(cfg.train, device)
     if layout.role(rank).comp == "A":
-        attn = AttnWorker(model, layout, rank, scale, device)
+        attn = AttnWorker(model, layout, rank, scale, device, precision)
         materialize_initial_weights(cfg, [attn.modules], device=device)
         return attn
-    experts = ExpertWorker(model, layout, rank)
+    experts = ExpertWorker(model, layout, rank, precision)
     materialize_initial_weights(
         cfg, [experts.modules], first_expert=experts.expert_offset, device=device
     )
