@@ -109,6 +109,20 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (timing; no-op on the CPU)."""
+    if device.type == _ACCELERATOR:
+        torch.cuda.synchronize(device)
+
+
+def device_name(device: torch.device) -> str:
+    """What `device` is, in words (for benchmark notes)."""
+    if device.type == _ACCELERATOR:
+        return torch.cuda.get_device_name(device)
+    threads = torch.get_num_threads()
+    return f"cpu ({threads} thread{'s' if threads > 1 else ''})"
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` in host memory (a copy from an accelerator; `t` itself on the CPU). For the
     places that must read a device tensor on the host: checkpoints, exports, once-per-step
