@@ -209,8 +209,21 @@ def split_by_owner(routing: Routing, shards: Sequence[range]) -> list[Assignment
 def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """Grouped GEMM: rows of x sorted by group, `counts[e]` rows multiply `w_EIO[e]`.
 
-    One GEMM per non-empty expert (no per-token loop); the result is [A, O].
+    In bf16 (pure, or under a bf16 autocast) with 16-byte aligned widths: one
+    `torch._grouped_mm` call (CUDA's grouped kernel; PyTorch's own fallback on the CPU).
+    Otherwise — float32, float64 (the exactness tests), unaligned widths — one GEMM per
+    non-empty expert (no per-token loop). The result is [A, O].
     """
+    dtype = _grouped_kernel_dtype(x_AI, w_EIO)
+    if dtype is not None and x_AI.shape[0] > 0:
+        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        with torch.autocast(x_AI.device.type, enabled=False):
+            y = torch._grouped_mm(
+                x_AI.to(dtype), w_EIO.to(dtype), offs=offs.to(x_AI.device, non_blocking=True)
+            )
+        if y.requires_grad:  # its backward needs a dense incoming gradient
+            y.register_hook(lambda g: g.contiguous())
+        return y
     # unbind, not w_EIO[e]: the backward of E selects would materialise E full-size
     # zero gradients; unbind's backward stacks the E slices once.
     w_e = w_EIO.unbind(0)
@@ -218,6 +231,19 @@ def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> to
     if not outs:
         return x_AI.new_zeros(0, w_EIO.shape[-1])
     return torch.cat(outs, dim=0)
+
+
+_KERNEL_ALIGN = 8  # bf16 elements in 16 bytes: the grouped kernel's stride alignment
+
+
+def _grouped_kernel_dtype(x_AI: torch.Tensor, w_EIO: torch.Tensor) -> torch.dtype | None:
+    """bf16 when `grouped_mm` may call `torch._grouped_mm`, else None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    kind = x_AI.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_AI.dtype
+    aligned = x_AI.shape[-1] % _KERNEL_ALIGN == 0 and w_EIO.shape[-1] % _KERNEL_ALIGN == 0
+    return torch.bfloat16 if dtype == torch.bfloat16 and aligned else None
 
 
 class Experts(nn.Module):
