@@ -15,9 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
-from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, replace_section
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
 
@@ -25,12 +26,12 @@ STEPS = 20
 RTOL = 1.5e-2  # bf16 has 8 significant bits (~4e-3 per rounding); 20 steps of drift
 
 
-def _cfg(runtime: str, **parallel: Any) -> RunConfig:
+def _cfg(runtime: str, device: str = "cpu", dtype: str = "bfloat16", **parallel: Any) -> RunConfig:
     return RunConfig(
         model=ModelConfig(),
-        parallel=ParallelConfig(runtime=runtime, device="cpu", **parallel),
+        parallel=ParallelConfig(runtime=runtime, device=device, **parallel),
         train=TrainConfig(
-            dtype="bfloat16",  # mixed: float32 parameters (train.param_dtype = "")
+            dtype=dtype,  # bfloat16: mixed, float32 parameters (train.param_dtype = "")
             steps=STEPS,
             seq_len=16,
             global_batch_size=4,
@@ -41,10 +42,8 @@ def _cfg(runtime: str, **parallel: Any) -> RunConfig:
     )
 
 
-CASES = [
-    _cfg("disagg", groups=1, attn_workers=1, expert_workers=1),
-    _cfg("ep-1f1b", pp=1, ep=2),
-]
+DISAGG = {"groups": 1, "attn_workers": 1, "expert_workers": 1}
+CASES = [_cfg("disagg", **DISAGG), _cfg("ep-1f1b", pp=1, ep=2)]
 
 
 def _dtypes(trainer: Any) -> set[torch.dtype]:
@@ -88,6 +87,11 @@ def _train(cfgs: list[RunConfig]) -> list[dict[str, Any]]:
     return out
 
 
+def _reference_losses(cfg: RunConfig) -> list[float]:
+    ref = ReferenceTrainer(cfg)
+    return [ref.step(step).loss for step in range(STEPS)]
+
+
 def test_bf16_mixed_precision_matches_the_reference_under_autocast() -> None:
     results = run_ranks(_train, 2, CASES)
     ref = ReferenceTrainer(CASES[0])
@@ -107,3 +111,24 @@ def test_bf16_mixed_precision_matches_the_reference_under_autocast() -> None:
                 assert got["outputs"]["linear"] == {torch.bfloat16}, what
             errs = [abs(g - w) / abs(w) for g, w in zip(got["losses"], want, strict=True)]
             assert max(errs) < RTOL, f"{what}: loss rel errors {[f'{e:.1e}' for e in errs]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_on_cuda_against_the_cpu_reference() -> None:
+    """Two ranks on two GPUs (NCCL payloads, gloo headers): float32 within 1e-4 of the CPU
+    reference (other GEMM kernels), bf16 mixed precision within `RTOL`."""
+    cases = [
+        _cfg(runtime, device="cuda", dtype=dtype, **layout)
+        for dtype in ("float32", "bfloat16")
+        for runtime, layout in (("disagg", DISAGG), ("ep-1f1b", {"pp": 1, "ep": 2}))
+    ]
+    results = run_ranks(_train, 2, cases, device="cuda")
+    for k, cfg in enumerate(cases):
+        want = _reference_losses(replace_section(cfg, "parallel", device="cpu"))
+        tol = 1e-4 if cfg.train.dtype == "float32" else RTOL
+        for rank_out in results:
+            got = rank_out[k]
+            assert got["dtypes"] == {torch.float32}, cfg.parallel.runtime
+            errs = [abs(g - w) / abs(w) for g, w in zip(got["losses"], want, strict=True)]
+            assert max(errs) < tol, f"{cfg.parallel.runtime} {cfg.train.dtype}: {max(errs):.1e}"
