@@ -428,6 +428,7 @@ def test_bf16_grouped_kernel_equals_the_per_expert_loop(mode: str) -> None:
     from disagmoe.models.moe import _grouped_kernel_dtype, grouped_mm
 
     counts = [5, 0, 7, 4]
+    counts_E = torch.tensor(counts)
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(16, 64, generator=gen), torch.randn(4, 64, 32, generator=gen)
     if mode == "pure":
@@ -442,7 +443,7 @@ def test_bf16_grouped_kernel_equals_the_per_expert_loop(mode: str) -> None:
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
             assert _grouped_kernel_dtype(xg, wg) == torch.bfloat16
-            y = fn(xg, wg, counts)
+            y = fn(xg, wg, counts_E)
         y.float().pow(2).sum().backward()
         assert y.dtype == torch.bfloat16 and xg.grad is not None and wg.grad is not None
         assert xg.grad.dtype == x.dtype and wg.grad.dtype == w.dtype

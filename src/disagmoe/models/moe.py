@@ -206,24 +206,24 @@ def split_by_owner(routing: Routing, shards: Sequence[range]) -> list[Assignment
     return plans
 
 
-def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Grouped GEMM: rows of x sorted by group, `counts[e]` rows multiply `w_EIO[e]`.
+def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM: rows of x sorted by group, `counts_E[e]` rows multiply `w_EIO[e]`.
 
     In bf16 (pure, or under a bf16 autocast) with 16-byte aligned widths: one
-    `torch._grouped_mm` call (CUDA's grouped kernel; PyTorch's own fallback on the CPU).
-    Otherwise — float32, float64 (the exactness tests), unaligned widths — one GEMM per
-    non-empty expert (no per-token loop). The result is [A, O].
+    `torch._grouped_mm` call (CUDA's grouped kernel; PyTorch's own fallback on the CPU),
+    group offsets computed where `counts_E` lives: no host read. Otherwise — float32,
+    float64 (the exactness tests), unaligned widths — one GEMM per non-empty expert (no
+    per-token loop; the counts are read on the host). The result is [A, O].
     """
     dtype = _grouped_kernel_dtype(x_AI, w_EIO)
     if dtype is not None and x_AI.shape[0] > 0:
-        offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        offs = counts_E.cumsum(0).to(torch.int32)
         with torch.autocast(x_AI.device.type, enabled=False):
-            y = torch._grouped_mm(
-                x_AI.to(dtype), w_EIO.to(dtype), offs=offs.to(x_AI.device, non_blocking=True)
-            )
+            y = torch._grouped_mm(x_AI.to(dtype), w_EIO.to(dtype), offs=offs)
         if y.requires_grad:  # its backward needs a dense incoming gradient
             y.register_hook(lambda g: g.contiguous())
         return y
+    counts = counts_E.tolist()
     # unbind, not w_EIO[e]: the backward of E selects would materialise E full-size
     # zero gradients; unbind's backward stacks the E slices once.
     w_e = w_EIO.unbind(0)
@@ -276,7 +276,8 @@ class Experts(nn.Module):
     def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
         """Compute and combine: `y[r] = sum_{a: rows[a]=r} w_a * E_{experts[a]}(x[r])`."""
         order = torch.argsort(plan.experts_A, stable=True)
-        counts = torch.bincount(plan.experts_A, minlength=self.num_experts).tolist()
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=order.device)
+        counts.scatter_add_(0, plan.experts_A, torch.ones_like(plan.experts_A))
         rows = plan.rows_A[order]
         h = grouped_mm(x_RH[rows], self.gate_up, counts)
         gate, up = h.chunk(2, dim=-1)

@@ -204,6 +204,8 @@ class AttnWorker:
             if res.routing is not None:
                 assert res.u_TH is not None and res.aux is not None
                 plans = split_by_owner(res.routing, self.layout.expert_ranges())
+                # host metadata on purpose (shapes, known on the host already): it travels
+                # inside the header and the receiver splits the token ids by it there
                 counts = torch.tensor([plan.token_ids.numel() for plan in plans], dtype=torch.long)
                 act_payload += [counts, torch.cat([plan.token_ids for plan in plans])]
                 message = self.precision.message
