@@ -127,8 +127,8 @@ def clip_gradients(
 
     `counted[i]` says whether this process counts parameter i toward the norm
     (a parameter replicated on several workers is counted by one of them);
-    `reduce_sum` sums the squared norm over workers. Gradients are scaled by
-    `min(1, max_norm / (norm + 1e-6))` on the device.
+    `reduce_sum` sums the squared norm over workers. Above `max_norm`, gradients are
+    scaled by `max_norm / (norm + 1e-6)` on the device.
     """
     sq = loss_total(params[0].device if params else HOST)
     for param, count in zip(params, counted, strict=True):
@@ -138,7 +138,9 @@ def clip_gradients(
         sq = reduce_sum(sq)
     norm = sq.sqrt()
     if max_norm > 0:
-        factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        # 1 unless norm > max_norm (a NaN norm leaves the gradients as they are, so the
+        # loop can name the ranks whose own gradients are non-finite)
+        factor = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
         for param in params:
             if param.grad is not None:
                 param.grad.mul_(factor)
