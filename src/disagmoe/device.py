@@ -1,12 +1,12 @@
 """The run's device, in one place: which device a rank computes on, which backends its
-process groups use, and the few device-specific calls (peak memory).
+process groups use, and the few device-specific calls (peak memory, synchronisation, names).
 
 * `parallel.device` (`--device`): `auto` (CUDA when it is available, else the CPU),
   `cpu` or `cuda`. Under torchrun every local rank takes the accelerator of its
   `LOCAL_RANK` (not device 0 for all), set as the current device before the process
   group starts, which then binds to it (`device_id=`).
 * Backends: on CPU everything is gloo. On CUDA the default group is
-  `cpu:gloo,cuda:nccl`, so a host tensor (a metrics row, a gradient-norm read) still
+  `cpu:gloo,cuda:nccl`, so a host tensor (a metrics row, a batch count) still
   reduces over gloo and a device tensor over NCCL; message headers always travel on
   gloo groups (host memory, read by the receiver before it allocates), payloads on
   groups of the device backend (`payload_backend`). `parallel.backend` other than
@@ -121,10 +121,3 @@ def device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     threads = torch.get_num_threads()
     return f"cpu ({threads} thread{'s' if threads > 1 else ''})"
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` in host memory (a copy from an accelerator; `t` itself on the CPU). For the
-    places that must read a device tensor on the host: checkpoints, exports, once-per-step
-    metrics."""
-    return t.to(HOST)

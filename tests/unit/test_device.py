@@ -65,8 +65,8 @@ def test_device_is_a_validated_parallel_field() -> None:
 
 def test_no_device_type_or_host_copy_outside_the_device_module() -> None:
     """Hot paths stay on the run's device: `.cpu()`, `torch.device("cpu")` and the names
-    "cpu" / "cuda" appear only in the allow-listed files (`device.HOST`, `device.to_host`
-    and `device.is_accelerator` are what the others use)."""
+    "cpu" / "cuda" appear only in the allow-listed files (`device.HOST` and
+    `device.is_accelerator` are what the others use)."""
     found = []
     for path in sorted(SRC.rglob("*.py")):
         rel = path.relative_to(SRC).as_posix()
