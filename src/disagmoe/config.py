@@ -34,6 +34,7 @@ DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine", "wsd")  # runtime.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
 PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)
+DEVICES = ("auto", "cpu", "cuda")  # disagmoe.device: what each resolves to on a rank
 
 
 def _require(condition: bool, message: str) -> None:
@@ -152,7 +153,13 @@ class ParallelConfig:
     world_size: int = field(  # 0: p*(m+n) for disagg, pp*ep for the baselines
         default=0, metadata=flag("workers (default: p*(m+n), or pp*ep for ep-*)")
     )
-    backend: str = "auto"  # auto | gloo | nccl
+    device: str = field(
+        default="auto",
+        metadata=flag(
+            "where ranks compute: auto (CUDA when available), cpu or cuda", choices=DEVICES
+        ),
+    )
+    backend: str = "auto"  # auto (from the device: disagmoe.device) | gloo | nccl
     placement: str = field(
         default="node-aware",
         metadata=flag(
@@ -182,6 +189,10 @@ class ParallelConfig:
         ):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
+        _require(
+            self.device in DEVICES,
+            f"parallel.device must be one of {', '.join(DEVICES)}, got {self.device!r}",
+        )
         _require(
             self.placement in PLACEMENTS,
             f"parallel.placement must be one of {', '.join(PLACEMENTS)}, got {self.placement!r}",
@@ -239,7 +250,22 @@ class TrainConfig:
 
     steps: int = field(default=100, metadata=flag())
     seed: int = field(default=0, metadata=flag())
-    dtype: str = field(default="float32", metadata=flag(choices=DTYPES))
+    dtype: str = field(  # runtime/precision.py: compute vs parameter dtype
+        default="float32",
+        metadata=flag(
+            "compute dtype; bfloat16 is mixed precision (autocast, float32 master weights and "
+            "optimizer state) unless --param-dtype bfloat16",
+            choices=DTYPES,
+        ),
+    )
+    param_dtype: str = field(  # "": float32 for --dtype bfloat16, else --dtype
+        default="",
+        metadata=flag(
+            "dtype of weights, gradients and optimizer state (default: float32 for --dtype "
+            "bfloat16, else --dtype); --param-dtype bfloat16: pure bf16",
+            choices=DTYPES,
+        ),
+    )
     seq_len: int = field(default=64, metadata=flag())
     global_batch_size: int = field(default=8, metadata=flag("sequences per optimizer step"))
     micro_batch_size: int = field(default=2, metadata=flag("sequences per micro-batch"))
@@ -362,6 +388,17 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
+        _require(
+            self.param_dtype in ("", *DTYPES),
+            f"train.param_dtype must be empty or one of {', '.join(DTYPES)}",
+        )
+        _require(
+            self.param_dtype in ("", self.dtype)
+            or (self.dtype == "bfloat16" and self.param_dtype == "float32"),
+            f"train.param_dtype ({self.param_dtype}) differs from train.dtype ({self.dtype}): "
+            "mixed precision is --dtype bfloat16 with float32 parameters; give --param-dtype "
+            f"float32 or {self.dtype}",
+        )
         _require(self.data_dtype in DATA_DTYPES, "train.data_dtype must be uint16 or uint32")
         _require(
             self.lr_schedule in LR_SCHEDULES,

@@ -299,7 +299,13 @@ def split_micro_batches(batch: torch.Tensor, micro_batch_size: int) -> list[torc
     return list(batch.split(micro_batch_size))
 
 
-def inputs_targets(samples: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs_targets(
+    samples: torch.Tensor, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, next-token targets) of a batch of sequences, on `device` (default: where
+    `samples` are): one copy of the samples, then two views made contiguous there."""
+    if device is not None:
+        samples = samples.to(device, non_blocking=True)
     return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
 
 

@@ -24,11 +24,14 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from .command import CommandFailed, resolve_train_config, run_command, train_parser
 from .config import RunConfig, replace_section
 from .config_io import from_dict, to_dict
+from .device import bind_device, check_device, default_backend, init_kwargs, resolve_device
 from .runtime.observe import prepare_run_dir
 
 
 def world_size_for(cfg: RunConfig) -> int:
-    """Ranks a runtime needs; validates the layout so errors surface before any spawn."""
+    """Ranks a runtime needs; validates the layout and the device so errors surface before
+    any spawn."""
+    check_device(cfg.parallel.device)
     world = _world_size(cfg)
     if cfg.train.fail_at_step >= 0 and cfg.train.fail_rank >= world:
         raise ValueError(
@@ -84,15 +87,17 @@ def _init_process_group(cfg: RunConfig) -> None:
     """Join the job's process group; after an elastic restart, under a fresh store prefix.
 
     The launcher's store outlives a failed attempt, so the keys (peer addresses) of the
-    dead attempt must not be read by the new one.
+    dead attempt must not be read by the new one. The rank's device (`disagmoe.device`)
+    is bound first, and the group to it.
     """
-    backend = cfg.parallel.backend
-    if backend == "auto":
-        backend = "gloo"
+    device = resolve_device(cfg.parallel.device)
+    bind_device(device)
+    backend = default_backend(device, cfg.parallel.backend)
+    extra = init_kwargs(device)
     timeout = timedelta(seconds=max(cfg.train.comm_timeout_s, 60))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if attempt is None:
-        dist.init_process_group(backend, timeout=timeout)
+        dist.init_process_group(backend, timeout=timeout, **extra)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     base = dist.TCPStore(
@@ -103,7 +108,9 @@ def _init_process_group(cfg: RunConfig) -> None:
         timeout=timeout,
     )
     store = dist.PrefixStore(f"disagmoe/attempt{attempt}", base)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra
+    )
 
 
 def _worker(cfg_dict: dict[str, Any], run_dir: str) -> list[dict[str, Any]]:
@@ -180,6 +187,7 @@ def check_inputs(cfg: RunConfig) -> None:
 def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
     """Train as configured from a plain process (the CLI); returns the run dir and rank-0 records."""
     nprocs = world_size_for(cfg)
+    check_device(cfg.parallel.device, nprocs)
     cfg = resolve_memory(cfg, nprocs)
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)

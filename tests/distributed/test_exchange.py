@@ -1,5 +1,6 @@
-"""The wire format of a message on two gloo groups per channel: inline small tensors,
-payloads, empty tensors, dtypes, identity checks (two ranks, one spawn)."""
+"""The wire format of a message on a channel of `Topology.build` (on CPU its header and
+payload groups are both gloo): inline small tensors, payloads, empty tensors, dtypes,
+identity checks (two ranks, one spawn)."""
 
 from __future__ import annotations
 
@@ -23,10 +24,20 @@ def _messages() -> list[list[torch.Tensor]]:
 def _exchange() -> list[str]:
     import torch.distributed as dist
 
+    from disagmoe.config import ParallelConfig
+    from disagmoe.device import HOST_BACKEND, payload_backend, resolve_device
     from disagmoe.distributed.exchange import ProtocolError, Receiver, send_message
-    from disagmoe.distributed.topology import Channel
+    from disagmoe.distributed.layout import Layout
+    from disagmoe.distributed.topology import Topology
+    from disagmoe.presets import MODEL_PRESETS
 
-    channel = Channel(dist.new_group([0, 1]), dist.new_group([0, 1]))
+    device = resolve_device("cpu")
+    layout = Layout.build(
+        MODEL_PRESETS["tiny"], ParallelConfig(attn_workers=1, expert_workers=1, device="cpu")
+    )
+    topo = Topology.build(layout, device=device, payload_backend=payload_backend(device))
+    channel = topo.stream(0, 1, "fwd")
+    assert dist.get_backend(channel.header) == HOST_BACKEND == dist.get_backend(channel.payload)
     messages = _messages()
     if dist.get_rank() == 0:
         works = [
@@ -36,7 +47,9 @@ def _exchange() -> list[str]:
         for w in works:
             w.wait()
         return []
-    rx = Receiver(0, channel, window=2)  # fewer posted ahead than messages: reposting works
+    rx = Receiver(
+        0, channel, window=2, device=topo.device
+    )  # fewer posted ahead than messages: reposting works
     rx.start(len(messages) + 1)
     checks = []
     for k, sent in enumerate(messages):

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from disagmoe.testing.cli import run_cli
 
@@ -78,6 +79,18 @@ def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) 
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("runtime", ["disagg", "reference"])
+def test_device_cuda_without_cuda_one_line_exit_2(runtime: str, tmp_path: Path) -> None:
+    result = disagmoe(
+        "train", "--runtime", runtime, "--device", "cuda", "--run-dir", str(tmp_path / "r")
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("disagmoe: error: --device cuda: CUDA is not")
+    assert not (tmp_path / "r").exists()  # before any rank started, nothing written
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ def test_each_placement_is_a_row_with_its_own_flags() -> None:
     assert flags[flags.index("--runtime") + 1] == "disagg"
     assert flags[flags.index("--placement") + 1] == "packed"
     assert flags[flags.index("--ranks-per-node") + 1] == "2"
+    assert flags[flags.index("--device") + 1] == "cpu"  # the emulated cluster is CPUs
     # 4 nodes x 2 ranks, p = 2, m = n = 2: node-aware mixes A and F on every node
     aware, packed = spec.layout("disagg"), spec.layout("disagg (packed)")
     assert [[aware.role(r).comp for r in (2 * k, 2 * k + 1)] for k in range(4)] == [["A", "F"]] * 4

@@ -20,6 +20,8 @@ CONFIG_FLAGS = {
     "--virtual-stages": "parallel.virtual_stages",
     "--overlap-chunks": "parallel.overlap_chunks",
     "--world-size": "parallel.world_size",
+    "--device": "parallel.device",
+    "--param-dtype": "train.param_dtype",
     "--placement": "parallel.placement",
     "--ranks-per-node": "parallel.ranks_per_node",
     "--threads-per-rank": "parallel.threads_per_rank",

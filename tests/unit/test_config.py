@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from disagmoe.config_io import apply_overrides, dump_toml, from_dict, load_toml, save_toml
@@ -99,3 +100,19 @@ def test_toml_preset_key_and_errors(tmp_path: Path) -> None:
         load_toml(tmp_path / "missing.toml")
     with pytest.raises(ValueError, match="unknown model preset"):
         from_dict({"model": {"preset": "gpt-5"}})
+
+
+def test_param_dtype_resolves_mixed_or_pure_precision() -> None:
+    from disagmoe.runtime.precision import Precision, param_dtype_name
+
+    host = torch.device("cpu")
+    mixed = Precision.for_run(TrainConfig(dtype="bfloat16"), host)
+    assert (mixed.param, mixed.compute, mixed.mixed) == (torch.float32, torch.bfloat16, True)
+    pure = Precision.for_run(TrainConfig(dtype="bfloat16", param_dtype="bfloat16"), host)
+    assert pure.param == pure.compute == torch.bfloat16 and not pure.mixed
+    assert param_dtype_name(TrainConfig(dtype="float64")) == "float64"
+    assert param_dtype_name(TrainConfig(dtype="bfloat16", param_dtype="float32")) == "float32"
+    with pytest.raises(ValueError, match="mixed precision is --dtype bfloat16 with float32"):
+        TrainConfig(dtype="float32", param_dtype="bfloat16")
+    with pytest.raises(ValueError, match="mixed precision is --dtype bfloat16 with float32"):
+        TrainConfig(dtype="bfloat16", param_dtype="float64")

@@ -76,3 +76,30 @@ def test_toml_keys_and_the_min_lr_ratio_migration(tmp_path: Path) -> None:
     assert math.isclose(from_dict({"train": {"min_lr_ratio": 0.5}}).train.min_lr, 1.5e-3)
     with pytest.raises(ValueError, match="not both"):
         from_dict({"train": {"min_lr_ratio": 0.5, "min_lr": 0.0}})
+
+
+def test_clipping_runs_on_the_device_and_only_above_the_limit() -> None:
+    """`clip_gradients` returns the norm as a tensor (no host read) and scales only when
+    the norm exceeds the limit; a NaN norm leaves the gradients as they are."""
+    import torch
+
+    from disagmoe.runtime.objective import clip_gradients
+
+    def params(*grads: list[float]) -> list[torch.nn.Parameter]:
+        out = []
+        for g in grads:
+            p = torch.nn.Parameter(torch.zeros(len(g)))
+            p.grad = torch.tensor(g)
+            out.append(p)
+        return out
+
+    big = params([3.0, 4.0], [0.0])
+    norm = clip_gradients(big, [True, True], 1.0)
+    assert isinstance(norm, torch.Tensor) and float(norm) == 5.0
+    assert big[0].grad is not None and torch.allclose(big[0].grad, torch.tensor([0.6, 0.8]))
+    small = params([0.3, 0.4])
+    assert float(clip_gradients(small, [True], 1.0)) == pytest.approx(0.5)
+    assert small[0].grad is not None and small[0].grad.tolist() == pytest.approx([0.3, 0.4])
+    bad = params([math.nan, 1.0])
+    assert math.isnan(float(clip_gradients(bad, [True], 1.0)))
+    assert bad[0].grad is not None and bad[0].grad[1] == 1.0

@@ -129,3 +129,20 @@ def test_meter_counts_unique_saved_storages_until_backward() -> None:
     assert meter.current == x.numel() * 4
     meter.release((0, 0))
     assert meter.current == 0
+
+
+def test_mixed_precision_states_are_float32_and_activations_bf16() -> None:
+    """--dtype bfloat16 keeps fp32 weights, grads and moments (16 bytes per parameter);
+    --param-dtype bfloat16 (pure bf16) 8; activations are bf16-sized in both."""
+    mixed = budget.predict_memory(_cfg(dtype="bfloat16"), 2)
+    pure = budget.predict_memory(_cfg(dtype="bfloat16", param_dtype="bfloat16"), 2)
+    fp32 = budget.predict_memory(_cfg(dtype="float32"), 2)
+    for role in ("attn", "ffn"):
+        m, p, f = (getattr(x, role) for x in (mixed, pure, fp32))
+        assert m.states == f.states == 2 * p.states
+        assert m.activations == p.activations < f.activations
+
+
+def test_the_run_device_sets_the_gpu_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(budget, "is_accelerator", lambda device: True)
+    assert budget.default_memory_gib(_cfg(), 8) == RunConfig().cluster.gpu_mem_gib

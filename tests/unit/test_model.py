@@ -418,3 +418,38 @@ def test_split_by_owner_rejects_shards_that_do_not_cover_the_experts() -> None:
         split_by_owner(routing, [range(0, 4), range(5, 8)])
     with pytest.raises(ValueError, match="every shard needs at least one expert"):
         split_experts(8, 9)
+
+
+@pytest.mark.parametrize("mode", ["pure", "autocast"])
+def test_bf16_grouped_kernel_equals_the_per_expert_loop(mode: str) -> None:
+    """bf16 takes `torch._grouped_mm` (PyTorch's CPU fallback here, CUDA's kernel on a
+    GPU): forward and both gradients equal the per-expert GEMMs', empty groups included;
+    float32 / float64 and unaligned widths keep the loop."""
+    from disagmoe.models.moe import _grouped_kernel_dtype, grouped_mm
+
+    counts = [5, 0, 7, 4]
+    counts_E = torch.tensor(counts)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(16, 64, generator=gen), torch.randn(4, 64, 32, generator=gen)
+    if mode == "pure":
+        x, w = x.bfloat16(), w.bfloat16()
+
+    def loop(x_AI: torch.Tensor, w_EIO: torch.Tensor) -> torch.Tensor:
+        parts = x_AI.split(counts)
+        return torch.cat([parts[e] @ w_EIO[e] for e in range(4) if counts[e]])
+
+    results = []
+    for fn in (grouped_mm, lambda a, b, _c: loop(a, b)):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            assert _grouped_kernel_dtype(xg, wg) == torch.bfloat16
+            y = fn(xg, wg, counts_E)
+        y.float().pow(2).sum().backward()
+        assert y.dtype == torch.bfloat16 and xg.grad is not None and wg.grad is not None
+        assert xg.grad.dtype == x.dtype and wg.grad.dtype == w.dtype
+        results.append((y, xg.grad, wg.grad))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    assert _grouped_kernel_dtype(x.float(), w.float()) is None
+    assert _grouped_kernel_dtype(x.double(), w.double()) is None
+    assert _grouped_kernel_dtype(x.bfloat16()[:, :60], w.bfloat16()[:, :60]) is None

@@ -126,7 +126,13 @@ def test_one_expert_shard_of_qwen3_30b_allocates_only_its_experts() -> None:
     cfg = RunConfig(
         model=model,
         parallel=ParallelConfig(groups=1, attn_workers=1, expert_workers=16),
-        train=TrainConfig(dtype="bfloat16", seq_len=16, global_batch_size=8, micro_batch_size=2),
+        train=TrainConfig(
+            dtype="bfloat16",
+            param_dtype="bfloat16",  # pure bf16 weights
+            seq_len=16,
+            global_batch_size=8,
+            micro_batch_size=2,
+        ),
     )
     layout = Layout.build(cfg.model, cfg.parallel)
     worker = build_worker(

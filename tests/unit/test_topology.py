@@ -27,11 +27,19 @@ def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int, placement
     layout = _layout(p, m, n, placement)
     created: list[tuple[int, ...]] = []
 
-    def fake(ranks: Sequence[int]) -> tuple[int, ...]:
+    backends: list[str] = []
+
+    def fake(ranks: Sequence[int], *, backend: str) -> tuple[int, ...]:
         created.append(tuple(ranks))
+        backends.append(backend)
         return tuple(ranks)
 
-    topo = Topology.build(layout, rank=layout.expert_rank(p - 1, n - 1), new_group=fake)
+    topo = Topology.build(
+        layout, rank=layout.expert_rank(p - 1, n - 1), new_group=fake, payload_backend="nccl"
+    )
+    # headers (host tensors) always on gloo; payloads and replica groups on the device's
+    assert backends.count("gloo") == 4 and backends.count("nccl") == 4 + p
+    assert all(backends[i] == "gloo" for i in range(0, 8, 2))
     # header + payload per channel and direction, and the replica groups
     assert topo.process_groups == len(created) == 8 + p
     membership = Counter(r for ranks in created for r in ranks)
@@ -49,7 +57,9 @@ def test_group_count_does_not_grow_with_m_or_n(p: int, m: int, n: int, placement
 
 def test_attention_rank_gets_its_replica_group() -> None:
     layout = _layout(2, 3, 2)
-    topo = Topology.build(layout, rank=layout.attn_rank(1, 2), new_group=tuple)
+    topo = Topology.build(
+        layout, rank=layout.attn_rank(1, 2), new_group=lambda ranks, backend: tuple(ranks)
+    )
     assert topo.replica_group == tuple(layout.attn_replicas(1))
 
 
@@ -63,7 +73,7 @@ def test_directions_follow_rank_numbers_under_a_permuted_placement() -> None:
         "A(g0,r1)",
         "F(g0,j1)",
     ]
-    topo = Topology.build(layout, rank=0, new_group=lambda ranks: object())
+    topo = Topology.build(layout, rank=0, new_group=lambda ranks, backend: object())
     a1, f0 = layout.attn_rank(0, 1), layout.expert_rank(0, 0)
     assert a1 > f0  # a dispatch to a lower rank
     assert topo.stream(a1, f0, "fwd") is topo.channels[("fwd", "down")]

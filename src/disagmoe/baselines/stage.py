@@ -21,10 +21,12 @@ import torch
 from torch.distributed.pipelining import PipelineStage
 
 from ..config import RunConfig
+from ..device import HOST
 from ..models import DecoderLayer, Experts, MoETransformer, build_meta_model
 from ..models.layers import rope_tables
 from ..runtime.objective import LossScale
 from ..runtime.observe import Tracer, message_event_name, stage_event_name
+from ..runtime.precision import Precision
 from ..runtime.setup import materialize_initial_weights
 from ..runtime.stages import NamedParts
 from .layout import EPLayout
@@ -36,13 +38,13 @@ class AuxLossScaler(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.aux_meta = (aux.shape, aux.dtype)
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
         return out.clone()  # a new tensor: PyTorch detaches stage outputs in place
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        shape, dtype = ctx.aux_meta
-        return grad, torch.ones(shape, dtype=dtype)
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
 
 
 class StageModule(NamedParts):
@@ -60,16 +62,18 @@ class StageModule(NamedParts):
         ep_rank: int,
         scale: LossScale,
         comm: EPComm,
+        precision: Precision,
     ) -> None:
         super().__init__()
         self.cfg = model.cfg
+        self.precision = precision
         self.stage = stage
         self.layer_ids = list(layout.layers_of_stage(stage))
         self.is_first = stage == 0
         self.is_last = stage == layout.num_stages - 1
         self.scale = scale
         self.comm = comm
-        self.aux_sum = 0.0
+        self.aux_sum: torch.Tensor | float = 0.0  # a device tensor once a term was added
         if self.is_first:
             self.add("embed", model.embed)
         for l in self.layer_ids:
@@ -84,6 +88,10 @@ class StageModule(NamedParts):
             self.add("lm_head", model.lm_head)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.precision.autocast():  # entered here: autocast state is per thread
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self["embed"](x)
         c = self.cfg
@@ -105,21 +113,31 @@ class StageModule(NamedParts):
         aux = self.scale.aux(auxes)
         if aux is None:
             return x
-        self.aux_sum += float(aux.detach())
+        self.aux_sum = self.aux_sum + aux.detach().double()
         return AuxLossScaler.apply(x, aux)
 
 
 def build_stage_modules(
-    cfg: RunConfig, layout: EPLayout, pp_rank: int, ep_rank: int, scale: LossScale, comm: EPComm
+    cfg: RunConfig,
+    layout: EPLayout,
+    pp_rank: int,
+    ep_rank: int,
+    scale: LossScale,
+    comm: EPComm,
+    device: torch.device = HOST,
 ) -> list[StageModule]:
     """The stages of pipeline rank `pp_rank`, holding EP shard `ep_rank` of the experts, with
-    the run's initial weights: built from a meta model and materialised alone (tied
-    embedding and LM head stay one parameter across the rank's stages)."""
+    the run's initial weights on `device`: built from a meta model and materialised alone
+    (tied embedding and LM head stay one parameter across the rank's stages)."""
     model = build_meta_model(cfg.model)
+    precision = Precision.for_run(cfg.train, device)
     modules = [
-        StageModule(model, layout, s, ep_rank, scale, comm) for s in layout.stages_of(pp_rank)
+        StageModule(model, layout, s, ep_rank, scale, comm, precision)
+        for s in layout.stages_of(pp_rank)
     ]
-    materialize_initial_weights(cfg, modules, first_expert=ep_rank * layout.experts_per_rank)
+    materialize_initial_weights(
+        cfg, modules, first_expert=ep_rank * layout.experts_per_rank, device=device
+    )
     return modules
 
 

@@ -35,6 +35,7 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
+from ..device import resolve_device
 from ..distributed.topology import allreduce_grads, world_sum
 from ..runtime.evaluate import EvalSet
 from ..runtime.objective import (
@@ -43,9 +44,11 @@ from ..runtime.objective import (
     build_optimizer,
     fill_missing_grads,
     finish_step,
+    loss_total,
     torch_dtype,
 )
 from ..runtime.observe import Tracer
+from ..runtime.precision import param_dtype_name
 from ..runtime.setup import apply_variants, build_data, set_threads
 from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
@@ -61,6 +64,7 @@ class EPTrainer:
     def __init__(self, cfg: RunConfig, *, overlap_chunks: int | None = None) -> None:
         self.cfg = cfg
         self.rank = dist.get_rank()
+        self.device = resolve_device(cfg.parallel.device)
         self.layout = EPLayout.build(cfg.model, cfg.parallel, cfg.train, dist.get_world_size())
         self.groups = EPGroups.build(self.layout, self.rank)
         self.pp_rank, self.dp_rank, self.ep_rank, self.edp_rank = self.layout.coords(self.rank)
@@ -76,7 +80,7 @@ class EPTrainer:
         )
         self.stage_ids = self.layout.stages_of(self.pp_rank)
         self.modules = build_stage_modules(
-            cfg, self.layout, self.pp_rank, self.ep_rank, self.scale, self.comm
+            cfg, self.layout, self.pp_rank, self.ep_rank, self.scale, self.comm, self.device
         )
         apply_variants(cfg, self.modules)
         self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
@@ -97,13 +101,15 @@ class EPTrainer:
 
     def _stage(self, module: StageModule) -> TracedStage:
         c, t = self.cfg.model, self.cfg.train
-        dtype = torch_dtype(t.dtype)
+        # the residual stream in the parameters' dtype, logits in the compute dtype
+        dtype, logits_dtype = torch_dtype(param_dtype_name(t)), torch_dtype(t.dtype)
         B, S = t.micro_batch_size, t.seq_len
         # Static shapes (no metadata inference pass); requires_grad marks what carries gradients.
-        hidden = torch.zeros(B, S, c.dim, dtype=dtype, requires_grad=True)
-        example_in = torch.zeros(B, S, dtype=torch.long) if module.is_first else hidden
+        dev = self.device
+        hidden = torch.zeros(B, S, c.dim, dtype=dtype, device=dev, requires_grad=True)
+        example_in = torch.zeros(B, S, dtype=torch.long, device=dev) if module.is_first else hidden
         example_out = (
-            torch.zeros(B, S, c.vocab_size, dtype=dtype, requires_grad=True)
+            torch.zeros(B, S, c.vocab_size, dtype=logits_dtype, device=dev, requires_grad=True)
             if module.is_last
             else hidden
         )
@@ -111,7 +117,7 @@ class EPTrainer:
             module,
             module.stage,
             self.layout.num_stages,
-            torch.device("cpu"),
+            dev,
             input_args=example_in,
             output_args=example_out,
             group=self.groups.pp,
@@ -137,7 +143,7 @@ class EPTrainer:
             mbs[self.layout.global_micro_batch(self.dp_rank, s)]
             for s in range(self.layout.num_local_micro_batches)
         ]
-        inputs, targets = zip(*(inputs_targets(m) for m in mine), strict=True)
+        inputs, targets = zip(*(inputs_targets(m, self.device) for m in mine), strict=True)
         return torch.cat(inputs), torch.cat(targets)
 
     def _all_reduce(
@@ -192,7 +198,7 @@ class EPTrainer:
             named_params=self.named_params,
             counted=self.counted,
             optimizer=self.optimizer,
-            ce=sum(float(x.detach()) for x in losses) if self.has_last else 0.0,
+            ce=sum((x.detach().double() for x in losses), loss_total(self.device)),
             aux=sum(m.aux_sum for m in self.modules),
             capture_grads=capture_grads,
             reduce_sum=world_sum,
@@ -210,13 +216,13 @@ class EPTrainer:
         assert self.eval_set is not None
         t = self.cfg.train
         B, n = t.micro_batch_size, self.layout.num_local_micro_batches
-        inputs = targets = torch.zeros(0)
+        inputs = targets = torch.zeros(0, device=self.device)
         if self.batches is not None:
             inputs, targets = self._local_batch(self.eval_set.batch(index))
         owner = self.layout.stage_to_pp_rank()
         held: dict[int, list[torch.Tensor]] = {}  # stage -> outputs for this rank's next stage
         sends: list[Any] = []
-        ce = 0.0
+        ce = loss_total(self.device)
         train_tracer, self.comm.tracer, self.comm.step = self.comm.tracer, self.eval_tracer, step
         try:
             with torch.no_grad():
@@ -235,7 +241,7 @@ class EPTrainer:
                             dist.recv(x, self.layout.rank_of(owner[s - 1], self.dp_rank))
                         y = module(x)
                         if module.is_last:
-                            ce += float(self.scale.ce(y, targets[mb * B : (mb + 1) * B]))
+                            ce += self.scale.ce(y, targets[mb * B : (mb + 1) * B]).double()
                         elif owner[s + 1] == self.pp_rank:
                             held[s].append(y)
                         else:
@@ -245,7 +251,7 @@ class EPTrainer:
                     work.wait()
         finally:
             self.comm.tracer = train_tracer
-        return float(world_sum(torch.tensor([ce], dtype=torch.float64))[0])
+        return float(world_sum(ce.reshape(1))[0])
 
     def expert_shard(self) -> tuple[int, int] | None:
         """Global expert ids [lo, hi) of this rank's shard (every rank holds one)."""

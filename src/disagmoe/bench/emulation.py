@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..device import device_name, is_accelerator, synchronize
 from ..models import (
     Assignments,
     AttentionBlock,
@@ -202,7 +203,9 @@ def emulate_compute(module: nn.Module, costs: ComputeCosts, recompute: str = "no
 def calibrate(
     model: MoETransformer, *, seq_len: int, micro_batch_size: int, repeats: int = 8
 ) -> ComputeCosts:
-    """Measure this machine's real attention and expert durations for `model` (1 thread).
+    """Measure this machine's real attention and expert durations for `model` on the device
+    its parameters live on (on the CPU with 1 thread; on an accelerator synchronised
+    around every timed call).
 
     Times forward and forward+backward of the first four MoE layers' `AttentionBlock`
     at two token counts (one micro-batch and half of one) and of their `Experts` at
@@ -227,9 +230,10 @@ def calibrate(
         sizes = (shapes[0][0] * shapes[0][1], shapes[1][0] * shapes[1][1])
         gen = torch.Generator().manual_seed(0)
         dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
 
         def attn_times(shape: tuple[int, int]) -> tuple[float, float]:
-            x = torch.randn(*shape, cfg.dim, generator=gen, dtype=dtype)
+            x = torch.randn(*shape, cfg.dim, generator=gen, dtype=dtype).to(device)
             cos, sin = model.rope(shape[1], x)
 
             def call(l: int) -> Callable[[], None]:
@@ -238,10 +242,10 @@ def calibrate(
                 outs = [out.residual_BSH, out.u_TH, out.routing.weights_TK]
                 return lambda: torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-            return _fwd_bwd_medians(call, layers, repeats)
+            return _fwd_bwd_medians(call, layers, repeats, device)
 
         def expert_times(tokens: int) -> tuple[float, float, int]:
-            u = torch.randn(tokens, cfg.dim, generator=gen, dtype=dtype)
+            u = torch.randn(tokens, cfg.dim, generator=gen, dtype=dtype).to(device)
             block = model.decoder_layer(layers[0]).attn_block
             assert block.router is not None
             with torch.no_grad():
@@ -253,7 +257,7 @@ def calibrate(
                 y = experts(u.detach().requires_grad_(), plan)
                 return lambda: y.backward(torch.ones_like(y))
 
-            return (*_fwd_bwd_medians(call, layers, repeats), plan.rows_A.numel())
+            return (*_fwd_bwd_medians(call, layers, repeats, device), plan.rows_A.numel())
 
         a_big, a_small = attn_times(shapes[0]), attn_times(shapes[1])
         e_big, e_small = expert_times(sizes[0]), expert_times(sizes[1])
@@ -262,7 +266,10 @@ def calibrate(
             attn_bwd=_fit(sizes, (a_big[1], a_small[1])),
             expert_fwd=_fit((e_big[2], e_small[2]), (e_big[0], e_small[0])),
             expert_bwd=_fit((e_big[2], e_small[2]), (e_big[1], e_small[1])),
-            note=f"measured: model {cfg.name}, {micro_batch_size}x{seq_len} tokens, 1 thread",
+            note=(
+                f"measured: model {cfg.name}, {micro_batch_size}x{seq_len} tokens, "
+                f"{device_name(device) if is_accelerator(device) else '1 thread'}, {dtype}"
+            ).replace("torch.", ""),
         )
     finally:
         model.zero_grad(set_to_none=True)
@@ -273,17 +280,23 @@ _WARMUP = 4  # passes over the layers before timing (allocator and caches settle
 
 
 def _fwd_bwd_medians(
-    call: Callable[[int], Callable[[], None]], layers: list[int], repeats: int
+    call: Callable[[int], Callable[[], None]],
+    layers: list[int],
+    repeats: int,
+    device: torch.device,
 ) -> tuple[float, float]:
     """Median forward and backward seconds of `call(layer)` (runs the forward, returns the
     backward), cycling through `layers` `repeats` times after `_WARMUP` untimed passes."""
     fwd, both = [], []
     for rep in range(repeats + _WARMUP):
         for l in layers:
+            synchronize(device)
             t0 = time.perf_counter()
             backward = call(l)
+            synchronize(device)
             t1 = time.perf_counter()
             backward()
+            synchronize(device)
             t2 = time.perf_counter()
             if rep >= _WARMUP:
                 fwd.append(t1 - t0)

@@ -207,6 +207,7 @@ class BenchSpec:
             "--global-batch-size", str(self.global_batch_size),
             "--micro-batch-size", str(self.micro_batch_size), "--steps", str(self.steps),
             "--threads-per-rank", "1", "--no-progress", "--run-dir", str(run_dir),
+            "--device", "cpu",  # an emulated CPU cluster (gloo over veth), GPU or not
             "--comm-timeout", str(max(self.timeout_s / 2, 30.0)),
             *self.layout_flags(entry),
         ]  # fmt: skip

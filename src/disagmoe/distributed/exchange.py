@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..device import HOST
 from .topology import Channel
 
 IDENT_LEN = 4  # a message names itself, e.g. (kind, layer, slot, step)
@@ -83,7 +84,7 @@ def encode_header(
     pos = META_WORDS * 8
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        inline = t.device.type == "cpu" and pos + nbytes <= HEADER_BYTES
+        inline = t.device == HOST and pos + nbytes <= HEADER_BYTES
         if inline and nbytes:
             header[pos : pos + nbytes] = t.detach().reshape(-1).view(torch.uint8).numpy()
             pos += _align(nbytes)
@@ -182,7 +183,7 @@ class Receiver:
         self.src = src
         self.channel = channel
         self.window = window
-        self.device = device or torch.device("cpu")
+        self.device = device or HOST
         self.posted: deque[tuple[torch.Tensor, dist.Work]] = deque()
         self.unposted = 0
 

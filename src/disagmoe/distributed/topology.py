@@ -15,6 +15,10 @@ A fixed set, whatever m and n are (docs/design.md §2.3, §4):
   all-reduce);
 * the world group (loss/metrics reduction, global gradient norm).
 
+Headers are host tensors: their groups are always gloo (`device.HOST_BACKEND`).
+Payload and replica groups use `payload_backend` (`device.payload_backend`: gloo on
+the CPU, NCCL on CUDA), since what they carry lives on the run's device.
+
 So `8 + p` groups in all (the world excluded), and a rank belongs to at most 9 of them.
 Every rank must call `Topology.build` in the same order: group creation is collective.
 """
@@ -28,11 +32,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..device import HOST, HOST_BACKEND
 from .layout import Layout, Role
 
 CHANNELS = ("fwd", "bwd")
 DIRECTIONS = ("up", "down")  # to a higher rank, to a lower rank
-GroupFactory = Callable[[Sequence[int]], Any]  # `dist.new_group`, or a fake in tests
+# `dist.new_group(ranks, backend=...)`, or a fake in tests
+GroupFactory = Callable[..., Any]
 
 
 @dataclass(frozen=True)
@@ -51,12 +57,20 @@ class Topology:
     channels: dict[tuple[str, str], Channel]  # (channel, direction) -> its groups
     replica_group: dist.ProcessGroup | None  # this A rank's replicas (None for F ranks)
     process_groups: int  # groups this run created (the world group excluded)
+    device: torch.device = HOST  # where this rank's tensors, and its payloads, live
 
     @classmethod
     def build(
-        cls, layout: Layout, rank: int | None = None, new_group: GroupFactory | None = None
+        cls,
+        layout: Layout,
+        rank: int | None = None,
+        new_group: GroupFactory | None = None,
+        *,
+        device: torch.device = HOST,
+        payload_backend: str = HOST_BACKEND,
     ) -> Topology:
-        """Create the run's groups (collective: every rank calls it, in the same order)."""
+        """Create the run's groups (collective: every rank calls it, in the same order):
+        header groups on gloo, payload and replica groups on `payload_backend`."""
         rank = dist.get_rank() if rank is None else rank
         make = dist.new_group if new_group is None else new_group
         everyone = list(range(layout.world_size))
@@ -64,16 +78,18 @@ class Topology:
         channels = {}
         for channel in CHANNELS:
             for direction in DIRECTIONS:
-                channels[(channel, direction)] = Channel(make(everyone), make(everyone))
+                channels[(channel, direction)] = Channel(
+                    make(everyone, backend=HOST_BACKEND), make(everyone, backend=payload_backend)
+                )
                 created += 2
         replica_group = None
         role = layout.role(rank)
         for g in range(layout.groups):
-            group = make(layout.attn_replicas(g))
+            group = make(layout.attn_replicas(g), backend=payload_backend)
             created += 1
             if role.comp == "A" and role.group == g:
                 replica_group = group
-        return cls(layout, rank, role, channels, replica_group, created)
+        return cls(layout, rank, role, channels, replica_group, created, device)
 
     def stream(self, src: int, dst: int, channel: str) -> Channel:
         """The groups carrying the (src, dst, channel) stream (shared with the channel's

@@ -22,12 +22,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..device import HOST
 from .moe import Experts
 
 # (full-model name, meta parameter, global expert ids of dim 0 or None) -> initial value
 ValueFn = Callable[[str, nn.Parameter, range | None], torch.Tensor]
-
-CPU = torch.device("cpu")
 
 
 def parameter_seed(seed: int, name: str, expert: int | None = None) -> int:
@@ -45,7 +44,7 @@ def initial_value(
     seed: int,
     std: float,
     dtype: torch.dtype,
-    device: torch.device = CPU,
+    device: torch.device = HOST,
 ) -> torch.Tensor:
     """The initial value of parameter `name` of the given shape: norm weights (1-D; the model
     has no biases) are 1, matrices ~ N(0, std) drawn in float32 on the CPU, then cast.
@@ -69,14 +68,14 @@ def _fill_normal(out: torch.Tensor, seed: int, std: float) -> None:
     """`out` = N(0, 1) float32 draws of a generator seeded `seed`, times `std`, cast to
     `out`'s dtype; a float32 CPU `out` is drawn in place (no temporary as large as it)."""
     gen = torch.Generator().manual_seed(seed)
-    if out.dtype == torch.float32 and out.device.type == "cpu" and out.is_contiguous():
+    if out.dtype == torch.float32 and out.device == HOST and out.is_contiguous():
         torch.randn(out.shape, generator=gen, dtype=torch.float32, out=out).mul_(std)
     else:
         out.copy_(torch.randn(out.shape, generator=gen, dtype=torch.float32).mul_(std))
 
 
 def seeded_values(
-    *, seed: int, std: float, dtype: torch.dtype, device: torch.device = CPU
+    *, seed: int, std: float, dtype: torch.dtype, device: torch.device = HOST
 ) -> ValueFn:
     """`materialize`'s values for a run initialised from `seed` (see `initial_value`)."""
 

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from .init import CPU, materialize, seeded_values
+from ..device import HOST
+from .init import materialize, seeded_values
 from .layers import Attention, RMSNorm, SwiGLU, rope_tables
 from .moe import Experts, Router, Routing, flatten_routing, load_balancing_loss
 
@@ -148,7 +149,7 @@ def build_meta_model(cfg: ModelConfig) -> MoETransformer:
 
 
 def build_model(
-    cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device = CPU
+    cfg: ModelConfig, *, seed: int, dtype: torch.dtype, device: torch.device = HOST
 ) -> MoETransformer:
     """The whole model with its deterministic initial weights (`models.init`)."""
     model = build_meta_model(cfg)

@@ -118,7 +118,9 @@ def load_balancing_loss(routing: Routing, num_experts: int) -> torch.Tensor:
     f_e is the fraction of the T*K assignments that chose expert e (no gradient),
     P_e the mean router probability of e over the T tokens.
     """
-    counts = torch.bincount(routing.indices_TK.flatten(), minlength=num_experts)
+    chosen = routing.indices_TK.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=chosen.device)
+    counts.scatter_add_(0, chosen, torch.ones_like(chosen))  # no host sync (bincount has one)
     frac = counts.to(routing.probs_TE.dtype) / routing.indices_TK.numel()
     return num_experts * torch.sum(frac * routing.probs_TE.mean(dim=0))
 
@@ -204,11 +206,24 @@ def split_by_owner(routing: Routing, shards: Sequence[range]) -> list[Assignment
     return plans
 
 
-def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Grouped GEMM: rows of x sorted by group, `counts[e]` rows multiply `w_EIO[e]`.
+def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM: rows of x sorted by group, `counts_E[e]` rows multiply `w_EIO[e]`.
 
-    One GEMM per non-empty expert (no per-token loop); the result is [A, O].
+    In bf16 (pure, or under a bf16 autocast) with 16-byte aligned widths: one
+    `torch._grouped_mm` call (CUDA's grouped kernel; PyTorch's own fallback on the CPU),
+    group offsets computed where `counts_E` lives: no host read. Otherwise — float32,
+    float64 (the exactness tests), unaligned widths — one GEMM per non-empty expert (no
+    per-token loop; the counts are read on the host). The result is [A, O].
     """
+    dtype = _grouped_kernel_dtype(x_AI, w_EIO)
+    if dtype is not None and x_AI.shape[0] > 0:
+        offs = counts_E.cumsum(0).to(torch.int32)
+        with torch.autocast(x_AI.device.type, enabled=False):
+            y = torch._grouped_mm(x_AI.to(dtype), w_EIO.to(dtype), offs=offs)
+        if y.requires_grad:  # its backward needs a dense incoming gradient
+            y.register_hook(lambda g: g.contiguous())
+        return y
+    counts = counts_E.tolist()
     # unbind, not w_EIO[e]: the backward of E selects would materialise E full-size
     # zero gradients; unbind's backward stacks the E slices once.
     w_e = w_EIO.unbind(0)
@@ -216,6 +231,19 @@ def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts: list[int]) -> to
     if not outs:
         return x_AI.new_zeros(0, w_EIO.shape[-1])
     return torch.cat(outs, dim=0)
+
+
+_KERNEL_ALIGN = 8  # bf16 elements in 16 bytes: the grouped kernel's stride alignment
+
+
+def _grouped_kernel_dtype(x_AI: torch.Tensor, w_EIO: torch.Tensor) -> torch.dtype | None:
+    """bf16 when `grouped_mm` may call `torch._grouped_mm`, else None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return None
+    kind = x_AI.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_AI.dtype
+    aligned = x_AI.shape[-1] % _KERNEL_ALIGN == 0 and w_EIO.shape[-1] % _KERNEL_ALIGN == 0
+    return torch.bfloat16 if dtype == torch.bfloat16 and aligned else None
 
 
 class Experts(nn.Module):
@@ -248,10 +276,12 @@ class Experts(nn.Module):
     def forward(self, x_RH: torch.Tensor, plan: Assignments) -> torch.Tensor:
         """Compute and combine: `y[r] = sum_{a: rows[a]=r} w_a * E_{experts[a]}(x[r])`."""
         order = torch.argsort(plan.experts_A, stable=True)
-        counts = torch.bincount(plan.experts_A, minlength=self.num_experts).tolist()
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=order.device)
+        counts.scatter_add_(0, plan.experts_A, torch.ones_like(plan.experts_A))
         rows = plan.rows_A[order]
         h = grouped_mm(x_RH[rows], self.gate_up, counts)
         gate, up = h.chunk(2, dim=-1)
         out_AH = grouped_mm(F.silu(gate) * up, self.down, counts)
         out_AH = out_AH * plan.weights_A[order].unsqueeze(-1)
-        return x_RH.new_zeros(x_RH.shape).index_add(0, rows, out_AH)
+        # summed in x's dtype (under autocast the GEMMs' output is the compute dtype)
+        return x_RH.new_zeros(x_RH.shape).index_add(0, rows, out_AH.to(x_RH.dtype))

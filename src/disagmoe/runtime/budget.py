@@ -4,8 +4,8 @@ The cap is a function of the config alone (`in_flight_cap`), so that every rank 
 computes the same one: the budget `train.memory_gib` is resolved once, by the process
 that launches the ranks (`resolve_memory_budget`), and travels in the config.
 
-* Budget (`default_memory_gib`): `train.memory_gib` when > 0; else on GPU (backend nccl)
-  the cluster preset's `gpu_mem_gib`; on CPU the host's available memory divided by the
+* Budget (`default_memory_gib`): `train.memory_gib` when > 0; else on GPU (the run's device
+  an accelerator, or backend nccl) the cluster preset's `gpu_mem_gib`; on CPU the host's available memory divided by the
   ranks on this host.
 * Prediction (`predict_memory`): per role, states (weight, gradient, AdamW moments in
   the run's dtype) and the activations of K in-flight micro-batches of the worst replica
@@ -22,8 +22,10 @@ import dataclasses
 import os
 
 from ..config import RunConfig
+from ..device import is_accelerator, resolve_device
 from ..planner import costmodel as cm
 from ..planner import runtime_memory as rm
+from .precision import param_dtype_name
 
 NO_CAP = -1  # schedule.max_in_flight: every slot in flight
 
@@ -44,7 +46,7 @@ def default_memory_gib(cfg: RunConfig, local_ranks: int) -> float:
     """The budget per rank (GiB) `train.memory_gib = 0` stands for (module doc)."""
     if cfg.train.memory_gib > 0:
         return cfg.train.memory_gib
-    if cfg.parallel.backend == "nccl":
+    if cfg.parallel.backend == "nccl" or is_accelerator(resolve_device(cfg.parallel.device)):
         return cfg.cluster.gpu_mem_gib
     return host_available_bytes() / max(local_ranks, 1) / cm.GIB
 
@@ -79,6 +81,9 @@ def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
     """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
     train, par = cfg.train, cfg.parallel
     prec = cm.runtime_precision(train.dtype)
+    if param_dtype_name(train) != train.dtype:  # mixed: activations in compute, states in fp32
+        states = cm.runtime_precision(param_dtype_name(train)).state
+        prec = dataclasses.replace(prec, state=states)
     attn = rm.attn_replica_memory(
         cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
         micro_batch_size=train.micro_batch_size, in_flight=in_flight,

@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..config import ModelConfig
+from ..device import HOST
 from ..models.model import MoETransformer, build_meta_model
 
 EXPERT_SUFFIXES = ("experts.gate_up", "experts.down")
@@ -221,7 +222,7 @@ def load_model(path: str | Path) -> MoETransformer:
     step_dir = resolve_checkpoint(path)
     cfg = model_config_of(read_meta(step_dir))
     stored = dcp.FileSystemReader(str(step_dir)).read_metadata().state_dict_metadata
-    model = build_meta_model(cfg).to_empty(device="cpu")
+    model = build_meta_model(cfg).to_empty(device=HOST)
     if cfg.tie_embeddings:  # leaving the meta device unties them
         model.lm_head.weight = model.embed.weight
     state: dict[str, torch.Tensor] = {}

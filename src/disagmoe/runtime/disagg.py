@@ -32,6 +32,7 @@ from torch import nn
 
 from ..config import RunConfig, replace_section
 from ..data import inputs_targets, split_micro_batches
+from ..device import payload_backend, resolve_device
 from ..distributed.layout import Layout
 from ..distributed.placement import node_mix, resolve_ranks_per_node
 from ..distributed.topology import Topology, allreduce_grads, world_sum
@@ -50,6 +51,7 @@ from .objective import (
     build_optimizer,
     fill_missing_grads,
     finish_step,
+    loss_total,
 )
 from .observe import Tracer
 from .setup import apply_variants, build_data, set_threads
@@ -161,10 +163,15 @@ class DisaggTrainer:
             cfg, self.layout, self.rank, whole_world=self.whole_world
         )
         program = RankProgram.compile(self.rank, self.instrs, self.cap)
-        self.topo = Topology.build(self.layout)
+        self.device = resolve_device(cfg.parallel.device)
+        self.topo = Topology.build(
+            self.layout,
+            device=self.device,
+            payload_backend=payload_backend(self.device, cfg.parallel.backend),
+        )
         self.role = self.layout.role(self.rank)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
-        self.worker = build_worker(cfg, self.layout, self.rank, self.scale)
+        self.worker = build_worker(cfg, self.layout, self.rank, self.scale, self.device)
         apply_variants(cfg, [self.worker.modules])
         self.named_params = self.worker.named_parameters()
         self.params = [p for _, p in self.named_params]
@@ -200,7 +207,7 @@ class DisaggTrainer:
         mbs = split_micro_batches(batch, self.cfg.train.micro_batch_size)
         r = self.role.index
         self.worker.micro_batches = {
-            s: inputs_targets(mbs[self.layout.micro_batch(r, s)])
+            s: inputs_targets(mbs[self.layout.micro_batch(r, s)], self.device)
             for s in range(self.layout.slots_of_replica(r, len(mbs)))
         }
 
@@ -232,7 +239,7 @@ class DisaggTrainer:
         if self.batches is not None:
             self._load_micro_batches(self.batches.global_batch(step))
         if isinstance(self.worker, AttnWorker):
-            self.worker.ce_sum = self.worker.aux_sum = 0.0
+            self.worker.reset_sums()
         self._capture_grads = capture_grads
         self._result = None
         self.meter.start_step()
@@ -262,9 +269,9 @@ class DisaggTrainer:
         if attn is not None:
             if self.has_data:
                 self._load_micro_batches(self.eval_set.batch(index))
-            attn.ce_sum = attn.aux_sum = 0.0
+            attn.reset_sums()
         self._eval_executor.run_step(step)
-        ce = torch.tensor([attn.ce_sum if attn else 0.0], dtype=torch.float64)
+        ce = attn.ce_sum.reshape(1) if attn else loss_total(self.device).reshape(1)
         return float(world_sum(ce)[0])
 
     def expert_shard(self) -> tuple[int, int] | None:

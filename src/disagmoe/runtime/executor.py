@@ -192,7 +192,7 @@ class Executor:
         `run_step` counts on this order."""
         delivers = []
         for (src, channel), msgs in self.program.streams.items():
-            rx = Receiver(src, self.topo.stream(src, self.rank, channel))
+            rx = Receiver(src, self.topo.stream(src, self.rank, channel), device=self.topo.device)
             box: queue.Queue[tuple[Msg, Incoming, str, float] | None] = queue.Queue()
             self.deliveries.append(box)
             self.lanes.append(_Lane(f"recv{src}{channel}", self._bind_recv(src, msgs, rx, box)))

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from ..device import peak_memory_bytes
+
 MEMORY_FIELDS = ("act_peak", "params", "grads", "optim", "device_peak")
 
 
@@ -143,10 +145,5 @@ def state_bytes(
 
 
 def device_peak_bytes(params: list[torch.nn.Parameter]) -> int:
-    """The CUDA caching allocator's peak since the last reset (0 off CUDA); resets it."""
-    if not params or params[0].device.type != "cuda":
-        return 0
-    device = params[0].device
-    peak = int(torch.cuda.max_memory_allocated(device))
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
+    """The accelerator allocator's peak since the last reset (0 on the CPU); resets it."""
+    return peak_memory_bytes(params[0].device) if params else 0

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
+from ..device import is_accelerator
 from ..flops import train_step_flops
 from ..models import Router
 
@@ -61,7 +62,7 @@ class StepStats:
                     match = _ROUTER_NAME.fullmatch(name)
                     assert match is not None, f"a router outside layers.L.attn_block: {name}"
                     self.routers[int(match.group(1))] = sub
-            self.on_gpu |= any(p.device.type == "cuda" for p in module.parameters())
+            self.on_gpu |= any(is_accelerator(p.device) for p in module.parameters())
 
     @property
     def size(self) -> int:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, TrainConfig
+from ..device import HOST
 
 
 @dataclass(frozen=True)
@@ -120,26 +121,35 @@ def clip_gradients(
     counted: list[bool],
     max_norm: float,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
-) -> float:
-    """Clip by the global L2 norm; returns the norm before clipping.
+) -> torch.Tensor:
+    """Clip by the global L2 norm; returns the norm before clipping (a float64 0-dim tensor
+    on the parameters' device: no host read, the caller reads it with the step's losses).
 
     `counted[i]` says whether this process counts parameter i toward the norm
     (a parameter replicated on several workers is counted by one of them);
-    `reduce_sum` sums the squared norm over workers.
+    `reduce_sum` sums the squared norm over workers. Above `max_norm`, gradients are
+    scaled by `max_norm / (norm + 1e-6)` on the device.
     """
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = loss_total(params[0].device if params else HOST)
     for param, count in zip(params, counted, strict=True):
         if count and param.grad is not None:
             sq += param.grad.detach().double().pow(2).sum()
     if reduce_sum is not None:
         sq = reduce_sum(sq)
-    norm = float(sq.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        factor = max_norm / (norm + 1e-6)
+    norm = sq.sqrt()
+    if max_norm > 0:
+        # 1 unless norm > max_norm (a NaN norm leaves the gradients as they are, so the
+        # loop can name the ranks whose own gradients are non-finite)
+        factor = torch.where(norm > max_norm, max_norm / (norm + 1e-6), torch.ones_like(norm))
         for param in params:
             if param.grad is not None:
                 param.grad.mul_(factor)
     return norm
+
+
+def loss_total(device: torch.device) -> torch.Tensor:
+    """A float64 zero on `device` to sum loss shares into without reading them on the host."""
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -169,15 +179,17 @@ def finish_step(
     named_params: list[tuple[str, torch.nn.Parameter]],
     counted: list[bool],
     optimizer: torch.optim.Optimizer,
-    ce: float,
-    aux: float,
+    ce: torch.Tensor | float,
+    aux: torch.Tensor | float,
     capture_grads: bool,
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> StepResult:
     """The end of every runtime's step, once gradients are complete and synchronised.
 
     Captures the gradients (tests), clips by the global norm, sets the learning rate,
-    takes the AdamW step, and sums this worker's loss shares over all workers.
+    takes the AdamW step, and sums this worker's loss shares over all workers. `ce` and
+    `aux` may be device tensors (`loss_total`): the norm and both sums are read on the
+    host once, together, after the optimizer step was queued.
     """
     params = [p for _, p in named_params]
     grads = (
@@ -188,8 +200,9 @@ def finish_step(
     norm = clip_gradients(params, counted, train.grad_clip, reduce_sum)
     set_lr(optimizer, lr_at(train, step))
     optimizer.step()
-    totals = torch.tensor([ce, aux], dtype=torch.float64)
+    device = norm.device
+    totals = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(device) for v in (ce, aux)])
     if reduce_sum is not None:
         totals = reduce_sum(totals)
-    ce_sum, aux_sum = float(totals[0]), float(totals[1])
-    return StepResult(ce_sum + aux_sum, ce_sum, aux_sum, norm, grads)
+    norm_value, ce_sum, aux_sum = torch.cat([norm.reshape(1), totals]).tolist()
+    return StepResult(ce_sum + aux_sum, ce_sum, aux_sum, norm_value, grads)

@@ -10,9 +10,18 @@ from torch import nn
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
+from ..device import bind_device, resolve_device
 from .evaluate import EvalSet
-from .objective import LossScale, StepResult, build_optimizer, fill_missing_grads, finish_step
+from .objective import (
+    LossScale,
+    StepResult,
+    build_optimizer,
+    fill_missing_grads,
+    finish_step,
+    loss_total,
+)
 from .observe import Tracer
+from .precision import Precision
 from .setup import apply_variants, build_data, build_initial_model, set_threads
 
 
@@ -21,7 +30,10 @@ class ReferenceTrainer:
 
     def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
-        self.model = build_initial_model(cfg)
+        self.device = resolve_device(cfg.parallel.device)
+        bind_device(self.device)
+        self.model = build_initial_model(cfg, self.device)
+        self.precision = Precision.for_run(cfg.train, self.device)
         apply_variants(cfg, [self.model])
         self.batches = build_data(cfg)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
@@ -48,12 +60,13 @@ class ReferenceTrainer:
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
         train = self.cfg.train
         self.optimizer.zero_grad(set_to_none=True)
-        ce_total = aux_total = 0.0
+        ce_total, aux_total = loss_total(self.device), loss_total(self.device)
         batch = self.batches.global_batch(step)
         for mb, samples in enumerate(split_micro_batches(batch, train.micro_batch_size)):
             t0 = Tracer.now_us()
-            inputs, targets = inputs_targets(samples)
-            logits, aux = self.model(inputs)
+            inputs, targets = inputs_targets(samples, self.device)
+            with self.precision.autocast():
+                logits, aux = self.model(inputs)
             ce = self.scale.ce(logits, targets)
             aux_term = self.scale.aux(aux)
             total = ce if aux_term is None else ce + aux_term
@@ -62,8 +75,9 @@ class ReferenceTrainer:
             t2 = Tracer.now_us()
             self.tracer.add(f"F mb{mb}", "fwd", t0, t1, micro_batch=mb, step=step)
             self.tracer.add(f"B mb{mb}", "bwd", t1, t2, micro_batch=mb, step=step)
-            ce_total += float(ce.detach())
-            aux_total += 0.0 if aux_term is None else float(aux_term.detach())
+            ce_total += ce.detach().double()
+            if aux_term is not None:
+                aux_total += aux_term.detach().double()
         fill_missing_grads(p for _, p in self.named_params)
         return finish_step(
             step=step,
@@ -79,15 +93,16 @@ class ReferenceTrainer:
     def eval_ce(self, index: int, step: int) -> float:
         """Forward only, under `torch.no_grad()`: eval batch `index`'s mean cross-entropy."""
         assert self.eval_set is not None
-        ce = 0.0
+        ce = loss_total(self.device)
         with torch.no_grad():
             for samples in split_micro_batches(
                 self.eval_set.batch(index), self.cfg.train.micro_batch_size
             ):
-                inputs, targets = inputs_targets(samples)
-                logits, _ = self.model(inputs)
-                ce += float(self.scale.ce(logits, targets))
-        return ce
+                inputs, targets = inputs_targets(samples, self.device)
+                with self.precision.autocast():
+                    logits, _ = self.model(inputs)
+                ce += self.scale.ce(logits, targets).double()
+        return float(ce)
 
 
 def run_reference(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:

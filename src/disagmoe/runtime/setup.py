@@ -11,6 +11,7 @@ from torch import nn
 from ..bench.emulation import ComputeCosts, emulate_compute
 from ..config import RunConfig
 from ..data import TokenBatches, build_batches
+from ..device import HOST
 from ..models import (
     MoETransformer,
     build_meta_model,
@@ -18,9 +19,9 @@ from ..models import (
     materialize,
     seeded_values,
 )
-from ..models.init import CPU
 from ..models.recompute import apply_recompute
 from .objective import torch_dtype
+from .precision import param_dtype_name
 
 
 def materialize_initial_weights(
@@ -28,7 +29,7 @@ def materialize_initial_weights(
     modules: Sequence[nn.Module],
     *,
     first_expert: int = 0,
-    device: torch.device = CPU,
+    device: torch.device = HOST,
 ) -> None:
     """Give the meta parameters of one rank's `modules` the run's initial weights, on `device`.
 
@@ -39,7 +40,7 @@ def materialize_initial_weights(
     tensors (and, of the experts, only this shard) are read. Either way each tensor equals
     the reference model's, so all ranks start from its weights without a broadcast.
     """
-    dtype = torch_dtype(cfg.train.dtype)
+    dtype = torch_dtype(param_dtype_name(cfg.train))
     if not cfg.train.init_from_hf:
         values = seeded_values(
             seed=cfg.train.seed, std=cfg.model.init_std, dtype=dtype, device=device
@@ -57,7 +58,7 @@ def materialize_initial_weights(
     )
 
 
-def build_initial_model(cfg: RunConfig, device: torch.device = CPU) -> MoETransformer:
+def build_initial_model(cfg: RunConfig, device: torch.device = HOST) -> MoETransformer:
     """The whole model with the run's initial weights (seeded init, or a HF checkpoint)."""
     model = build_meta_model(cfg.model)
     materialize_initial_weights(cfg, [model], device=device)

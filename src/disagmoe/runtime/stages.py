@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import RunConfig
+from ..config import RunConfig, TrainConfig
+from ..device import HOST
 from ..distributed.layout import Layout
 from ..models import Assignments, MoETransformer, build_meta_model, split_by_owner
 from ..models.layers import rope_tables
 from ..schedule.ir import Msg
-from .objective import LossScale
+from .objective import LossScale, loss_total
+from .precision import Precision
 from .setup import materialize_initial_weights
 
 Payload = list[torch.Tensor]
@@ -100,8 +102,18 @@ class _AttnState:
 class AttnWorker:
     """An attention replica: A components of its layers, plus embedding / head on group 0."""
 
-    def __init__(self, model: MoETransformer, layout: Layout, rank: int, scale: LossScale) -> None:
+    def __init__(
+        self,
+        model: MoETransformer,
+        layout: Layout,
+        rank: int,
+        scale: LossScale,
+        device: torch.device = HOST,
+        precision: Precision | None = None,
+    ) -> None:
         self.layout = layout
+        self.device = device
+        self.precision = precision or Precision.for_run(TrainConfig(), device)
         self.role = layout.role(rank)
         self.layers = layout.layers_of(rank)
         self.num_layers = layout.num_layers
@@ -119,8 +131,12 @@ class AttnWorker:
         self.stash: dict[tuple[int, int], _AttnState] = {}
         self.micro_batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.local: dict[tuple[str, int, int], Payload] = {}
-        self.ce_sum = 0.0
-        self.aux_sum = 0.0
+        self.ce_sum = loss_total(device)  # this replica's loss shares, summed on the device
+        self.aux_sum = loss_total(device)
+
+    def reset_sums(self) -> None:
+        self.ce_sum = loss_total(self.device)
+        self.aux_sum = loss_total(self.device)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return unique_named_parameters(self.modules)
@@ -139,6 +155,18 @@ class AttnWorker:
         outgoing: list[Msg],
         *,
         keep: bool = True,
+    ) -> dict[Msg, Payload]:
+        with self.precision.autocast():
+            return self._forward(layer, slot, received, outgoing, keep=keep)
+
+    def _forward(
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool,
     ) -> dict[Msg, Payload]:
         st = _AttnState()
         if layer == 0:
@@ -160,14 +188,14 @@ class AttnWorker:
                 for j in sorted(combines):
                     y_leaf = _leaf(combines[j][0])
                     st.combine_leaves[j] = y_leaf
-                    x_TH = x_TH.index_add(0, token_ids[j], y_leaf)
+                    x_TH = x_TH.index_add(0, token_ids[j], y_leaf.to(x_TH.dtype))
                 x = x_TH.view(B, S, H)
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
             _, targets = self.micro_batches[slot]
             logits = self.modules["lm_head"](self.modules["norm"](x))
             st.objective = self.scale.ce(logits, targets)
-            self.ce_sum += float(st.objective.detach())
+            self.ce_sum += st.objective.detach().double()
         else:
             cos, sin = self._rope(x)
             res = self.modules[f"layers.{layer}.attn_block"](x, cos, sin)
@@ -176,10 +204,13 @@ class AttnWorker:
             if res.routing is not None:
                 assert res.u_TH is not None and res.aux is not None
                 plans = split_by_owner(res.routing, self.layout.expert_ranges())
+                # host metadata on purpose (shapes, known on the host already): it travels
+                # inside the header and the receiver splits the token ids by it there
                 counts = torch.tensor([plan.token_ids.numel() for plan in plans], dtype=torch.long)
                 act_payload += [counts, torch.cat([plan.token_ids for plan in plans])]
+                message = self.precision.message
                 for j, plan in enumerate(plans):
-                    st.dispatched[j] = (res.u_TH[plan.token_ids], plan.weights_A)
+                    st.dispatched[j] = (message(res.u_TH[plan.token_ids]), message(plan.weights_A))
                 for msg in outgoing:
                     if msg.kind == "dispatch":
                         j = self.layout.role(msg.dst).index
@@ -188,7 +219,7 @@ class AttnWorker:
                 aux = self.scale.aux([res.aux])
                 if aux is not None:
                     st.objective = aux
-                    self.aux_sum += float(aux.detach())
+                    self.aux_sum += aux.detach().double()
             act_msg = next((m for m in outgoing if m.kind == "act"), None)
             if act_msg is not None:
                 out[act_msg] = act_payload
@@ -258,8 +289,15 @@ class ExpertWorker:
     0..k-1 for a last slot that only k replicas run (m does not divide the micro-batches).
     """
 
-    def __init__(self, model: MoETransformer, layout: Layout, rank: int) -> None:
+    def __init__(
+        self,
+        model: MoETransformer,
+        layout: Layout,
+        rank: int,
+        precision: Precision | None = None,
+    ) -> None:
         self.layout = layout
+        self.precision = precision or Precision.for_run(TrainConfig(), HOST)
         self.role = layout.role(rank)
         experts = layout.expert_range(self.role.index)
         self.modules = NamedParts()
@@ -296,12 +334,13 @@ class ExpertWorker:
             offset += u.shape[0]
         x = torch.cat(xs)
         plan = Assignments(
-            token_ids=torch.arange(x.shape[0]),
+            token_ids=torch.arange(x.shape[0], device=x.device),
             rows_A=torch.cat(rows),
             experts_A=torch.cat(experts),
             weights_A=torch.cat(weights),
         )
-        y = self.modules[f"layers.{layer}.experts"](x, plan)
+        with self.precision.autocast():
+            y = self.precision.message(self.modules[f"layers.{layer}.experts"](x, plan))
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
         if keep:  # for the backward
             self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
@@ -327,19 +366,23 @@ class ExpertWorker:
 
 
 def build_worker(
-    cfg: RunConfig, layout: Layout, rank: int, scale: LossScale
+    cfg: RunConfig, layout: Layout, rank: int, scale: LossScale, device: torch.device = HOST
 ) -> AttnWorker | ExpertWorker:
-    """`rank`'s worker, holding only its own parameters with the run's initial weights.
+    """`rank`'s worker, holding only its own parameters with the run's initial weights,
+    on `device`.
 
     The full model exists only on the meta device; the worker picks its modules from it
     (an expert shard narrows the experts on meta) and materialises just those, so a rank's
     memory is its own share of the model, never the whole.
     """
     model = build_meta_model(cfg.model)
+    precision = Precision.for_run(cfg.train, device)
     if layout.role(rank).comp == "A":
-        attn = AttnWorker(model, layout, rank, scale)
-        materialize_initial_weights(cfg, [attn.modules])
+        attn = AttnWorker(model, layout, rank, scale, device, precision)
+        materialize_initial_weights(cfg, [attn.modules], device=device)
         return attn
-    experts = ExpertWorker(model, layout, rank)
-    materialize_initial_weights(cfg, [experts.modules], first_expert=experts.expert_offset)
+    experts = ExpertWorker(model, layout, rank, precision)
+    materialize_initial_weights(
+        cfg, [experts.modules], first_expert=experts.expert_offset, device=device
+    )
     return experts

@@ -1,7 +1,9 @@
-"""Run a function on N local gloo ranks (torch.multiprocessing, loopback rendezvous).
+"""Run a function on N local ranks (torch.multiprocessing, loopback rendezvous).
 
 `run_ranks(fn, world_size, *args)` returns each rank's return value (picklable),
-raising if any rank failed. Tests use it to pack several checks into one spawn.
+raising if any rank failed. Tests use it to pack several checks into one spawn. The
+ranks' process group is gloo; with `device="cuda"` (GPU tests) each rank binds its own
+accelerator and the group is the device module's (`cpu:gloo,cuda:nccl`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..device import bind_device, default_backend, init_kwargs, resolve_device
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -28,7 +32,13 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    device_name: str = "cpu",
 ) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -41,7 +51,15 @@ def _entry(
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
+        device = resolve_device(device_name)
+        bind_device(device)
+        dist.init_process_group(
+            default_backend(device),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+            **init_kwargs(device),
+        )
         result = fn(*args)
         buf = io.BytesIO()
         torch.save(result, buf)  # tensors by value: the rank may exit before the parent reads
@@ -59,8 +77,10 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 300,
     may_vanish: set[int] | None = None,
+    device: str = "cpu",
 ) -> list[Any]:
-    """Run `fn(*args)` on `world_size` gloo ranks; return each rank's result.
+    """Run `fn(*args)` on `world_size` ranks on `device` (`parallel.device` values); return
+    each rank's result.
 
     Ranks in `may_vanish` may exit without reporting (their result is None): tests of
     a dead peer use it.
@@ -69,7 +89,9 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue), daemon=False)
+        ctx.Process(
+            target=_entry, args=(r, world_size, port, fn, args, queue, device), daemon=False
+        )
         for r in range(world_size)
     ]
     for p in procs:
