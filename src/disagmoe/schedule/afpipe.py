@@ -182,16 +182,9 @@ def build_afpipe(
     }
     if costs is not None:
         meta["costs"] = costs.name
-        reduced, reduced_micro = reduced_layout(layout, num_micro)
-        if reduced != layout:
-            rep = build_afpipe(
-                reduced,
-                num_slots,
-                max_in_flight,
-                order,
-                num_micro_batches=reduced_micro,
-                forward_only=forward_only,
-                costs=costs,
+        if reduced_layout(layout, num_micro)[0] != layout:
+            rep = _representative(
+                layout, num_micro, num_slots, max_in_flight, order, forward_only, costs
             )
             ranks = tuple(_expand(layout, num_micro, rep, r) for r in range(layout.world_size))
             roles = tuple(str(layout.role(r)) for r in range(layout.world_size))
@@ -266,8 +259,22 @@ def build_afpipe_rank(
     and n are. Tests check the result equals `build_afpipe(layout, ...).ranks[rank]`.
     """
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
+    rep = _representative(layout, num_micro, num_slots, max_in_flight, order, forward_only, costs)
+    return _expand(layout, num_micro, rep, rank)
+
+
+def _representative(
+    layout: Layout,
+    num_micro: int,
+    num_slots: int,
+    max_in_flight: int,
+    order: str,
+    forward_only: bool,
+    costs: ScheduleCosts | None,
+) -> Schedule:
+    """The schedule of `reduced_layout(layout)`: one replica per class, one shard per group."""
     reduced, reduced_micro = reduced_layout(layout, num_micro)
-    rep = build_afpipe(
+    return build_afpipe(
         reduced,
         num_slots,
         max_in_flight,
@@ -276,7 +283,6 @@ def build_afpipe_rank(
         forward_only=forward_only,
         costs=costs,
     )
-    return _expand(layout, num_micro, rep, rank)
 
 
 def _expand(layout: Layout, num_micro: int, rep: Schedule, rank: int) -> tuple[Instr, ...]:
