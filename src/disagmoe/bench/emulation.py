@@ -19,13 +19,9 @@ names a costs file (`runtime.setup.apply_variants`).
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,64 +37,7 @@ from ..models import (
     Routing,
     flatten_routing,
 )
-
-
-@dataclass(frozen=True)
-class Linear:
-    """`fixed + per_row * rows` seconds."""
-
-    fixed: float
-    per_row: float
-
-    def __call__(self, rows: int) -> float:
-        return max(self.fixed + self.per_row * rows, 0.0)
-
-    def scaled(self, factor: float) -> Linear:
-        return Linear(self.fixed * factor, self.per_row * factor)
-
-
-@dataclass(frozen=True)
-class ComputeCosts:
-    """Forward and backward durations of the two emulated units."""
-
-    attn_fwd: Linear  # one layer's A component, per token
-    attn_bwd: Linear
-    expert_fwd: Linear  # one layer's experts on one worker, per (token, expert) assignment
-    expert_bwd: Linear
-    note: str = ""  # where the numbers come from
-
-    def scaled(self, factor: float) -> ComputeCosts:
-        return ComputeCosts(
-            self.attn_fwd.scaled(factor),
-            self.attn_bwd.scaled(factor),
-            self.expert_fwd.scaled(factor),
-            self.expert_bwd.scaled(factor),
-            f"{self.note} x{factor:g}" if factor != 1 else self.note,
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @staticmethod
-    def load(path: str | Path) -> ComputeCosts:
-        """Read a costs file; a clear ValueError if it is missing or malformed."""
-        try:
-            raw = json.loads(Path(path).read_text())
-            units = {
-                k: Linear(float(raw[k]["fixed"]), float(raw[k]["per_row"]))
-                for k in ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd")
-            }
-        except FileNotFoundError:
-            raise ValueError(f"emulated compute costs file {str(path)!r} does not exist") from None
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"emulated compute costs file {str(path)!r} is not a costs JSON "
-                f"(attn_fwd/attn_bwd/expert_fwd/expert_bwd with fixed and per_row): {err}"
-            ) from None
-        for name, unit in units.items():
-            if not all(math.isfinite(v) and v >= 0 for v in (unit.fixed, unit.per_row)):
-                raise ValueError(f"emulated compute costs: {name} must be finite and >= 0")
-        return ComputeCosts(**units, note=str(raw.get("note", "")))
+from ..simulator.measured import ComputeCosts, Linear
 
 
 class _Wait(torch.autograd.Function):

@@ -16,6 +16,7 @@ from disagmoe.planner import Plan, plan_for
 from disagmoe.planner.plan import PROFILES, PlanOptions
 from disagmoe.planner.sim_profile import AUTO_SIMULATOR_MAX_GPUS
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
+from disagmoe.simulator.measured import MeasuredCosts
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +53,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
                         "GPUs, analytic above and for --roofline-only)")  # fmt: skip
+    parser.add_argument("--costs", default="", metavar="FILE",
+                        help="the simulator profile prices compute with these measured per-op "
+                        "costs (compute_costs.json of the bench or benchmarks/gpu_check.py)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write the roofline figure")
@@ -69,6 +73,9 @@ def run_plan(args: argparse.Namespace) -> int:
         name: getattr(args, name) for name in hw_flags.split() if getattr(args, name) is not None
     }
     cluster = dataclasses.replace(cluster_preset(args.cluster), **overrides)
+    costs = MeasuredCosts.load(args.costs) if args.costs else None
+    if costs is not None and (args.profile == "analytic" or args.roofline_only):
+        raise ValueError("--costs prices the simulator profile: use --profile simulator or auto")
     plan = plan_for(
         model,
         cluster,
@@ -86,13 +93,19 @@ def run_plan(args: argparse.Namespace) -> int:
         seed=args.seed,
         profile=args.profile,
         order=args.order,
+        costs=costs,
     )
+    if costs is not None and plan.profile != "simulator":
+        raise ValueError(
+            f"--costs prices the simulator profile, which auto uses up to "
+            f"{AUTO_SIMULATOR_MAX_GPUS} GPUs; give --profile simulator for {args.gpus}"
+        )
     if args.plot:
         from disagmoe.planner.plot import plot_roofline  # matplotlib only when asked
 
         plot_roofline(plan, cluster, args.plot)
     if args.json:
-        print(json.dumps(plan.to_dict(), sort_keys=True))
+        print(json.dumps({**plan.to_dict(), "costs": args.costs or "analytic"}, sort_keys=True))
     else:
         print(format_plan(plan, args.epsilon))
     return 0

@@ -25,6 +25,7 @@ from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import simulate_ep
 from .links import LINK_MODELS
+from .measured import MeasuredCosts
 from .report import BREAKDOWN_KEYS, SimResult
 
 
@@ -92,6 +93,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="how messages share a port: max-min fair among all in flight (as TCP / NCCL "
         "do) or one at a time in readiness order (fifo, for comparison)",
     )
+    parser.add_argument(
+        "--costs",
+        default="",
+        metavar="FILE",
+        help="disagg: price compute with measured per-op costs (compute_costs.json of "
+        "`disagmoe bench --compute emulated` or benchmarks/gpu_check.py; simulator.measured) "
+        "instead of the cluster's peak x mfu",
+    )
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--trace", default="", help="write a Chrome trace of the step here")
 
@@ -153,6 +162,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--seq-len {args.seq_len} exceeds {model.name}'s max {model.max_seq_len}")
     gpus = args.nodes * cluster.gpus_per_node
     out: dict[str, Any] = {"model": model, "cluster": cluster, "gpus": gpus}
+    if args.costs:
+        if args.runtime != "disagg":
+            raise ValueError("--costs prices the disagg replay only; drop it for the ep-* runtimes")
+        out["costs"] = MeasuredCosts.load(args.costs)
     if args.runtime == "disagg":
         if args.groups and gpus % args.groups:
             raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
@@ -223,9 +236,12 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             recompute=r["recompute"],
             order=args.order,
             costed=args.costed,
+            costs=r.get("costs"),
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])
+        if args.costs:
+            result.config["costs"] = args.costs
         return result
     return simulate_ep(
         args.runtime,

@@ -19,6 +19,7 @@ from ..schedule.orders import ScheduleCosts
 from .choose import choose_order, schedule_costs
 from .costs import AnalyticCosts, InstrCosts, Workload
 from .links import LinkModel
+from .measured import MeasuredCosts
 from .network import Network
 from .placement import nic_shares
 from .replay import ScheduleRejected, check_schedule, simulate_schedule
@@ -110,6 +111,8 @@ def simulate_disagg(
     costs = costs or AnalyticCosts.for_cluster(
         workload, cluster, attn_workers, expert_workers, recompute
     )
+    if isinstance(costs, MeasuredCosts):  # one costs file, priced for this layout
+        costs = costs.bound_to(workload, attn_workers, expert_workers, recompute)
     net = Network.from_cluster(cluster)
     if nic_split is not None:
         if placement != "node-aware":

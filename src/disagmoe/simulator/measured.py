@@ -1,0 +1,146 @@
+"""Measured per-op costs for the simulator: the bench's calibration file, priced per layout.
+
+The file (`compute_costs.json`, written by `disagmoe bench --compute emulated`'s
+calibration and by `benchmarks/gpu_check.py`) holds four linear models of one layer,
+`fixed + per_row * rows` seconds: the attention block forward and backward per token,
+the experts of one worker forward and backward per (token, expert) assignment
+(`ComputeCosts`). The runtime's emulated compute sleeps for them (`bench.emulation`);
+here `MeasuredCosts` turns them into the simulator's `InstrCosts` for a given layout:
+
+* A of a MoE layer: `attn_fwd(tokens)`, `attn_bwd(tokens)` for the micro-batch's tokens;
+* A of a dense layer, of layer 0 (embedding) and of layer L (final norm, LM head, loss):
+  the MoE layer's time scaled by its forward FLOPs over a MoE layer's attention block
+  (`disagmoe.flops`; the file measures only the MoE layer's block);
+* F: `expert_fwd(pairs)`, `expert_bwd(pairs)` with `pairs` = the (token, expert)
+  assignments one shard receives from the m replicas' micro-batch (`Workload`);
+* activation recompute adds one forward to each backward (`full`), or the attention
+  core's FLOP share of the attention forward (`attn`).
+
+`MeasuredCosts.bound_to(workload, m, n, recompute)` gives the costs of one layout, so one
+file serves every plan the planner scores (`disagmoe plan --costs`, `simulate --costs`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .. import flops
+from ..schedule.ir import Op
+from .costs import Workload
+
+
+@dataclass(frozen=True)
+class Linear:
+    """`fixed + per_row * rows` seconds."""
+
+    fixed: float
+    per_row: float
+
+    def __call__(self, rows: int) -> float:
+        return max(self.fixed + self.per_row * rows, 0.0)
+
+    def scaled(self, factor: float) -> Linear:
+        return Linear(self.fixed * factor, self.per_row * factor)
+
+
+@dataclass(frozen=True)
+class ComputeCosts:
+    """Forward and backward durations of the two emulated units."""
+
+    attn_fwd: Linear  # one layer's A component, per token
+    attn_bwd: Linear
+    expert_fwd: Linear  # one layer's experts on one worker, per (token, expert) assignment
+    expert_bwd: Linear
+    note: str = ""  # where the numbers come from
+
+    def scaled(self, factor: float) -> ComputeCosts:
+        return ComputeCosts(
+            self.attn_fwd.scaled(factor),
+            self.attn_bwd.scaled(factor),
+            self.expert_fwd.scaled(factor),
+            self.expert_bwd.scaled(factor),
+            f"{self.note} x{factor:g}" if factor != 1 else self.note,
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @staticmethod
+    def load(path: str | Path) -> ComputeCosts:
+        """Read a costs file; a clear ValueError if it is missing or malformed."""
+        try:
+            raw = json.loads(Path(path).read_text())
+            units = {
+                k: Linear(float(raw[k]["fixed"]), float(raw[k]["per_row"]))
+                for k in ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd")
+            }
+        except FileNotFoundError:
+            raise ValueError(f"compute costs file {str(path)!r} does not exist") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"compute costs file {str(path)!r} is not a costs JSON "
+                f"(attn_fwd/attn_bwd/expert_fwd/expert_bwd with fixed and per_row): {err}"
+            ) from None
+        for name, unit in units.items():
+            if not all(math.isfinite(v) and v >= 0 for v in (unit.fixed, unit.per_row)):
+                raise ValueError(
+                    f"compute costs file {str(path)!r}: {name} must be finite and >= 0"
+                )
+        return ComputeCosts(**units, note=str(raw.get("note", "")))
+
+
+@dataclass(frozen=True, slots=True)
+class MeasuredCosts:
+    """`InstrCosts` from a `ComputeCosts` file for one layout (module doc)."""
+
+    units: ComputeCosts
+    workload: Workload | None = None  # None until `bound_to` (the simulator binds it)
+    attn_workers: int = 1
+    expert_workers: int = 1
+    recompute: str = "none"
+
+    @classmethod
+    def load(cls, path: str | Path) -> MeasuredCosts:
+        return cls(ComputeCosts.load(path))
+
+    def bound_to(
+        self, workload: Workload, attn_workers: int, expert_workers: int, recompute: str
+    ) -> MeasuredCosts:
+        flops.backward_factors(recompute)  # validates the mode
+        return dataclasses.replace(
+            self, workload=workload, attn_workers=attn_workers,
+            expert_workers=expert_workers, recompute=recompute,
+        )  # fmt: skip
+
+    def _attn_fwd_bwd(self, layer: int) -> tuple[float, float]:
+        w = self.workload
+        assert w is not None, "MeasuredCosts.bound_to first"
+        fwd, bwd = self.units.attn_fwd(w.tokens), self.units.attn_bwd(w.tokens)
+        gemm, core = w.attn_flops(layer)
+        if w.layer_kind("A", layer) != "moe":
+            ref_gemm, ref_core = flops.attn_flops(
+                w.model, w.seq_len, w.micro_batch_size, moe=1.0, dense=0.0
+            )
+            scale = (gemm + core) / (ref_gemm + ref_core)
+            fwd, bwd = fwd * scale, bwd * scale
+        if self.recompute == "full":
+            bwd += fwd
+        elif self.recompute == "attn" and gemm + core > 0:
+            bwd += fwd * core / (gemm + core)
+        return fwd, bwd
+
+    def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        w = self.workload
+        assert w is not None, "MeasuredCosts.bound_to first"
+        if comp == "A":
+            fwd, bwd = self._attn_fwd_bwd(layer)
+            return fwd if op == Op.FWD else bwd
+        pairs = round(self.attn_workers * w.pairs_per_shard(self.expert_workers))
+        fwd = self.units.expert_fwd(pairs)
+        if op == Op.FWD:
+            return fwd
+        return self.units.expert_bwd(pairs) + (fwd if self.recompute == "full" else 0.0)
