@@ -16,8 +16,9 @@ Three parts, one table each, all in OUT/gpu_check.json:
    depth so that one device holds the model): attention block and experts, forward
    and backward, medians of `--repeats` synchronised calls (`bench.emulation.calibrate`,
    pure bf16 modules on an accelerator, float32 on the CPU), written as
-   OUT/compute_costs.json — the bench's `ComputeCosts` format, which `disagmoe bench
-   --compute emulated` and the simulator's calibration (`--costs`) read.
+   OUT/compute_costs.json — the `ComputeCosts` format (`simulator.measured`), which
+   `disagmoe bench --compute emulated`, `disagmoe simulate --costs` and `disagmoe plan
+   --costs` read.
 
 Runs end to end on the CPU too (`--device cpu`, tiny shapes: tests/e2e/test_gpu_check.py);
 exit code 1 when a check fails.
