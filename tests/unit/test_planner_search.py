@@ -86,3 +86,36 @@ def test_analytic_profile_models_the_pipeline() -> None:
     assert capped == pytest.approx(2 * t, rel=0.05)
     dedup = AnalyticProfile(pl, dedup=True)(plan)
     assert dedup <= t
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "seq_len"), [("tiny", 8, 4096), ("small", 16, 2048), ("qwen3-30b-a3b", 64, 8192)]
+)
+def test_memory_in_flight_bisection_equals_a_scan(model: str, gpus: int, seq_len: int) -> None:
+    """`memory_in_flight` bisects; a scan down from what fits on the attention side gives
+    the same count for every split, including splits no count admits (-> 1)."""
+    from disagmoe.planner.split import memory_in_flight
+
+    planner = Planner(model=MODEL_PRESETS[model], cluster=CLUSTER_PRESETS["h800"], gpus=gpus,
+                      seq_len=seq_len, micro_batch_size=1, options=PlanOptions())  # fmt: skip
+
+    def scan(groups: int, m: int, ma: int, recompute: str) -> int:
+        k = max(1, planner.max_in_flight_attn(groups, recompute))
+        while k > 1 and planner.evaluate(
+            groups=groups, m=m, attn_nics=ma, in_flight=k, recompute=recompute
+        ) is None:
+            k -= 1
+        return k
+
+    checked = 0
+    for groups in planner.group_candidates()[:2]:
+        prob = planner.problem(groups, 1, "none")
+        for m in sorted({1, prob.gpus // 2, prob.gpus - 1, prob.gpus}):
+            for ma in sorted({1, prob.nics // 2}):
+                for recompute in ("none", "full"):
+                    if planner.max_in_flight_attn(groups, recompute) > 5000:
+                        continue  # the scan would take seconds
+                    got = memory_in_flight(planner, groups, m, ma, recompute)
+                    assert got == scan(groups, m, ma, recompute), (groups, m, ma, recompute)
+                    checked += 1
+    assert checked > 0

@@ -27,14 +27,27 @@ class PlannedSplit:
 
 
 def memory_in_flight(planner: Any, groups: int, m: int, attn_nics: int, recompute: str) -> int:
-    """Most micro-batches in flight the planner's memory model admits (at least 1)."""
-    k = max(1, planner.max_in_flight_attn(groups, recompute))
-    while k > 1 and (
-        planner.evaluate(groups=groups, m=m, attn_nics=attn_nics, in_flight=k, recompute=recompute)
-        is None
-    ):
-        k -= 1
-    return k
+    """Most micro-batches in flight the planner's memory model admits (at least 1).
+
+    Memory grows with the count in flight, so the admitted counts are 1..k: a bisection
+    over [1, what fits on the attention side] (a small model admits thousands; a scan
+    down from there took the planner tens of seconds). A split that no count admits
+    (its other constraints fail) gives 1, as a scan would.
+    """
+
+    def fits(k: int) -> bool:
+        plan = planner.evaluate(
+            groups=groups, m=m, attn_nics=attn_nics, in_flight=k, recompute=recompute
+        )
+        return plan is not None
+
+    lo, hi = 1, max(1, planner.max_in_flight_attn(groups, recompute))
+    if fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo) or lo == 1; not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def runnable_in_flight(
