@@ -89,7 +89,8 @@ def test_analytic_profile_models_the_pipeline() -> None:
 
 
 @pytest.mark.parametrize(
-    ("model", "gpus", "seq_len"), [("tiny", 8, 4096), ("small", 16, 2048), ("qwen3-30b-a3b", 64, 8192)]
+    ("model", "gpus", "seq_len"),
+    [("tiny", 8, 4096), ("small", 16, 2048), ("qwen3-30b-a3b", 64, 8192)],
 )
 def test_memory_in_flight_bisection_equals_a_scan(model: str, gpus: int, seq_len: int) -> None:
     """`memory_in_flight` bisects; a scan down from what fits on the attention side gives
@@ -101,9 +102,11 @@ def test_memory_in_flight_bisection_equals_a_scan(model: str, gpus: int, seq_len
 
     def scan(groups: int, m: int, ma: int, recompute: str) -> int:
         k = max(1, planner.max_in_flight_attn(groups, recompute))
-        while k > 1 and planner.evaluate(
-            groups=groups, m=m, attn_nics=ma, in_flight=k, recompute=recompute
-        ) is None:
+        while (
+            k > 1
+            and planner.evaluate(groups=groups, m=m, attn_nics=ma, in_flight=k, recompute=recompute)
+            is None
+        ):
             k -= 1
         return k
 
