@@ -1,0 +1,43 @@
+"""Every script in benchmarks/ still imports and builds its command line.
+
+The benchmarks measure (minutes each; docs/ quote their output) and CI does not run them,
+so an API they call can drift unseen. This imports each one as a module, as its own
+directory would on `python benchmarks/NAME.py`, and runs `main` with `--help`: the imports
+resolve and the argument parser builds. What each script measures is checked where a
+cheap run is possible (`tests/e2e/test_gpu_check.py`, `tests/e2e/test_bench.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
+LIBRARIES = {"results_io", "ablation_plots"}  # imported by the scripts, no command line
+
+
+def test_the_benchmark_folder_is_found() -> None:
+    assert {"exchange_overhead", "schedule_orders", "gpu_check"} <= set(SCRIPTS)
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_script_imports_and_parses_help(
+    name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = importlib.import_module(name)
+    if name in LIBRARIES:
+        assert not hasattr(module, "main")
+        return
+    assert (module.__doc__ or "").strip(), f"benchmarks/{name}.py has no docstring"
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
+    takes_argv = bool(inspect.signature(module.main).parameters)  # else it reads sys.argv
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"]) if takes_argv else module.main()
+    assert exit_info.value.code == 0
+    assert "usage:" in capsys.readouterr().out
