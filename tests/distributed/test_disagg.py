@@ -63,14 +63,15 @@ def assert_equivalent(
 
 
 def test_four_ranks_p1_m2_n2() -> None:
-    """p=1 (m=2, n=2): top-2, top-1, shared experts + dense first layer, sparse routing;
-    activation recompute of the attention core and of whole stages (against the reference
-    without recompute)."""
+    """p=1 (m=2, n=2): top-2, top-1, tied embedding and LM head, shared experts + dense
+    first layer, sparse routing; activation recompute of the attention core and of whole
+    stages (against the reference without recompute)."""
     shared_dense = case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96)
     assert_equivalent(
         [
             case(1, 2, 2),
             case(1, 2, 2, top_k=1),
+            case(1, 2, 2, tie_embeddings=True),  # its gradient waits for layer 0's bucket
             shared_dense,
             # 16 experts, top-1, 32 tokens per micro-batch: many experts get no token.
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),

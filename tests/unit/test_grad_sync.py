@@ -121,3 +121,42 @@ def test_bucket_issue_point_is_a_backward_of_the_rank() -> None:
         program = RankProgram.build(schedule, rank)
         tasks = {ins.task for _, ins in program.lanes["bwd"] if ins.op == Op.BWD}
         assert all(b.after in tasks for b in sync_buckets(program))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_every_parameter_of_an_attention_rank_is_in_exactly_one_bucket(tied: bool) -> None:
+    """Layer L's bucket holds the final norm and LM head, layer 0's the embedding; a tied
+    embedding / LM head (touched by the BWDs of layers 0 and L) waits for layer 0's, the
+    bucket issued last."""
+    import dataclasses
+
+    from disagmoe.config import RunConfig, TrainConfig
+    from disagmoe.presets import model_preset
+    from disagmoe.runtime.grad_sync import OverlappedSync
+    from disagmoe.runtime.objective import LossScale
+    from disagmoe.runtime.observe import Tracer
+    from disagmoe.runtime.stages import AttnWorker, build_worker
+
+    model = dataclasses.replace(model_preset("tiny"), tie_embeddings=tied)
+    cfg = RunConfig(
+        model=model,
+        parallel=ParallelConfig(attn_workers=2, expert_workers=1),
+        train=TrainConfig(dtype="float64", seq_len=16, global_batch_size=8, micro_batch_size=2),
+    )
+    layout = Layout.build(cfg.model, cfg.parallel)
+    rank = layout.attn_rank(0, 1)
+    worker = build_worker(cfg, layout, rank, LossScale.for_run(cfg.model, cfg.train))
+    assert isinstance(worker, AttnWorker)
+    program = RankProgram.build(build_afpipe(layout, 2), rank)
+    sync = OverlappedSync(worker, program, None, [0, 1], Tracer(rank, "A"))  # type: ignore[arg-type]
+    names = {id(p): n for n, p in worker.named_parameters()}
+    held = [names[id(p)] for _, ps in sync.buckets for p in ps]
+    assert sorted(held) == sorted(names.values())  # all of them, once
+    by_layer = {layer: {names[id(p)] for p in ps} for layer, ps in sync.buckets}
+    L = model.num_layers
+    assert [layer for layer, _ in sync.buckets] == list(range(L, -1, -1))
+    assert "embed.weight" in by_layer[0] and "norm.weight" in by_layer[L]
+    assert ("lm_head.weight" in by_layer[L]) is not tied  # tied: one parameter, embed.weight
+    for l in range(L):
+        assert all(n.startswith((f"layers.{l}.", "embed.")) for n in by_layer[l])
+    assert sync.uncovered([p for _, p in worker.named_parameters()]) == []

@@ -65,11 +65,9 @@ class OverlappedSync:
         )
         position = {b.layer: k for k, b in enumerate(buckets)}
         home: dict[int, int] = {}  # id(param) -> its bucket: the later issued of its layers'
-        params: dict[int, nn.Parameter] = {}
         for b in buckets:
             for param in worker.layer_parameters(b.layer):
                 home[id(param)] = max(home.get(id(param), -1), position[b.layer])
-                params[id(param)] = param
         self.buckets: list[tuple[int, list[nn.Parameter]]] = [(b.layer, []) for b in buckets]
         for _, param in worker.named_parameters():  # the model's order, the same on every replica
             if id(param) in home:
