@@ -94,6 +94,19 @@ class ParallelConfig:
     )
     # 0 means cores // local world size (at least 1)
     threads_per_rank: int = field(default=0, metadata=flag())
+    # disagg: an A rank all-reduces its gradients per layer bucket as soon as the backward
+    # has finished them (`schedule.sync`), overlapping the rest of the backward; False: one
+    # flat all-reduce at SYNC, after the rank's last op
+    overlap_grad_sync: bool = field(
+        default=True,
+        metadata=flag(
+            "disagg: one all-reduce of the attention gradients at SYNC, not per layer "
+            "during the backward",
+            name="--no-overlap-grad-sync",
+            action="store_const",
+            const=False,
+        ),
+    )
 
     def __post_init__(self) -> None:
         _require(

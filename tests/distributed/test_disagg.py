@@ -47,9 +47,11 @@ def case(
     )
 
 
-def assert_equivalent(cfgs: list[RunConfig], world: int, prepare: bool = False) -> None:
+def assert_equivalent(
+    cfgs: list[RunConfig], world: int, prepare: bool = False, trainer: str = TRAINER
+) -> None:
     for cfg, (loss_err, grad_err, count) in zip(
-        cfgs, max_rel_errors(cfgs, world, STEPS, TRAINER, prepare), strict=True
+        cfgs, max_rel_errors(cfgs, world, STEPS, trainer, prepare), strict=True
     ):
         label = (
             f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} "
@@ -61,14 +63,15 @@ def assert_equivalent(cfgs: list[RunConfig], world: int, prepare: bool = False) 
 
 
 def test_four_ranks_p1_m2_n2() -> None:
-    """p=1 (m=2, n=2): top-2, top-1, shared experts + dense first layer, sparse routing;
-    activation recompute of the attention core and of whole stages (against the reference
-    without recompute)."""
+    """p=1 (m=2, n=2): top-2, top-1, tied embedding and LM head, shared experts + dense
+    first layer, sparse routing; activation recompute of the attention core and of whole
+    stages (against the reference without recompute)."""
     shared_dense = case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96)
     assert_equivalent(
         [
             case(1, 2, 2),
             case(1, 2, 2, top_k=1),
+            case(1, 2, 2, tie_embeddings=True),  # its gradient waits for layer 0's bucket
             shared_dense,
             # 16 experts, top-1, 32 tokens per micro-batch: many experts get no token.
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
@@ -118,12 +121,48 @@ def capped(cfg: RunConfig, cap: int) -> RunConfig:
     return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_in_flight=cap))
 
 
+class BucketCheckingTrainer(DisaggTrainer):
+    """After each step, checks the overlapped gradient all-reduce (`runtime.grad_sync`):
+    every replica of a group issued the same buckets in the same order (descending
+    layers), the first one before the rank's last BWD started (during the backward, not at
+    SYNC), each traced with its bytes and peers; with `parallel.overlap_grad_sync` off,
+    SYNC all-reduced everything itself."""
+
+    def step(self, step: int, *, capture_grads: bool = False):  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        result = super().step(step, capture_grads=capture_grads)
+        sync = self.grad_sync
+        mine = (str(self.role), self.role.comp, self.role.group, sync.issued_last if sync else None)
+        everyone: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        events = self.tracer.step_events(step)
+        buckets = [e for e in events if e["name"].startswith("allreduce")]
+        (sync_event,) = [e for e in events if e["name"] == "SYNC grads"]
+        if self.role.comp == "A" and self.layout.attn_workers > 1:
+            layers = sorted(self.layout.layers_of(self.rank), reverse=True)
+            if self.cfg.parallel.overlap_grad_sync:
+                assert sync is not None and sync.issued_last == layers, (mine, layers)
+                peers = [o for o in everyone if o[1] == "A" and o[2] == self.role.group]  # type: ignore[index]
+                assert {tuple(o[3]) for o in peers} == {tuple(layers)}, everyone  # type: ignore[index]
+                last_bwd = max(e["ts"] for e in events if e["cat"] == "bwd")
+                first = min(buckets, key=lambda e: e["ts"])
+                assert first["name"] == f"allreduce l{layers[0]}" and first["ts"] < last_bwd
+                assert all(e["args"]["bytes"] > 0 and e["args"]["peers"] for e in buckets)
+                assert sync_event["args"]["bytes"] == 0
+            else:
+                assert sync is None and not buckets and sync_event["args"]["bytes"] > 0
+        return result
+
+
 def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
     """Uneven splits (docs/design-notes.md, "Uneven splits"): 8 experts on n=3 shards
     (3, 3, 2), also with an in-flight cap of one slot; 8 micro-batches on m=3 replicas
     (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2 and
     evaluated (the forward-only schedule ignores the cap); the latter in the steady order
-    with the run's costs."""
+    with the run's costs; and with the gradient all-reduce at SYNC only
+    (`parallel.overlap_grad_sync` off). The overlapped all-reduce's buckets are checked
+    on every step (`BucketCheckingTrainer`)."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     uneven_experts = case(1, 1, 3)
     uneven_micro = case(1, 3, 1, micro=1)
@@ -135,8 +174,17 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
             uneven_micro,
             evaluating(capped(uneven_micro, 2), val),
             ordered(capped(uneven_micro, 2), "steady", "run"),
+            syncing_at_the_end(uneven_micro),
         ],
         world=4,
+        trainer=f"{__name__}:BucketCheckingTrainer",
+    )
+
+
+def syncing_at_the_end(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `parallel.overlap_grad_sync` off: one flat all-reduce at SYNC."""
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, overlap_grad_sync=False)
     )
 
 
@@ -205,8 +253,9 @@ def test_six_ranks_node_aware_two_ranks_per_node() -> None:
         assert loss_err < TOL and grad_err < TOL and count > 10, (label, loss_err, grad_err)
 
 
-class RankLocalTrainer(DisaggTrainer):
-    """Every rank builds only its own instruction list, as above `WHOLE_WORLD_RANKS`."""
+class RankLocalTrainer(BucketCheckingTrainer):
+    """Every rank builds only its own instruction list, as above `WHOLE_WORLD_RANKS` (the
+    overlapped all-reduce checked as by `BucketCheckingTrainer`)."""
 
     whole_world_ranks = 0
 

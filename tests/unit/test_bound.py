@@ -93,3 +93,22 @@ def test_trace_bound_counts_cross_node_bytes_per_direction() -> None:
     bound = trace_bound(events, {0: 10.0}, lambda r: r // 2, [1e6, 1e6])
     assert bound.seconds == pytest.approx(5.0 + 0.5, rel=1e-5)
     assert bound.binding == "network"
+
+
+def test_trace_bound_and_tail_with_the_all_reduce_in_buckets() -> None:
+    """The overlapped all-reduce (`runtime.grad_sync`): per-layer bucket events on the sync
+    lane carry the bytes (the SYNC event none) and count as one flat all-reduce of their
+    sum would; the SYNC + STEP tail added to a replay is SYNC and STEP only."""
+    from disagmoe.bench.analysis import _sync_step_s, trace_bound
+
+    flat = [_ev(r, "sync", "SYNC grads", 5e6, 1e3, bytes=2e6, peers=[0, 2]) for r in (0, 2)]
+    buckets = [
+        _ev(r, "sync", f"allreduce l{l}", 1e6 * l, 0.9e6, layer=l, bytes=b, peers=[0, 2])
+        for r in (0, 2)
+        for l, b in ((1, 1.5e6), (0, 0.5e6))
+    ] + [_ev(r, "sync", "SYNC grads", 5e6, 1e3, bytes=0) for r in (0, 2)]
+    steps = {0: 10.0}
+    a = trace_bound(flat, steps, lambda r: r // 2, [1e6, 1e6])
+    b = trace_bound(buckets, steps, lambda r: r // 2, [1e6, 1e6])
+    assert a.network_s == pytest.approx(2.0) and b.network_s == pytest.approx(a.network_s)
+    assert _sync_step_s(buckets) == pytest.approx(1e-3)  # the buckets overlapped the backward

@@ -25,6 +25,7 @@ CONFIG_FLAGS = {
     "--placement": "parallel.placement",
     "--ranks-per-node": "parallel.ranks_per_node",
     "--threads-per-rank": "parallel.threads_per_rank",
+    "--no-overlap-grad-sync": "parallel.overlap_grad_sync",
     "--max-in-flight": "schedule.max_in_flight",
     "--steps": "train.steps",
     "--seed": "train.seed",
@@ -76,7 +77,7 @@ def test_each_flag_sets_its_field() -> None:
         *("--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "0.5", "--data", "d"),
         *("--run-dir", "r", "--comm-timeout", "9.5", "--no-progress", "--checkpoint-every", "2"),
         *("--resume", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2"),
-        *("--log-expert-tokens", "--tensorboard"),
+        *("--log-expert-tokens", "--tensorboard", "--no-overlap-grad-sync"),
     )
     par, train = cfg.parallel, cfg.train
     assert (par.runtime, par.groups, par.attn_workers, par.expert_workers) == ("ep-1f1b", 2, 1, 1)
@@ -92,7 +93,8 @@ def test_each_flag_sets_its_field() -> None:
     )
     assert (train.checkpoint_every, train.resume, train.max_restarts) == (2, "latest", 1)
     assert (train.fail_at_step, train.fail_rank) == (3, 2)
-    assert train.log_expert_tokens and train.tensorboard
+    assert train.log_expert_tokens and train.tensorboard and not par.overlap_grad_sync
+    assert resolve().parallel.overlap_grad_sync  # on unless the flag says otherwise
     assert resolve("--resume", "runs/x").train.resume == "runs/x"
 
 

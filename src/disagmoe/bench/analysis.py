@@ -6,7 +6,8 @@ Per rank and measured step (trace lanes of `runtime.observe`):
 * compute  = union of the fwd / bwd / compute lanes and the optimizer STEP, minus the
   blocking waits on all-to-alls inside them (the ep-* stages block in collectives; an
   event flagged `blocking` is communication, not compute);
-* comm     = union of the send / recv lanes and the gradient all-reduce (SYNC);
+* comm     = union of the send / recv lanes and the gradient all-reduces (SYNC, and the
+  per-layer buckets that overlap the backward: `runtime.grad_sync`);
 * exposed  = comm not covered by compute on that rank;
 * bubble   = step time minus (compute ∪ comm): the rank waits with nothing in flight.
 
@@ -29,6 +30,7 @@ from typing import Any
 
 from ..config import ClusterConfig, RunConfig
 from ..distributed.layout import Layout
+from ..runtime.grad_sync import BUCKET_EVENT
 from ..runtime.observe import (
     COMM_LANES,
     COMPUTE_LANES,
@@ -164,10 +166,12 @@ def trace_bound(
 
 
 def _sync_step_s(events: list[Event]) -> float:
-    """Median over steps of the slowest rank's SYNC + STEP seconds."""
+    """Median over steps of the slowest rank's SYNC + STEP seconds: what runs after the
+    rank's last op (a bucket all-reduce that overlapped the backward, `runtime.grad_sync`,
+    is not in it; SYNC holds what of it was still in flight)."""
     per: dict[tuple[int, int], float] = defaultdict(float)
     for e in events:
-        if e["cat"] == "sync":
+        if e["cat"] == "sync" and not e["name"].startswith(BUCKET_EVENT):
             per[(e["args"].get("step", -1), e["pid"])] += e["dur"] / 1e6
     steps: dict[int, float] = defaultdict(float)
     for (step, _), s in per.items():

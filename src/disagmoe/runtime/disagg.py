@@ -7,8 +7,10 @@ Per optimizer step:
 2. the executor runs the rank's AF-Pipe instruction list, ending with SYNC and
    STEP, which it runs through this trainer's hooks (`sync`, `optimizer_step`);
 3. SYNC: gradients of the A components are summed over the group's m
-   replicas (one flat all-reduce); expert gradients are already complete on
-   their shard, which saw the tokens of every replica;
+   replicas — with `parallel.overlap_grad_sync` (the default) per layer bucket,
+   each issued during the backward once it is final (`runtime.grad_sync`, SYNC waits
+   for them), else in one flat all-reduce at SYNC; expert gradients are already
+   complete on their shard, which saw the tokens of every replica;
 4. STEP: global gradient norm (replicated parameters counted once), clipping,
    AdamW on this rank's own parameters;
 5. losses and busy times are reduced to rank 0, which logs them.
@@ -44,6 +46,7 @@ from ..simulator.choose import run_order
 from .budget import in_flight_cap, predict_memory, resolve_memory_budget
 from .evaluate import EvalSet
 from .executor import Executor
+from .grad_sync import OverlappedSync
 from .memory import MEMORY_FIELDS, ActivationMeter, device_peak_bytes, state_bytes
 from .objective import (
     LossScale,
@@ -188,11 +191,21 @@ class DisaggTrainer:
         self._states: tuple[int, int, int] | None = None  # fixed once the optimizer stepped
         self._capture_grads = False
         self._result: StepResult | None = None  # set by STEP
+        self.grad_sync: OverlappedSync | None = None
+        replicas = self.topo.replica_group
+        if (
+            cfg.parallel.overlap_grad_sync
+            and isinstance(self.worker, AttnWorker)
+            and replicas is not None
+            and self.layout.attn_workers > 1
+        ):
+            peers = self.layout.attn_replicas(self.role.group)
+            self.grad_sync = OverlappedSync(self.worker, program, replicas, peers, self.tracer)
         self.executor = Executor(
             program,
             str(self.role),
             self.topo,
-            self.worker,
+            self.grad_sync or self.worker,
             self,
             self.tracer,
             timeout_s=cfg.train.comm_timeout_s,
@@ -212,12 +225,18 @@ class DisaggTrainer:
         }
 
     def sync(self, step: int) -> int:
-        """SYNC: sum the A components' gradients over the group's m replicas."""
-        fill_missing_grads(self.params)
+        """SYNC: sum the A components' gradients over the group's m replicas (wait for the
+        buckets issued during the backward, reduce what none of them holds); the bytes
+        SYNC all-reduced itself."""
+        params = self.params
+        if self.grad_sync is not None:
+            self.grad_sync.finish(step)
+            params = self.grad_sync.uncovered(params)
+        fill_missing_grads(params)
         group = self.topo.replica_group
-        if group is None or self.layout.attn_workers == 1 or not self.params:
+        if group is None or self.layout.attn_workers == 1 or not params:
             return 0
-        return allreduce_grads(self.params, group)
+        return allreduce_grads(params, group)
 
     def optimizer_step(self, step: int) -> None:
         """STEP: global gradient norm, clipping, AdamW, loss reduction."""

@@ -141,6 +141,15 @@ class AttnWorker:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return unique_named_parameters(self.modules)
 
+    def layer_parameters(self, layer: int) -> list[nn.Parameter]:
+        """The parameters the BWD of `layer` gives gradients to: its attention block (with
+        the embedding on layer 0), or on layer L the final norm and the LM head."""
+        if layer == self.num_layers:
+            paths = ["norm", "lm_head"]
+        else:
+            paths = [f"layers.{layer}.attn_block"] + (["embed"] if layer == 0 else [])
+        return [p for path in paths for p in self.modules[path].parameters()]
+
     def _rope(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         return rope_tables(

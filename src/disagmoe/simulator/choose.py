@@ -90,11 +90,12 @@ def choose_order(
     candidates: tuple[tuple[str, bool], ...] = CANDIDATES,
     link_model: LinkModel = "fair",
     reduce: bool = True,
+    overlap_sync: bool = True,
 ) -> tuple[OrderChoice, ScheduleCosts]:
     """The candidate with the shortest simulated step on the real `layout` (module doc),
     and the run's generator costs (pass them to `build_afpipe` when `choice.costed`).
     `reduce`: replay the reduced schedules (else every rank's, as `simulate_disagg` does
-    for small layouts)."""
+    for small layouts); `overlap_sync`: `parallel.overlap_grad_sync`."""
     priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
     reduced, reduced_micro = (
         reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
@@ -121,6 +122,7 @@ def choose_order(
             num_micro_batches=num_micro_batches,
             peak_in_flight=peak,
             link_model=link_model,
+            overlap_sync=overlap_sync,
         )
         steps.append((order, costed, result.step_time_s))
         bound = result.bound.seconds if result.bound else 0.0
@@ -154,6 +156,7 @@ def run_choice(
         workload,
         net,
         candidates=candidates,
+        overlap_sync=cfg.parallel.overlap_grad_sync,
     )
 
 

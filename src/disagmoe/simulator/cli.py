@@ -61,6 +61,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "(simulator.choose; auto decides it itself)",
     )
     parser.add_argument(
+        "--no-overlap-grad-sync",
+        dest="overlap_grad_sync",
+        action="store_false",
+        help="disagg: the attention gradients' all-reduce at SYNC, after the rank's last op, "
+        "not per layer during the backward (parallel.overlap_grad_sync)",
+    )
+    parser.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default="node-aware",
@@ -237,6 +244,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             order=args.order,
             costed=args.costed,
             costs=r.get("costs"),
+            overlap_sync=args.overlap_grad_sync,
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])

@@ -76,6 +76,7 @@ def simulate_disagg(
     order: str = "breadth",
     link_model: LinkModel = "fair",
     costed: bool = False,
+    overlap_sync: bool = True,
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -91,7 +92,9 @@ def simulate_disagg(
     ports (`simulator.links`, default max-min fair). `order` (`schedule.order`): breadth,
     depth, steady, or auto (`simulator.choose`: the best candidate of a reduced replay);
     `costed`: the lanes are ordered with this run's costs (`choose.schedule_costs`), not
-    the nominal ones (auto decides it itself).
+    the nominal ones (auto decides it itself). `overlap_sync` (`parallel.overlap_grad_sync`):
+    the A gradients' all-reduce runs per layer bucket during the backward
+    (`schedule.sync`), else after the rank's last op.
     """
 
     parallel = ParallelConfig(
@@ -125,7 +128,7 @@ def simulate_disagg(
     if order == "auto":
         choice, priced = choose_order(
             layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
-            link_model=link_model, reduce=reduce,
+            link_model=link_model, reduce=reduce, overlap_sync=overlap_sync,
         )  # fmt: skip
         order, costed = choice.order, choice.costed
         chosen = {"order_choice": "auto", "auto_steps": [list(c) for c in choice.steps]}
@@ -162,4 +165,5 @@ def simulate_disagg(
         num_micro_batches=num_micro_batches,
         peak_in_flight=peak,
         link_model=link_model,
+        overlap_sync=overlap_sync,
     )

@@ -17,7 +17,10 @@ operations, through one path for both executions:
   own, `simulator.links`; arrival = transfer end + latency) or, without
   a network, arrives `latency_s` after it is posted; on lanes a message waits for the
   previous one of its stream;
-* SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank.
+* SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank; with
+  `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
+  instead, on its "sync" lane one after another, each once its issuing BWD has ended,
+  and SYNC (the wait for them, no work of its own) ends after every op and bucket.
 
 `Symmetry` says which real workers a simulated rank stands for
 (`simulator.symmetry`); the identity when every rank is simulated.
@@ -39,6 +42,7 @@ from ..schedule.semantics import (
     compile_program,
     compute_kind,
 )
+from ..schedule.sync import sync_buckets
 from .costs import MessageOverheads
 from .engine import A2A, COMPUTE, DELAY, Program
 from .network import Network, Ports
@@ -56,6 +60,9 @@ class Pricing:
     # Seconds of an all-to-all on, and of SYNC of, a real rank (a simulated rank's `Symmetry.real`)
     a2a_s: Callable[[int, Instr], float] | None = None
     sync_s: Callable[[int], float] | None = None  # None: no SYNC, no STEP
+    # Seconds of the all-reduce of A layer l's bucket on a real rank (`schedule.sync`);
+    # None: SYNC all-reduces everything after the rank's last op
+    bucket_s: Callable[[int, int], float] | None = None
     step_s: float = 0.0
     overheads: MessageOverheads | None = None
 
@@ -80,6 +87,8 @@ class _Lowering:
         self.needs: dict[Msg, int] = {}  # the op that waits for a message
         self.barriers: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
         self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
+        self.task_ops: dict[int, dict[tuple[str, str, int, int], int]] = {}  # rank -> task -> op
+        self.programs: dict[int, RankProgram] = {}
 
     def post(self, rank: int, lane: str, after: int, msgs: list[Msg], args: dict) -> int:
         """Post `msgs` when op `after` ends (plus the lane's posting overhead); the lane's last op."""
@@ -117,6 +126,7 @@ class _Lowering:
             lane_last[ins.lane] = self.post(rank, ins.lane, op, sends, post_args)
         for _, ins in rp.computes():
             prog.deps[task_op[ins.task]] += [task_op[t] for t in rp.local[ins.task]]
+        self.task_ops[rank], self.programs[rank] = task_op, rp
 
     # -- in order (EP) -----------------------------------------------------------------
 
@@ -261,7 +271,7 @@ class _Lowering:
             raise ValueError(f"RECV of {msg} has no matching SEND")
 
     def sync(self) -> None:
-        """SYNC after every op of the rank, then STEP."""
+        """SYNC after every op of the rank (and its buckets), then STEP."""
         sync_s = self.pricing.sync_s
         if sync_s is None:
             return
@@ -270,17 +280,43 @@ class _Lowering:
         for op, rank in enumerate(prog.rank):
             mine[rank].append(op)
         for rank in range(prog.num_ranks):
+            real = self.symmetry.real(rank)
+            buckets = self.buckets(rank, real)
+            seconds = 0.0 if buckets else sync_s(real)
             done = prog.add(
                 DELAY,
                 rank,
                 "sync",
-                sync_s(self.symmetry.real(rank)),
+                seconds,
                 "comm",
                 "SYNC grads",
-                mine[rank],
+                mine[rank] + buckets,
                 {"step": 0},
             )
             prog.add(DELAY, rank, "sync", self.pricing.step_s, "other", "STEP", [done], {"step": 0})
+
+    def buckets(self, rank: int, real: int) -> list[int]:
+        """The all-reduce ops of a rank's buckets (`schedule.sync`), one after another on
+        its "sync" lane; none without `Pricing.bucket_s` or on a rank without A backward."""
+        bucket_s, rp = self.pricing.bucket_s, self.programs.get(rank)
+        if bucket_s is None or rp is None:
+            return []
+        ops: list[int] = []
+        for bucket in sync_buckets(rp):
+            after = [self.task_ops[rank][bucket.after], *ops[-1:]]
+            ops.append(
+                self.prog.add(
+                    DELAY,
+                    rank,
+                    "sync",
+                    bucket_s(real, bucket.layer),
+                    "comm",
+                    f"allreduce l{bucket.layer}",
+                    after,
+                    {"layer": bucket.layer, "step": 0},
+                )
+            )
+        return ops
 
 
 def lower(schedule: Schedule, pricing: Pricing, symmetry: Symmetry | None = None) -> Program:

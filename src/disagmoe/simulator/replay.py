@@ -49,9 +49,12 @@ def afpipe_pricing(
     grad_bytes: int = 2,
     overheads: MessageOverheads | None = None,
     num_micro_batches: int = 0,
+    overlap_sync: bool = True,
 ) -> Pricing:
     """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
-    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas.
+    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas; with
+    `overlap_sync` (`parallel.overlap_grad_sync`) one ring all-reduce per layer bucket,
+    issued during the backward (`schedule.sync`).
 
     `num_micro_batches` (M; 0: m divides it): an F compute of a slot that only k < m
     replicas run (the last one when m does not divide M) costs k/m of a full slot's."""
@@ -64,6 +67,18 @@ def afpipe_pricing(
         layers = layout.layers_of(layout.attn_rank(group, 0))
         params = sum(workload.attn_param_count(l) for l in layers)
         return net.allreduce_s(layout.attn_replicas(group), params * grad_bytes)
+
+    def bucket_s(rank: int, layer: int) -> float:
+        role = layout.role(rank)
+        if role.comp != "A":
+            return 0.0
+        params = workload.attn_param_count(layer)
+        model = workload.model
+        if model.tie_embeddings and 0 in layout.layers_of(rank):
+            # the tied embedding is final after layer 0's backward: layer 0's bucket holds it
+            tied = model.vocab_size * model.dim
+            params += tied if layer == 0 else -tied if layer == model.num_layers else 0
+        return net.allreduce_s(layout.attn_replicas(role.group), params * grad_bytes)
 
     shards, m = layout.expert_workers, layout.attn_workers
 
@@ -78,6 +93,7 @@ def afpipe_pricing(
         message_bytes=lambda msg: workload.message_bytes(msg.kind, msg.layer, shards),
         net=net,
         sync_s=sync_s if sync else None,
+        bucket_s=bucket_s if sync and overlap_sync else None,
         step_s=step_s,
         overheads=overheads,
     )
@@ -100,6 +116,7 @@ def simulate_schedule(
     num_micro_batches: int = 0,
     peak_in_flight: int = 0,
     link_model: LinkModel = "fair",
+    overlap_sync: bool = True,
 ) -> SimResult:
     """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
@@ -109,7 +126,8 @@ def simulate_schedule(
     `full`). `overheads` and `cores` model a host runtime (see `simulator.lower` and
     `engine.run_program`). `peak_in_flight`: the validator's answer when the caller
     validated `schedule` already (`checked_afpipe`; 0: validate here). `link_model`: how
-    messages share ports (`simulator.links`).
+    messages share ports (`simulator.links`). `overlap_sync`: the A gradients' all-reduce
+    runs per layer bucket during the backward (`parallel.overlap_grad_sync`), else at SYNC.
     """
     peak = peak_in_flight or check_schedule(schedule)
     real_layout = full or layout
@@ -132,6 +150,7 @@ def simulate_schedule(
         step_s=step_s,
         overheads=overheads,
         num_micro_batches=num_micro,
+        overlap_sync=overlap_sync,
     )
     program = lower(schedule, pricing, symmetry)
     timeline = run_program(program, share_compute=share_compute, cores=cores, link_model=link_model)
@@ -145,6 +164,7 @@ def simulate_schedule(
         "max_in_flight": schedule.max_in_flight,
         "peak_in_flight": peak,
         "reduced": full is not None,
+        "overlap_sync": overlap_sync,
         **(config or {}),
     }
     return summarize(
