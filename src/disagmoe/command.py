@@ -30,7 +30,9 @@ class Parser(argparse.ArgumentParser):
     """An argument error is one line `disagmoe CMD: error: ...` and exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"disagmoe {self.prog.split()[-1]}: error: {message}\n")
+        words = self.prog.split()  # "disagmoe" or "disagmoe CMD" (unknown flags: the former)
+        name = "disagmoe" if words[-1] == "disagmoe" else f"disagmoe {words[-1]}"
+        sys.stderr.write(f"{name}: error: {message}\n")
         sys.exit(2)
 
 

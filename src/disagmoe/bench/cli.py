@@ -353,7 +353,9 @@ def run_bench(args: argparse.Namespace) -> int:
         label = f"{network}; {compute_label(spec)}" if emulated else network
         note = f" [emulated compute, wall clock = {spec.time_scale:g}x]" if emulated else ""
         plot_bars(results, Path(args.plots) / "bench_tokens.png", label)
-        plot_trace_pair(results, Path(args.plots) / "bench_trace.png", spec.steps - 1, note)
+        plot_trace_pair(
+            results, Path(args.plots) / "bench_trace.png", spec.steps - 1, note, spec.time_scale
+        )
     report = json.dumps({
         "network": network, "emulated_compute": spec.compute == "emulated",
         "time_scale": spec.time_scale, "compute": compute_label(spec), "spec": _spec_dict(spec),

@@ -10,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from ..plots.trace import plot_traces
+from ..plots.trace import TraceBound, plot_traces
 from .runner import RuntimeResult
 
 
@@ -46,15 +46,21 @@ def plot_bars(results: list[RuntimeResult], out: Path, network: str) -> None:
     plt.close(fig)
 
 
-def plot_trace_pair(results: list[RuntimeResult], out: Path, step: int, note: str = "") -> None:
+def plot_trace_pair(
+    results: list[RuntimeResult], out: Path, step: int, note: str = "", time_scale: float = 1.0
+) -> None:
     """One measured step of AF-Pipe above one of ep-1f1b (first repetition), same axis: the
-    first row of each runtime (`disagg`, or its first variant)."""
+    first row of each runtime (`disagg`, or its first variant), each with its bound's
+    binding resource shaded (`time_scale`: how much slower the traces' wall clock runs
+    than the reported times, so the bound is drawn in trace time)."""
     pair = [("AF-Pipe", "disagg"), ("ep-1f1b (EP all-to-all + 1F1B)", "ep-1f1b")]
     traces: list[tuple[str, str | Path]] = []
+    bounds: list[TraceBound | None] = []
     for title, name in pair:
         row = next((r for r in results if r.ok and r.runtime.split(" (")[0] == name), None)
         if row is not None:
             dirs = [Path(d) for d in row.run_dirs if (Path(d) / "trace.json").exists()]
             traces.append((f"{title} ({row.runtime}){note}", dirs[0] / "trace.json"))
+            bounds.append(TraceBound.of(row.bound, time_scale) if row.bound else None)
     if traces:
-        plot_traces(traces, out, step=step)
+        plot_traces(traces, out, step=step, bounds=bounds)

@@ -3,11 +3,20 @@
 One row per (worker, lane); forward computes in blue, backward in orange,
 sends and receives in grey, gradient sync / optimizer in green. Several traces
 can be stacked on one shared time axis to compare runtimes side by side.
+
+With a step's bound (`simulator.bound.Bound`: given by the caller, or the `bound` a
+simulated trace carries in its `otherData`), the binding resource is shaded — the
+binding worker's compute lanes, its send/receive lanes for a network bound, its sync
+lane for a serial one — and a dashed line marks where a step at its bound would end
+(docs/design.md §4: every speed claim states its bound).
 """
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +34,58 @@ COLORS = {
     "compute": "#4C72B0",
 }
 LANE_ORDER = ("fwd", "bwd", "send", "recv", "sync", "compute")
+# The lanes that carry each kind of binding resource (`Bound.binding`).
+BINDING_LANES = {
+    "compute": ("fwd", "bwd", "compute"),
+    "network": ("send", "recv"),
+    "serial": ("sync",),
+}
+BOUND_COLOR = "#C44E52"
+
+
+@dataclass(frozen=True, slots=True)
+class TraceBound:
+    """A step's bound as a plot draws it: seconds in the trace's own time, the binding
+    resource ("compute", "network" or "serial") and the binding worker ("rank N", a role
+    such as "F(g0,j0)", or a port)."""
+
+    seconds: float
+    binding: str
+    worker: str
+
+    @classmethod
+    def of(cls, bound: Any, time_scale: float = 1.0) -> TraceBound:
+        """From a `simulator.bound.Bound` (or its `to_dict()`), `time_scale` x its seconds
+        (an emulated run's trace is that many times slower than the bound it reports)."""
+        if isinstance(bound, dict):
+            return cls(bound["bound_s"] * time_scale, bound["binding"], bound["binding_worker"])
+        return cls(bound.seconds * time_scale, bound.binding, bound.worker)
+
+    def describe(self) -> str:
+        return f"bound {self.seconds:.4g} s: {self.binding} ({self.worker})"
+
+
+def binding_rows(
+    rows: Sequence[tuple[int, str]], names: dict[int, str], bound: TraceBound
+) -> list[int]:
+    """Indices of the `rows` ((pid, lane) pairs) to shade for `bound`: the binding worker's
+    lanes of the binding resource, or all its rows if none of those is drawn; none if the
+    worker is not a drawn rank (a port)."""
+    match = re.fullmatch(r"rank (\d+)", bound.worker)
+    if match:
+        pids = {int(match.group(1))}
+    else:
+        pids = {pid for pid, name in names.items() if bound.worker in name.split()}
+    mine = [k for k, (pid, _) in enumerate(rows) if pid in pids]
+    lanes = BINDING_LANES.get(bound.binding, ())
+    return [k for k in mine if rows[k][1] in lanes] or mine
+
+
+def trace_bound_of(path: str | Path) -> TraceBound | None:
+    """The bound a trace file carries (`otherData.bound`, written by the simulator)."""
+    data = json.loads(Path(path).read_text())
+    bound = data.get("otherData", {}).get("bound") if isinstance(data, dict) else None
+    return TraceBound.of(bound) if bound else None
 
 
 def load_events(
@@ -51,10 +112,17 @@ def plot_traces(
     *,
     step: int | None = None,
     lanes: tuple[str, ...] = ("fwd", "bwd", "send", "recv"),
+    bounds: Sequence[TraceBound | None] = (),
 ) -> None:
-    """Stack the given (title, trace.json) pairs on one shared time axis (ms)."""
+    """Stack the given (title, trace.json) pairs on one shared time axis (ms); `bounds[i]`
+    (or the bound trace i carries) shades trace i's binding resource (module doc)."""
     loaded = [(title, *load_events(path, step)) for title, path in traces]
+    marks = [
+        bounds[i] if i < len(bounds) and bounds[i] is not None else trace_bound_of(path)
+        for i, (_, path) in enumerate(traces)
+    ]
     horizon = max((e["ts"] + e["dur"] for _, evs, _ in loaded for e in evs), default=1.0) / 1e3
+    horizon = max([horizon] + [b.seconds * 1e3 for b in marks if b is not None])
     heights = [
         len({(e["pid"], e["cat"]) for e in evs if e["cat"] in lanes}) or 1 for _, evs, _ in loaded
     ]
@@ -66,7 +134,7 @@ def plot_traces(
         gridspec_kw={"height_ratios": heights},
         squeeze=False,
     )
-    for ax, (title, events, names) in zip(axes[:, 0], loaded, strict=True):
+    for ax, (title, events, names), bound in zip(axes[:, 0], loaded, marks, strict=True):
         rows = sorted(
             {(e["pid"], e["cat"]) for e in events if e["cat"] in lanes},
             key=lambda r: (r[0], LANE_ORDER.index(r[1]) if r[1] in LANE_ORDER else 99),
@@ -85,6 +153,11 @@ def plot_traces(
                 edgecolor="white",
                 linewidth=0.3,
             )
+        if bound is not None:
+            for k in binding_rows(rows, names, bound):
+                ax.axhspan(k - 0.5, k + 0.5, color=BOUND_COLOR, alpha=0.15, lw=0, zorder=0)
+            ax.axvline(bound.seconds * 1e3, color=BOUND_COLOR, ls="--", lw=1)
+            title = f"{title} | {bound.describe()} (shaded; dashed: step at its bound)"
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"{names.get(pid, pid)} {lane}" for pid, lane in rows], fontsize=7)
         ax.invert_yaxis()

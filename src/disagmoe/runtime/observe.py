@@ -270,15 +270,21 @@ class Tracer:
 
 
 def write_trace(
-    path: Path, per_rank: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]]
+    path: Path,
+    per_rank: list[tuple[list[dict[str, Any]], list[dict[str, Any]]]],
+    other: dict[str, Any] | None = None,
 ) -> None:
-    """Merge (metadata, events) of every rank into one Chrome trace, time zero at the first event."""
+    """Merge (metadata, events) of every rank into one Chrome trace, time zero at the first
+    event; `other` goes to the trace's `otherData` (e.g. a simulated step's bound)."""
     events = [e for _, evs in per_rank for e in evs]
     t0 = min((e["ts"] for e in events), default=0.0)
     out = [m for meta, _ in per_rank for m in meta]
     for e in events:
         out.append({**e, "ts": round(e["ts"] - t0, 3), "dur": round(e["dur"], 3)})
-    path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
+    trace: dict[str, Any] = {"traceEvents": out, "displayTimeUnit": "ms"}
+    if other:
+        trace["otherData"] = other
+    path.write_text(json.dumps(trace))
 
 
 # ------------------------------------------------------------------ time covered by events

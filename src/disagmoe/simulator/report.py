@@ -82,7 +82,8 @@ class SimResult:
 
     def write_trace(self, path: str | Path) -> None:
         assert self.program is not None and self.timeline is not None
-        write_trace(Path(path), trace_events(self.program, self.timeline, self.workers))
+        other = {"bound": self.bound.to_dict()} if self.bound is not None else None
+        write_trace(Path(path), trace_events(self.program, self.timeline, self.workers), other)
 
 
 def summarize(
