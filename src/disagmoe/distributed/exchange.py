@@ -22,8 +22,10 @@ behind the receiver, and a payload can start while the previous one is still on 
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import struct
 import time
 from collections import deque
 from collections.abc import Callable
@@ -71,40 +73,56 @@ def _align(nbytes: int) -> int:
     return (nbytes + 7) // 8 * 8
 
 
-# The numpy dtype a dtype's bytes are read and written as (bfloat16 has none: int16 bits).
+# The numpy dtype a dtype's bytes are read as (bfloat16 has none: its int16 bits).
 _NUMPY = {
     dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in DTYPES if dtype != torch.bfloat16
 }
 _NUMPY[torch.bfloat16] = np.dtype(np.int16)
 
 
-def _host_bytes(t: torch.Tensor) -> np.ndarray:
-    """A host tensor's bytes as a flat uint8 array (a view when it is contiguous)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy().reshape(-1).view(np.uint8)
+# libc's memmove called holding the GIL (`ctypes.memmove` releases it, and getting it back
+# from a busy lane costs more than the copy of a few KB).
+_memmove = ctypes.PyDLL(None).memmove
+_memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memmove.restype = ctypes.c_void_p
+
+
+@functools.cache
+def _words(count: int) -> struct.Struct:
+    """`count` int64 header fields, in the machine's byte order (both ends are one kind of host)."""
+    return struct.Struct(f"={count}q")
+
+
+class HeaderBuffer:
+    """A header's host memory: as numpy (written by `encode_header`), as the tensor that is
+    sent, and its address (inline tensors are copied in with one `memmove`)."""
+
+    __slots__ = ("address", "array", "tensor")
+
+    def __init__(self) -> None:
+        self.array = np.empty(HEADER_BYTES, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
+        self.address = self.array.ctypes.data
 
 
 class HeaderPool:
     """Header buffers for sending, reused once a send that used one has completed (a fresh
-    4.6 KB buffer and its torch wrapper cost more than the rest of encoding a header).
+    4.6 KB buffer and its torch wrapper cost as much as encoding the header).
 
     `take` and `give` may be called from different threads (deque ends are atomic).
     """
 
     def __init__(self, keep: int = 1024) -> None:
         self.keep = keep
-        self._free: deque[tuple[np.ndarray, torch.Tensor]] = deque()
+        self._free: deque[HeaderBuffer] = deque()
 
-    def take(self) -> tuple[np.ndarray, torch.Tensor]:
+    def take(self) -> HeaderBuffer:
         try:
             return self._free.pop()
         except IndexError:
-            buf = np.empty(HEADER_BYTES, dtype=np.uint8)
-            return buf, torch.from_numpy(buf)
+            return HeaderBuffer()
 
-    def give(self, buf: tuple[np.ndarray, torch.Tensor]) -> None:
+    def give(self, buf: HeaderBuffer) -> None:
         if len(self._free) < self.keep:
             self._free.append(buf)
 
@@ -112,17 +130,17 @@ class HeaderPool:
 def encode_header(
     tensors: list[torch.Tensor],
     ident: tuple[int, ...] = (0, 0, 0, 0),
-    out: tuple[np.ndarray, torch.Tensor] | None = None,
+    out: HeaderBuffer | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The message's header buffer (`out`, or a fresh one) and the tensors that travel as
-    payloads, in order.
+    """The message's header (written into `out`, or a fresh buffer) and the tensors that
+    travel as payloads, in order.
 
-    Built with numpy on host memory: a few microseconds, not one torch op per field. Bytes
-    of the buffer that no field covers are left as they were (the receiver reads only what
-    the fields describe).
+    Plain byte copies on host memory (`struct`, `memmove`): a few microseconds, not one
+    torch op per field. Bytes of the buffer that no field covers are left as they were
+    (the receiver reads only what the fields describe).
     """
     assert len(ident) == IDENT_LEN
-    header, header_t = out if out is not None else HeaderPool().take()
+    buf = out if out is not None else HeaderBuffer()
     fields = [*ident, len(tensors)]
     payloads: list[torch.Tensor] = []
     pos = META_WORDS * 8
@@ -130,15 +148,16 @@ def encode_header(
         nbytes = t.nbytes
         inline = t.is_cpu and pos + nbytes <= HEADER_BYTES
         if inline and nbytes:
-            header[pos : pos + nbytes] = _host_bytes(t)
+            src = t if t.is_contiguous() else t.contiguous()
+            _memmove(buf.address + pos, src.data_ptr(), nbytes)
             pos += _align(nbytes)
         elif not inline:
             payloads.append(t.detach().contiguous())
         fields += [_CODE[t.dtype], _INLINE if inline else _PAYLOAD, t.dim(), *t.shape]
     if len(fields) > META_WORDS:
         raise ValueError(f"message header needs {len(fields)} fields > {META_WORDS}")
-    header[: len(fields) * 8] = np.asarray(fields, dtype=np.int64).view(np.uint8)
-    return header_t, payloads
+    _words(len(fields)).pack_into(buf.array.data, 0, *fields)
+    return buf.tensor, payloads
 
 
 def decode_header(
@@ -147,7 +166,7 @@ def decode_header(
     """(identity, [(dtype, inline, shape)]) of a header buffer."""
     if isinstance(header, torch.Tensor):
         header = header.numpy()
-    fields = header[: META_WORDS * 8].view(np.int64).tolist()
+    fields = _words(META_WORDS).unpack_from(header.data)
     ident = tuple(fields[:IDENT_LEN])
     count, pos, specs = fields[IDENT_LEN], IDENT_LEN + 1, []
     for _ in range(count):
@@ -177,7 +196,7 @@ def send_message(
     dst: int,
     channel: Channel,
     ident: tuple[int, ...] = (0, 0, 0, 0),
-    header: tuple[np.ndarray, torch.Tensor] | None = None,
+    header: HeaderBuffer | None = None,
 ) -> list[dist.Work]:
     """Post the header's and the payloads' sends; the caller waits on the returned works
     (the first is the header's: `header`, from a `HeaderPool`, may be reused once it ends).
@@ -233,6 +252,45 @@ class Incoming:
         return self.tensors
 
 
+# Host receive buffers of at least this size are reused (`ReceiveBuffers`); smaller ones
+# come from malloc's free lists, already touched.
+REUSE_MIN_BYTES = 128 << 10
+REUSE_MAX_BYTES = 128 << 20  # what one receiver keeps for reuse, at most
+
+
+class ReceiveBuffers:
+    """Host buffers for received payloads, reused once nothing else holds them.
+
+    A fresh buffer of a few MiB costs its first touch — a page fault per 4 KiB page while
+    the receive writes into it (`benchmarks/exchange_overhead.py`: about 400 faults and 1-2
+    ms per 8 MiB message, a third of the transfer). This keeps the storages it handed out
+    (up to `keep_bytes` in all, per exact byte size, so that what the activation meter counts
+    is what a fresh buffer would be) and hands one out again when its use count says that
+    only this cache still holds it: the consumer and autograd dropped every tensor on it.
+    Used by one receive lane (not thread-safe); on an accelerator the device's caching
+    allocator does this instead.
+    """
+
+    def __init__(self, keep_bytes: int = REUSE_MAX_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self.kept = 0
+        self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < REUSE_MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        kept = self._by_size.setdefault(nbytes, [])
+        for storage in kept:
+            if torch._C._storage_Use_Count(storage._cdata) == 1:  # only `kept` holds it
+                return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+        t = torch.empty(shape, dtype=dtype)
+        if self.kept + nbytes <= self.keep_bytes:
+            kept.append(t.untyped_storage())
+            self.kept += nbytes
+        return t
+
+
 class Receiver:
     """Receives the messages of one (sender, channel) stream in order.
 
@@ -250,6 +308,7 @@ class Receiver:
         self.device = device or HOST
         self.posted: deque[tuple[np.ndarray, dist.Work]] = deque()
         self.unposted = 0
+        self.buffers = ReceiveBuffers() if self.device == HOST else None
 
     def start(self, count: int) -> None:
         assert not self.posted and not self.unposted, "the previous batch is not finished"
@@ -295,7 +354,10 @@ class Receiver:
                 tensors.append(t.view(dtype) if dtype == torch.bfloat16 else t)
                 pos += _align(nbytes)
                 continue
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if self.buffers is not None:
+                t = self.buffers.empty(shape, dtype)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
             if t.numel():
                 works.append(_irecv(t, self.src, self.channel.payload))
             tensors.append(t)

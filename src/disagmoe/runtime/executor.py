@@ -39,6 +39,7 @@ import torch
 
 from ..distributed.exchange import (
     CommTimeout,
+    HeaderBuffer,
     HeaderPool,
     Incoming,
     ProtocolError,
@@ -133,6 +134,7 @@ class _Compute:
     inputs: tuple[Msg, ...]
     local: tuple[TaskKey, ...]
     outputs: tuple[_Output, ...]
+    outgoing: list[Msg]  # the outputs' messages, as the worker takes them
 
 
 @dataclass
@@ -186,7 +188,7 @@ class _Lane:
                 st.ended.notify_all()
 
 
-_Send = tuple[_Output, list[Any], tuple[Any, torch.Tensor], Payload, float, int]
+_Send = tuple[_Output, list[Any], HeaderBuffer, Payload, float, int]
 
 
 class Executor:
@@ -244,6 +246,7 @@ class Executor:
             tuple(self.program.inputs.get(task, ())),
             tuple(self.program.local.get(task, ())),
             outputs,
+            [o.msg for o in outputs],
         )
 
     # ------------------------------------------------------------------ lanes
@@ -361,7 +364,13 @@ class Executor:
     def _ready(st: _Step, work: _Compute) -> bool:
         """`RankProgram.ready` of `work` (with its inputs and dependencies looked up once)."""
         mailbox, done = st.mailbox, st.done
-        return all(m in mailbox for m in work.inputs) and all(t in done for t in work.local)
+        for m in work.inputs:
+            if m not in mailbox:
+                return False
+        for t in work.local:  # noqa: SIM110 (a loop costs less than all() of a generator)
+            if t not in done:
+                return False
+        return True
 
     def _block(self, st: _Step, work: _Compute, lane: str, arrived: Callable[[Msg], bool]) -> None:
         """Wait (holding `st.lock`) until `work` is ready; HangError after the timeout."""
@@ -415,12 +424,22 @@ class Executor:
         )
 
     def _compute_lane(self, st: _Step, lane: str) -> None:
+        """The lane's computes in order, each posting its outputs' sends right after it.
+        The FWDs of a forward-only list run without autograd: grad mode is per thread, set
+        off on this lane's for the step."""
+        if self.program.forward_only:
+            with torch.no_grad():
+                self._run_lane(st, lane)
+        else:
+            self._run_lane(st, lane)
+
+    def _run_lane(self, st: _Step, lane: str) -> None:
         step, tracer, topo, sends = st.step, self.tracer, self.topo, self.sends
         for work in self.computes[lane]:
             received = self._wait_ready(st, work, lane)
             instr = work.instr
             t0 = Tracer.now_us()
-            out = self._run_compute(instr, received, [o.msg for o in work.outputs])
+            out = self._run_compute(instr, received, work.outgoing)
             t1 = Tracer.now_us()
             tracer.add(
                 work.name,
@@ -456,9 +475,8 @@ class Executor:
         list run without autograd (grad mode is per thread: set on this lane's) and keep
         nothing (`schedule.semantics`)."""
         task = (instr.layer, instr.slot)
-        if self.program.forward_only:
-            with torch.no_grad():
-                return self.worker.forward(instr.layer, instr.slot, received, outgoing, keep=False)
+        if self.program.forward_only:  # under no_grad (`_compute_lane`)
+            return self.worker.forward(instr.layer, instr.slot, received, outgoing, keep=False)
         if instr.op != Op.FWD:
             out = self.worker.backward(instr.layer, instr.slot, received, outgoing)
             if self.meter is not None:
