@@ -209,6 +209,11 @@ def send_message(
     return works
 
 
+@functools.cache
+def _timedelta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
 Describe = str | Callable[[], str]  # what a wait is for, in errors (built only for one)
 
 
@@ -222,7 +227,7 @@ def wait_work(
     """`work.wait` with a timeout; CommTimeout naming `what` when it fails (`late`: what a
     timeout means, in the message)."""
     try:
-        ok = work.wait(timedelta(seconds=timeout_s))
+        ok = work.wait(_timedelta(timeout_s))
     except RuntimeError as err:
         if "Timed out" in str(err):
             raise CommTimeout(f"{_text(what)}: {late} within {timeout_s:g} s") from err

@@ -66,7 +66,8 @@ _ANOTHER_LANE = "another lane failed"
 # report a closed connection instead of what it was waiting for.
 _BACKSTOP = 2.0
 # Send completion is only traced (and checked for errors), so its thread need not wake for
-# every message: once its queue is empty it sleeps this long and then takes what came.
+# every message: once its queue is empty it sleeps this long (or until the step's last send
+# is posted) and then takes what came.
 _SEND_POLL_S = 1e-3
 
 
@@ -102,11 +103,6 @@ class StepHooks(Protocol):
         ...
 
     def optimizer_step(self, step: int) -> None: ...
-
-
-def _ident(msg: Msg, step: int) -> tuple[int, int, int, int]:
-    """What a message says it is, checked by the receiver: (kind, layer, slot, step)."""
-    return (KINDS.index(msg.kind), msg.layer, msg.slot, step)
 
 
 class HangError(RuntimeError):
@@ -149,7 +145,7 @@ class _Step:
     done: set[TaskKey] = field(default_factory=set)
     errors: list[BaseException] = field(default_factory=list)
     finished: int = 0  # lanes that finished this step
-    sends_closed: bool = False  # every send of the step is posted (run_step sets it)
+    sends_closed: threading.Event = field(default_factory=threading.Event)  # all sends posted
     wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
     needs: dict[str, set[TaskKey]] = field(default_factory=dict)  # lane -> local deps it waits for
     awaits: dict[str, set[Msg]] = field(default_factory=dict)  # lane -> messages it waits for
@@ -218,8 +214,10 @@ class Executor:
         self.program = program
         self.meter = meter  # counts what a FWD keeps until its BWD (runtime.memory)
         self._backstop = _BACKSTOP * timeout_s + 10.0
-        self.consumer_lane = {  # the compute lane each incoming message wakes
-            m: consumer_lane(m) for msgs in self.program.streams.values() for m in msgs
+        incoming = [m for msgs in self.program.streams.values() for m in msgs]
+        self.consumer_lane = {m: consumer_lane(m) for m in incoming}  # the lane it wakes
+        self.recv_event = {
+            m: message_event_name("recv", message_label(m.kind, m.layer, m.slot)) for m in incoming
         }
         self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
                          for lane, instrs in program.lanes.items()}  # fmt: skip
@@ -274,13 +272,14 @@ class Executor:
         """Headers of one stream in order; each message's payload receives are posted at
         once and the message goes into the mailbox right away: its consumer waits for the
         payload (`_take`)."""
-        step = st.step
+        step, lanes = st.step, self.consumer_lane
         receiver.start(len(msgs))
         try:
             for msg in msgs:
                 what = functools.partial(self._receiving, msg)
+                expect = (KINDS.index(msg.kind), msg.layer, msg.slot, step)  # as sent
                 try:
-                    incoming = receiver.next(self._backstop, what, expect=_ident(msg, step))
+                    incoming = receiver.next(self._backstop, what, expect=expect)
                 except ProtocolError as err:
                     kind, layer, slot, got_step = err.got
                     raise ProtocolError(
@@ -290,7 +289,7 @@ class Executor:
                     ) from None
                 if not incoming.works:
                     self._trace_recv(step, msg, incoming, incoming.arrived)
-                lane = self.consumer_lane[msg]
+                lane = lanes[msg]
                 with st.lock:
                     st.mailbox[msg] = incoming
                     if msg in st.awaits[lane]:
@@ -302,7 +301,7 @@ class Executor:
         """The receive of `msg`: from its header's arrival until its payload is in (for a
         message with payloads: until its consumer has it, `_take`)."""
         self.tracer.add(
-            message_event_name("recv", message_label(msg.kind, msg.layer, msg.slot)),
+            self.recv_event[msg],
             "recv",
             incoming.arrived,
             end,
@@ -323,9 +322,9 @@ class Executor:
             try:
                 out, works, header, _payload, t0, step = sends.popleft()
             except IndexError:
-                if st.sends_closed and not sends:
+                if st.sends_closed.is_set() and not sends:
                     return
-                time.sleep(_SEND_POLL_S)
+                st.sends_closed.wait(_SEND_POLL_S)
                 continue
             msg = out.msg
             for work in works:
@@ -458,7 +457,7 @@ class Executor:
                 payload = out[msg]
                 header = self.headers.take()
                 channel = topo.stream(self.rank, msg.dst, msg.channel)
-                ident = (o.kind, msg.layer, msg.slot, step)
+                ident = (o.kind, msg.layer, msg.slot, step)  # the receiver checks it
                 works = send_message(payload, msg.dst, channel, ident, header)
                 sends.append((o, works, header, payload, Tracer.now_us(), step))
             with st.lock:
@@ -504,7 +503,7 @@ class Executor:
         with st.lock:  # the receive and compute lanes finish on their own ...
             while st.finished < own and not st.errors:
                 st.ended.wait(0.1)
-            st.sends_closed = True  # ... then send completion, once it has seen every send
+            st.sends_closed.set()  # ... then send completion, once it has seen every send
             while st.finished < len(self.lanes) and not st.errors:
                 st.ended.wait(0.1)
         if st.errors:
