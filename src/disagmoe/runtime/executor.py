@@ -32,11 +32,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
+from ..device import stream_backend
 from ..distributed.exchange import (
     CommTimeout,
     HeaderBuffer,
@@ -51,6 +53,7 @@ from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
+from .streams import LaneStreams, Stamp
 
 Payload = list[torch.Tensor]
 KINDS = tuple(MESSAGE_KINDS)
@@ -105,6 +108,11 @@ class StepHooks(Protocol):
     def optimizer_step(self, step: int) -> None: ...
 
 
+def _recv_lane_name(src: int, channel: str) -> str:
+    """The receive lane (thread, stream) of the stream from `src` on `channel`."""
+    return f"recv{src}{channel}"
+
+
 class HangError(RuntimeError):
     """A wait on communication exceeded the configured timeout."""
 
@@ -129,6 +137,7 @@ class _Compute:
     task: TaskKey
     inputs: tuple[Msg, ...]
     local: tuple[TaskKey, ...]
+    cross: tuple[TaskKey, ...]  # those of `local` that run on the other lane
     outputs: tuple[_Output, ...]
     outgoing: list[Msg]  # the outputs' messages, as the worker takes them
 
@@ -149,6 +158,8 @@ class _Step:
     wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
     needs: dict[str, set[TaskKey]] = field(default_factory=dict)  # lane -> local deps it waits for
     awaits: dict[str, set[Msg]] = field(default_factory=dict)  # lane -> messages it waits for
+    events: dict[TaskKey, Any] = field(default_factory=dict)  # compute -> its stream event
+    spans: list[tuple[str, str, Stamp, Stamp, dict[str, Any]]] = field(default_factory=list)
     ended: threading.Condition = field(init=False)  # run_step waits on it
 
     def __post_init__(self) -> None:
@@ -165,23 +176,31 @@ class _Step:
 
 
 class _Lane:
-    """A thread kept for the whole run that runs `body(step_state)` once per step."""
+    """A thread kept for the whole run that runs `body(step_state)` once per step, inside
+    `context` (its stream made current: `LaneStreams.on`)."""
 
-    def __init__(self, name: str, body: Callable[[_Step], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        body: Callable[[_Step], None],
+        context: AbstractContextManager[None] | None = None,
+    ) -> None:
         self.body = body
+        self.context = context or nullcontext()
         self.inbox: queue.Queue[_Step | None] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        while (st := self.inbox.get()) is not None:
-            try:
-                self.body(st)
-            except BaseException as err:
-                st.fail(err)
-            with st.lock:
-                st.finished += 1
-                st.ended.notify_all()
+        with self.context:
+            while (st := self.inbox.get()) is not None:
+                try:
+                    self.body(st)
+                except BaseException as err:
+                    st.fail(err)
+                with st.lock:
+                    st.finished += 1
+                    st.ended.notify_all()
 
 
 _Send = tuple[_Output, list[Any], HeaderBuffer, Payload, float, int]
@@ -200,7 +219,10 @@ class Executor:
         timeout_s: float,
         drop_message: str = "",
         meter: ActivationMeter | None = None,
+        streams: LaneStreams | None = None,
     ) -> None:
+        """`streams`: the lanes' streams; by default those of `device.stream_backend` for
+        `topo.device` (none on the CPU)."""
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         assert program.rank == topo.rank, (program.rank, topo.rank)
         self.rank = topo.rank
@@ -219,8 +241,12 @@ class Executor:
         self.recv_event = {
             m: message_event_name("recv", message_label(m.kind, m.layer, m.slot)) for m in incoming
         }
+        self.task_lane = {ins.task: lane for lane, instrs in program.lanes.items()
+                          for _, ins in instrs}  # fmt: skip
         self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
                          for lane, instrs in program.lanes.items()}  # fmt: skip
+        lanes = [*program.lanes, *(_recv_lane_name(*key) for key in program.streams)]
+        self.streams = streams or LaneStreams(stream_backend(topo.device), lanes)
         self.sends: deque[_Send] = deque()  # posted, completion not yet seen
         self.headers = HeaderPool()
         self.lanes: list[_Lane] = []  # started on the first step
@@ -243,6 +269,7 @@ class Executor:
             task,
             tuple(self.program.inputs.get(task, ())),
             tuple(self.program.local.get(task, ())),
+            tuple(t for t in self.program.local.get(task, ()) if self.task_lane[t] != instr.lane),
             outputs,
             [o.msg for o in outputs],
         )
@@ -254,9 +281,11 @@ class Executor:
         counts on this order."""
         for (src, channel), msgs in self.program.streams.items():
             rx = Receiver(src, self.topo.stream(src, self.rank, channel), device=self.topo.device)
-            self.lanes.append(_Lane(f"recv{src}{channel}", self._bind_recv(src, msgs, rx)))
+            name = _recv_lane_name(src, channel)
+            on = self.streams.on(name)
+            self.lanes.append(_Lane(name, self._bind_recv(src, msgs, rx), on))
         for lane in self.program.lanes:
-            self.lanes.append(_Lane(lane, self._bind_compute(lane)))
+            self.lanes.append(_Lane(lane, self._bind_compute(lane), self.streams.on(lane)))
         self.lanes.append(_Lane("send", self._send_waiter))
 
     def _bind_recv(self, src: int, msgs: list[Msg], rx: Receiver) -> Callable[[_Step], None]:
@@ -401,6 +430,8 @@ class Executor:
         what = functools.partial(self._needed, work, msg)
         tensors = incoming.wait(self._backstop, what)
         self._trace_recv(st.step, msg, incoming, Tracer.now_us())
+        if self.streams.active:  # allocated on the receive lane's stream, used on this one
+            self.streams.adopt(work.instr.lane, tensors)
         return tensors
 
     def _needed(self, work: _Compute, msg: Msg) -> str:
@@ -433,23 +464,17 @@ class Executor:
             self._run_lane(st, lane)
 
     def _run_lane(self, st: _Step, lane: str) -> None:
-        step, tracer, topo, sends = st.step, self.tracer, self.topo, self.sends
+        step, streams, topo, sends = st.step, self.streams, self.topo, self.sends
         for work in self.computes[lane]:
             received = self._wait_ready(st, work, lane)
             instr = work.instr
-            t0 = Tracer.now_us()
+            if streams.active:
+                self._join_streams(st, work, lane)
+            t0 = streams.stamp(lane)
             out = self._run_compute(instr, received, work.outgoing)
-            t1 = Tracer.now_us()
-            tracer.add(
-                work.name,
-                lane,
-                t0,
-                t1,
-                layer=instr.layer,
-                slot=instr.slot,
-                step=step,
-                index=work.index,
-            )
+            t1 = streams.stamp(lane)
+            args = {"layer": instr.layer, "slot": instr.slot, "step": step, "index": work.index}
+            st.spans.append((work.name, lane, t0, t1, args))  # traced when the step ends
             for o in work.outputs:
                 msg = o.msg
                 if self.drop and self.drop == f"{o.drop}{step}":
@@ -462,9 +487,27 @@ class Executor:
                 sends.append((o, works, header, payload, Tracer.now_us(), step))
             with st.lock:
                 st.done.add(work.task)
+                if streams.active:
+                    st.events[work.task] = t1  # after the compute, on this lane's stream
                 for other, cond in st.wake.items():  # wake the other lane if it waits for this
                     if other != lane and work.task in st.needs[other]:
                         cond.notify()
+
+    def _join_streams(self, st: _Step, work: _Compute, lane: str) -> None:
+        """Before `work` runs on `lane`'s stream: wait for the events of its dependencies on
+        the other lane, and adopt what its FWD kept for a BWD (`runtime.streams`)."""
+        with st.lock:
+            events = [st.events[t] for t in work.cross]
+        self.streams.after(lane, events)
+        if work.instr.op == Op.BWD:
+            self.streams.adopt(lane, self.worker.kept(work.instr.layer, work.instr.slot))
+
+    def _trace_computes(self, st: _Step) -> None:
+        """The step's compute spans, into the tracer (with streams: resolved from their
+        events, which waits for the step's kernels once)."""
+        for name, lane, t0, t1, args in st.spans:
+            self.tracer.add(name, lane, self.streams.host_us(t0), self.streams.host_us(t1), **args)
+        st.spans.clear()
 
     def _run_compute(
         self, instr: Instr, received: dict[Msg, Payload], outgoing: list[Msg]
@@ -497,6 +540,7 @@ class Executor:
         if not self.lanes:
             self._start_lanes()
         st = _Step(step)
+        self.streams.begin_step()
         for lane in self.lanes:
             lane.inbox.put(st)
         own = len(self.program.streams) + len(self.program.lanes)
@@ -506,6 +550,8 @@ class Executor:
             st.sends_closed.set()  # ... then send completion, once it has seen every send
             while st.finished < len(self.lanes) and not st.errors:
                 st.ended.wait(0.1)
+        if not st.errors or not self.streams.active:  # (a failed step's kernels may never end)
+            self._trace_computes(st)
         if st.errors:
             primary = next((e for e in st.errors if str(e) != _ANOTHER_LANE), st.errors[0])
             raise primary
