@@ -1,23 +1,22 @@
 """Runs one rank's instruction list with compute and communication overlapped.
 
-Lanes (threads on CPU, started once and kept for the whole run; on GPU they would
-drive CUDA streams):
+Lanes (threads, started once and kept for the whole run; on an accelerator each compute
+and receive lane runs on its own stream, `runtime.streams`):
 
 * "fwd"  — the rank's FWD instructions in list order,
 * "bwd"  — its BWD instructions in list order,
-* "recv" — two threads per incoming (sender, channel) stream: one takes the stream's
-           headers in FIFO order — a message whose tensors all came inline in its header
-           goes straight into the mailbox, otherwise its payload receives are posted at
-           once (while the previous payload may still be on the wire) — and one puts
-           the stream's other messages into the mailbox, in order, as their payloads
-           complete,
+* "recv" — one thread per incoming (sender, channel) stream: it takes the stream's headers
+           in FIFO order, posts each message's payload receives at once (while the previous
+           payload may still be on the wire) and puts the message into the mailbox; the
+           compute that consumes it waits for its payload (`Incoming.wait`);
 * "send" — sends are posted (`isend`) by the compute lane right after the producing
-           compute; one thread waits for their completion;
+           compute, from the producer's thread (and stream); one thread sees them complete;
 * "sync" — SYNC and STEP, through the trainer's `StepHooks`, once the rest is done.
 
 So an F worker can send the backward result of micro-batch i, compute the forward of
 micro-batch j and receive a gradient for micro-batch q at once. When a compute may
-start is `schedule.semantics.RankProgram.ready` (its input messages in the mailbox, its
+start is `schedule.semantics.RankProgram.ready` (its input messages in the mailbox — their
+headers in; it then waits for their payloads, which follow their headers on the wire — its
 local dependencies done), the same rule the validator and the simulator apply. Every
 wait has a timeout; on timeout the error names the rank, its role, the instruction and
 the missing messages.
