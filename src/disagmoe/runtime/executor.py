@@ -62,10 +62,11 @@ KINDS = tuple(MESSAGE_KINDS)
 GIL_SWITCH_INTERVAL_S = 2e-4
 _ANOTHER_LANE = "another lane failed"
 # A lost message is reported by the compute that waits for it (after the timeout, naming
-# the message and its sender). The communication lanes wait longer: with gloo a receive
-# that times out closes its connection, which both directions between two ranks share
-# (one group per channel), so an early receive timeout on one rank would make its peer
-# report a closed connection instead of what it was waiting for.
+# the message and its sender). The receive lanes, and a consumer waiting for a payload
+# whose header came, wait longer: with gloo a receive that times out closes its
+# connection, which both directions between two ranks share (one group per channel), so an
+# early receive timeout on one rank would make its peer report a closed connection instead
+# of what it was waiting for.
 _BACKSTOP = 2.0
 # Send completion is only traced (and checked for errors), so its thread need not wake for
 # every message: once its queue is empty it sleeps this long (or until the step's last send
