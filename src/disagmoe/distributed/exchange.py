@@ -18,6 +18,12 @@ up to `window`) before the first arrives — posting a receive while data stream
 gloo several times more — and posts a payload's receives as soon as its header arrives:
 with gloo a send leaves only once its receive is posted, so headers are never held up
 behind the receiver, and a payload can start while the previous one is still on the wire.
+
+What a message costs on the host is kept to a few operations (docs/design-notes.md, "What
+a message costs"): send headers are encoded with `struct` and one `memmove` per inline
+tensor into reused buffers (`HeaderPool`), and host payloads of 128 KiB and more are
+received into buffers reused once nothing holds them (`ReceiveBuffers`: a fresh one costs
+a page fault per 4 KiB while the data comes in).
 """
 
 from __future__ import annotations
