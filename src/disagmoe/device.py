@@ -142,8 +142,8 @@ class AcceleratorStreams:
         event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
         return event
 
-    def wait(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
+    def wait(self, stream: Any | None, event: Any) -> None:
+        (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(event)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         tensor.record_stream(stream)

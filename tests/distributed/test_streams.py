@@ -104,7 +104,7 @@ class _FakeBackend:
         self.log.append(("record", self._thread(), on, event))
         return event
 
-    def wait(self, stream: str, event: tuple[str, int]) -> None:
+    def wait(self, stream: str | None, event: tuple[str, int]) -> None:
         self.log.append(("wait", self._thread(), stream, event))
 
     def record_stream(self, tensor: torch.Tensor, stream: str) -> None:
@@ -211,6 +211,18 @@ def test_lanes_run_on_their_streams_and_hand_over_through_events() -> None:
         # spans come from the events: 1 ms of fake device time per event in between
         durations = {lane: 1000.0 * (s[1][3][1] - s[0][3][1]) for lane, s in stamps.items()}
         assert sorted((cat, dur) for _, cat, dur in res["spans"]) == sorted(durations.items())
+        # the lanes start after what the main thread queued (the previous optimizer step),
+        # and the main thread's stream (SYNC, STEP) waits for every lane's at the end
+        main = [e for e in log if e[1] == "MainThread"]
+        origin = main[0][3]
+        assert main[0][:3] == ("record", "MainThread", "default")
+        starts = main[1 : 1 + len(streams)]
+        assert sorted(e[2] for e in starts) == sorted(streams.values())
+        assert all(e[0] == "wait" and e[3] == origin for e in starts)
+        joins = [e for e in log if e[:3] == ("wait", "MainThread", None)]
+        ends = {e[3]: e[2] for e in log if e[0] == "record" and e[1] == "MainThread"}
+        assert sorted(ends[e[3]] for e in joins) == sorted(streams.values())
+        assert _index(log, joins[0]) > max(_index(log, s[1]) for s in stamps.values())
         # the host waits for events only on the main thread: at the step's start and end
         waits = [e for e in log if e[0] == "synchronize"]
         assert waits and all(e[1] == "MainThread" for e in waits)

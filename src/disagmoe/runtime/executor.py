@@ -551,6 +551,7 @@ class Executor:
             while st.finished < len(self.lanes) and not st.errors:
                 st.ended.wait(0.1)
         if not st.errors or not self.streams.active:  # (a failed step's kernels may never end)
+            self.streams.end_step()
             self._trace_computes(st)
         if st.errors:
             primary = next((e for e in st.errors if str(e) != _ANOTHER_LANE), st.errors[0])

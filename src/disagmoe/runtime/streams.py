@@ -19,7 +19,11 @@ Hand-offs between lanes are made explicit:
   (`StageWorker.kept`) is adopted by the backward's stream before it runs. Autograd runs
   each backward kernel on the stream of its forward op and syncs with the calling
   stream at the start and end of `backward()` (PyTorch's stream semantics of backward
-  passes), so the saved tensors of autograd need nothing more.
+  passes), so the saved tensors of autograd need nothing more;
+* SYNC and STEP run on the stream of the thread that runs the step: it waits for every
+  lane's stream once the lanes are done (`end_step`), and every lane's stream waits for
+  it when the next step begins (`begin_step`): the all-reduce reads finished gradients
+  and the next forward the updated weights.
 
 Compute spans are timed with events recorded around the compute on the lane's stream
 (`stamp`) and turned into host microseconds once the step's work is done (`host_us`): one
@@ -55,8 +59,9 @@ class StreamBackend(Protocol):
         """A timing event recorded now on `stream` (None: the thread's current stream)."""
         ...
 
-    def wait(self, stream: Any, event: Any) -> None:
-        """Make `stream` wait for `event` (queued, the host does not block)."""
+    def wait(self, stream: Any | None, event: Any) -> None:
+        """Make `stream` (None: the thread's current one) wait for `event` (queued, the host
+        does not block)."""
         ...
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...
@@ -121,12 +126,25 @@ class LaneStreams:
             self.backend.wait(self.streams[lane], event)
 
     def begin_step(self) -> None:
-        """Pin the step's time origin: an event whose host time is known (one wait)."""
+        """Before the lanes start a step (on the thread that runs SYNC and STEP): every lane's
+        stream waits for what that thread queued (the previous optimizer step), and the
+        step's time origin is pinned, an event whose host time is known (one wait)."""
         if self.backend is None:
             return
         origin = self.backend.record(None)
+        for stream in self.streams.values():
+            self.backend.wait(stream, origin)
         self.backend.synchronize(origin)
         self._origin = (origin, _now_us())
+
+    def end_step(self) -> None:
+        """Once the lanes have queued the step's computes: the calling thread's stream waits
+        for every lane's (the gradient all-reduce and the optimizer step read what the
+        backward lanes wrote)."""
+        if self.backend is None:
+            return
+        for stream in self.streams.values():
+            self.backend.wait(None, self.backend.record(stream))
 
     def stamp(self, lane: str) -> Stamp:
         """Now, on `lane`: the wall clock without a backend, else an event on its stream."""
