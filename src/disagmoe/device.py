@@ -121,3 +121,44 @@ def device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     threads = torch.get_num_threads()
     return f"cpu ({threads} thread{'s' if threads > 1 else ''})"
+
+
+class AcceleratorStreams:
+    """Streams and timing events of the accelerator `device`, for `runtime.streams` (the
+    executor's lanes): the only code that creates them. Not run on a GPU yet."""
+
+    def __init__(self, device: torch.device) -> None:
+        assert device.type == _ACCELERATOR, device
+        self.device = device
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream(device=self.device)
+
+    def use(self, stream: Any) -> Any:
+        return torch.cuda.stream(stream)
+
+    def record(self, stream: Any | None) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream if stream is not None else torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, stream: Any | None, event: Any) -> None:
+        (stream if stream is not None else torch.cuda.current_stream(self.device)).wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == _ACCELERATOR
+
+
+def stream_backend(device: torch.device) -> AcceleratorStreams | None:
+    """The streams the executor's lanes run on for `device`: None on the CPU (no-op lanes,
+    `runtime.streams`)."""
+    return AcceleratorStreams(device) if device.type == _ACCELERATOR else None

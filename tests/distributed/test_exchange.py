@@ -1,6 +1,6 @@
 """The wire format of a message on a channel of `Topology.build` (on CPU its header and
 payload groups are both gloo): inline small tensors, payloads, empty tensors, dtypes,
-identity checks (two ranks, one spawn)."""
+identity checks, a payload that never follows its header (two ranks, one spawn)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,13 @@ def _exchange() -> list[str]:
 
     from disagmoe.config import ParallelConfig
     from disagmoe.device import HOST_BACKEND, payload_backend, resolve_device
-    from disagmoe.distributed.exchange import ProtocolError, Receiver, send_message
+    from disagmoe.distributed.exchange import (
+        CommTimeout,
+        ProtocolError,
+        Receiver,
+        encode_header,
+        send_message,
+    )
     from disagmoe.distributed.layout import Layout
     from disagmoe.distributed.topology import Topology
     from disagmoe.presets import MODEL_PRESETS
@@ -44,13 +50,17 @@ def _exchange() -> list[str]:
             w for k, m in enumerate(messages) for w in send_message(m, 1, channel, (k, 0, 0, 0))
         ]
         works += send_message([torch.ones(2)], 1, channel, (9, 9, 9, 9))
+        header, payloads = encode_header(messages[1], (7, 0, 0, 0))  # its payload never follows
+        assert payloads
+        works.append(channel.header.send([header], 1, 0))
         for w in works:
             w.wait()
+        dist.barrier()  # stay up until the receiver gave up on the payload
         return []
     rx = Receiver(
         0, channel, window=2, device=topo.device
     )  # fewer posted ahead than messages: reposting works
-    rx.start(len(messages) + 1)
+    rx.start(len(messages) + 2)
     checks = []
     for k, sent in enumerate(messages):
         got = rx.next(30, "test", expect=(k, 0, 0, 0)).wait(30, "test")
@@ -62,6 +72,12 @@ def _exchange() -> list[str]:
         rx.next(30, "test", expect=(5, 0, 0, 0))
     except ProtocolError as err:
         checks.append(f"protocol error {err.got}")
+    incoming = rx.next(30, "test", expect=(7, 0, 0, 0))
+    try:
+        incoming.wait(1.0, lambda: "receiving 7")
+    except CommTimeout as err:
+        checks.append(str(err))
+    dist.barrier()
     return checks
 
 
@@ -69,3 +85,6 @@ def test_messages_arrive_whole_and_in_order() -> None:
     receiver = run_ranks(_exchange, 2)[1]
     assert receiver[:5] == [f"message {k} ok" for k in range(5)]
     assert receiver[5] == "protocol error (9, 9, 9, 9)"
+    assert receiver[6] == (
+        "receiving 7: its header arrived, its payload did not complete within 1 s"
+    ), receiver

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from disagmoe.device import HOST
 from disagmoe.runtime.executor import Executor, HangError, Payload
 from disagmoe.runtime.observe import Tracer
 from disagmoe.schedule.afpipe import build_afpipe
@@ -71,7 +72,7 @@ class _Worker:
 
 def _execute(schedule: Schedule) -> list[str]:
     worker = _Worker()
-    topo: Any = types.SimpleNamespace(rank=0)  # no messages: no process group is touched
+    topo: Any = types.SimpleNamespace(rank=0, device=HOST)  # no messages: no process group
     executor = Executor(
         RankProgram.build(schedule, 0),
         schedule.roles[0],

@@ -18,14 +18,23 @@ up to `window`) before the first arrives — posting a receive while data stream
 gloo several times more — and posts a payload's receives as soon as its header arrives:
 with gloo a send leaves only once its receive is posted, so headers are never held up
 behind the receiver, and a payload can start while the previous one is still on the wire.
+
+What a message costs on the host is kept to a few operations (docs/design-notes.md, "What
+a message costs"): send headers are encoded with `struct` and one `memmove` per inline
+tensor into reused buffers (`HeaderPool`), and host payloads of 128 KiB and more are
+received into buffers reused once nothing holds them (`ReceiveBuffers`: a fresh one costs
+a page fault per 4 KiB while the data comes in).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import struct
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -70,38 +79,100 @@ def _align(nbytes: int) -> int:
     return (nbytes + 7) // 8 * 8
 
 
-def encode_header(
-    tensors: list[torch.Tensor], ident: tuple[int, ...] = (0, 0, 0, 0)
-) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The message's header buffer and the tensors that travel as payloads, in order.
+# The numpy dtype a dtype's bytes are read as (bfloat16 has none: its int16 bits).
+_NUMPY = {
+    dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in DTYPES if dtype != torch.bfloat16
+}
+_NUMPY[torch.bfloat16] = np.dtype(np.int16)
 
-    Built with numpy on host memory: a few microseconds, not one torch op per field.
+
+# libc's memmove called holding the GIL (`ctypes.memmove` releases it, and getting it back
+# from a busy lane costs more than the copy of a few KB).
+_memmove = ctypes.PyDLL(None).memmove
+_memmove.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+_memmove.restype = ctypes.c_void_p
+
+
+@functools.cache
+def _words(count: int) -> struct.Struct:
+    """`count` int64 header fields, in the machine's byte order (both ends are one kind of host)."""
+    return struct.Struct(f"={count}q")
+
+
+class HeaderBuffer:
+    """A header's host memory: as numpy (written by `encode_header`), as the tensor that is
+    sent, and its address (inline tensors are copied in with one `memmove`)."""
+
+    __slots__ = ("address", "array", "tensor")
+
+    def __init__(self) -> None:
+        self.array = np.empty(HEADER_BYTES, dtype=np.uint8)
+        self.tensor = torch.from_numpy(self.array)
+        self.address = self.array.ctypes.data
+
+
+class HeaderPool:
+    """Header buffers for sending, reused once a send that used one has completed (a fresh
+    4.6 KB buffer and its torch wrapper cost as much as encoding the header).
+
+    `take` and `give` may be called from different threads (deque ends are atomic).
+    """
+
+    def __init__(self, keep: int = 1024) -> None:
+        self.keep = keep
+        self._free: deque[HeaderBuffer] = deque()
+
+    def take(self) -> HeaderBuffer:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return HeaderBuffer()
+
+    def give(self, buf: HeaderBuffer) -> None:
+        if len(self._free) < self.keep:
+            self._free.append(buf)
+
+
+def encode_header(
+    tensors: list[torch.Tensor],
+    ident: tuple[int, ...] = (0, 0, 0, 0),
+    out: HeaderBuffer | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The message's header (written into `out`, or a fresh buffer) and the tensors that
+    travel as payloads, in order.
+
+    Plain byte copies on host memory (`struct`, `memmove`): a few microseconds, not one
+    torch op per field. Bytes of the buffer that no field covers are left as they were
+    (the receiver reads only what the fields describe).
     """
     assert len(ident) == IDENT_LEN
-    header = np.zeros(HEADER_BYTES, dtype=np.uint8)
+    buf = out if out is not None else HeaderBuffer()
     fields = [*ident, len(tensors)]
     payloads: list[torch.Tensor] = []
     pos = META_WORDS * 8
     for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        inline = t.device == HOST and pos + nbytes <= HEADER_BYTES
+        nbytes = t.nbytes
+        inline = t.is_cpu and pos + nbytes <= HEADER_BYTES
         if inline and nbytes:
-            header[pos : pos + nbytes] = t.detach().reshape(-1).view(torch.uint8).numpy()
+            src = t if t.is_contiguous() else t.contiguous()
+            _memmove(buf.address + pos, src.data_ptr(), nbytes)
             pos += _align(nbytes)
         elif not inline:
             payloads.append(t.detach().contiguous())
         fields += [_CODE[t.dtype], _INLINE if inline else _PAYLOAD, t.dim(), *t.shape]
     if len(fields) > META_WORDS:
         raise ValueError(f"message header needs {len(fields)} fields > {META_WORDS}")
-    header[: len(fields) * 8] = np.asarray(fields, dtype=np.int64).view(np.uint8)
-    return torch.from_numpy(header), payloads
+    _words(len(fields)).pack_into(buf.array.data, 0, *fields)
+    return buf.tensor, payloads
 
 
 def decode_header(
-    header: torch.Tensor,
+    header: torch.Tensor | np.ndarray,
 ) -> tuple[tuple[int, ...], list[tuple[torch.dtype, bool, tuple[int, ...]]]]:
     """(identity, [(dtype, inline, shape)]) of a header buffer."""
-    fields = header.numpy()[: META_WORDS * 8].view(np.int64).tolist()
+    if isinstance(header, torch.Tensor):
+        header = header.numpy()
+    fields = _words(META_WORDS).unpack_from(header.data)
     ident = tuple(fields[:IDENT_LEN])
     count, pos, specs = fields[IDENT_LEN], IDENT_LEN + 1, []
     for _ in range(count):
@@ -131,42 +202,104 @@ def send_message(
     dst: int,
     channel: Channel,
     ident: tuple[int, ...] = (0, 0, 0, 0),
+    header: HeaderBuffer | None = None,
 ) -> list[dist.Work]:
-    """Post the header's and the payloads' sends; the caller waits on the returned works."""
-    header, payloads = encode_header(tensors, ident)
-    works = [_isend(header, dst, channel.header)]
+    """Post the header's and the payloads' sends; the caller waits on the returned works
+    (the first is the header's: `header`, from a `HeaderPool`, may be reused once it ends).
+
+    On an accelerator a payload's send is queued on the posting thread's current stream
+    (NCCL): post it from the lane whose stream produced the payload."""
+    buf, payloads = encode_header(tensors, ident, header)
+    works = [_isend(buf, dst, channel.header)]
     works += [_isend(t, dst, channel.payload) for t in payloads if t.numel() > 0]
     return works
 
 
-def _wait(work: dist.Work, timeout_s: float, what: str) -> None:
+@functools.cache
+def _timedelta(seconds: float) -> timedelta:
+    return timedelta(seconds=seconds)
+
+
+Describe = str | Callable[[], str]  # what a wait is for, in errors (built only for one)
+
+
+def _text(what: Describe) -> str:
+    return what if isinstance(what, str) else what()
+
+
+def wait_work(
+    work: dist.Work, timeout_s: float, what: Describe, late: str = "nothing arrived"
+) -> None:
+    """`work.wait` with a timeout; CommTimeout naming `what` when it fails (`late`: what a
+    timeout means, in the message)."""
     try:
-        ok = work.wait(timedelta(seconds=timeout_s))
+        ok = work.wait(_timedelta(timeout_s))
     except RuntimeError as err:
         if "Timed out" in str(err):
-            raise CommTimeout(f"{what}: nothing arrived within {timeout_s:g} s") from err
-        raise CommTimeout(f"{what}: {err}") from err
+            raise CommTimeout(f"{_text(what)}: {late} within {timeout_s:g} s") from err
+        raise CommTimeout(f"{_text(what)}: {err}") from err
     if ok is False:
-        raise CommTimeout(f"{what}: no data after {timeout_s:.0f} s")
+        raise CommTimeout(f"{_text(what)}: no data after {timeout_s:.0f} s")
 
 
-@dataclass
+@dataclass(slots=True)
 class Incoming:
     """A message whose header has arrived and whose payload receives are posted."""
 
     tensors: list[torch.Tensor]  # inline ones filled; payload ones filled once `works` end
     works: list[dist.Work]  # the payloads' receives (none for an all-inline message)
     arrived: float  # wall-clock time (us) the header arrived
+    waited_us: float  # how long `Receiver.next` waited for the header
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors)
 
-    def wait(self, timeout_s: float, what: str) -> list[torch.Tensor]:
-        """Block until the payloads are in; the message's tensors."""
+    def wait(self, timeout_s: float, what: Describe) -> list[torch.Tensor]:
+        """Block until the payloads are in (on an accelerator: make the current stream
+        wait for them); the message's tensors."""
         for work in self.works:
-            _wait(work, timeout_s, what)
+            wait_work(work, timeout_s, what, "its header arrived, its payload did not complete")
         return self.tensors
+
+
+# Host receive buffers of at least this size are reused (`ReceiveBuffers`); smaller ones
+# come from malloc's free lists, already touched.
+REUSE_MIN_BYTES = 128 << 10
+REUSE_MAX_BYTES = 128 << 20  # what one receiver keeps for reuse, at most
+
+
+class ReceiveBuffers:
+    """Host buffers for received payloads, reused once nothing else holds them.
+
+    A fresh buffer of a few MiB costs its first touch — a page fault per 4 KiB page while
+    the receive writes into it (`benchmarks/exchange_overhead.py`: about 400 faults and 1-2
+    ms per 8 MiB message, a third of the transfer). This keeps the storages it handed out
+    (up to `keep_bytes` in all, per exact byte size, so that what the activation meter counts
+    is what a fresh buffer would be) and hands one out again when its use count says that
+    only this cache still holds it: the consumer and autograd dropped every tensor on it.
+    Used by one receive lane (not thread-safe); on an accelerator the device's caching
+    allocator does this instead.
+    """
+
+    def __init__(self, keep_bytes: int = REUSE_MAX_BYTES) -> None:
+        self.keep_bytes = keep_bytes
+        self.kept = 0
+        self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < REUSE_MIN_BYTES:
+            return torch.empty(shape, dtype=dtype)
+        kept = self._by_size.setdefault(nbytes, [])
+        for storage in kept:
+            if torch._C._storage_Use_Count(storage._cdata) == 1:  # only `kept` holds it
+                return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+        t = torch.empty(shape, dtype=dtype)
+        if self.kept + nbytes <= self.keep_bytes:
+            kept.append(t.untyped_storage())
+            self.kept += nbytes
+        return t
 
 
 class Receiver:
@@ -184,8 +317,9 @@ class Receiver:
         self.channel = channel
         self.window = window
         self.device = device or HOST
-        self.posted: deque[tuple[torch.Tensor, dist.Work]] = deque()
+        self.posted: deque[tuple[np.ndarray, dist.Work]] = deque()
         self.unposted = 0
+        self.buffers = ReceiveBuffers() if self.device == HOST else None
 
     def start(self, count: int) -> None:
         assert not self.posted and not self.unposted, "the previous batch is not finished"
@@ -193,22 +327,33 @@ class Receiver:
         while self.unposted and len(self.posted) < self.window:
             self._post()
 
+    def stop(self) -> None:
+        """Forget the batch's receives not taken (after a failure)."""
+        self.posted.clear()
+        self.unposted = 0
+
     def _post(self) -> None:
-        header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
-        self.posted.append((header, _irecv(header, self.src, self.channel.header)))
+        header = np.empty(HEADER_BYTES, dtype=np.uint8)
+        self.posted.append(
+            (header, _irecv(torch.from_numpy(header), self.src, self.channel.header))
+        )
         self.unposted -= 1
 
-    def next(self, timeout_s: float, what: str, expect: tuple[int, ...] | None = None) -> Incoming:
+    def next(
+        self, timeout_s: float, what: Describe, expect: tuple[int, ...] | None = None
+    ) -> Incoming:
         """Wait for the next header, check it is `expect`, post its payload receives."""
+        t_wait = time.time_ns() / 1000.0
         header, work = self.posted.popleft()
-        _wait(work, timeout_s, what)
+        wait_work(work, timeout_s, what)
         arrived = time.time_ns() / 1000.0
         if self.unposted:
             self._post()
         ident, specs = decode_header(header)
         if expect is not None and ident != tuple(expect):
             raise ProtocolError(
-                f"{what}: got message {ident} instead of {tuple(expect)} (lost or reordered)",
+                f"{_text(what)}: got message {ident} instead of {tuple(expect)} "
+                "(lost or reordered)",
                 ident,
             )
         tensors, works = [], []
@@ -216,11 +361,15 @@ class Receiver:
         for dtype, inline, shape in specs:
             if inline:
                 nbytes = math.prod(shape) * dtype.itemsize
-                tensors.append(header[pos : pos + nbytes].view(dtype).view(shape))
+                t = torch.from_numpy(header[pos : pos + nbytes].view(_NUMPY[dtype]).reshape(shape))
+                tensors.append(t.view(dtype) if dtype == torch.bfloat16 else t)
                 pos += _align(nbytes)
                 continue
-            t = torch.empty(shape, dtype=dtype, device=self.device)
+            if self.buffers is not None:
+                t = self.buffers.empty(shape, dtype)
+            else:
+                t = torch.empty(shape, dtype=dtype, device=self.device)
             if t.numel():
                 works.append(_irecv(t, self.src, self.channel.payload))
             tensors.append(t)
-        return Incoming(tensors, works, arrived)
+        return Incoming(tensors, works, arrived, arrived - t_wait)

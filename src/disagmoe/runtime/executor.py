@@ -1,23 +1,22 @@
 """Runs one rank's instruction list with compute and communication overlapped.
 
-Lanes (threads on CPU, started once and kept for the whole run; on GPU they would
-drive CUDA streams):
+Lanes (threads, started once and kept for the whole run; on an accelerator each compute
+and receive lane runs on its own stream, `runtime.streams`):
 
 * "fwd"  — the rank's FWD instructions in list order,
 * "bwd"  — its BWD instructions in list order,
-* "recv" — two threads per incoming (sender, channel) stream: one takes the stream's
-           headers in FIFO order — a message whose tensors all came inline in its header
-           goes straight into the mailbox, otherwise its payload receives are posted at
-           once (while the previous payload may still be on the wire) — and one puts
-           the stream's other messages into the mailbox, in order, as their payloads
-           complete,
+* "recv" — one thread per incoming (sender, channel) stream: it takes the stream's headers
+           in FIFO order, posts each message's payload receives at once (while the previous
+           payload may still be on the wire) and puts the message into the mailbox; the
+           compute that consumes it waits for its payload (`Incoming.wait`);
 * "send" — sends are posted (`isend`) by the compute lane right after the producing
-           compute; one thread waits for their completion;
+           compute, from the producer's thread (and stream); one thread sees them complete;
 * "sync" — SYNC and STEP, through the trainer's `StepHooks`, once the rest is done.
 
 So an F worker can send the backward result of micro-batch i, compute the forward of
 micro-batch j and receive a gradient for micro-batch q at once. When a compute may
-start is `schedule.semantics.RankProgram.ready` (its input messages in the mailbox, its
+start is `schedule.semantics.RankProgram.ready` (its input messages in the mailbox — their
+headers in; it then waits for their payloads, which follow their headers on the wire — its
 local dependencies done), the same rule the validator and the simulator apply. Every
 wait has a timeout; on timeout the error names the rank, its role, the instruction and
 the missing messages.
@@ -25,22 +24,35 @@ the missing messages.
 
 from __future__ import annotations
 
+import functools
 import queue
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receiver, send_message
+from ..device import stream_backend
+from ..distributed.exchange import (
+    CommTimeout,
+    HeaderBuffer,
+    HeaderPool,
+    Incoming,
+    ProtocolError,
+    Receiver,
+    send_message,
+)
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
+from .streams import LaneStreams, Stamp
 
 Payload = list[torch.Tensor]
 KINDS = tuple(MESSAGE_KINDS)
@@ -50,13 +62,15 @@ KINDS = tuple(MESSAGE_KINDS)
 GIL_SWITCH_INTERVAL_S = 2e-4
 _ANOTHER_LANE = "another lane failed"
 # A lost message is reported by the compute that waits for it (after the timeout, naming
-# the message and its sender). The communication lanes wait longer: with gloo a receive
-# that times out closes its connection, which both directions between two ranks share
-# (one group per channel), so an early receive timeout on one rank would make its peer
-# report a closed connection instead of what it was waiting for.
+# the message and its sender). The receive lanes, and a consumer waiting for a payload
+# whose header came, wait longer: with gloo a receive that times out closes its
+# connection, which both directions between two ranks share (one group per channel), so an
+# early receive timeout on one rank would make its peer report a closed connection instead
+# of what it was waiting for.
 _BACKSTOP = 2.0
 # Send completion is only traced (and checked for errors), so its thread need not wake for
-# every message: once its queue is empty it sleeps this long and then takes what came.
+# every message: once its queue is empty it sleeps this long (or until the step's last send
+# is posted) and then takes what came.
 _SEND_POLL_S = 1e-3
 
 
@@ -94,35 +108,65 @@ class StepHooks(Protocol):
     def optimizer_step(self, step: int) -> None: ...
 
 
-def _ident(msg: Msg, step: int) -> tuple[int, int, int, int]:
-    """What a message says it is, checked by the receiver: (kind, layer, slot, step)."""
-    return (KINDS.index(msg.kind), msg.layer, msg.slot, step)
+def _recv_lane_name(src: int, channel: str) -> str:
+    """The receive lane (thread, stream) of the stream from `src` on `channel`."""
+    return f"recv{src}{channel}"
 
 
 class HangError(RuntimeError):
     """A wait on communication exceeded the configured timeout."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Output:
+    """An outgoing message, with what posting it needs worked out once."""
+
+    msg: Msg
+    kind: int  # index in KINDS (the first field of its identity)
+    event: str  # its send event's name
+    drop: str  # the fault-injection key without the step, "KIND:LAYER:SLOT:"
+
+
+@dataclass(frozen=True, slots=True)
+class _Compute:
+    """A compute instruction of a lane, with what running it needs worked out once."""
+
+    index: int  # in the rank's list
+    instr: Instr
+    name: str  # its trace event's name
+    task: TaskKey
+    inputs: tuple[Msg, ...]
+    local: tuple[TaskKey, ...]
+    cross: tuple[TaskKey, ...]  # those of `local` that run on the other lane
+    outputs: tuple[_Output, ...]
+    outgoing: list[Msg]  # the outputs' messages, as the worker takes them
+
+
 @dataclass
 class _Step:
     """What the lanes share during one step: one lock, and one condition per waiter so that
-    an arrival wakes only the lane that consumes it (a wake-up costs a GIL hand-off)."""
+    an arrival wakes only the lane that consumes it, and only when that lane waits for it
+    (a wake-up costs a GIL hand-off)."""
 
     step: int
     lock: threading.Lock = field(default_factory=threading.Lock)
-    mailbox: dict[Msg, Payload] = field(default_factory=dict)
-    headers: set[Msg] = field(default_factory=set)  # messages whose header arrived
+    mailbox: dict[Msg, Incoming] = field(default_factory=dict)  # header in, not yet consumed
     done: set[TaskKey] = field(default_factory=set)
     errors: list[BaseException] = field(default_factory=list)
     finished: int = 0  # lanes that finished this step
+    sends_closed: threading.Event = field(default_factory=threading.Event)  # all sends posted
     wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
     needs: dict[str, set[TaskKey]] = field(default_factory=dict)  # lane -> local deps it waits for
+    awaits: dict[str, set[Msg]] = field(default_factory=dict)  # lane -> messages it waits for
+    events: dict[TaskKey, Any] = field(default_factory=dict)  # compute -> its stream event
+    spans: list[tuple[str, str, Stamp, Stamp, dict[str, Any]]] = field(default_factory=list)
     ended: threading.Condition = field(init=False)  # run_step waits on it
 
     def __post_init__(self) -> None:
         self.ended = threading.Condition(self.lock)
         self.wake = {lane: threading.Condition(self.lock) for lane in ("fwd", "bwd")}
         self.needs = {lane: set() for lane in ("fwd", "bwd")}
+        self.awaits = {lane: set() for lane in ("fwd", "bwd")}
 
     def fail(self, err: BaseException) -> None:
         with self.lock:
@@ -132,23 +176,34 @@ class _Step:
 
 
 class _Lane:
-    """A thread kept for the whole run that runs `body(step_state)` once per step."""
+    """A thread kept for the whole run that runs `body(step_state)` once per step, inside
+    `context` (its stream made current: `LaneStreams.on`)."""
 
-    def __init__(self, name: str, body: Callable[[_Step], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        body: Callable[[_Step], None],
+        context: AbstractContextManager[None] | None = None,
+    ) -> None:
         self.body = body
+        self.context = context or nullcontext()
         self.inbox: queue.Queue[_Step | None] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
-        while (st := self.inbox.get()) is not None:
-            try:
-                self.body(st)
-            except BaseException as err:
-                st.fail(err)
-            with st.lock:
-                st.finished += 1
-                st.ended.notify_all()
+        with self.context:
+            while (st := self.inbox.get()) is not None:
+                try:
+                    self.body(st)
+                except BaseException as err:
+                    st.fail(err)
+                with st.lock:
+                    st.finished += 1
+                    st.ended.notify_all()
+
+
+_Send = tuple[_Output, list[Any], HeaderBuffer, Payload, float, int]
 
 
 class Executor:
@@ -164,7 +219,10 @@ class Executor:
         timeout_s: float,
         drop_message: str = "",
         meter: ActivationMeter | None = None,
+        streams: LaneStreams | None = None,
     ) -> None:
+        """`streams`: the lanes' streams; by default those of `device.stream_backend` for
+        `topo.device` (none on the CPU)."""
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         assert program.rank == topo.rank, (program.rank, topo.rank)
         self.rank = topo.rank
@@ -178,96 +236,126 @@ class Executor:
         self.program = program
         self.meter = meter  # counts what a FWD keeps until its BWD (runtime.memory)
         self._backstop = _BACKSTOP * timeout_s + 10.0
-        self.consumer_lane = {  # the compute lane each incoming message wakes
-            m: consumer_lane(m) for msgs in self.program.streams.values() for m in msgs
+        incoming = [m for msgs in self.program.streams.values() for m in msgs]
+        self.consumer_lane = {m: consumer_lane(m) for m in incoming}  # the lane it wakes
+        self.recv_event = {
+            m: message_event_name("recv", message_label(m.kind, m.layer, m.slot)) for m in incoming
         }
-        self.sends: queue.Queue[tuple[Msg, list[Any], float, int, int] | None] = queue.Queue()
-        self.deliveries: list[queue.Queue[tuple[Msg, Incoming, str, float] | None]] = []
+        self.task_lane = {ins.task: lane for lane, instrs in program.lanes.items()
+                          for _, ins in instrs}  # fmt: skip
+        self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
+                         for lane, instrs in program.lanes.items()}  # fmt: skip
+        lanes = [*program.lanes, *(_recv_lane_name(*key) for key in program.streams)]
+        self.streams = streams or LaneStreams(stream_backend(topo.device), lanes)
+        self.sends: deque[_Send] = deque()  # posted, completion not yet seen
+        self.headers = HeaderPool()
         self.lanes: list[_Lane] = []  # started on the first step
+
+    def _compute(self, index: int, instr: Instr) -> _Compute:
+        task = instr.task
+        outputs = tuple(
+            _Output(
+                m,
+                KINDS.index(m.kind),
+                message_event_name("send", message_label(m.kind, m.layer, m.slot)),
+                f"{m.kind}:{m.layer}:{m.slot}:",
+            )
+            for m in self.program.outputs.get(task, ())
+        )
+        return _Compute(
+            index,
+            instr,
+            str(instr),
+            task,
+            tuple(self.program.inputs.get(task, ())),
+            tuple(self.program.local.get(task, ())),
+            tuple(t for t in self.program.local.get(task, ()) if self.task_lane[t] != instr.lane),
+            outputs,
+            [o.msg for o in outputs],
+        )
 
     # ------------------------------------------------------------------ lanes
 
     def _start_lanes(self) -> None:
-        """Receive lanes first, then the compute lanes, then delivery and send completion:
-        `run_step` counts on this order."""
-        delivers = []
+        """Receive lanes first, then the compute lanes, then send completion: `run_step`
+        counts on this order."""
         for (src, channel), msgs in self.program.streams.items():
             rx = Receiver(src, self.topo.stream(src, self.rank, channel), device=self.topo.device)
-            box: queue.Queue[tuple[Msg, Incoming, str, float] | None] = queue.Queue()
-            self.deliveries.append(box)
-            self.lanes.append(_Lane(f"recv{src}{channel}", self._bind_recv(src, msgs, rx, box)))
-            delivers.append(_Lane(f"deliver{src}{channel}", self._bind_deliver(box)))
+            name = _recv_lane_name(src, channel)
+            on = self.streams.on(name)
+            self.lanes.append(_Lane(name, self._bind_recv(src, msgs, rx), on))
         for lane in self.program.lanes:
-            self.lanes.append(_Lane(lane, self._bind_compute(lane)))
-        self.lanes += [*delivers, _Lane("send", self._send_waiter)]
+            self.lanes.append(_Lane(lane, self._bind_compute(lane), self.streams.on(lane)))
+        self.lanes.append(_Lane("send", self._send_waiter))
 
-    def _bind_recv(
-        self, src: int, msgs: list[Msg], rx: Receiver, box: queue.Queue[Any]
-    ) -> Callable[[_Step], None]:
-        return lambda st: self._recv_lane(st, src, msgs, rx, box)
-
-    def _bind_deliver(self, box: queue.Queue[Any]) -> Callable[[_Step], None]:
-        return lambda st: self._deliver_lane(st, box)
+    def _bind_recv(self, src: int, msgs: list[Msg], rx: Receiver) -> Callable[[_Step], None]:
+        return lambda st: self._recv_lane(st, src, msgs, rx)
 
     def _bind_compute(self, lane: str) -> Callable[[_Step], None]:
         return lambda st: self._compute_lane(st, lane)
 
-    def _recv_lane(
-        self, st: _Step, src: int, msgs: list[Msg], receiver: Receiver, box: queue.Queue[Any]
-    ) -> None:
-        """Headers of one stream in order; each message's payload receive is posted at once."""
-        step = st.step
+    def _receiving(self, msg: Msg) -> str:
+        return f"rank {self.rank} {self.role}: receiving {msg} from rank {msg.src}"
+
+    def _recv_lane(self, st: _Step, src: int, msgs: list[Msg], receiver: Receiver) -> None:
+        """Headers of one stream in order; each message's payload receives are posted at
+        once and the message goes into the mailbox right away: its consumer waits for the
+        payload (`_take`)."""
+        step, lanes = st.step, self.consumer_lane
         receiver.start(len(msgs))
         try:
             for msg in msgs:
-                t_wait = Tracer.now_us()
-                what = f"rank {self.rank} {self.role}: receiving {msg} from rank {src}"
+                what = functools.partial(self._receiving, msg)
+                expect = (KINDS.index(msg.kind), msg.layer, msg.slot, step)  # as sent
                 try:
-                    incoming = receiver.next(self._backstop, what, expect=_ident(msg, step))
+                    incoming = receiver.next(self._backstop, what, expect=expect)
                 except ProtocolError as err:
                     kind, layer, slot, got_step = err.got
                     raise ProtocolError(
-                        f"{what}: got {KINDS[kind]}[l{layer},s{slot}] of step {got_step + 1} "
+                        f"{what()}: got {KINDS[kind]}[l{layer},s{slot}] of step {got_step + 1} "
                         f"instead (a message was lost or reordered)",
                         err.got,
                     ) from None
+                if not incoming.works:
+                    self._trace_recv(step, msg, incoming, incoming.arrived)
+                lane = lanes[msg]
                 with st.lock:
-                    st.headers.add(msg)
-                if incoming.works:
-                    box.put((msg, incoming, what, t_wait))
-                else:
-                    self._deliver(st, msg, incoming, incoming.arrived, t_wait)
+                    st.mailbox[msg] = incoming
+                    if msg in st.awaits[lane]:
+                        st.wake[lane].notify()
         finally:
-            receiver.posted.clear()
-            receiver.unposted = 0
+            receiver.stop()
 
-    def _deliver(self, st: _Step, msg: Msg, incoming: Incoming, end: float, t_wait: float) -> None:
+    def _trace_recv(self, step: int, msg: Msg, incoming: Incoming, end: float) -> None:
+        """The receive of `msg`: from its header's arrival until its payload is in (for a
+        message with payloads: until its consumer has it, `_take`)."""
         self.tracer.add(
-            message_event_name("recv", message_label(msg.kind, msg.layer, msg.slot)),
+            self.recv_event[msg],
             "recv",
             incoming.arrived,
             end,
             src=msg.src,
             layer=msg.layer,
             slot=msg.slot,
-            step=st.step,
-            waited_us=round(incoming.arrived - t_wait, 1),
+            step=step,
+            waited_us=round(incoming.waited_us, 1),
             bytes=incoming.nbytes,
         )
-        with st.lock:
-            st.mailbox[msg] = incoming.tensors
-            st.wake[self.consumer_lane[msg]].notify()
-
-    def _deliver_lane(self, st: _Step, box: queue.Queue[Any]) -> None:
-        """A stream's payloads in order, into the mailbox."""
-        while (item := box.get()) is not None:
-            msg, incoming, what, t_wait = item
-            incoming.wait(self._backstop, what)
-            self._deliver(st, msg, incoming, Tracer.now_us(), t_wait)
 
     def _send_waiter(self, st: _Step) -> None:
-        while (item := self.sends.get()) is not None:
-            msg, works, t0, nbytes, step = item
+        """Completion of the step's sends, in posting order: traced, checked for errors, the
+        header buffer back to the pool. Sends are posted by the compute lanes without waking
+        this thread: it takes what came, and sleeps when nothing did."""
+        sends = self.sends
+        while True:
+            try:
+                out, works, header, _payload, t0, step = sends.popleft()
+            except IndexError:
+                if st.sends_closed.is_set() and not sends:
+                    return
+                st.sends_closed.wait(_SEND_POLL_S)
+                continue
+            msg = out.msg
             for work in works:
                 try:
                     work.wait()
@@ -276,8 +364,9 @@ class Executor:
                     raise CommTimeout(
                         f"rank {self.rank} {self.role}: sending {msg} to rank {msg.dst}: {reason}"
                     ) from err
+            self.headers.give(header)
             self.tracer.add(
-                message_event_name("send", message_label(msg.kind, msg.layer, msg.slot)),
+                out.event,
                 "send",
                 t0,
                 Tracer.now_us(),
@@ -285,37 +374,72 @@ class Executor:
                 layer=msg.layer,
                 slot=msg.slot,
                 step=step,
-                bytes=nbytes,
+                bytes=sum(t.nbytes for t in _payload),
             )
-            if self.sends.empty():
-                time.sleep(_SEND_POLL_S)
 
-    def _wait_ready(self, st: _Step, index: int, instr: Instr) -> dict[Msg, Payload]:
-        """Block until `instr` may run; its input messages. On timeout, the error names the
+    def _wait_ready(self, st: _Step, work: _Compute, lane: str) -> dict[Msg, Payload]:
+        """Block until `work` may run; its input messages. On timeout, the error names the
         first missing message and its sender, or the local dependencies (a lane waiting only
         for the other lane waits once more, so that the lane waiting for a message reports)."""
-        deadline, extended = time.monotonic() + self.timeout_s, False
         arrived = st.mailbox.__contains__
-        wake, needs = st.wake[instr.lane], st.needs[instr.lane]
         with st.lock:
-            needs.update(self.program.local.get(instr.task, ()))
-            while not self.program.ready(instr, st.done, arrived):
+            if not self._ready(st, work):
+                self._block(st, work, lane, arrived)
+            taken = [(m, st.mailbox.pop(m)) for m in work.inputs]
+        return {m: self._take(st, work, m, incoming) for m, incoming in taken}
+
+    @staticmethod
+    def _ready(st: _Step, work: _Compute) -> bool:
+        """`RankProgram.ready` of `work` (with its inputs and dependencies looked up once)."""
+        mailbox, done = st.mailbox, st.done
+        for m in work.inputs:
+            if m not in mailbox:
+                return False
+        for t in work.local:  # noqa: SIM110 (a loop costs less than all() of a generator)
+            if t not in done:
+                return False
+        return True
+
+    def _block(self, st: _Step, work: _Compute, lane: str, arrived: Callable[[Msg], bool]) -> None:
+        """Wait (holding `st.lock`) until `work` is ready; HangError after the timeout."""
+        deadline, extended = time.monotonic() + self.timeout_s, False
+        wake, needs, awaits = st.wake[lane], st.needs[lane], st.awaits[lane]
+        needs.update(work.local)
+        awaits.update(work.inputs)
+        try:
+            while not self._ready(st, work):
                 if st.errors:
                     raise RuntimeError(_ANOTHER_LANE)
                 if time.monotonic() > deadline:
-                    missing, tasks = self.program.waiting_for(instr, st.done, arrived)
+                    missing, tasks = self.program.waiting_for(work.instr, st.done, arrived)
                     if not missing and not extended:
                         deadline, extended = deadline + self.timeout_s, True
                         continue
-                    raise HangError(self._hang_report(st, index, instr, missing, tasks))
+                    raise HangError(self._hang_report(work, missing, tasks))
                 wake.wait(0.05)
+        finally:
             needs.clear()
-            return {m: st.mailbox.pop(m) for m in self.program.inputs.get(instr.task, ())}
+            awaits.clear()
 
-    def _hang_report(
-        self, st: _Step, index: int, instr: Instr, missing: list[Msg], tasks: list[TaskKey]
-    ) -> str:
+    def _take(self, st: _Step, work: _Compute, msg: Msg, incoming: Incoming) -> Payload:
+        """A message of `work`'s, once its payload is in. On CUDA the wait makes this lane's
+        stream wait for the receive; on CPU it blocks (the receive lane is already taking
+        the next header)."""
+        if not incoming.works:
+            return incoming.tensors
+        what = functools.partial(self._needed, work, msg)
+        tensors = incoming.wait(self._backstop, what)
+        self._trace_recv(st.step, msg, incoming, Tracer.now_us())
+        if self.streams.active:  # allocated on the receive lane's stream, used on this one
+            self.streams.adopt(work.instr.lane, tensors)
+        return tensors
+
+    def _needed(self, work: _Compute, msg: Msg) -> str:
+        return f"{self._receiving(msg)} (instruction {work.index}, {work.instr}, needs it)"
+
+    def _hang_report(self, work: _Compute, missing: list[Msg], tasks: list[TaskKey]) -> str:
         who = f"rank {self.rank} {self.role}"
+        index, instr = work.index, work.instr
         if not missing:
             waits = ", ".join(f"{compute_event_name(*t)}" for t in tasks)
             return (
@@ -323,48 +447,67 @@ class Executor:
                 f"{waits} of its own"
             )
         first, others = missing[0], missing[1:]
-        state = (
-            f"its payload did not complete within {self.timeout_s:g} s"
-            if first in st.headers
-            else f"nothing arrived within {self.timeout_s:g} s"
-        )
         also = f"; also waiting for {', '.join(str(m) for m in others)}" if others else ""
         return (
-            f"{who}: receiving {first} from rank {first.src}: {state} (instruction {index}, "
-            f"{instr}, needs it{also})"
+            f"{who}: receiving {first} from rank {first.src}: nothing arrived within "
+            f"{self.timeout_s:g} s (instruction {index}, {instr}, needs it{also})"
         )
 
     def _compute_lane(self, st: _Step, lane: str) -> None:
-        step = st.step
-        for index, instr in self.program.lanes[lane]:
-            received = self._wait_ready(st, index, instr)
-            outgoing = self.program.outputs.get(instr.task, [])
-            t0 = Tracer.now_us()
-            out = self._run_compute(instr, received, outgoing)
-            t1 = Tracer.now_us()
-            self.tracer.add(
-                str(instr),
-                lane,
-                t0,
-                t1,
-                layer=instr.layer,
-                slot=instr.slot,
-                step=step,
-                index=index,
-            )
-            for msg in outgoing:
-                if self.drop == f"{msg.kind}:{msg.layer}:{msg.slot}:{step}":
+        """The lane's computes in order, each posting its outputs' sends right after it.
+        The FWDs of a forward-only list run without autograd: grad mode is per thread, set
+        off on this lane's for the step."""
+        if self.program.forward_only:
+            with torch.no_grad():
+                self._run_lane(st, lane)
+        else:
+            self._run_lane(st, lane)
+
+    def _run_lane(self, st: _Step, lane: str) -> None:
+        step, streams, topo, sends = st.step, self.streams, self.topo, self.sends
+        for work in self.computes[lane]:
+            received = self._wait_ready(st, work, lane)
+            instr = work.instr
+            if streams.active:
+                self._join_streams(st, work, lane)
+            t0 = streams.stamp(lane)
+            out = self._run_compute(instr, received, work.outgoing)
+            t1 = streams.stamp(lane)
+            args = {"layer": instr.layer, "slot": instr.slot, "step": step, "index": work.index}
+            st.spans.append((work.name, lane, t0, t1, args))  # traced when the step ends
+            for o in work.outputs:
+                msg = o.msg
+                if self.drop and self.drop == f"{o.drop}{step}":
                     continue  # fault injection: this message is lost
                 payload = out[msg]
-                channel = self.topo.stream(self.rank, msg.dst, msg.channel)
-                nbytes = sum(t.numel() * t.element_size() for t in payload)
-                works = send_message(payload, msg.dst, channel, _ident(msg, step))
-                self.sends.put((msg, works, Tracer.now_us(), nbytes, step))
+                header = self.headers.take()
+                channel = topo.stream(self.rank, msg.dst, msg.channel)
+                ident = (o.kind, msg.layer, msg.slot, step)  # the receiver checks it
+                works = send_message(payload, msg.dst, channel, ident, header)
+                sends.append((o, works, header, payload, Tracer.now_us(), step))
             with st.lock:
-                st.done.add(instr.task)
+                st.done.add(work.task)
+                if streams.active:
+                    st.events[work.task] = t1  # after the compute, on this lane's stream
                 for other, cond in st.wake.items():  # wake the other lane if it waits for this
-                    if other != lane and instr.task in st.needs[other]:
+                    if other != lane and work.task in st.needs[other]:
                         cond.notify()
+
+    def _join_streams(self, st: _Step, work: _Compute, lane: str) -> None:
+        """Before `work` runs on `lane`'s stream: wait for the events of its dependencies on
+        the other lane, and adopt what its FWD kept for a BWD (`runtime.streams`)."""
+        with st.lock:
+            events = [st.events[t] for t in work.cross]
+        self.streams.after(lane, events)
+        if work.instr.op == Op.BWD:
+            self.streams.adopt(lane, self.worker.kept(work.instr.layer, work.instr.slot))
+
+    def _trace_computes(self, st: _Step) -> None:
+        """The step's compute spans, into the tracer (with streams: resolved from their
+        events, which waits for the step's kernels once)."""
+        for name, lane, t0, t1, args in st.spans:
+            self.tracer.add(name, lane, self.streams.host_us(t0), self.streams.host_us(t1), **args)
+        st.spans.clear()
 
     def _run_compute(
         self, instr: Instr, received: dict[Msg, Payload], outgoing: list[Msg]
@@ -374,9 +517,8 @@ class Executor:
         list run without autograd (grad mode is per thread: set on this lane's) and keep
         nothing (`schedule.semantics`)."""
         task = (instr.layer, instr.slot)
-        if self.program.forward_only:
-            with torch.no_grad():
-                return self.worker.forward(instr.layer, instr.slot, received, outgoing, keep=False)
+        if self.program.forward_only:  # under no_grad (`_compute_lane`)
+            return self.worker.forward(instr.layer, instr.slot, received, outgoing, keep=False)
         if instr.op != Op.FWD:
             out = self.worker.backward(instr.layer, instr.slot, received, outgoing)
             if self.meter is not None:
@@ -398,18 +540,19 @@ class Executor:
         if not self.lanes:
             self._start_lanes()
         st = _Step(step)
+        self.streams.begin_step()
         for lane in self.lanes:
             lane.inbox.put(st)
         own = len(self.program.streams) + len(self.program.lanes)
         with st.lock:  # the receive and compute lanes finish on their own ...
             while st.finished < own and not st.errors:
                 st.ended.wait(0.1)
-        for box in self.deliveries:  # ... then delivery and send completion are told to stop
-            box.put(None)
-        self.sends.put(None)
-        with st.lock:
+            st.sends_closed.set()  # ... then send completion, once it has seen every send
             while st.finished < len(self.lanes) and not st.errors:
                 st.ended.wait(0.1)
+        if not st.errors or not self.streams.active:  # (a failed step's kernels may never end)
+            self.streams.end_step()
+            self._trace_computes(st)
         if st.errors:
             primary = next((e for e in st.errors if str(e) != _ANOTHER_LANE), st.errors[0])
             raise primary

@@ -32,7 +32,9 @@ from .tensorboard import TensorBoardLog
 LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
 COMPUTE_LANES = ("compute", "fwd", "bwd")
 COMM_LANES = ("send", "recv")
+_LANE_IDS = {lane: tid for tid, lane in enumerate(LANES)}
 Interval = tuple[float, float]
+_Raw = tuple[str, str, float, float, dict[str, Any]]  # name, lane, start, end, args
 
 
 # ------------------------------------------------------------------ trace event names
@@ -193,13 +195,17 @@ class Tracer:
     Events are indexed by their `step` argument; only the last `keep_steps` steps are
     kept (and written to trace.json), so long runs use bounded memory and per-step
     busy time costs the same at step 10 and at step 100,000.
+
+    `add` is on every message's path: it appends a tuple to the step's list (atomic under
+    the GIL) and takes the lock only for a step's first event; the event dicts are built
+    when read.
     """
 
     def __init__(self, rank: int, role: str, keep_steps: int = 50) -> None:
         self.rank = rank
         self.role = role
         self.keep_steps = keep_steps
-        self._by_step: dict[int | None, list[dict[str, Any]]] = {}
+        self._by_step: dict[int | None, list[_Raw]] = {}
         self._lock = threading.Lock()
 
     @staticmethod
@@ -207,35 +213,48 @@ class Tracer:
         return time.time_ns() / 1000.0
 
     def add(self, name: str, lane: str, start_us: float, end_us: float, **args: Any) -> None:
-        event = {
+        step = args.get("step")
+        events = self._by_step.get(step)
+        if events is None:
+            events = self._new_step(step)
+        assert lane in _LANE_IDS, lane
+        events.append((name, lane, start_us, end_us, args))
+
+    def _new_step(self, step: int | None) -> list[_Raw]:
+        with self._lock:
+            if step not in self._by_step:
+                if step is not None:
+                    old = [
+                        s for s in self._by_step if s is not None and s <= step - self.keep_steps
+                    ]
+                    for s in old:
+                        del self._by_step[s]
+                self._by_step[step] = []
+            return self._by_step[step]
+
+    def _event(self, raw: _Raw) -> dict[str, Any]:
+        name, lane, start_us, end_us, args = raw
+        return {
             "name": name,
             "cat": lane,
             "ph": "X",
             "ts": start_us,
             "dur": max(end_us - start_us, 0.0),
             "pid": self.rank,
-            "tid": LANES.index(lane),
+            "tid": _LANE_IDS[lane],
             "args": args,
         }
-        step = args.get("step")
-        with self._lock:
-            if step not in self._by_step:
-                self._by_step[step] = []
-                if step is not None:
-                    for old in [
-                        s for s in self._by_step if s is not None and s <= step - self.keep_steps
-                    ]:
-                        del self._by_step[old]
-            self._by_step[step].append(event)
 
     @property
     def events(self) -> list[dict[str, Any]]:
         with self._lock:
-            return [e for evs in self._by_step.values() for e in evs]
+            lists = list(self._by_step.values())
+        return [self._event(raw) for evs in lists for raw in list(evs)]
 
     def step_events(self, step: int) -> list[dict[str, Any]]:
         with self._lock:
-            return list(self._by_step.get(step, []))
+            raws = list(self._by_step.get(step, []))
+        return [self._event(raw) for raw in raws]
 
     def metadata(self) -> list[dict[str, Any]]:
         meta: list[dict[str, Any]] = [
