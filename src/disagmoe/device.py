@@ -95,6 +95,13 @@ def init_kwargs(device: torch.device) -> dict[str, Any]:
     return {"device_id": device} if device.type == _ACCELERATOR else {}
 
 
+def adamw_kwargs(device: torch.device) -> dict[str, Any]:
+    """How AdamW runs on `device`: the fused kernel on an accelerator (one launch for all
+    tensors); on the CPU one tensor at a time (`foreach=False`), the loop the float64
+    equivalence tests compare the runtimes and the reference with."""
+    return {"fused": True} if device.type == _ACCELERATOR else {"foreach": False}
+
+
 def is_accelerator(device: torch.device) -> bool:
     return device.type == _ACCELERATOR
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig, TrainConfig
-from ..device import HOST
+from ..device import HOST, adamw_kwargs
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,8 @@ def lr_at(train: TrainConfig, step: int) -> float:
 def build_optimizer(
     named_params: Iterable[tuple[str, torch.nn.Parameter]], train: TrainConfig
 ) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (>= 2-D), none on norm weights."""
+    """AdamW; weight decay on matrices (>= 2-D), none on norm weights; fused on an
+    accelerator (`device.adamw_kwargs`, by where the parameters live)."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for _, param in sorted(named_params, key=lambda kv: kv[0]):
@@ -96,12 +97,13 @@ def build_optimizer(
         {"params": decay, "weight_decay": train.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    first = next(iter(decay + no_decay), None)
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=train.lr,
         betas=(train.beta1, train.beta2),
         eps=train.adam_eps,
-        foreach=False,
+        **adamw_kwargs(first.device if first is not None else HOST),
     )
 
 
