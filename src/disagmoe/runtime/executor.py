@@ -25,14 +25,10 @@ the missing messages.
 from __future__ import annotations
 
 import functools
-import queue
 import sys
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -50,9 +46,10 @@ from ..distributed.exchange import (
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
+from .lanes import Compute, Lane, Output, StepState, recv_lane_name
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
-from .streams import LaneStreams, Stamp
+from .streams import LaneStreams
 
 Payload = list[torch.Tensor]
 KINDS = tuple(MESSAGE_KINDS)
@@ -108,102 +105,11 @@ class StepHooks(Protocol):
     def optimizer_step(self, step: int) -> None: ...
 
 
-def _recv_lane_name(src: int, channel: str) -> str:
-    """The receive lane (thread, stream) of the stream from `src` on `channel`."""
-    return f"recv{src}{channel}"
-
-
 class HangError(RuntimeError):
     """A wait on communication exceeded the configured timeout."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Output:
-    """An outgoing message, with what posting it needs worked out once."""
-
-    msg: Msg
-    kind: int  # index in KINDS (the first field of its identity)
-    event: str  # its send event's name
-    drop: str  # the fault-injection key without the step, "KIND:LAYER:SLOT:"
-
-
-@dataclass(frozen=True, slots=True)
-class _Compute:
-    """A compute instruction of a lane, with what running it needs worked out once."""
-
-    index: int  # in the rank's list
-    instr: Instr
-    name: str  # its trace event's name
-    task: TaskKey
-    inputs: tuple[Msg, ...]
-    local: tuple[TaskKey, ...]
-    cross: tuple[TaskKey, ...]  # those of `local` that run on the other lane
-    outputs: tuple[_Output, ...]
-    outgoing: list[Msg]  # the outputs' messages, as the worker takes them
-
-
-@dataclass
-class _Step:
-    """What the lanes share during one step: one lock, and one condition per waiter so that
-    an arrival wakes only the lane that consumes it, and only when that lane waits for it
-    (a wake-up costs a GIL hand-off)."""
-
-    step: int
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    mailbox: dict[Msg, Incoming] = field(default_factory=dict)  # header in, not yet consumed
-    done: set[TaskKey] = field(default_factory=set)
-    errors: list[BaseException] = field(default_factory=list)
-    finished: int = 0  # lanes that finished this step
-    sends_closed: threading.Event = field(default_factory=threading.Event)  # all sends posted
-    wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
-    needs: dict[str, set[TaskKey]] = field(default_factory=dict)  # lane -> local deps it waits for
-    awaits: dict[str, set[Msg]] = field(default_factory=dict)  # lane -> messages it waits for
-    events: dict[TaskKey, Any] = field(default_factory=dict)  # compute -> its stream event
-    spans: list[tuple[str, str, Stamp, Stamp, dict[str, Any]]] = field(default_factory=list)
-    ended: threading.Condition = field(init=False)  # run_step waits on it
-
-    def __post_init__(self) -> None:
-        self.ended = threading.Condition(self.lock)
-        self.wake = {lane: threading.Condition(self.lock) for lane in ("fwd", "bwd")}
-        self.needs = {lane: set() for lane in ("fwd", "bwd")}
-        self.awaits = {lane: set() for lane in ("fwd", "bwd")}
-
-    def fail(self, err: BaseException) -> None:
-        with self.lock:
-            self.errors.append(err)
-            for cond in (*self.wake.values(), self.ended):
-                cond.notify_all()
-
-
-class _Lane:
-    """A thread kept for the whole run that runs `body(step_state)` once per step, inside
-    `context` (its stream made current: `LaneStreams.on`)."""
-
-    def __init__(
-        self,
-        name: str,
-        body: Callable[[_Step], None],
-        context: AbstractContextManager[None] | None = None,
-    ) -> None:
-        self.body = body
-        self.context = context or nullcontext()
-        self.inbox: queue.Queue[_Step | None] = queue.Queue()
-        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        with self.context:
-            while (st := self.inbox.get()) is not None:
-                try:
-                    self.body(st)
-                except BaseException as err:
-                    st.fail(err)
-                with st.lock:
-                    st.finished += 1
-                    st.ended.notify_all()
-
-
-_Send = tuple[_Output, list[Any], HeaderBuffer, Payload, float, int]
+_Send = tuple[Output, list[Any], HeaderBuffer, Payload, float, int]
 
 
 class Executor:
@@ -245,16 +151,16 @@ class Executor:
                           for _, ins in instrs}  # fmt: skip
         self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
                          for lane, instrs in program.lanes.items()}  # fmt: skip
-        lanes = [*program.lanes, *(_recv_lane_name(*key) for key in program.streams)]
+        lanes = [*program.lanes, *(recv_lane_name(*key) for key in program.streams)]
         self.streams = streams or LaneStreams(stream_backend(topo.device), lanes)
         self.sends: deque[_Send] = deque()  # posted, completion not yet seen
         self.headers = HeaderPool()
-        self.lanes: list[_Lane] = []  # started on the first step
+        self.lanes: list[Lane] = []  # started on the first step
 
-    def _compute(self, index: int, instr: Instr) -> _Compute:
+    def _compute(self, index: int, instr: Instr) -> Compute:
         task = instr.task
         outputs = tuple(
-            _Output(
+            Output(
                 m,
                 KINDS.index(m.kind),
                 message_event_name("send", message_label(m.kind, m.layer, m.slot)),
@@ -262,7 +168,7 @@ class Executor:
             )
             for m in self.program.outputs.get(task, ())
         )
-        return _Compute(
+        return Compute(
             index,
             instr,
             str(instr),
@@ -281,23 +187,23 @@ class Executor:
         counts on this order."""
         for (src, channel), msgs in self.program.streams.items():
             rx = Receiver(src, self.topo.stream(src, self.rank, channel), device=self.topo.device)
-            name = _recv_lane_name(src, channel)
+            name = recv_lane_name(src, channel)
             on = self.streams.on(name)
-            self.lanes.append(_Lane(name, self._bind_recv(src, msgs, rx), on))
+            self.lanes.append(Lane(name, self._bind_recv(src, msgs, rx), on))
         for lane in self.program.lanes:
-            self.lanes.append(_Lane(lane, self._bind_compute(lane), self.streams.on(lane)))
-        self.lanes.append(_Lane("send", self._send_waiter))
+            self.lanes.append(Lane(lane, self._bind_compute(lane), self.streams.on(lane)))
+        self.lanes.append(Lane("send", self._send_waiter))
 
-    def _bind_recv(self, src: int, msgs: list[Msg], rx: Receiver) -> Callable[[_Step], None]:
+    def _bind_recv(self, src: int, msgs: list[Msg], rx: Receiver) -> Callable[[StepState], None]:
         return lambda st: self._recv_lane(st, src, msgs, rx)
 
-    def _bind_compute(self, lane: str) -> Callable[[_Step], None]:
+    def _bind_compute(self, lane: str) -> Callable[[StepState], None]:
         return lambda st: self._compute_lane(st, lane)
 
     def _receiving(self, msg: Msg) -> str:
         return f"rank {self.rank} {self.role}: receiving {msg} from rank {msg.src}"
 
-    def _recv_lane(self, st: _Step, src: int, msgs: list[Msg], receiver: Receiver) -> None:
+    def _recv_lane(self, st: StepState, src: int, msgs: list[Msg], receiver: Receiver) -> None:
         """Headers of one stream in order; each message's payload receives are posted at
         once and the message goes into the mailbox right away: its consumer waits for the
         payload (`_take`)."""
@@ -342,7 +248,7 @@ class Executor:
             bytes=incoming.nbytes,
         )
 
-    def _send_waiter(self, st: _Step) -> None:
+    def _send_waiter(self, st: StepState) -> None:
         """Completion of the step's sends, in posting order: traced, checked for errors, the
         header buffer back to the pool. Sends are posted by the compute lanes without waking
         this thread: it takes what came, and sleeps when nothing did."""
@@ -377,7 +283,7 @@ class Executor:
                 bytes=sum(t.nbytes for t in _payload),
             )
 
-    def _wait_ready(self, st: _Step, work: _Compute, lane: str) -> dict[Msg, Payload]:
+    def _wait_ready(self, st: StepState, work: Compute, lane: str) -> dict[Msg, Payload]:
         """Block until `work` may run; its input messages. On timeout, the error names the
         first missing message and its sender, or the local dependencies (a lane waiting only
         for the other lane waits once more, so that the lane waiting for a message reports)."""
@@ -389,7 +295,7 @@ class Executor:
         return {m: self._take(st, work, m, incoming) for m, incoming in taken}
 
     @staticmethod
-    def _ready(st: _Step, work: _Compute) -> bool:
+    def _ready(st: StepState, work: Compute) -> bool:
         """`RankProgram.ready` of `work` (with its inputs and dependencies looked up once)."""
         mailbox, done = st.mailbox, st.done
         for m in work.inputs:
@@ -400,7 +306,9 @@ class Executor:
                 return False
         return True
 
-    def _block(self, st: _Step, work: _Compute, lane: str, arrived: Callable[[Msg], bool]) -> None:
+    def _block(
+        self, st: StepState, work: Compute, lane: str, arrived: Callable[[Msg], bool]
+    ) -> None:
         """Wait (holding `st.lock`) until `work` is ready; HangError after the timeout."""
         deadline, extended = time.monotonic() + self.timeout_s, False
         wake, needs, awaits = st.wake[lane], st.needs[lane], st.awaits[lane]
@@ -421,7 +329,7 @@ class Executor:
             needs.clear()
             awaits.clear()
 
-    def _take(self, st: _Step, work: _Compute, msg: Msg, incoming: Incoming) -> Payload:
+    def _take(self, st: StepState, work: Compute, msg: Msg, incoming: Incoming) -> Payload:
         """A message of `work`'s, once its payload is in. On CUDA the wait makes this lane's
         stream wait for the receive; on CPU it blocks (the receive lane is already taking
         the next header)."""
@@ -434,10 +342,10 @@ class Executor:
             self.streams.adopt(work.instr.lane, tensors)
         return tensors
 
-    def _needed(self, work: _Compute, msg: Msg) -> str:
+    def _needed(self, work: Compute, msg: Msg) -> str:
         return f"{self._receiving(msg)} (instruction {work.index}, {work.instr}, needs it)"
 
-    def _hang_report(self, work: _Compute, missing: list[Msg], tasks: list[TaskKey]) -> str:
+    def _hang_report(self, work: Compute, missing: list[Msg], tasks: list[TaskKey]) -> str:
         who = f"rank {self.rank} {self.role}"
         index, instr = work.index, work.instr
         if not missing:
@@ -453,7 +361,7 @@ class Executor:
             f"{self.timeout_s:g} s (instruction {index}, {instr}, needs it{also})"
         )
 
-    def _compute_lane(self, st: _Step, lane: str) -> None:
+    def _compute_lane(self, st: StepState, lane: str) -> None:
         """The lane's computes in order, each posting its outputs' sends right after it.
         The FWDs of a forward-only list run without autograd: grad mode is per thread, set
         off on this lane's for the step."""
@@ -463,7 +371,7 @@ class Executor:
         else:
             self._run_lane(st, lane)
 
-    def _run_lane(self, st: _Step, lane: str) -> None:
+    def _run_lane(self, st: StepState, lane: str) -> None:
         step, streams, topo, sends = st.step, self.streams, self.topo, self.sends
         for work in self.computes[lane]:
             received = self._wait_ready(st, work, lane)
@@ -493,7 +401,7 @@ class Executor:
                     if other != lane and work.task in st.needs[other]:
                         cond.notify()
 
-    def _join_streams(self, st: _Step, work: _Compute, lane: str) -> None:
+    def _join_streams(self, st: StepState, work: Compute, lane: str) -> None:
         """Before `work` runs on `lane`'s stream: wait for the events of its dependencies on
         the other lane, and adopt what its FWD kept for a BWD (`runtime.streams`)."""
         with st.lock:
@@ -502,7 +410,7 @@ class Executor:
         if work.instr.op == Op.BWD:
             self.streams.adopt(lane, self.worker.kept(work.instr.layer, work.instr.slot))
 
-    def _trace_computes(self, st: _Step) -> None:
+    def _trace_computes(self, st: StepState) -> None:
         """The step's compute spans, into the tracer (with streams: resolved from their
         events, which waits for the step's kernels once)."""
         for name, lane, t0, t1, args in st.spans:
@@ -539,7 +447,7 @@ class Executor:
         on their lanes, then SYNC and STEP through the hooks (`schedule.semantics`)."""
         if not self.lanes:
             self._start_lanes()
-        st = _Step(step)
+        st = StepState(step)
         self.streams.begin_step()
         for lane in self.lanes:
             lane.inbox.put(st)

@@ -1,0 +1,114 @@
+"""What the executor's lanes share (`runtime.executor`): the per-step state, the lane threads
+kept for the whole run, and each compute and outgoing message with what running it needs
+worked out once, when the executor is built.
+
+One `StepState` per optimizer step: a lock, the mailbox of messages whose header is in,
+the computes done, and one condition per compute lane so that an arrival wakes only the
+lane that waits for it. A `Lane` is a thread that runs its body once per step, inside its
+stream's context on an accelerator (`runtime.streams`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..distributed.exchange import Incoming
+from ..schedule.ir import Instr, Msg
+from ..schedule.semantics import TaskKey
+from .streams import Stamp
+
+
+def recv_lane_name(src: int, channel: str) -> str:
+    """The receive lane (thread, stream) of the stream from `src` on `channel`."""
+    return f"recv{src}{channel}"
+
+
+@dataclass(frozen=True, slots=True)
+class Output:
+    """An outgoing message, with what posting it needs worked out once."""
+
+    msg: Msg
+    kind: int  # index in KINDS (the first field of its identity)
+    event: str  # its send event's name
+    drop: str  # the fault-injection key without the step, "KIND:LAYER:SLOT:"
+
+
+@dataclass(frozen=True, slots=True)
+class Compute:
+    """A compute instruction of a lane, with what running it needs worked out once."""
+
+    index: int  # in the rank's list
+    instr: Instr
+    name: str  # its trace event's name
+    task: TaskKey
+    inputs: tuple[Msg, ...]
+    local: tuple[TaskKey, ...]
+    cross: tuple[TaskKey, ...]  # those of `local` that run on the other lane
+    outputs: tuple[Output, ...]
+    outgoing: list[Msg]  # the outputs' messages, as the worker takes them
+
+
+@dataclass
+class StepState:
+    """What the lanes share during one step: one lock, and one condition per waiter so that
+    an arrival wakes only the lane that consumes it, and only when that lane waits for it
+    (a wake-up costs a GIL hand-off)."""
+
+    step: int
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    mailbox: dict[Msg, Incoming] = field(default_factory=dict)  # header in, not yet consumed
+    done: set[TaskKey] = field(default_factory=set)
+    errors: list[BaseException] = field(default_factory=list)
+    finished: int = 0  # lanes that finished this step
+    sends_closed: threading.Event = field(default_factory=threading.Event)  # all sends posted
+    wake: dict[str, threading.Condition] = field(default_factory=dict)  # compute lane -> cond
+    needs: dict[str, set[TaskKey]] = field(default_factory=dict)  # lane -> local deps it waits for
+    awaits: dict[str, set[Msg]] = field(default_factory=dict)  # lane -> messages it waits for
+    events: dict[TaskKey, Any] = field(default_factory=dict)  # compute -> its stream event
+    spans: list[tuple[str, str, Stamp, Stamp, dict[str, Any]]] = field(default_factory=list)
+    ended: threading.Condition = field(init=False)  # run_step waits on it
+
+    def __post_init__(self) -> None:
+        self.ended = threading.Condition(self.lock)
+        self.wake = {lane: threading.Condition(self.lock) for lane in ("fwd", "bwd")}
+        self.needs = {lane: set() for lane in ("fwd", "bwd")}
+        self.awaits = {lane: set() for lane in ("fwd", "bwd")}
+
+    def fail(self, err: BaseException) -> None:
+        with self.lock:
+            self.errors.append(err)
+            for cond in (*self.wake.values(), self.ended):
+                cond.notify_all()
+
+
+class Lane:
+    """A thread kept for the whole run that runs `body(step_state)` once per step, inside
+    `context` (its stream made current: `LaneStreams.on`)."""
+
+    def __init__(
+        self,
+        name: str,
+        body: Callable[[StepState], None],
+        context: AbstractContextManager[None] | None = None,
+    ) -> None:
+        self.body = body
+        self.context = context or nullcontext()
+        self.inbox: queue.Queue[StepState | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        with self.context:
+            while (st := self.inbox.get()) is not None:
+                try:
+                    self.body(st)
+                except BaseException as err:
+                    st.fail(err)
+                with st.lock:
+                    st.finished += 1
+                    st.ended.notify_all()
