@@ -256,8 +256,16 @@ class Incoming:
         return sum(t.nbytes for t in self.tensors)
 
     def wait(self, timeout_s: float, what: Describe) -> list[torch.Tensor]:
-        """Block until the payloads are in (on an accelerator: make the current stream
-        wait for them); the message's tensors."""
+        """The message's tensors once its payloads are in. Host payloads: block until they
+        are, with a timeout that names the message. Device payloads: make the calling
+        thread's current stream wait for them, without blocking the host — NCCL's
+        `Work.wait` blocks the host when given a timeout and only orders the stream
+        without one; a payload that never comes is then the process group's own timeout
+        (its watchdog), as for every collective."""
+        if self.works and any(t.device != HOST for t in self.tensors):
+            for work in self.works:
+                work.wait()
+            return self.tensors
         for work in self.works:
             wait_work(work, timeout_s, what, "its header arrived, its payload did not complete")
         return self.tensors

@@ -55,10 +55,11 @@ def logical_state(
 ) -> dict[str, torch.Tensor]:
     """Views of this worker's parameters and AdamW moments under layout-free keys."""
     out: dict[str, torch.Tensor] = {}
+    on_device = _step_on_device(optimizer)
     for name, param in named_params:
         state = optimizer.state[param]
         if not state:  # before the first step: create the moments so loads can fill them
-            state["step"] = torch.tensor(0.0)
+            state["step"] = _step_tensor(0.0, param, on_device.get(id(param), False))
             state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
         tensors = {"param": param.data, **{k: state[k] for k in STATE_KINDS}}
@@ -79,9 +80,28 @@ def _optimizer_steps(optimizer: torch.optim.Optimizer) -> float:
     return max(steps, default=0.0)
 
 
+def _step_on_device(optimizer: torch.optim.Optimizer) -> dict[int, bool]:
+    """id(param) -> whether AdamW keeps its step count on the parameter's device: the fused
+    (and the capturable) kernels read it there; the per-tensor loop on the host."""
+    return {
+        id(p): bool(group.get("fused") or group.get("capturable"))
+        for group in optimizer.param_groups
+        for p in group["params"]
+    }
+
+
+def _step_tensor(value: float, param: torch.Tensor, on_device: bool) -> torch.Tensor:
+    """A step count as AdamW creates it: float32, on the parameter's device or the host."""
+    return torch.tensor(value, dtype=torch.float32, device=param.device if on_device else HOST)
+
+
 def _set_optimizer_steps(optimizer: torch.optim.Optimizer, value: float) -> None:
-    for state in optimizer.state.values():
-        state["step"] = torch.tensor(value)
+    on_device = _step_on_device(optimizer)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state:
+                state["step"] = _step_tensor(value, param, on_device[id(param)])
 
 
 def _is_dist() -> bool:
