@@ -1,0 +1,75 @@
+"""Where AF-Pipe's step leaves its bound at paper scale: step/bound against the micro-batches
+per replica, and when in the step the binding worker is idle.
+
+    .venv/bin/python benchmarks/schedule_chain.py [--json PATH]
+
+gpt-oss-20b, seq 8192, 64 nominal H800 (8 nodes), p=1, m=n=32 (the planner's layout of
+`benchmarks/schedule_orders.py`), breadth order, fair links, simulated (no GPU run): the
+planner's 64 micro-batches with its in-flight cap of 2, then 256 and 512 uncapped. For each:
+the step, its bound (`simulator.bound`), and the share of each tenth of the step in which
+the expert shard `F(g0,j0)` (the binding worker) computes. Prints a table; `--json PATH`
+writes `{"rows": [{micro_batches, max_in_flight, step_s, bound_s, busy_by_tenth}]}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from results_io import write_json
+
+from disagmoe.presets import CLUSTER_PRESETS, model_preset
+from disagmoe.simulator import SimResult, simulate_disagg
+from disagmoe.simulator.engine import COMPUTE
+
+SETTINGS = ((64, 2), (256, 0), (512, 0))  # (micro-batches per step, in-flight cap; 0: none)
+WORKER = "F(g0,j0)"
+
+
+def busy_by_tenth(result: SimResult, role: str) -> list[float]:
+    """Share of each tenth of the step in which `role`'s rank computes (its lanes' union)."""
+    prog, timeline = result.program, result.timeline
+    assert prog is not None and timeline is not None
+    rank = next(w["rank"] for w in result.workers if w["role"] == role)
+    spans = sorted(
+        (timeline.start[op], timeline.end[op])
+        for op, kind in enumerate(prog.kind)
+        if kind == COMPUTE and prog.rank[op] == rank
+    )
+    merged: list[tuple[float, float]] = []
+    for s, e in spans:
+        if merged and s <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], e))
+        else:
+            merged.append((s, e))
+    tenth = result.step_time_s / 10
+    return [
+        sum(max(0.0, min(e, (k + 1) * tenth) - max(s, k * tenth)) for s, e in merged) / tenth
+        for k in range(10)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", default="", help="write the rows here")
+    args = parser.parse_args()
+    model, cluster = model_preset("gpt-oss-20b"), CLUSTER_PRESETS["h800"]
+    rows = []
+    print(f"{'micro-batches':>13s} {'cap':>3s} {'step s':>7s} {'bound s':>7s} {'st/bd':>6s}  "
+          f"{WORKER} busy per tenth of the step")  # fmt: skip
+    for micro, cap in SETTINGS:
+        r = simulate_disagg(model, cluster, groups=1, attn_workers=32, expert_workers=32,
+                            seq_len=8192, micro_batch_size=1, num_micro_batches=micro,
+                            max_in_flight=cap, order="breadth")  # fmt: skip
+        assert r.bound is not None
+        busy = busy_by_tenth(r, WORKER)
+        print(f"{micro:13d} {cap:3d} {r.step_time_s:7.3f} {r.bound.seconds:7.3f} "
+              f"{r.step_time_s / r.bound.seconds:6.3f}  {' '.join(f'{b:.2f}' for b in busy)}",
+              flush=True)  # fmt: skip
+        rows.append({"micro_batches": micro, "max_in_flight": cap, "step_s": r.step_time_s,
+                     "bound_s": r.bound.seconds, "busy_by_tenth": busy})  # fmt: skip
+    if args.json:
+        write_json(args.json, {"model": model.name, "worker": WORKER, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
