@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .schedule.ir import BACKWARD_KINDS, FORWARD_KINDS
+from .schedule.orders import MAX_EXCHANGE_CHUNKS
 from .shapes import ClusterConfig, ModelConfig
 from .shapes import require as _require
 
@@ -150,6 +151,9 @@ class ScheduleConfig:
     starts earlier, forward and backward lanes overlap); "steady" runs a ready backward
     before a forward (1F1B per stage); "auto" the one of them, generated with the run's
     costs or the nominal ones, whose simulated step is shortest (`simulator.choose`).
+    `exchange_chunks`: each micro-batch's exchange with each expert shard as that many
+    chunks of its rows (`schedule.ir`), so a shard computes one chunk while the next is
+    on the wire; 1 sends it whole.
     `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
     run's analytic costs and links, `simulator.choose.schedule_costs`); auto decides it.
     """
@@ -163,6 +167,12 @@ class ScheduleConfig:
     )
     order: str = "breadth"  # breadth | depth | steady | auto (schedule.orders)
     costs: str = "nominal"  # nominal | run
+    # each micro-batch's exchange with each expert shard in this many chunks of its rows,
+    # the shard computing one while the next is on the wire (schedule.ir); 1: whole
+    exchange_chunks: int = field(
+        default=1,
+        metadata=flag("AF-Pipe: split each micro-batch's exchange with a shard into chunks"),
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -176,6 +186,11 @@ class ScheduleConfig:
         _require(
             self.costs in ("nominal", "run"),
             f"schedule.costs must be nominal or run, got {self.costs!r}",
+        )
+        _require(
+            1 <= self.exchange_chunks <= MAX_EXCHANGE_CHUNKS,
+            f"schedule.exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS}, "
+            f"got {self.exchange_chunks}",
         )
 
 

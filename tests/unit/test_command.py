@@ -27,6 +27,7 @@ CONFIG_FLAGS = {
     "--threads-per-rank": "parallel.threads_per_rank",
     "--no-overlap-grad-sync": "parallel.overlap_grad_sync",
     "--max-in-flight": "schedule.max_in_flight",
+    "--exchange-chunks": "schedule.exchange_chunks",
     "--steps": "train.steps",
     "--seed": "train.seed",
     "--dtype": "train.dtype",

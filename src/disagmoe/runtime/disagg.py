@@ -107,6 +107,7 @@ def run_schedule(cfg: RunConfig, layout: Layout, *, forward_only: bool = False) 
         num_micro_batches=cfg.train.num_micro_batches,
         forward_only=forward_only,
         costs=costs,
+        exchange_chunks=cfg.schedule.exchange_chunks,
     )
 
 
@@ -132,6 +133,7 @@ def run_schedule_of_rank(
         num_micro_batches=cfg.train.num_micro_batches,
         forward_only=forward_only,
         costs=costs,
+        exchange_chunks=cfg.schedule.exchange_chunks,
     )
 
 

@@ -41,15 +41,18 @@ _Raw = tuple[str, str, float, float, dict[str, Any]]  # name, lane, start, end, 
 # One format for the runtimes, the simulator and the trace readers:
 #   a computation        "FA l3 s1"        op (F / B / W) + component (A / F), layer, slot:
 #                                          the instruction's own text (schedule.ir.compute_event_name)
+#                        "FF l3 s1 c0"     ... and exchange chunk, when chunked
 #   a message's events   "send act l3 s1"  "send" / "recv" + the message: kind, layer, slot
+#                                          (+ " c0": its exchange chunk, when chunked)
 #   a pipeline stage's   "F s0 mb1"        ep-* runtimes: stage action (F / B / I / W) or
 #   work / messages      "recv act s0 mb1" message kind (act / grad), stage, micro-batch
-_EVENT_NAME = re.compile(r"(?:(send|recv) )?(\S+) (?:l(\d+) s(\d+)|s(\d+) mb(\d+))")
+_EVENT_NAME = re.compile(r"(?:(send|recv) )?(\S+) (?:l(\d+) s(\d+)(?: c(\d+))?|s(\d+) mb(\d+))")
 
 
-def message_label(kind: str, layer: int, slot: int) -> str:
-    """A message of the AF-Pipe IR, "act l3 s1"; its trace events: `message_event_name`."""
-    return f"{kind} l{layer} s{slot}"
+def message_label(kind: str, layer: int, slot: int, chunk: int = -1) -> str:
+    """A message of the AF-Pipe IR, "act l3 s1" ("dispatch l3 s1 c0": exchange chunk 0);
+    its trace events: `message_event_name`."""
+    return f"{kind} l{layer} s{slot}" + (f" c{chunk}" if chunk >= 0 else "")
 
 
 def stage_event_name(what: str, stage: int, micro_batch: int) -> str:
@@ -75,6 +78,7 @@ class EventName:
     slot: int | None = None
     stage: int | None = None
     micro_batch: int | None = None
+    chunk: int | None = None  # exchange chunk (AF-Pipe, chunked exchange)
 
     @property
     def op(self) -> str:
@@ -92,12 +96,20 @@ def parse_event_name(name: str) -> EventName:
     match = _EVENT_NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"not a computation or message event name: {name!r}")
-    side, what, layer, slot, stage, micro_batch = match.groups()
+    side, what, layer, slot, chunk, stage, micro_batch = match.groups()
 
     def number(text: str | None) -> int | None:
         return None if text is None else int(text)
 
-    return EventName(what, side, number(layer), number(slot), number(stage), number(micro_batch))
+    return EventName(
+        what,
+        side,
+        number(layer),
+        number(slot),
+        number(stage),
+        number(micro_batch),
+        number(chunk),
+    )
 
 
 def new_run_dir(base: str = "runs") -> Path:

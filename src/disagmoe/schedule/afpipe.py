@@ -17,6 +17,12 @@ of a rank's first stage for slot s waits for that stage's backward of slot
 s - max_in_flight (the rule of `schedule.semantics`, which the generator's task
 graph mirrors so that the order it emits can run).
 
+`exchange_chunks` = c > 1 splits each micro-batch's exchange with each shard into c
+chunks (`schedule.ir`): the shard's FWD and BWD of (layer, slot) become c computes, one
+per chunk, each consuming and producing that chunk's messages, so a shard computes one
+chunk while the next is on the wire. The generator prices a chunk at 1/c of the compute
+and of the message.
+
 `forward_only=True` gives the forward-only schedule of evaluation: the same forwards and
 forward messages, no backward, no SYNC or STEP, and no in-flight cap (a forward-only list
 keeps nothing: `schedule.semantics`).
@@ -37,8 +43,8 @@ from dataclasses import replace
 
 from ..distributed.layout import Layout
 from .graph import Task, TaskGraph, emit_schedule, list_schedule
-from .ir import Instr, Msg, Op, Schedule
-from .orders import NOMINAL, ScheduleCosts, check_order, priority
+from .ir import Instr, Op, Schedule
+from .orders import NOMINAL, ScheduleCosts, check_chunks, check_order, priority
 
 
 def micro_batch_count(layout: Layout, num_slots: int, num_micro_batches: int = 0) -> int:
@@ -65,19 +71,24 @@ def build_afpipe_graph(
     num_micro_batches: int = 0,
     forward_only: bool = False,
     costs: ScheduleCosts = NOMINAL,
+    exchange_chunks: int = 1,
 ) -> TaskGraph:
     check_order(order)
+    check_chunks(exchange_chunks)
     p, n, L = layout.groups, layout.expert_workers, layout.num_layers
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
     replicas = [layout.replicas_of_slot(s, num_micro) for s in range(num_slots)]
     cap = num_slots if forward_only else max_in_flight or num_slots  # forward-only: no cap
     g = TaskGraph()
+    chunks = range(exchange_chunks) if exchange_chunks > 1 else range(-1, 0)
+    share = 1.0 / exchange_chunks
 
     def add(task: Task) -> None:
+        seconds = costs.compute_s(task.op, task.comp, task.layer)
         g.add(
             task,
-            costs.compute_s(task.op, task.comp, task.layer),
-            priority(order, task.op, task.layer, task.slot),
+            seconds * share if task.chunk >= 0 else seconds,
+            (*priority(order, task.op, task.layer, task.slot), task.chunk),
         )
 
     def fa(l: int, s: int, r: int) -> Task:
@@ -86,11 +97,11 @@ def build_afpipe_graph(
     def ba(l: int, s: int, r: int) -> Task:
         return Task(Op.BWD, "A", l, s, layout.attn_rank(l % p, r))
 
-    def ff(l: int, s: int, j: int) -> Task:
-        return Task(Op.FWD, "F", l, s, layout.expert_rank(l % p, j))
+    def ff(l: int, s: int, j: int, k: int) -> Task:
+        return Task(Op.FWD, "F", l, s, layout.expert_rank(l % p, j), k)
 
-    def bf(l: int, s: int, j: int) -> Task:
-        return Task(Op.BWD, "F", l, s, layout.expert_rank(l % p, j))
+    def bf(l: int, s: int, j: int, k: int) -> Task:
+        return Task(Op.BWD, "F", l, s, layout.expert_rank(l % p, j), k)
 
     for s in range(num_slots):
         for l in range(L + 1):
@@ -99,10 +110,11 @@ def build_afpipe_graph(
                 if not forward_only:
                     add(ba(l, s, r))
             if l in layout.moe_layers:
-                for j in range(n):
-                    add(ff(l, s, j))
-                    if not forward_only:
-                        add(bf(l, s, j))
+                for k in chunks:
+                    for j in range(n):
+                        add(ff(l, s, j, k))
+                        if not forward_only:
+                            add(bf(l, s, j, k))
 
     for s in range(num_slots):
         for l in range(L + 1):
@@ -112,25 +124,30 @@ def build_afpipe_graph(
                 if l > 0:
                     g.message(fa(l - 1, s, r), fa(l, s, r), "act", l - 1)
                     if prev_moe:
-                        for j in range(n):
-                            g.message(ff(l - 1, s, j), fa(l, s, r), "combine", l - 1)
+                        for k in chunks:
+                            for j in range(n):
+                                g.message(ff(l - 1, s, j, k), fa(l, s, r), "combine", l - 1)
                 if moe:
-                    for j in range(n):
-                        g.message(fa(l, s, r), ff(l, s, j), "dispatch", l)
+                    for k in chunks:
+                        for j in range(n):
+                            g.message(fa(l, s, r), ff(l, s, j, k), "dispatch", l)
                 if forward_only:
                     continue
                 g.local_deps[ba(l, s, r)].append(fa(l, s, r))
                 if l > 0:
                     g.message(ba(l, s, r), ba(l - 1, s, r), "grad_act", l - 1)
                     if prev_moe:
-                        for j in range(n):
-                            g.message(ba(l, s, r), bf(l - 1, s, j), "grad_combine", l - 1)
+                        for k in chunks:
+                            for j in range(n):
+                                g.message(ba(l, s, r), bf(l - 1, s, j, k), "grad_combine", l - 1)
                 if moe:
-                    for j in range(n):
-                        g.message(bf(l, s, j), ba(l, s, r), "grad_dispatch", l)
+                    for k in chunks:
+                        for j in range(n):
+                            g.message(bf(l, s, j, k), ba(l, s, r), "grad_dispatch", l)
             if moe and not forward_only:
-                for j in range(n):
-                    g.local_deps[bf(l, s, j)].append(ff(l, s, j))
+                for k in chunks:
+                    for j in range(n):
+                        g.local_deps[bf(l, s, j, k)].append(ff(l, s, j, k))
 
     # In-flight cap: a rank's first stage of slot s waits for its backward of slot s - cap.
     for rank in range(layout.world_size):
@@ -143,10 +160,15 @@ def build_afpipe_graph(
             if role.comp == "A" and role.index < replicas[s]:
                 g.local_deps[fa(first, s, role.index)].append(ba(first, s - cap, role.index))
             elif role.comp == "F":
-                g.local_deps[ff(first, s, role.index)].append(bf(first, s - cap, role.index))
+                for k in chunks:
+                    g.local_deps[ff(first, s, role.index, k)].append(
+                        bf(first, s - cap, role.index, k)
+                    )
     for msgs in g.outputs.values():
         for msg in msgs:
             loads = costs.message_ports(msg.kind, msg.layer, msg.src, msg.dst)
+            if loads and msg.chunk >= 0:
+                loads = tuple((port, seconds * share) for port, seconds in loads)
             if loads:
                 g.ports[msg] = loads
     return g
@@ -161,6 +183,7 @@ def build_afpipe(
     num_micro_batches: int = 0,
     forward_only: bool = False,
     costs: ScheduleCosts | None = None,
+    exchange_chunks: int = 1,
 ) -> Schedule:
     """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots (with
     `forward_only`, for one evaluation batch: forwards only, no cap, named "afpipe-forward").
@@ -180,12 +203,15 @@ def build_afpipe(
         "num_micro_batches": num_micro,
         "order": order,
     }
+    if exchange_chunks > 1:
+        meta["exchange_chunks"] = exchange_chunks
     if costs is not None:
         meta["costs"] = costs.name
         if reduced_layout(layout, num_micro)[0] != layout:
             rep = _representative(
-                layout, num_micro, num_slots, max_in_flight, order, forward_only, costs
-            )
+                layout, num_micro, num_slots, max_in_flight, order, forward_only, costs,
+                exchange_chunks,
+            )  # fmt: skip
             ranks = tuple(_expand(layout, num_micro, rep, r) for r in range(layout.world_size))
             roles = tuple(str(layout.role(r)) for r in range(layout.world_size))
             return replace(rep, num_ranks=layout.world_size, roles=roles, ranks=ranks, meta=meta)
@@ -198,6 +224,7 @@ def build_afpipe(
         num_micro_batches=num_micro,
         forward_only=forward_only,
         costs=priced,
+        exchange_chunks=exchange_chunks,
     )
     shared = priced.shared_compute or order == "steady"
     timeline = list_schedule(graph, priced.latency_s, shared_compute=shared)
@@ -242,6 +269,7 @@ def build_afpipe_rank(
     num_micro_batches: int = 0,
     forward_only: bool = False,
     costs: ScheduleCosts | None = None,
+    exchange_chunks: int = 1,
 ) -> tuple[Instr, ...]:
     """`rank`'s AF-Pipe list without building the whole world's schedule.
 
@@ -259,7 +287,9 @@ def build_afpipe_rank(
     and n are. Tests check the result equals `build_afpipe(layout, ...).ranks[rank]`.
     """
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
-    rep = _representative(layout, num_micro, num_slots, max_in_flight, order, forward_only, costs)
+    rep = _representative(
+        layout, num_micro, num_slots, max_in_flight, order, forward_only, costs, exchange_chunks
+    )
     return _expand(layout, num_micro, rep, rank)
 
 
@@ -271,6 +301,7 @@ def _representative(
     order: str,
     forward_only: bool,
     costs: ScheduleCosts | None,
+    exchange_chunks: int = 1,
 ) -> Schedule:
     """The schedule of `reduced_layout(layout)`: one replica per class, one shard per group."""
     reduced, reduced_micro = reduced_layout(layout, num_micro)
@@ -282,6 +313,7 @@ def _representative(
         num_micro_batches=reduced_micro,
         forward_only=forward_only,
         costs=costs,
+        exchange_chunks=exchange_chunks,
     )
 
 
@@ -310,9 +342,9 @@ def _expand(layout: Layout, num_micro: int, rep: Schedule, rank: int) -> tuple[I
         if m is None:
             out.append(ins)
         elif ins.op == Op.SEND:
-            out += [Instr(ins.op, msg=Msg(m.kind, m.layer, m.slot, rank, d)) for d in peers[m.dst]]
+            out += [Instr(ins.op, msg=replace(m, src=rank, dst=d)) for d in peers[m.dst]]
         else:
-            out += [Instr(ins.op, msg=Msg(m.kind, m.layer, m.slot, s, rank)) for s in peers[m.src]]
+            out += [Instr(ins.op, msg=replace(m, src=s, dst=rank)) for s in peers[m.src]]
     return tuple(out)
 
 

@@ -25,6 +25,7 @@ class Task:
     layer: int
     slot: int
     rank: int
+    chunk: int = -1  # exchange chunk of an F compute (`schedule.ir`); -1: not chunked
 
     @property
     def lane(self) -> str:
@@ -48,11 +49,13 @@ class TaskGraph:
         self.priority[task] = priority
 
     def message(self, producer: Task, consumer: Task, kind: str, layer: int) -> None:
-        """`producer` sends a `kind` message to `consumer`, or a local dependency if same rank."""
+        """`producer` sends a `kind` message to `consumer`, or a local dependency if same rank;
+        an exchange message is of the chunk of its F end (`schedule.ir`)."""
         if producer.rank == consumer.rank:
             self.local_deps[consumer].append(producer)
             return
-        msg = Msg(kind, layer, producer.slot, producer.rank, consumer.rank)
+        chunk = producer.chunk if producer.comp == "F" else consumer.chunk
+        msg = Msg(kind, layer, producer.slot, producer.rank, consumer.rank, chunk)
         self.outputs[producer].append(msg)
         self.inputs[consumer].append(msg)
 
@@ -149,22 +152,28 @@ def emit_schedule(
     meta: dict[str, int | str],
     sync: bool = True,
 ) -> Schedule:
-    """Per-rank lists ordered by simulated time; at equal times RECVs, then SENDs, then computes."""
-    events: list[list[tuple[float, int, int, Instr]]] = [[] for _ in range(num_ranks)]
+    """Per-rank lists ordered by simulated time; at equal times RECVs, then SENDs, then
+    computes, RECVs of equal time by exchange chunk (every sender's chunk 0 first: the order
+    a shard consumes them in, and the one `afpipe.build_afpipe_rank` expands to)."""
+    events: list[list[tuple[float, int, int, int, Instr]]] = [[] for _ in range(num_ranks)]
     seq = 0
     for task in graph.tasks:
         t0, t1 = timeline.start[task], timeline.end[task]
-        events[task.rank].append((t0, 2, seq, Instr(task.op, task.comp, task.layer, task.slot)))
+        events[task.rank].append(
+            (t0, 2, 0, seq, Instr(task.op, task.comp, task.layer, task.slot, chunk=task.chunk))
+        )
         seq += 1
         for msg in graph.outputs.get(task, []):
-            events[task.rank].append((t1, 1, seq, Instr(Op.SEND, msg=msg)))
+            events[task.rank].append((t1, 1, 0, seq, Instr(Op.SEND, msg=msg)))
             seq += 1
-            events[msg.dst].append((timeline.arrival[msg], 0, seq, Instr(Op.RECV, msg=msg)))
+            events[msg.dst].append(
+                (timeline.arrival[msg], 0, msg.chunk, seq, Instr(Op.RECV, msg=msg))
+            )
             seq += 1
     ranks = []
     for rank_events in events:
-        rank_events.sort(key=lambda e: (e[0], e[1], e[2]))
-        instrs = [e[3] for e in rank_events]
+        rank_events.sort(key=lambda e: e[:4])
+        instrs = [e[4] for e in rank_events]
         if sync:
             instrs += [Instr(Op.SYNC), Instr(Op.STEP)]
         ranks.append(tuple(instrs))

@@ -18,6 +18,15 @@ Expert-parallel baselines (`disagmoe.baselines`) add two ops:
 * `W` — the weight-gradient part of a backward split into input (`BWD`) and
   weight (`W`) halves (zero-bubble / DualPipeV schedules).
 
+Exchange chunks (`Schedule.meta["exchange_chunks"]` = c > 1, AF-Pipe only): each
+micro-batch's exchange with each expert shard is split into c chunks of its rows
+(`chunk_rows`): the four exchange messages carry `Msg.chunk` 0..c-1 and the F shard's
+FWD/BWD of (layer, slot) is c computes `Instr.chunk` 0..c-1, one per chunk, so the
+shard computes chunk k while chunk k+1 is still on the wire and chunk k-1's combine
+leaves. Attention computes and `act`/`grad_act` are never chunked (`chunk` -1): an
+A compute produces or consumes every chunk of its exchange. Unchunked schedules have
+`chunk` -1 everywhere.
+
 Two more facts of the baselines are data too: `Instr.pair` marks the
 instructions of one overlapped forward/backward pair (DualPipeV's
 `OVERLAP_F_B`), and `Schedule.meta["a2a_chunks"]` says into how many chunks
@@ -116,6 +125,18 @@ BACKWARD_KINDS = tuple(k for k, v in MESSAGE_KINDS.items() if v.channel == "bwd"
 A2A_PHASES = ("dispatch", "combine", "grad_combine", "grad_dispatch")  # `comp` of an A2A
 
 
+EXCHANGE_KINDS = A2A_PHASES  # the messages that exchange chunks split (module doc)
+
+
+def chunk_rows(rows: int, chunks: int, chunk: int) -> tuple[int, int]:
+    """[start, end) of chunk `chunk` of `rows` rows split into `chunks` contiguous parts
+    whose sizes differ by at most one (`chunk` -1: every row). The attention replica and
+    the expert shard both split a shard's rows of a micro-batch by this rule."""
+    if chunk < 0:
+        return 0, rows
+    return chunk * rows // chunks, (chunk + 1) * rows // chunks
+
+
 @dataclass(frozen=True, slots=True, order=True)
 class Msg:
     kind: str
@@ -123,18 +144,21 @@ class Msg:
     slot: int
     src: int
     dst: int
+    chunk: int = -1  # exchange chunk (module doc); -1: not chunked
 
     @property
     def channel(self) -> str:
         return MESSAGE_KINDS[self.kind].channel
 
     def __str__(self) -> str:
-        return f"{self.kind}[l{self.layer},s{self.slot}] {self.src}->{self.dst}"
+        where = f"l{self.layer},s{self.slot}" + (f",c{self.chunk}" if self.chunk >= 0 else "")
+        return f"{self.kind}[{where}] {self.src}->{self.dst}"
 
 
-def compute_event_name(op: str, comp: str, layer: int, slot: int) -> str:
-    """A compute instruction's text, also its trace event's name: "FA l3 s1"."""
-    return f"{op}{comp} l{layer} s{slot}"
+def compute_event_name(op: str, comp: str, layer: int, slot: int, chunk: int = -1) -> str:
+    """A compute instruction's text, also its trace event's name: "FA l3 s1" ("FF l3 s1 c0"
+    for exchange chunk 0 of an expert compute)."""
+    return f"{op}{comp} l{layer} s{slot}" + (f" c{chunk}" if chunk >= 0 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +170,7 @@ class Instr:
     msg: Msg | None = None
     group: tuple[int, ...] = ()  # member ranks of an A2A
     pair: int = -1  # DualPipeV: id of the overlapped F&B pair this belongs to (-1: none)
+    chunk: int = -1  # exchange chunk of an F compute (module doc); -1: not chunked
 
     @property
     def lane(self) -> str:
@@ -164,9 +189,9 @@ class Instr:
         return self.op in (Op.FWD, Op.BWD, Op.WGT)
 
     @property
-    def task(self) -> tuple[str, str, int, int]:
-        """(op, comp, layer, slot) of a compute instruction."""
-        return (self.op.value, self.comp, self.layer, self.slot)
+    def task(self) -> tuple[str, str, int, int, int]:
+        """(op, comp, layer, slot, chunk) of a compute instruction."""
+        return (self.op.value, self.comp, self.layer, self.slot, self.chunk)
 
     def __str__(self) -> str:
         if self.msg is not None:
@@ -174,7 +199,7 @@ class Instr:
         if self.op == Op.A2A:
             return f"A2A {self.comp} l{self.layer} s{self.slot} {list(self.group)}"
         if self.is_compute:
-            return compute_event_name(self.op.value, self.comp, self.layer, self.slot)
+            return compute_event_name(self.op.value, self.comp, self.layer, self.slot, self.chunk)
         return self.op.value
 
 
@@ -220,7 +245,20 @@ def lists_csv(entries: Iterable[tuple[int, str, Sequence[Instr]]]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(
-        ["rank", "role", "index", "lane", "op", "comp", "layer", "slot", "kind", "src", "dst"]
+        [
+            "rank",
+            "role",
+            "index",
+            "lane",
+            "op",
+            "comp",
+            "layer",
+            "slot",
+            "kind",
+            "src",
+            "dst",
+            "chunk",
+        ]
     )
     for rank, role, instrs in entries:
         for k, i in enumerate(instrs):
@@ -238,6 +276,7 @@ def lists_csv(entries: Iterable[tuple[int, str, Sequence[Instr]]]) -> str:
                     m.kind if m else "",
                     m.src if m else "",
                     m.dst if m else "",
+                    m.chunk if m else i.chunk,
                 ]
             )
     return buf.getvalue()

@@ -75,6 +75,15 @@ def _no_ports(kind: str, layer: int, src: int, dst: int) -> PortLoads:
 NOMINAL = ScheduleCosts(_nominal_compute, _no_ports, 0.5, shared_compute=False, name="nominal")
 
 
+MAX_EXCHANGE_CHUNKS = 16
+
+
+def check_chunks(exchange_chunks: int) -> None:
+    """Exchange chunks (`schedule.ir`): 1 (not chunked) .. `MAX_EXCHANGE_CHUNKS`."""
+    if not 1 <= exchange_chunks <= MAX_EXCHANGE_CHUNKS:
+        raise ValueError(f"exchange chunks must be 1..{MAX_EXCHANGE_CHUNKS}, not {exchange_chunks}")
+
+
 def check_order(order: str) -> None:
     if order not in GENERATED_ORDERS:
         raise ValueError(

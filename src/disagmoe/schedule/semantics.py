@@ -23,10 +23,14 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
     (no SEND/RECV): the consumer waits for that producer (e.g. the residual
     `act` from A(l) to A(l+1) when p = 1);
   - in-flight cap: the forward of the rank's first layer for slot s waits for that
-    layer's backward of slot s - `max_in_flight`. A rank's slots are 0 .. S_r - 1
+    layer's backward of slot s - `max_in_flight` (of the same exchange chunk). A rank's slots are 0 .. S_r - 1
     (an attention replica without the last, partial slot of an uneven step has one
     fewer than the others), so slot s - `max_in_flight` is always one of its own.
 
+* **Exchange chunks.** With `meta["exchange_chunks"]` = c > 1 (`schedule.ir`) a
+  message of an exchange kind is produced or consumed on the F side by the compute of
+  its own chunk (`Msg.chunk`) and on the A side by the one unchunked compute; nothing
+  else changes (chunk k of a shard's FWD and BWD are computes of their own).
 * **Streams.** Per (sender, receiver, channel) a receive lane takes one message at
   a time, so a message moves only after the previous one of its stream arrived.
 * **Forward-only lists.** A list with forwards and no backward (evaluation:
@@ -67,23 +71,30 @@ from typing import ClassVar
 
 from .ir import MESSAGE_KINDS, Endpoint, Instr, Msg, Op, Schedule
 
-TaskKey = tuple[str, str, int, int]  # (op value, comp, layer, slot) of a compute: `Instr.task`
+TaskKey = tuple[str, str, int, int, int]  # (op value, comp, layer, slot, chunk): `Instr.task`
 EXECUTIONS = ("lanes", "in-order")
 COMPUTE_LANES = ("fwd", "bwd")
 
 
-def _task(end: Endpoint, layer: int, slot: int) -> TaskKey:
-    return (end.op.value, end.comp, layer + end.layer_offset, slot)
+def _task(end: Endpoint, layer: int, slot: int, chunk: int = -1) -> TaskKey:
+    """The compute at `end` of a message of (layer, slot, chunk): chunked on the F side only."""
+    return (
+        end.op.value,
+        end.comp,
+        layer + end.layer_offset,
+        slot,
+        chunk if end.comp == "F" else -1,
+    )
 
 
 def producer(msg: Msg) -> TaskKey:
     """The compute on `msg.src` that produces `msg` (it posts the SEND when it ends)."""
-    return _task(MESSAGE_KINDS[msg.kind].producer, msg.layer, msg.slot)
+    return _task(MESSAGE_KINDS[msg.kind].producer, msg.layer, msg.slot, msg.chunk)
 
 
 def consumer(msg: Msg) -> TaskKey:
     """The compute on `msg.dst` that consumes `msg` (it waits for the RECV)."""
-    return _task(MESSAGE_KINDS[msg.kind].consumer, msg.layer, msg.slot)
+    return _task(MESSAGE_KINDS[msg.kind].consumer, msg.layer, msg.slot, msg.chunk)
 
 
 def consumer_lane(msg: Msg) -> str:
@@ -166,12 +177,12 @@ class RankProgram:
         local: dict[TaskKey, list[TaskKey]] = {}
         for lane in self.lanes.values():
             for _, ins in lane:
-                op, comp, layer, slot = ins.task
+                op, comp, layer, slot, chunk = ins.task
                 deps: list[TaskKey] = []
                 if ins.op == Op.BWD:
-                    deps.append((Op.FWD.value, comp, layer, slot))
+                    deps.append((Op.FWD.value, comp, layer, slot, chunk))
                 elif not self.forward_only and layer == self.first_layer and slot >= self.cap:
-                    deps.append((Op.BWD.value, comp, layer, slot - self.cap))
+                    deps.append((Op.BWD.value, comp, layer, slot - self.cap, chunk))
                 for prod, cons in handovers:
                     if (cons.op.value, cons.comp) == (op, comp):
                         source = _task(prod, layer - cons.layer_offset, slot)

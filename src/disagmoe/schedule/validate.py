@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .ir import Instr, Msg, Op, Schedule, compute_event_name
+from .ir import EXCHANGE_KINDS, Instr, Msg, Op, Schedule, compute_event_name
 from .semantics import TaskKey, compile_ranks
 
 
@@ -39,6 +39,39 @@ def check_messages(schedule: Schedule) -> None:
         raise ScheduleError(f"SEND {msg} has no matching RECV")
     for msg in recvs.keys() - sends.keys():
         raise ScheduleError(f"RECV {msg} has no matching SEND")
+
+
+def check_chunks(schedule: Schedule) -> None:
+    """Exchange chunks (`schedule.ir`): with c = `meta["exchange_chunks"]` > 1 every F
+    compute and exchange message has each chunk 0..c-1 exactly once per (layer, slot) and
+    peer, attention computes and act/grad_act none; unchunked schedules have none at all."""
+    c = int(schedule.meta.get("exchange_chunks", 1))
+    groups: dict[tuple[object, ...], set[int]] = defaultdict(set)
+    for rank, instrs in enumerate(schedule.ranks):
+        for i in instrs:
+            if i.msg is not None:
+                m = i.msg
+                chunked = m.kind in EXCHANGE_KINDS
+                key: tuple[object, ...] = (i.op, m.kind, m.layer, m.slot, m.src, m.dst)
+                chunk = m.chunk
+            elif i.is_compute:
+                chunked = i.comp == "F"
+                key, chunk = (rank, i.op, i.comp, i.layer, i.slot), i.chunk
+            else:
+                continue
+            if not (chunked and c > 1):
+                if chunk != -1:
+                    raise ScheduleError(
+                        f"rank {rank}: {i} has an exchange chunk, which {c} chunk(s) forbid"
+                    )
+                continue
+            if not 0 <= chunk < c:
+                raise ScheduleError(f"rank {rank}: {i} needs an exchange chunk 0..{c - 1}")
+            groups[key].add(chunk)
+    for key, seen in groups.items():
+        if len(seen) != c:
+            missing = sorted(set(range(c)) - seen)
+            raise ScheduleError(f"{key}: exchange chunks {missing} of {c} are missing")
 
 
 def fifo_streams(schedule: Schedule, op: Op) -> dict[tuple[int, int, str], list[Msg]]:
@@ -69,15 +102,15 @@ def check_forward_before_backward(schedule: Schedule) -> None:
             extra = next((i for i in instrs if i.op in (Op.SYNC, Op.STEP)), None)
             if extra is not None:
                 raise ScheduleError(f"rank {rank}: forward-only schedule has {extra}")
-        seen: set[tuple[str, int, int]] = set()
+        seen: set[tuple[str, int, int, int]] = set()
         for i in instrs:
             if i.op == Op.FWD:
-                if (i.comp, i.layer, i.slot) in seen:
+                if (i.comp, i.layer, i.slot, i.chunk) in seen:
                     raise ScheduleError(f"rank {rank}: {i} appears twice")
-                seen.add((i.comp, i.layer, i.slot))
-            elif i.op == Op.BWD and (i.comp, i.layer, i.slot) not in seen:
+                seen.add((i.comp, i.layer, i.slot, i.chunk))
+            elif i.op == Op.BWD and (i.comp, i.layer, i.slot, i.chunk) not in seen:
                 raise ScheduleError(f"rank {rank}: {i} comes before its forward")
-        backward = {(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.BWD}
+        backward = {(i.comp, i.layer, i.slot, i.chunk) for i in instrs if i.op == Op.BWD}
         if not forward_only and backward != seen:
             raise ScheduleError(
                 f"rank {rank}: forwards and backwards differ: {sorted(seen ^ backward)[:3]}"
@@ -145,6 +178,7 @@ def simulate(schedule: Schedule) -> int:
 def validate(schedule: Schedule) -> int:
     """Run every check; return the peak number of in-flight slots on any rank."""
     check_messages(schedule)
+    check_chunks(schedule)
     check_fifo(schedule)
     check_forward_before_backward(schedule)
     return simulate(schedule)
