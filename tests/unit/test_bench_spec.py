@@ -181,3 +181,35 @@ def test_bench_flags_for_splits_and_recomputes_are_checked() -> None:
     for bad in (("--splits", "uneven"), ("--recomputes", "full,full"), ("--splits", "")):
         with pytest.raises(ValueError, match=bad[0]):
             spec("--runtimes", "disagg", *bad)
+
+
+def test_exchange_chunk_counts_are_disagg_rows_of_one_run() -> None:
+    """`--exchange-chunks 1,2`: one disagg row per count, with its schedule override after
+    the global ones; EP rows are not multiplied; bad lists are one-line errors."""
+    import argparse
+
+    from disagmoe.bench.cli import add_bench_arguments, spec_from_args
+
+    spec = dataclasses.replace(
+        SPEC, groups=1, attn_workers=4, expert_workers=4, exchange_chunks=(1, 3),
+        overrides=("schedule.exchange_chunks=2",),
+    )  # fmt: skip
+    rows = spec.entries
+    assert rows == ("disagg (chunks 1)", "disagg (chunks 3)", "ep-1f1b")
+    for row in rows:
+        assert Entry.parse(row).label == row
+    flags = spec.train_flags(rows[1], Path("r"))
+    sets = [flags[i + 1] for i, f in enumerate(flags) if f == "--set"]
+    assert sets[-1] == "schedule.exchange_chunks=3"  # after the global override
+    assert "schedule.exchange_chunks=3" not in spec.train_flags("ep-1f1b", Path("r"))
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    parsed = spec_from_args(
+        parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", "1,4"])
+    )
+    assert parsed.exchange_chunks == (1, 4)
+    for bad in ("0", "2,2", "17", "x"):
+        with pytest.raises(ValueError, match="--exchange-chunks"):
+            spec_from_args(
+                parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", bad])
+            )

@@ -9,8 +9,9 @@ one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg
 planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise, and
 runs once per `--splits` entry (planner, the default; even: p = 1, m = n) and per
 `--placements` entry (node-aware: A and F of a group on every node, the default; packed:
-rank order); `--recomputes none,full` runs every runtime once per recompute mode. Each is
-a row of the table with its simulator prediction and bound:
+rank order) and per `--exchange-chunks` entry (`schedule.exchange_chunks`: each exchange
+in that many chunks); `--recomputes none,full` runs every runtime once per recompute
+mode. Each is a row of the table with its simulator prediction and bound:
 
     disagmoe bench --compute emulated --nodes 4 --ranks-per-node 2 --runtimes disagg,ep-1f1b \
         --splits planner,even --placements node-aware,packed
@@ -38,6 +39,7 @@ from typing import Any
 from ..config import MULTI_WORKER_RUNTIMES, PLACEMENTS, RECOMPUTE, ClusterConfig
 from ..extras import require_extra
 from ..presets import model_preset
+from ..schedule.orders import MAX_EXCHANGE_CHUNKS
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import SPLITS, BenchSpec, RuntimeResult, even_split, run_all, summarize
 
@@ -99,6 +101,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recomputes", default="", metavar="R[,R]",
                    help="run every runtime once per train.recompute mode, one row each "
                    "(none, attn, full; default: the config's, one row)")  # fmt: skip
+    p.add_argument("--exchange-chunks", default="", metavar="C[,C]",
+                   help="disagg: exchange chunk counts to run, one row each (e.g. 1,2; "
+                   "default: the config's, one row)")  # fmt: skip
     p.add_argument("--nic-split", default="auto", metavar="A:F|auto",
                    help="disagg: NIC rate of an attention vs an expert worker, same total as "
                    "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
@@ -175,6 +180,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     placements = _choices("--placements", args.placements, PLACEMENTS)
     splits = _choices("--splits", args.splits, SPLITS)
     recomputes = _choices("--recomputes", args.recomputes, RECOMPUTE) if args.recomputes else ()
+    counts = tuple(str(c) for c in range(1, MAX_EXCHANGE_CHUNKS + 1))
+    chunks = (
+        _choices("--exchange-chunks", args.exchange_chunks, counts) if args.exchange_chunks else ()
+    )
     if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbps <= 0:
         raise ValueError("--nodes, --ranks-per-node must be >= 1 and --nic-gbps > 0")
     if not 0 <= args.warmup < args.steps:
@@ -212,6 +221,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
         loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
         placements=placements, splits=splits, recomputes=recomputes,
+        exchange_chunks=tuple(int(c) for c in chunks),
     )  # fmt: skip
     planned = None
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):

@@ -62,12 +62,14 @@ class Entry:
     placement: str = "node-aware"  # disagg only
     split: str = "planner"  # disagg only: "planner" (or given) | "even"
     recompute: str = ""  # "" = the config's; else train.recompute for this row
+    chunks: int = 0  # disagg only: 0 = the config's; else schedule.exchange_chunks
 
     @property
     def label(self) -> str:
-        """`disagg`, `disagg (packed)`, `disagg (even, packed, recompute full)`, ..."""
+        """`disagg`, `disagg (packed)`, `disagg (even, packed, chunks 2, recompute full)`, ..."""
         quals = [self.split] if self.split != "planner" else []
         quals += [self.placement] if self.placement != "node-aware" else []
+        quals += [f"chunks {self.chunks}"] if self.chunks else []
         quals += [f"recompute {self.recompute}"] if self.recompute else []
         return f"{self.runtime} ({', '.join(quals)})" if quals else self.runtime
 
@@ -88,6 +90,8 @@ class Entry:
                 entry = dataclasses.replace(entry, split=q)
             elif q.startswith("recompute ") and q.split()[1] in RECOMPUTE:
                 entry = dataclasses.replace(entry, recompute=q.split()[1])
+            elif q.startswith("chunks ") and q.split()[1].isdigit():
+                entry = dataclasses.replace(entry, chunks=int(q.split()[1]))
             else:
                 raise ValueError(f"bench row {label!r}: unknown qualifier {q!r}")
         return entry
@@ -129,6 +133,7 @@ class BenchSpec:
     placements: tuple[str, ...] = ("node-aware",)  # disagg: one run per placement
     splits: tuple[str, ...] = ("planner",)  # disagg: one run per split (SPLITS)
     recomputes: tuple[str, ...] = ()  # every runtime once per mode; () = the config's
+    exchange_chunks: tuple[int, ...] = ()  # disagg: one run per count; () = the config's
 
     @property
     def world(self) -> int:
@@ -136,13 +141,18 @@ class BenchSpec:
 
     @property
     def entries(self) -> tuple[str, ...]:
-        """The rows of the bench (`Entry.label`): every runtime, `disagg` once per split and
-        placement, everything once per recompute mode."""
+        """The rows of the bench (`Entry.label`): every runtime, `disagg` once per split,
+        placement and exchange chunk count, everything once per recompute mode."""
         out: list[str] = []
         for runtime in self.runtimes:
             variants = [Entry(runtime)]
             if runtime == "disagg":
-                variants = [Entry(runtime, p, s) for s in self.splits for p in self.placements]
+                variants = [
+                    Entry(runtime, p, s, chunks=c)
+                    for s in self.splits
+                    for p in self.placements
+                    for c in (self.exchange_chunks or (0,))
+                ]
             out += [
                 dataclasses.replace(v, recompute=r).label
                 for v in variants
@@ -218,6 +228,8 @@ class BenchSpec:
             flags += ["--set", item]
         if e.recompute:  # after the overrides: the row's mode wins
             flags += ["--set", f"train.recompute={e.recompute}"]
+        if e.chunks:  # likewise the row's exchange chunks
+            flags += ["--set", f"schedule.exchange_chunks={e.chunks}"]
         return flags
 
 
