@@ -10,6 +10,9 @@ with its exchange in 1, 2 and 4 chunks (`simulator.choose`) — and prints the u
 candidates' steps, the best step with 2 and with 4 chunks, and auto's pick (order and
 chunks), its step, its bound (`simulator.bound`), their ratio and the unchunked best's
 ratio (`c1 st/bd`).
+Every replay is the symmetry-reduced one (`reduce=True`: one replica per class, one shard
+per group, bundled messages, as `run_choice` replays for `schedule.order = auto`), which
+keeps 18 candidates per setting affordable.
 `one-slot` is the step of the same layout (auto, chunks too) when every replica runs one
 micro-batch: about
 what the dependency chain of a single micro-batch (every layer forward and backward, each
@@ -97,13 +100,13 @@ def main() -> None:
     for label, model, cluster, kw in settings():
         t0 = time.perf_counter()
         # one auto replay tries every (order, costs, chunks) candidate (simulator.choose)
-        auto = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, **kw)
+        auto = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, reduce=True, **kw)
         steps: dict[str, dict[int, float]] = {}
         for order, costed, chunks, step in auto.config["auto_steps"]:
             steps.setdefault(f"{order}{'+c' if costed else ''}", {})[chunks] = step
         best = {k: min(v[k] for v in steps.values()) for k in CHUNK_CANDIDATES}
         one = simulate_disagg(
-            model, cluster, order="auto", exchange_chunks=0,
+            model, cluster, order="auto", exchange_chunks=0, reduce=True,
             **{**kw, "num_micro_batches": kw["attn_workers"]},
         )  # fmt: skip
         bound = auto.bound.seconds if auto.bound else 0.0
