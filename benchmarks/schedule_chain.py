@@ -5,10 +5,12 @@ per replica, and when in the step the binding worker is idle.
 
 gpt-oss-20b, seq 8192, 64 nominal H800 (8 nodes), p=1, m=n=32 (the planner's layout of
 `benchmarks/schedule_orders.py`), breadth order, fair links, simulated (no GPU run): the
-planner's 64 micro-batches with its in-flight cap of 2, then 256 and 512 uncapped. For each:
+planner's 64 micro-batches with its in-flight cap of 2, then 256 and 512 uncapped, each with
+each micro-batch's exchange in 1, 2 and 4 chunks (`schedule.exchange_chunks`). For each:
 the step, its bound (`simulator.bound`), and the share of each tenth of the step in which
 the expert shard `F(g0,j0)` (the binding worker) computes. Prints a table; `--json PATH`
-writes `{"rows": [{micro_batches, max_in_flight, step_s, bound_s, busy_by_tenth}]}`.
+writes `{"rows": [{micro_batches, max_in_flight, exchange_chunks, step_s, bound_s,
+busy_by_tenth}]}`.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from disagmoe.simulator import SimResult, simulate_disagg
 from disagmoe.simulator.engine import COMPUTE
 
 SETTINGS = ((64, 2), (256, 0), (512, 0))  # (micro-batches per step, in-flight cap; 0: none)
+CHUNKS = (1, 2, 4)  # exchange chunks (schedule.exchange_chunks)
 WORKER = "F(g0,j0)"
 
 
@@ -54,19 +57,22 @@ def main() -> None:
     args = parser.parse_args()
     model, cluster = model_preset("gpt-oss-20b"), CLUSTER_PRESETS["h800"]
     rows = []
-    print(f"{'micro-batches':>13s} {'cap':>3s} {'step s':>7s} {'bound s':>7s} {'st/bd':>6s}  "
-          f"{WORKER} busy per tenth of the step")  # fmt: skip
+    print(f"{'micro-batches':>13s} {'cap':>3s} {'chunks':>6s} {'step s':>7s} {'bound s':>7s} "
+          f"{'st/bd':>6s}  {WORKER} busy per tenth of the step")  # fmt: skip
     for micro, cap in SETTINGS:
-        r = simulate_disagg(model, cluster, groups=1, attn_workers=32, expert_workers=32,
-                            seq_len=8192, micro_batch_size=1, num_micro_batches=micro,
-                            max_in_flight=cap, order="breadth")  # fmt: skip
-        assert r.bound is not None
-        busy = busy_by_tenth(r, WORKER)
-        print(f"{micro:13d} {cap:3d} {r.step_time_s:7.3f} {r.bound.seconds:7.3f} "
-              f"{r.step_time_s / r.bound.seconds:6.3f}  {' '.join(f'{b:.2f}' for b in busy)}",
-              flush=True)  # fmt: skip
-        rows.append({"micro_batches": micro, "max_in_flight": cap, "step_s": r.step_time_s,
-                     "bound_s": r.bound.seconds, "busy_by_tenth": busy})  # fmt: skip
+        for chunks in CHUNKS:
+            r = simulate_disagg(model, cluster, groups=1, attn_workers=32, expert_workers=32,
+                                seq_len=8192, micro_batch_size=1, num_micro_batches=micro,
+                                max_in_flight=cap, order="breadth",
+                                exchange_chunks=chunks)  # fmt: skip
+            assert r.bound is not None
+            busy = busy_by_tenth(r, WORKER)
+            print(f"{micro:13d} {cap:3d} {chunks:6d} {r.step_time_s:7.3f} {r.bound.seconds:7.3f} "
+                  f"{r.step_time_s / r.bound.seconds:6.3f}  {' '.join(f'{b:.2f}' for b in busy)}",
+                  flush=True)  # fmt: skip
+            rows.append({"micro_batches": micro, "max_in_flight": cap, "exchange_chunks": chunks,
+                         "step_s": r.step_time_s, "bound_s": r.bound.seconds,
+                         "busy_by_tenth": busy})  # fmt: skip
     if args.json:
         write_json(args.json, {"model": model.name, "worker": WORKER, "rows": rows})
 

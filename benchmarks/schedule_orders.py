@@ -1,12 +1,20 @@
-"""AF-Pipe orders against their bound: every candidate order, simulated, and `auto`'s pick.
+"""AF-Pipe orders and exchange chunks against their bound: every candidate, simulated, and
+`auto`'s pick.
 
     .venv/bin/python benchmarks/schedule_orders.py [--json benchmarks/results/schedule_orders.json]
 
 Per setting this replays one optimizer step (`simulate_disagg`, fair links) of each
-candidate of `schedule.order = auto` — breadth, depth and steady, each ordered with the
-nominal costs and with the run's costs and links (`simulator.choose`) — and of `auto`
-itself, and prints the chosen order's step, its bound (`simulator.bound`) and their ratio.
-`one-slot` is the step of the same layout when every replica runs one micro-batch: about
+candidate of `schedule.order = auto` with `schedule.exchange_chunks = 0` — breadth, depth
+and steady, each ordered with the nominal costs and with the run's costs and links, each
+with its exchange in 1, 2 and 4 chunks (`simulator.choose`) — and prints the unchunked
+candidates' steps, the best step with 2 and with 4 chunks, and auto's pick (order and
+chunks), its step, its bound (`simulator.bound`), their ratio and the unchunked best's
+ratio (`c1 st/bd`).
+Every replay is the symmetry-reduced one (`reduce=True`: one replica per class, one shard
+per group, bundled messages, as `run_choice` replays for `schedule.order = auto`), which
+keeps 18 candidates per setting affordable.
+`one-slot` is the step of the same layout (auto, chunks too) when every replica runs one
+micro-batch: about
 what the dependency chain of a single micro-batch (every layer forward and backward, each
 with its m-way exchange) costs there — not a strict bound (a schedule could stagger the
 replicas' first slots), but where it is near the step, the step is the chain's, and
@@ -36,7 +44,7 @@ from disagmoe.config import ClusterConfig, ModelConfig
 from disagmoe.planner import plan_for
 from disagmoe.presets import CLUSTER_PRESETS, model_preset
 from disagmoe.simulator import simulate_disagg
-from disagmoe.simulator.choose import CANDIDATES
+from disagmoe.simulator.choose import CANDIDATES, CHUNK_CANDIDATES
 
 
 def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
@@ -84,28 +92,33 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     names = [f"{o}{'+c' if c else ''}" for o, c in CANDIDATES]
+    more = [f"best c{k}" for k in CHUNK_CANDIDATES if k > 1]
     print(f"{'setting':34s} {'p/m/n':>8s} {'M':>3s} {'cap':>3s} "
-          + " ".join(f"{n:>9s}" for n in names)
-          + f" {'chosen':>9s} {'step s':>8s} {'bound s':>8s} {'st/bd':>6s} {'one-slot':>8s}"
-          f"  binding")  # fmt: skip
+          + " ".join(f"{n:>9s}" for n in names + more)
+          + f" {'chosen':>9s} {'chunks':>6s} {'step s':>8s} {'bound s':>8s} {'st/bd':>6s}"
+          f" {'c1 st/bd':>8s} {'one-slot':>8s}  binding")  # fmt: skip
     for label, model, cluster, kw in settings():
         t0 = time.perf_counter()
-        steps = {}
-        for order, costed in CANDIDATES:
-            r = simulate_disagg(model, cluster, order=order, costed=costed, **kw)
-            steps[f"{order}{'+c' if costed else ''}"] = r.step_time_s
-        auto = simulate_disagg(model, cluster, order="auto", **kw)
+        # one auto replay tries every (order, costs, chunks) candidate (simulator.choose)
+        auto = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, reduce=True, **kw)
+        steps: dict[str, dict[int, float]] = {}
+        for order, costed, chunks, step in auto.config["auto_steps"]:
+            steps.setdefault(f"{order}{'+c' if costed else ''}", {})[chunks] = step
+        best = {k: min(v[k] for v in steps.values()) for k in CHUNK_CANDIDATES}
         one = simulate_disagg(
-            model, cluster, order="auto", **{**kw, "num_micro_batches": kw["attn_workers"]}
-        )
+            model, cluster, order="auto", exchange_chunks=0, reduce=True,
+            **{**kw, "num_micro_batches": kw["attn_workers"]},
+        )  # fmt: skip
         bound = auto.bound.seconds if auto.bound else 0.0
         chosen = f"{auto.config['order']}{'+c' if auto.config['costed'] else ''}"
+        chunks = auto.config["exchange_chunks"]
         layout = f"{kw['groups']}/{kw['attn_workers']}/{kw['expert_workers']}"
         cap = kw.get("max_in_flight", 0)
         print(f"{label:34s} {layout:>8s} {kw['num_micro_batches']:3d} {cap:3d} "
-              + " ".join(f"{steps[n]:9.4f}" for n in names)
-              + f" {chosen:>9s} {auto.step_time_s:8.4f} {bound:8.4f} "
-              f"{auto.step_time_s / bound:6.3f} {one.step_time_s:8.4f}  "
+              + " ".join(f"{steps[n][1]:9.4f}" for n in names)
+              + " " + " ".join(f"{best[k]:9.4f}" for k in CHUNK_CANDIDATES if k > 1)
+              + f" {chosen:>9s} {chunks:6d} {auto.step_time_s:8.4f} {bound:8.4f} "
+              f"{auto.step_time_s / bound:6.3f} {best[1] / bound:8.3f} {one.step_time_s:8.4f}  "
               f"{auto.bound.describe() if auto.bound else '-'}", flush=True)  # fmt: skip
         rows.append(
             {
@@ -113,16 +126,22 @@ def main() -> None:
                 "model": model.name,
                 "cluster": cluster.name,
                 **{k: (list(v) if isinstance(v, tuple) else v) for k, v in kw.items()},
-                "candidate_steps_s": steps,
+                "candidate_steps_s": {n: steps[n][1] for n in names},
+                "candidate_steps_by_chunks_s": {n: {str(k): t for k, t in v.items()}
+                                                for n, v in steps.items()},
+                "best_step_by_chunks_s": {str(k): t for k, t in best.items()},
                 "chosen": chosen,
+                "exchange_chunks": chunks,
                 "step_s": auto.step_time_s,
                 "bound_s": bound,
                 "step_over_bound": auto.step_time_s / bound,
+                "unchunked_step_over_bound": best[1] / bound,
                 "binding": auto.bound.describe() if auto.bound else "",
                 "one_slot_step_s": one.step_time_s,
+                "one_slot_exchange_chunks": one.config["exchange_chunks"],
                 "seconds": time.perf_counter() - t0,
             }
-        )
+        )  # fmt: skip
     if args.json:
         write_json(args.json, {"link_model": "fair", "rows": rows})
 

@@ -72,8 +72,8 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def _order_line(cfg: RunConfig, layout: Layout) -> str:
-    """The order the lists follow and the simulated optimizer step of the training lists on
-    `cfg.cluster` (analytic costs), with its bound."""
+    """The order and exchange chunks the lists follow and the simulated optimizer step of
+    the training lists on `cfg.cluster` (analytic costs), with its bound."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
     choice, _ = run_choice(cfg, layout, slots, cap)
     ratio = f" (step/bound {choice.step_s / choice.bound_s:.2f})" if choice.bound_s else ""
@@ -82,8 +82,11 @@ def _order_line(cfg: RunConfig, layout: Layout) -> str:
         f"{choice.bound_s * 1e3:.4g} ms{ratio} on cluster {cfg.cluster.name} "
         "(simulator, analytic costs, fair links)"
     )
-    if cfg.schedule.order == "auto":
-        steps = ", ".join(f"{o}{'+costs' if c else ''} {t * 1e3:.4g}" for o, c, t in choice.steps)
+    if cfg.schedule.order == "auto" or cfg.schedule.exchange_chunks == 0:
+        steps = ", ".join(
+            f"{o}{'+costs' if c else ''}{f' c{k}' if k > 1 else ''} {t * 1e3:.4g}"
+            for o, c, k, t in choice.steps
+        )
         line += f"\n# auto candidates (ms): {steps}"
     return line
 

@@ -153,7 +153,8 @@ class ScheduleConfig:
     costs or the nominal ones, whose simulated step is shortest (`simulator.choose`).
     `exchange_chunks`: each micro-batch's exchange with each expert shard as that many
     chunks of its rows (`schedule.ir`), so a shard computes one chunk while the next is
-    on the wire; 1 sends it whole.
+    on the wire; 1 sends it whole; 0: auto picks (`simulator.choose`: 1, 2 or 4, whichever
+    simulates the shortest step, the same on every rank).
     `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
     run's analytic costs and links, `simulator.choose.schedule_costs`); auto decides it.
     """
@@ -168,10 +169,13 @@ class ScheduleConfig:
     order: str = "breadth"  # breadth | depth | steady | auto (schedule.orders)
     costs: str = "nominal"  # nominal | run
     # each micro-batch's exchange with each expert shard in this many chunks of its rows,
-    # the shard computing one while the next is on the wire (schedule.ir); 1: whole
+    # the shard computing one while the next is on the wire (schedule.ir); 1: whole;
+    # 0: auto picks 1, 2 or 4 by simulated step (simulator.choose)
     exchange_chunks: int = field(
         default=1,
-        metadata=flag("AF-Pipe: split each micro-batch's exchange with a shard into chunks"),
+        metadata=flag(
+            "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0: auto)"
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -188,8 +192,8 @@ class ScheduleConfig:
             f"schedule.costs must be nominal or run, got {self.costs!r}",
         )
         _require(
-            1 <= self.exchange_chunks <= MAX_EXCHANGE_CHUNKS,
-            f"schedule.exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS}, "
+            0 <= self.exchange_chunks <= MAX_EXCHANGE_CHUNKS,
+            f"schedule.exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
             f"got {self.exchange_chunks}",
         )
 

@@ -214,13 +214,19 @@ def predict_disagg(
     from ..runtime.disagg import run_schedule
 
     workload = _workload(cfg)
-    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
-    for e in events:
+    # seconds of each whole compute: an exchange-chunked expert compute ("FF l3 s1 c0",
+    # one event per chunk) is the sum of its chunks, as the table prices whole computes
+    # and the replay gives a chunk its share (`simulator.costs.chunk_compute_s`)
+    whole: dict[tuple[Any, ...], float] = defaultdict(float)
+    for index, e in enumerate(events):
         if e["cat"] in ("fwd", "bwd"):
             name = parse_event_name(e["name"])
-            op, comp = name.op, name.comp
-            kind = workload.layer_kind(comp, e["args"]["layer"])
-            groups[(op, comp, kind)].append(e["dur"] / 1e6)
+            layer = e["args"]["layer"]
+            of = (e["pid"], e["args"].get("step"), name.slot) if name.chunk is not None else index
+            whole[(name.op, name.comp, layer, of)] += e["dur"] / 1e6
+    groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
+    for (op, comp, layer, _), seconds in whole.items():
+        groups[(op, comp, workload.layer_kind(comp, layer))].append(seconds)
     table = {k: statistics.median(v) for k, v in groups.items()}
     # the run's placement: its roles depend on the ranks per node it ran with
     layout = Layout.build(

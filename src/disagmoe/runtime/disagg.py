@@ -95,10 +95,11 @@ def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
 
 def run_schedule(cfg: RunConfig, layout: Layout, *, forward_only: bool = False) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes (per training step,
-    or with `forward_only` per evaluation batch); `schedule.order = auto` is resolved by
-    `simulator.choose.run_order`, the same on every rank."""
+    or with `forward_only` per evaluation batch); `schedule.order = auto` and
+    `schedule.exchange_chunks = 0` are resolved by `simulator.choose.run_order`, the same
+    on every rank (an evaluation batch uses the training step's chunk count)."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs = run_order(cfg, layout, slots, cap)
+    order, costs, chunks = run_order(cfg, layout, slots, cap)
     return build_afpipe(
         layout,
         slots,
@@ -107,7 +108,7 @@ def run_schedule(cfg: RunConfig, layout: Layout, *, forward_only: bool = False) 
         num_micro_batches=cfg.train.num_micro_batches,
         forward_only=forward_only,
         costs=costs,
-        exchange_chunks=cfg.schedule.exchange_chunks,
+        exchange_chunks=chunks,
     )
 
 
@@ -123,7 +124,7 @@ def run_schedule_of_rank(
 ) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs = run_order(cfg, layout, slots, cap)
+    order, costs, chunks = run_order(cfg, layout, slots, cap)
     return build_afpipe_rank(
         layout,
         rank,
@@ -133,7 +134,7 @@ def run_schedule_of_rank(
         num_micro_batches=cfg.train.num_micro_batches,
         forward_only=forward_only,
         costs=costs,
-        exchange_chunks=cfg.schedule.exchange_chunks,
+        exchange_chunks=chunks,
     )
 
 

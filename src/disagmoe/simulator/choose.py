@@ -8,11 +8,12 @@ cluster — NIC egress/ingress or NVLink out/in, through the same `Symmetry.load
 `Ports` the replay uses — with the seconds it holds each (bytes / the port's rate).
 
 `choose_order` generates every candidate — each order of `GENERATED_ORDERS`, ordered
-with the nominal costs and with the run's — validates it, replays it (`simulate_schedule`
-on the reduced layout, or with `reduce=False` on every rank, with the run's costs and
-the fair link model) and keeps the shortest step; ties go to the earlier candidate of
-`CANDIDATES`, so every rank that calls it with the same inputs picks the same schedule
-(`schedule.order = auto`).
+with the nominal costs and with the run's, at each exchange chunk count it is given
+(`schedule.ir`; `schedule.exchange_chunks = 0` gives `CHUNK_CANDIDATES`) — validates it,
+replays it (`simulate_schedule` on the reduced layout, or with `reduce=False` on every
+rank, with the run's costs and the fair link model) and keeps the shortest step; ties go
+to the fewer chunks, then to the earlier candidate of `CANDIDATES`, so every rank that
+calls it with the same inputs picks the same schedule (`schedule.order = auto`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from .symmetry import Symmetry
 CANDIDATES: tuple[tuple[str, bool], ...] = tuple(
     (order, costed) for costed in (False, True) for order in GENERATED_ORDERS
 )
+# exchange chunk counts `schedule.exchange_chunks = 0` lets auto pick from, fewest first
+CHUNK_CANDIDATES: tuple[int, ...] = (1, 2, 4)
 
 
 def schedule_costs(
@@ -65,17 +68,20 @@ def schedule_costs(
 
 @dataclass(frozen=True)
 class OrderChoice:
-    """The chosen candidate and every candidate's simulated step (seconds)."""
+    """The chosen candidate and every candidate's simulated step (seconds):
+    `steps` holds (order, costed, exchange chunks, step) in the order they were tried."""
 
     order: str
     costed: bool  # ordered with the run's costs (else the nominal ones)
     step_s: float
     bound_s: float
-    steps: tuple[tuple[str, bool, float], ...]
+    steps: tuple[tuple[str, bool, int, float], ...]
+    exchange_chunks: int = 1
 
     @property
     def label(self) -> str:
-        return f"{self.order}{' (run costs)' if self.costed else ''}"
+        chunks = f", {self.exchange_chunks} exchange chunks" if self.exchange_chunks > 1 else ""
+        return f"{self.order}{' (run costs)' if self.costed else ''}{chunks}"
 
 
 def choose_order(
@@ -88,49 +94,53 @@ def choose_order(
     net: Network,
     *,
     candidates: tuple[tuple[str, bool], ...] = CANDIDATES,
+    chunks: tuple[int, ...] = (1,),
     link_model: LinkModel = "fair",
     reduce: bool = True,
     overlap_sync: bool = True,
 ) -> tuple[OrderChoice, ScheduleCosts]:
     """The candidate with the shortest simulated step on the real `layout` (module doc),
     and the run's generator costs (pass them to `build_afpipe` when `choice.costed`).
+    `chunks`: the exchange chunk counts to try each candidate at (in tie-break order);
     `reduce`: replay the reduced schedules (else every rank's, as `simulate_disagg` does
     for small layouts); `overlap_sync`: `parallel.overlap_grad_sync`."""
     priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
     reduced, reduced_micro = (
         reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
     )
-    best: tuple[float, float, str, bool] | None = None
+    best: tuple[float, float, str, bool, int] | None = None
     steps = []
-    for order, costed in candidates:
-        schedule = build_afpipe(
-            reduced,
-            num_slots,
-            max_in_flight,
-            order,
-            num_micro_batches=reduced_micro,
-            costs=priced if costed else None,
-        )
-        peak = check_schedule(schedule)
-        result = simulate_schedule(
-            schedule,
-            reduced,
-            costs,
-            workload,
-            net,
-            full=layout if reduce else None,
-            num_micro_batches=num_micro_batches,
-            peak_in_flight=peak,
-            link_model=link_model,
-            overlap_sync=overlap_sync,
-        )
-        steps.append((order, costed, result.step_time_s))
-        bound = result.bound.seconds if result.bound else 0.0
-        if best is None or result.step_time_s < best[0]:
-            best = (result.step_time_s, bound, order, costed)
+    for c in chunks:
+        for order, costed in candidates:
+            schedule = build_afpipe(
+                reduced,
+                num_slots,
+                max_in_flight,
+                order,
+                num_micro_batches=reduced_micro,
+                costs=priced if costed else None,
+                exchange_chunks=c,
+            )
+            peak = check_schedule(schedule)
+            result = simulate_schedule(
+                schedule,
+                reduced,
+                costs,
+                workload,
+                net,
+                full=layout if reduce else None,
+                num_micro_batches=num_micro_batches,
+                peak_in_flight=peak,
+                link_model=link_model,
+                overlap_sync=overlap_sync,
+            )
+            steps.append((order, costed, c, result.step_time_s))
+            bound = result.bound.seconds if result.bound else 0.0
+            if best is None or result.step_time_s < best[0]:
+                best = (result.step_time_s, bound, order, costed, c)
     assert best is not None, "no candidate order"
-    step, bound, order, costed = best
-    return OrderChoice(order, costed, step, bound, tuple(steps)), priced
+    step, bound, order, costed, c = best
+    return OrderChoice(order, costed, step, bound, tuple(steps), c), priced
 
 
 @functools.lru_cache(maxsize=8)
@@ -139,7 +149,8 @@ def run_choice(
 ) -> tuple[OrderChoice, ScheduleCosts]:
     """`choose_order` for a run of `cfg` on `layout` with the analytic costs of
     `cfg.cluster`: among every candidate for `schedule.order = auto`, else of the given
-    order and `schedule.costs` alone (its predicted step, for `disagmoe schedule`)."""
+    order and `schedule.costs` alone (its predicted step, for `disagmoe schedule`); at
+    `schedule.exchange_chunks`, or for 0 at each of `CHUNK_CANDIDATES`."""
     workload = Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size)
     costs = AnalyticCosts.for_cluster(
         workload, cfg.cluster, layout.attn_workers, layout.expert_workers, cfg.train.recompute
@@ -156,16 +167,27 @@ def run_choice(
         workload,
         net,
         candidates=candidates,
+        chunks=run_chunk_candidates(cfg),
         overlap_sync=cfg.parallel.overlap_grad_sync,
     )
 
 
+def run_chunk_candidates(cfg: RunConfig) -> tuple[int, ...]:
+    """The exchange chunk counts a run of `cfg` chooses from: `schedule.exchange_chunks`,
+    or `CHUNK_CANDIDATES` when it is 0 (auto)."""
+    given = cfg.schedule.exchange_chunks
+    return (given,) if given > 0 else CHUNK_CANDIDATES
+
+
 def run_order(
     cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
-) -> tuple[str, ScheduleCosts | None]:
-    """(order, generator costs or None) of a run: `schedule.order` and `schedule.costs` as
-    given, or for "auto" `run_choice`'s pick — the same pure computation on every rank."""
-    if cfg.schedule.order != "auto" and cfg.schedule.costs == "nominal":
-        return cfg.schedule.order, None
+) -> tuple[str, ScheduleCosts | None, int]:
+    """(order, generator costs or None, exchange chunks) of a run: `schedule.order`,
+    `schedule.costs` and `schedule.exchange_chunks` as given, or where one is automatic
+    ("auto", exchange_chunks 0) `run_choice`'s pick — the same pure computation on every
+    rank."""
+    given = cfg.schedule
+    if given.order != "auto" and given.costs == "nominal" and given.exchange_chunks > 0:
+        return given.order, None, given.exchange_chunks
     choice, priced = run_choice(cfg, layout, num_slots, max_in_flight)
-    return choice.order, priced if choice.costed else None
+    return choice.order, priced if choice.costed else None, choice.exchange_chunks

@@ -21,6 +21,7 @@ from ..config import (
 from ..flops import expert_flops, train_factors
 from ..planner.split import planned_split
 from ..presets import cluster_preset, model_preset
+from ..schedule.orders import MAX_EXCHANGE_CHUNKS
 from .costs import Workload
 from .disagg import ScheduleRejected, simulate_disagg
 from .ep import simulate_ep
@@ -59,6 +60,15 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="disagg: order the lanes with this run's costs and links, not the nominal ones "
         "(simulator.choose; auto decides it itself)",
+    )
+    parser.add_argument(
+        "--exchange-chunks",
+        type=int,
+        default=1,
+        metavar="C",
+        help="disagg: each micro-batch's exchange with an expert shard in C chunks of its rows, "
+        "pipelined with the shard's compute (schedule.exchange_chunks; 0: auto picks 1, 2 or 4 "
+        "by simulated step)",
     )
     parser.add_argument(
         "--no-overlap-grad-sync",
@@ -165,6 +175,15 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("nodes", "seq_len", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.exchange_chunks <= MAX_EXCHANGE_CHUNKS:
+        raise ValueError(
+            f"--exchange-chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
+            f"got {args.exchange_chunks}"
+        )
+    if args.exchange_chunks != 1 and args.runtime != "disagg":
+        raise ValueError(
+            "--exchange-chunks splits AF-Pipe's exchange: use it with --runtime disagg"
+        )
     if args.seq_len > model.max_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} exceeds {model.name}'s max {model.max_seq_len}")
     gpus = args.nodes * cluster.gpus_per_node
@@ -245,6 +264,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             costed=args.costed,
             costs=r.get("costs"),
             overlap_sync=args.overlap_grad_sync,
+            exchange_chunks=args.exchange_chunks,
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])
@@ -269,6 +289,14 @@ def format_result(result: SimResult) -> str:
     lines = [
         f"runtime {result.runtime}  model {cfg.get('model')}  cluster {cfg.get('cluster')}  "
         f"workers {result.num_workers}",
+        *(
+            [
+                f"schedule    {cfg['order']}{' (run costs)' if cfg.get('costed') else ''}, "
+                f"{cfg.get('exchange_chunks', 1)} exchange chunk(s)"
+            ]
+            if result.runtime == "disagg" and "order" in cfg
+            else []
+        ),
         f"step time   {result.step_time_s * 1e3:10.2f} ms",
         f"throughput  {result.tokens_per_s:10.0f} tokens/s ({result.tokens_per_step} tokens/step)",
         *(

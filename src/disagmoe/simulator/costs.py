@@ -16,7 +16,15 @@ q / kv = query / key-value widths, k = top-k, E experts, D_e expert width):
 
 `AnalyticCosts` turns FLOPs into seconds with `peak * mfu`; `TableCosts` looks
 instructions up in a table of measured times keyed by (op, comp, layer) or
-(op, comp, layer kind). `MessageOverheads` are the per-message software costs
+(op, comp, layer kind).
+
+Exchange chunks (`schedule.ir`, c > 1): an expert compute of one chunk is priced at its
+share of the rows, `chunk_compute_s`: the whole (op, F, layer) compute / c — the ideal,
+since neither the analytic model nor a table has a per-GEMM fixed cost — unless the cost
+model prices a chunk itself (`ChunkCosts.chunk_s`: `simulator.measured` charges its
+measured fixed cost per chunk). An exchange message of a chunk carries 1/c of the bytes
+(`chunk_bytes`), so the step's compute and bytes, and with them `simulator.bound`, do
+not change with c under the analytic model. `MessageOverheads` are the per-message software costs
 of a host runtime (posting a send, receiving and decoding the payload, waking
 the waiting lane), zero for the nominal GPU clusters.
 """
@@ -132,6 +140,26 @@ class InstrCosts(Protocol):
     """Seconds of one compute instruction of the AF-Pipe IR on its rank."""
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float: ...
+
+
+class ChunkCosts(Protocol):
+    """A cost model that prices one of `chunks` exchange chunks of an F compute itself."""
+
+    def chunk_s(self, op: Op, comp: str, layer: int, chunks: int) -> float: ...
+
+
+def chunk_compute_s(costs: InstrCosts, op: Op, comp: str, layer: int, chunks: int) -> float:
+    """Seconds of one of `chunks` exchange chunks of (op, comp, layer): the model's own
+    `chunk_s` where it has one, else its share of the rows, the whole compute / chunks."""
+    own = getattr(costs, "chunk_s", None)
+    if own is not None:
+        return float(own(op, comp, layer, chunks))
+    return costs.compute_s(op, comp, layer) / chunks
+
+
+def chunk_bytes(nbytes: float, chunks: int) -> float:
+    """Bytes of one of `chunks` exchange chunks of a message of `nbytes` (its rows' share)."""
+    return nbytes / chunks
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe, reduced_layout
 from ..schedule.ir import Schedule
 from ..schedule.orders import ScheduleCosts
-from .choose import choose_order, schedule_costs
+from .choose import CANDIDATES, CHUNK_CANDIDATES, choose_order, schedule_costs
 from .costs import AnalyticCosts, InstrCosts, Workload
 from .links import LinkModel
 from .measured import MeasuredCosts
@@ -39,22 +39,24 @@ def checked_afpipe(
     order: str,
     num_micro_batches: int,
     costs: ScheduleCosts | None = None,
+    exchange_chunks: int = 1,
 ) -> tuple[Schedule, int]:
     """`build_afpipe` and `check_schedule`, cached: with the nominal costs (`costs` None)
     the schedule depends on neither the costs, the NIC split nor the recompute mode,
     which the planner's profile varies."""
     schedule = build_afpipe(
-        layout, num_slots, max_in_flight, order, num_micro_batches=num_micro_batches, costs=costs
-    )
+        layout, num_slots, max_in_flight, order, num_micro_batches=num_micro_batches,
+        costs=costs, exchange_chunks=exchange_chunks,
+    )  # fmt: skip
     return schedule, check_schedule(schedule)
 
 
-def message_count(layout: Layout, num_micro_batches: int) -> int:
+def message_count(layout: Layout, num_micro_batches: int, exchange_chunks: int = 1) -> int:
     """Messages of one step of the full (unreduced) AF-Pipe schedule."""
     n, p = layout.expert_workers, layout.groups
     moe = len(layout.moe_layers)
     acts = layout.num_layers * 2 if p > 1 else 0
-    return num_micro_batches * (moe * 4 * n + acts)
+    return num_micro_batches * (moe * 4 * n * exchange_chunks + acts)
 
 
 def simulate_disagg(
@@ -77,6 +79,7 @@ def simulate_disagg(
     link_model: LinkModel = "fair",
     costed: bool = False,
     overlap_sync: bool = True,
+    exchange_chunks: int = 1,
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -94,7 +97,10 @@ def simulate_disagg(
     `costed`: the lanes are ordered with this run's costs (`choose.schedule_costs`), not
     the nominal ones (auto decides it itself). `overlap_sync` (`parallel.overlap_grad_sync`):
     the A gradients' all-reduce runs per layer bucket during the backward
-    (`schedule.sync`), else after the rank's last op.
+    (`schedule.sync`), else after the rank's last op. `exchange_chunks`
+    (`schedule.exchange_chunks`): each micro-batch's exchange with a shard in that many
+    chunks (`schedule.ir`, priced by `replay.afpipe_pricing`); 0: `choose` picks 1, 2 or 4
+    (with an explicit order, among that order alone).
     """
 
     parallel = ParallelConfig(
@@ -108,8 +114,11 @@ def simulate_disagg(
             "workers per group without a micro-batch; give at least one per replica"
         )
     slots = layout.slots_of_replica(0, num_micro_batches)
+    if exchange_chunks < 0:
+        raise ValueError(f"exchange chunks must be >= 0 (0: auto picks), got {exchange_chunks}")
     if reduce is None:
-        reduce = message_count(layout, num_micro_batches) > REDUCE_ABOVE_MESSAGES
+        most = exchange_chunks or max(CHUNK_CANDIDATES)
+        reduce = message_count(layout, num_micro_batches, most) > REDUCE_ABOVE_MESSAGES
     workload = Workload(model, seq_len, micro_batch_size)
     costs = costs or AnalyticCosts.for_cluster(
         workload, cluster, attn_workers, expert_workers, recompute
@@ -125,18 +134,26 @@ def simulate_disagg(
         reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
     )
     chosen: dict[str, Any] = {}
-    if order == "auto":
+    if order == "auto" or exchange_chunks == 0:
+        candidates = CANDIDATES if order == "auto" else ((order, costed),)
+        chunks = (exchange_chunks,) if exchange_chunks else CHUNK_CANDIDATES
         choice, priced = choose_order(
             layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
-            link_model=link_model, reduce=reduce, overlap_sync=overlap_sync,
+            candidates=candidates, chunks=chunks, link_model=link_model, reduce=reduce,
+            overlap_sync=overlap_sync,
         )  # fmt: skip
-        order, costed = choice.order, choice.costed
-        chosen = {"order_choice": "auto", "auto_steps": [list(c) for c in choice.steps]}
+        chosen = {
+            "order_choice": order,
+            "chunks_choice": "auto" if exchange_chunks == 0 else exchange_chunks,
+            "auto_steps": [list(c) for c in choice.steps],
+        }
+        order, costed, exchange_chunks = choice.order, choice.costed, choice.exchange_chunks
     elif costed:
         priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
     schedule, peak = checked_afpipe(
-        run_layout, slots, max_in_flight, order, run_micro, priced if costed else None
-    )
+        run_layout, slots, max_in_flight, order, run_micro, priced if costed else None,
+        exchange_chunks,
+    )  # fmt: skip
     cfg = {
         "model": model.name,
         "cluster": cluster.name,
@@ -151,6 +168,7 @@ def simulate_disagg(
         "recompute": recompute,
         "order": order,
         "costed": costed,
+        "exchange_chunks": exchange_chunks,
         "link_model": link_model,
         **chosen,
     }

@@ -11,7 +11,9 @@ operations, through one path for both executions:
   they meet first (a barrier), a representative standing for its group does not;
   chunked groups run as the semantics split them;
 * with `MessageOverheads` a lane spends `post_s` per message after the op that posts
-  it, and the receiver's stream spends `receive_s(bytes)` on each message (FIFO);
+  it, and the receiver's stream spends `receive_s(bytes)` on each message (FIFO); an
+  exchange chunk (`schedule.ir`) is a message of its own, so a chunked schedule pays
+  these per chunk;
 * a message moves over the network's ports (`Symmetry.loads`: one message or the
   bundle a representative stands for, whose real messages share ports as flows of their
   own, `simulator.links`; arrival = transfer end + latency) or, without
@@ -39,6 +41,7 @@ from ..schedule.semantics import (
     InOrderProgram,
     RankProgram,
     Task,
+    TaskKey,
     compile_program,
     compute_kind,
 )
@@ -87,7 +90,7 @@ class _Lowering:
         self.needs: dict[Msg, int] = {}  # the op that waits for a message
         self.barriers: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
         self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
-        self.task_ops: dict[int, dict[tuple[str, str, int, int], int]] = {}  # rank -> task -> op
+        self.task_ops: dict[int, dict[TaskKey, int]] = {}  # rank -> task -> op
         self.programs: dict[int, RankProgram] = {}
 
     def post(self, rank: int, lane: str, after: int, msgs: list[Msg], args: dict) -> int:
@@ -104,17 +107,19 @@ class _Lowering:
 
     def lanes(self, rp: RankProgram) -> None:
         prog, rank, compute_s = self.prog, rp.rank, self.pricing.compute_s
-        task_op: dict[tuple[str, str, int, int], int] = {}
+        task_op: dict[TaskKey, int] = {}
         lane_last: dict[str, int] = {}
         for index, ins in rp.computes():
             args = {"layer": ins.layer, "slot": ins.slot, "step": 0, "index": index}
+            if ins.chunk >= 0:
+                args["chunk"] = ins.chunk
             op = prog.add(
                 COMPUTE,
                 rank,
                 ins.lane,
                 compute_s(ins, compute_kind(ins)),
                 _category(ins.comp),
-                compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot),
+                compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot, ins.chunk),
                 [lane_last.get(ins.lane, -1)],
                 args,
             )
@@ -223,7 +228,7 @@ class _Lowering:
         ports = Ports(prog, pricing.net) if pricing.net is not None else None
         stream_last: dict[tuple[int, int, str], int] = {}
         recv_last: dict[tuple[int, int, str], int] = {}
-        load_cache: dict[tuple[str, int, int, int], tuple[list[tuple[int, float]], float]] = {}
+        load_cache: dict[tuple[str, int, int, int, int], tuple[list[tuple[int, float]], float]] = {}
         for instrs in self.schedule.ranks:
             for ins in instrs:
                 if ins.op != Op.SEND or ins.msg is None:
@@ -234,14 +239,16 @@ class _Lowering:
                 if serial and stream in stream_last:
                     deps.append(stream_last[stream])
                 args = {"kind": msg.kind, "layer": msg.layer, "slot": msg.slot, "step": 0}
+                if msg.chunk >= 0:
+                    args["chunk"] = msg.chunk
                 if ports is not None:
-                    key = (msg.kind, msg.layer, msg.src, msg.dst)
+                    key = (msg.kind, msg.layer, msg.src, msg.dst, msg.chunk)
                     if key not in load_cache:
                         nbytes = pricing.message_bytes(msg)
                         load_cache[key] = (self.symmetry.loads(msg, nbytes, ports), nbytes)
                     loads, unit = load_cache[key]
                     real = {"src": self.symmetry.real(msg.src), "dst": self.symmetry.real(msg.dst)}
-                    label = message_label(msg.kind, msg.layer, msg.slot)
+                    label = message_label(msg.kind, msg.layer, msg.slot, msg.chunk)
                     xop = prog.add_xfer(
                         msg.src, msg.dst, loads, label, deps, args | real, unit=unit
                     )
@@ -259,7 +266,7 @@ class _Lowering:
                         "recv",
                         over.receive_s(pricing.message_bytes(msg)),
                         "comm",
-                        f"take {msg.kind} l{msg.layer} s{msg.slot}",
+                        f"take {message_label(msg.kind, msg.layer, msg.slot, msg.chunk)}",
                         [xop, recv_last.get(stream, -1)],
                         {"layer": msg.layer, "slot": msg.slot, "step": 0},
                     )

@@ -14,7 +14,11 @@ here `MeasuredCosts` turns them into the simulator's `InstrCosts` for a given la
 * F: `expert_fwd(pairs)`, `expert_bwd(pairs)` with `pairs` = the (token, expert)
   assignments one shard receives from the m replicas' micro-batch (`Workload`);
 * activation recompute adds one forward to each backward (`full`), or the attention
-  core's FLOP share of the attention forward (`attn`).
+  core's FLOP share of the attention forward (`attn`);
+* an exchange chunk of an F compute (`schedule.ir`; `MeasuredCosts.chunk_s`): the linear
+  model at the chunk's share of the pairs, so each of the c chunks pays the measured
+  fixed cost — a chunked step costs `(c - 1) * fixed` more per expert compute than the
+  unchunked one.
 
 `MeasuredCosts.bound_to(workload, m, n, recompute)` gives the costs of one layout, so one
 file serves every plan the planner scores (`disagmoe plan --costs`, `simulate --costs`).
@@ -134,12 +138,20 @@ class MeasuredCosts:
         return fwd, bwd
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        return self._compute_s(op, comp, layer, 1)
+
+    def chunk_s(self, op: Op, comp: str, layer: int, chunks: int) -> float:
+        """One of `chunks` exchange chunks of an F compute: its share of the pairs, priced
+        with the measured fixed cost (module doc)."""
+        return self._compute_s(op, comp, layer, chunks)
+
+    def _compute_s(self, op: Op, comp: str, layer: int, chunks: int) -> float:
         w = self.workload
         assert w is not None, "MeasuredCosts.bound_to first"
         if comp == "A":
             fwd, bwd = self._attn_fwd_bwd(layer)
-            return fwd if op == Op.FWD else bwd
-        pairs = round(self.attn_workers * w.pairs_per_shard(self.expert_workers))
+            return (fwd if op == Op.FWD else bwd) / chunks
+        pairs = round(self.attn_workers * w.pairs_per_shard(self.expert_workers) / chunks)
         fwd = self.units.expert_fwd(pairs)
         if op == Op.FWD:
             return fwd

@@ -13,9 +13,9 @@ from typing import Any
 
 from ..distributed.layout import Layout
 from ..schedule.afpipe import replica_classes
-from ..schedule.ir import Instr, Schedule
+from ..schedule.ir import Instr, Msg, Schedule
 from ..schedule.validate import ScheduleError, validate
-from .costs import InstrCosts, MessageOverheads, Workload
+from .costs import InstrCosts, MessageOverheads, Workload, chunk_bytes, chunk_compute_s
 from .engine import run_program
 from .links import LinkModel
 from .lower import Pricing, lower
@@ -50,6 +50,7 @@ def afpipe_pricing(
     overheads: MessageOverheads | None = None,
     num_micro_batches: int = 0,
     overlap_sync: bool = True,
+    exchange_chunks: int = 1,
 ) -> Pricing:
     """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
     `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas; with
@@ -57,7 +58,9 @@ def afpipe_pricing(
     issued during the backward (`schedule.sync`).
 
     `num_micro_batches` (M; 0: m divides it): an F compute of a slot that only k < m
-    replicas run (the last one when m does not divide M) costs k/m of a full slot's."""
+    replicas run (the last one when m does not divide M) costs k/m of a full slot's.
+    `exchange_chunks` (the schedule's `meta["exchange_chunks"]`): an F compute or an
+    exchange message of one chunk costs its share (`costs.chunk_compute_s`, `chunk_bytes`)."""
 
     def sync_s(rank: int) -> float:
         role = layout.role(rank)
@@ -83,14 +86,21 @@ def afpipe_pricing(
     shards, m = layout.expert_workers, layout.attn_workers
 
     def compute_s(ins: Instr, kind: str) -> float:
-        seconds = costs.compute_s(ins.op, ins.comp, ins.layer)
+        if ins.chunk >= 0:
+            seconds = chunk_compute_s(costs, ins.op, ins.comp, ins.layer, exchange_chunks)
+        else:
+            seconds = costs.compute_s(ins.op, ins.comp, ins.layer)
         if ins.comp == "F" and num_micro_batches:
             seconds *= layout.replicas_of_slot(ins.slot, num_micro_batches) / m
         return seconds
 
+    def message_bytes(msg: Msg) -> float:
+        nbytes = workload.message_bytes(msg.kind, msg.layer, shards)
+        return chunk_bytes(nbytes, exchange_chunks) if msg.chunk >= 0 else nbytes
+
     return Pricing(
         compute_s=compute_s,
-        message_bytes=lambda msg: workload.message_bytes(msg.kind, msg.layer, shards),
+        message_bytes=message_bytes,
         net=net,
         sync_s=sync_s if sync else None,
         bucket_s=bucket_s if sync and overlap_sync else None,
@@ -151,6 +161,7 @@ def simulate_schedule(
         overheads=overheads,
         num_micro_batches=num_micro,
         overlap_sync=overlap_sync,
+        exchange_chunks=int(schedule.meta.get("exchange_chunks", 1)),
     )
     program = lower(schedule, pricing, symmetry)
     timeline = run_program(program, share_compute=share_compute, cores=cores, link_model=link_model)
@@ -165,6 +176,7 @@ def simulate_schedule(
         "peak_in_flight": peak,
         "reduced": full is not None,
         "overlap_sync": overlap_sync,
+        "exchange_chunks": int(schedule.meta.get("exchange_chunks", 1)),
         **(config or {}),
     }
     return summarize(
