@@ -66,6 +66,10 @@ def trainer_steps(
     if prepare:
         collapse_routing(trainer.named_params)
     out = _steps(trainer, cfg, steps)
+    chunks = cfg.schedule.exchange_chunks
+    if chunks > 1:  # the run's exchange was chunked: every chunk's compute ran and was traced
+        names = {e["name"] for e in trainer.tracer.step_events(steps - 1)}
+        assert any(name.endswith(f" c{chunks - 1}") for name in names), sorted(names)[:20]
     shard = getattr(trainer, "expert_shard", None)
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
@@ -107,6 +111,14 @@ def _steps(trainer: Any, cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
             worker = getattr(trainer, "worker", None)  # disagg: nothing kept for a backward
             assert worker is None or not (worker.stash or getattr(worker, "local", None))
     return out
+
+
+def chunked(cfg: RunConfig, chunks: int) -> RunConfig:
+    """`cfg` with `schedule.exchange_chunks` = `chunks` (AF-Pipe's chunked exchange)."""
+    import dataclasses
+
+    schedule = dataclasses.replace(cfg.schedule, exchange_chunks=chunks)
+    return dataclasses.replace(cfg, schedule=schedule)
 
 
 def evaluating(cfg: RunConfig, eval_data: str, eval_batches: int = 2) -> RunConfig:

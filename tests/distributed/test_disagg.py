@@ -4,7 +4,8 @@ float64, 3 optimizer steps per case: per-step losses and every parameter's
 gradient (expert gradients against the matching slice of the reference's)
 agree to 1e-10 relative; cases with eval data also evaluate after the first step (the
 forward-only AF-Pipe schedule, runtime/evaluate.py) and match the reference's eval loss.
-Several cases share one spawn of the ranks.
+Several cases share one spawn of the ranks; `chunked` cases run the exchange in exchange
+chunks (`schedule.exchange_chunks`), whose every chunk must have run (`equivalence`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from disagmoe.presets import MODEL_PRESETS
 from disagmoe.runtime.disagg import DisaggTrainer
 from tests.unit.test_evaluate import eval_file
 
-from .equivalence import evaluating, max_rel_errors, recomputing
+from .equivalence import chunked, evaluating, max_rel_errors, recomputing
 
 TRAINER = "disagmoe.runtime.disagg:DisaggTrainer"
 TOL = 1e-10
@@ -55,20 +56,29 @@ def assert_equivalent(
     ):
         label = (
             f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} "
-            f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute} {cfg.model}"
+            f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute} "
+            f"chunks={cfg.schedule.exchange_chunks} {cfg.model}"
         )
         assert loss_err < TOL, f"{label}: loss rel err {loss_err}"
         assert grad_err < TOL, f"{label}: grad rel err {grad_err}"
         assert count > 10
 
 
+def short(cfg: RunConfig, seq_len: int) -> RunConfig:
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
+
+
 def test_four_ranks_p1_m2_n2() -> None:
     """p=1 (m=2, n=2): top-2, top-1, tied embedding and LM head, shared experts + dense
     first layer, sparse routing; activation recompute of the attention core and of whole
-    stages (against the reference without recompute)."""
+    stages (against the reference without recompute). Exchange chunks: 2 with recompute
+    of whole stages, and 3 of micro-batches of 2 tokens (a shard gets at most 2 rows:
+    empty chunks)."""
     shared_dense = case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96)
     assert_equivalent(
         [
+            chunked(recomputing(shared_dense, "full"), 2),
+            chunked(short(case(1, 2, 2, micro=1), 2), 3),
             case(1, 2, 2),
             case(1, 2, 2, top_k=1),
             case(1, 2, 2, tie_embeddings=True),  # its gradient waits for layer 0's bucket
@@ -93,10 +103,11 @@ def test_four_ranks_p2_m1_n1(tmp_path: Path) -> None:
     """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
     full recompute with the hop; an evaluation between steps; the steady order capped at
     one slot, ordered with the run's costs, and auto (the best candidate for the default
-    cluster, simulator.choose)."""
+    cluster, simulator.choose); 3 exchange chunks, capped at one slot, with an evaluation."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     assert_equivalent(
         [
+            evaluating(chunked(capped(case(2, 1, 1), 1), 3), val),
             evaluating(case(2, 1, 1), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
             recomputing(case(2, 1, 1), "full"),
@@ -109,9 +120,15 @@ def test_four_ranks_p2_m1_n1(tmp_path: Path) -> None:
 
 def test_extreme_routing_all_tokens_to_one_shard() -> None:
     """Zeroed routers: step 1 routes every token to the same k experts (one shard); the
-    other shard and all other experts see no token for the whole step; still exact."""
+    other shard and all other experts see no token for the whole step (with 2 exchange
+    chunks: every chunk of it empty); still exact."""
     assert_equivalent(
-        [case(1, 2, 2), case(1, 2, 2, top_k=1), recomputing(case(1, 2, 2), "full")],
+        [
+            case(1, 2, 2),
+            case(1, 2, 2, top_k=1),
+            recomputing(case(1, 2, 2), "full"),
+            chunked(case(1, 2, 2), 2),
+        ],
         world=4,
         prepare=True,
     )
@@ -161,8 +178,9 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
     (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2 and
     evaluated (the forward-only schedule ignores the cap); the latter in the steady order
     with the run's costs; and with the gradient all-reduce at SYNC only
-    (`parallel.overlap_grad_sync` off). The overlapped all-reduce's buckets are checked
-    on every step (`BucketCheckingTrainer`)."""
+    (`parallel.overlap_grad_sync` off); uneven experts with 3 exchange chunks.
+    The overlapped all-reduce's buckets are checked on every step
+    (`BucketCheckingTrainer`)."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
     uneven_experts = case(1, 1, 3)
     uneven_micro = case(1, 3, 1, micro=1)
@@ -175,6 +193,7 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
             evaluating(capped(uneven_micro, 2), val),
             ordered(capped(uneven_micro, 2), "steady", "run"),
             syncing_at_the_end(uneven_micro),
+            chunked(uneven_experts, 3),
         ],
         world=4,
         trainer=f"{__name__}:BucketCheckingTrainer",
@@ -263,12 +282,14 @@ class RankLocalTrainer(BucketCheckingTrainer):
 def test_six_ranks_p2_m2_n1_rank_local_lists(tmp_path: Path) -> None:
     """m != n, p = 2, each rank running the list it built alone (no whole-world schedule,
     also for evaluation); the third case has 3 micro-batches on m = 2 replicas (slots 2
-    and 1)."""
+    and 1), also with 2 exchange chunks."""
     val = eval_file(tmp_path / "val.npy", num_tokens=33 * 6 * 2)
+    uneven = evaluating(case(2, 2, 1, batch=6, num_experts=5), val)
     cfgs = [
         case(2, 2, 1),
         case(2, 2, 1, top_k=1, num_shared_experts=1),
-        evaluating(case(2, 2, 1, batch=6, num_experts=5), val),
+        uneven,
+        chunked(uneven, 2),
     ]
     errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:RankLocalTrainer")
     assert len(errors) == len(cfgs)

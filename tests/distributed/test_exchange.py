@@ -47,10 +47,10 @@ def _exchange() -> list[str]:
     messages = _messages()
     if dist.get_rank() == 0:
         works = [
-            w for k, m in enumerate(messages) for w in send_message(m, 1, channel, (k, 0, 0, 0))
+            w for k, m in enumerate(messages) for w in send_message(m, 1, channel, (k, 0, 0, 0, 0))
         ]
-        works += send_message([torch.ones(2)], 1, channel, (9, 9, 9, 9))
-        header, payloads = encode_header(messages[1], (7, 0, 0, 0))  # its payload never follows
+        works += send_message([torch.ones(2)], 1, channel, (9, 9, 9, 9, 9))
+        header, payloads = encode_header(messages[1], (7, 0, 0, 0, 0))  # its payload never follows
         assert payloads
         works.append(channel.header.send([header], 1, 0))
         for w in works:
@@ -63,16 +63,16 @@ def _exchange() -> list[str]:
     rx.start(len(messages) + 2)
     checks = []
     for k, sent in enumerate(messages):
-        got = rx.next(30, "test", expect=(k, 0, 0, 0)).wait(30, "test")
+        got = rx.next(30, "test", expect=(k, 0, 0, 0, 0)).wait(30, "test")
         assert len(got) == len(sent)
         for a, b in zip(got, sent, strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (k, a, b)
         checks.append(f"message {k} ok")
     try:
-        rx.next(30, "test", expect=(5, 0, 0, 0))
+        rx.next(30, "test", expect=(5, 0, 0, 0, 0))
     except ProtocolError as err:
         checks.append(f"protocol error {err.got}")
-    incoming = rx.next(30, "test", expect=(7, 0, 0, 0))
+    incoming = rx.next(30, "test", expect=(7, 0, 0, 0, 0))
     try:
         incoming.wait(1.0, lambda: "receiving 7")
     except CommTimeout as err:
@@ -84,7 +84,7 @@ def _exchange() -> list[str]:
 def test_messages_arrive_whole_and_in_order() -> None:
     receiver = run_ranks(_exchange, 2)[1]
     assert receiver[:5] == [f"message {k} ok" for k in range(5)]
-    assert receiver[5] == "protocol error (9, 9, 9, 9)"
+    assert receiver[5] == "protocol error (9, 9, 9, 9, 9)"
     assert receiver[6] == (
         "receiving 7: its header arrived, its payload did not complete within 1 s"
     ), receiver

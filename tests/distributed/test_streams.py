@@ -55,19 +55,26 @@ class _Worker:
         outgoing: list[Msg],
         *,
         keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, list[torch.Tensor]]:
         self.seen[f"F{layer}"] = [t.data_ptr() for p in received.values() for t in p]
         self.stash[(layer, slot)] = torch.zeros(BIG, dtype=torch.float64)
         return {m: [torch.ones(BIG, dtype=torch.float64)] for m in outgoing}
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, list[torch.Tensor]], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, list[torch.Tensor]],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, list[torch.Tensor]]:
         self.seen[f"B{layer}"] = [t.data_ptr() for p in received.values() for t in p]
         self.stash.pop((layer, slot))
         return {m: [torch.full((BIG,), 2.0, dtype=torch.float64)] for m in outgoing}
 
-    def kept(self, layer: int, slot: int) -> list[torch.Tensor]:
+    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> list[torch.Tensor]:
         return [self.stash[(layer, slot)]]
 
     def sync(self, step: int) -> int:

@@ -18,14 +18,14 @@ def test_a_reused_header_carries_only_the_new_message() -> None:
     pool = HeaderPool()
     buf = pool.take()
     first = [torch.arange(100, dtype=torch.float64), torch.ones(3, 2, dtype=torch.bfloat16)]
-    encode_header(first, (1, 2, 3, 4), buf)
+    encode_header(first, (1, 2, 3, 4, 0), buf)
     pool.give(buf)
     again = pool.take()
     assert again is buf
     second = [torch.tensor([True, False]), torch.arange(6).reshape(2, 3)[:, 1]]  # non-contiguous
-    header, payloads = encode_header(second, (5, 6, 7, 8), again)
+    header, payloads = encode_header(second, (5, 6, 7, 8, 0), again)
     ident, specs = decode_header(header)
-    assert ident == (5, 6, 7, 8) and payloads == []
+    assert ident == (5, 6, 7, 8, 0) and payloads == []
     assert specs == [(torch.bool, True, (2,)), (torch.int64, True, (2,))]
     pos = 64 * 8
     assert header[pos : pos + 2].view(torch.bool).tolist() == [True, False]

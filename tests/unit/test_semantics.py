@@ -48,18 +48,31 @@ class _Worker:
         self.ran: list[str] = []
 
     def forward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
         self.ran.append(f"F l{layer} s{slot}")
         return {}
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
         self.ran.append(f"B l{layer} s{slot}")
         return {}
 
-    def kept(self, layer: int, slot: int) -> Payload:
+    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
         return []
 
     def sync(self, step: int) -> int:

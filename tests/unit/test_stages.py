@@ -1,10 +1,15 @@
-"""Parameters of a worker's parts: each distinct parameter once."""
+"""Parameters of a worker's parts: each distinct parameter once; a shard's dispatch plan
+split into exchange chunks."""
 
 from __future__ import annotations
 
+import pytest
+import torch
 from torch import nn
 
-from disagmoe.runtime.stages import NamedParts, unique_named_parameters
+from disagmoe.models.moe import Routing, split_by_owner
+from disagmoe.runtime.stages import NamedParts, split_rows, unique_named_parameters
+from disagmoe.schedule.ir import chunk_rows
 
 
 def test_tied_and_shared_parameters_are_listed_once_under_their_first_name() -> None:
@@ -21,3 +26,54 @@ def test_tied_and_shared_parameters_are_listed_once_under_their_first_name() -> 
         p is q for (_, p), q in zip(got, [embed.weight, norm.weight, norm.bias], strict=True)
     )
     assert unique_named_parameters(last)[0][0] == "norm.weight"
+
+
+def _plans(num_tokens: int, num_experts: int, top_k: int, shards: list[range], seed: int = 0):  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(seed)
+    probs = torch.rand(num_tokens, num_experts, generator=gen, dtype=torch.float64).softmax(-1)
+    weights, indices = probs.topk(top_k, dim=-1)
+    return split_by_owner(Routing(indices, weights, probs), shards)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 7])
+def test_split_rows_partitions_a_plan_into_its_chunks(num_chunks: int) -> None:
+    """Chunk k holds the rows `chunk_rows(R, c, k)` and exactly their assignments, rows
+    re-based: together the chunks are the plan, in order. Shard 1 gets fewer rows than 7
+    chunks (empty chunks); shard 2 gets none."""
+    plans = _plans(12, 8, 2, [range(0, 6), range(6, 7), range(7, 8)])
+    plans[2] = split_by_owner(Routing(*_top1_to(0, 12, 8)), [range(0, 7), range(7, 8)])[1]
+    assert plans[2].token_ids.numel() == 0 and 0 < plans[1].token_ids.numel() < 7
+    for plan in plans:
+        parts = split_rows(plan, num_chunks)
+        assert len(parts) == num_chunks
+        num_rows = plan.token_ids.numel()
+        for k, part in enumerate(parts):
+            lo, hi = chunk_rows(num_rows, num_chunks, k)
+            assert torch.equal(part.token_ids, plan.token_ids[lo:hi])
+            assert part.rows_A.numel() == 0 or (
+                part.rows_A.min() >= 0 and part.rows_A.max() < hi - lo
+            )
+        assert torch.equal(
+            torch.cat([p.rows_A + chunk_rows(num_rows, num_chunks, k)[0]
+                       for k, p in enumerate(parts)]),
+            plan.rows_A,
+        )  # fmt: skip
+        for field in ("experts_A", "weights_A"):
+            assert torch.equal(torch.cat([getattr(p, field) for p in parts]), getattr(plan, field))
+
+
+def _top1_to(expert: int, num_tokens: int, num_experts: int) -> tuple[torch.Tensor, ...]:
+    """Routing of every token to `expert` alone."""
+    probs = torch.full((num_tokens, num_experts), 1.0 / num_experts, dtype=torch.float64)
+    indices = torch.full((num_tokens, 1), expert, dtype=torch.long)
+    return indices, torch.ones(num_tokens, 1, dtype=torch.float64), probs
+
+
+def test_split_rows_keeps_the_weights_differentiable() -> None:
+    """A chunk's weights are views of the plan's: their gradients reach the routing."""
+    probs = torch.rand(6, 4, dtype=torch.float64).softmax(-1).requires_grad_()
+    weights, indices = probs.topk(2, dim=-1)
+    (plan,) = split_by_owner(Routing(indices, weights, probs), [range(0, 4)])
+    parts = split_rows(plan, 2)
+    sum(p.weights_A.sum() * (k + 1) for k, p in enumerate(parts)).backward()  # type: ignore[union-attr]
+    assert probs.grad is not None and probs.grad.abs().sum() > 0

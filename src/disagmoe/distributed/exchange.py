@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ..device import HOST
 from .topology import Channel
 
-IDENT_LEN = 4  # a message names itself, e.g. (kind, layer, slot, step)
+IDENT_LEN = 5  # a message names itself, e.g. (kind, layer, slot, exchange chunk, step)
 META_WORDS = 64  # int64 fields: identity, tensor count, per tensor (dtype, where, ndim, *shape)
 INLINE_BYTES = 4096  # host tensors' bytes that may travel inside the header
 HEADER_BYTES = META_WORDS * 8 + INLINE_BYTES
@@ -135,7 +135,7 @@ class HeaderPool:
 
 def encode_header(
     tensors: list[torch.Tensor],
-    ident: tuple[int, ...] = (0, 0, 0, 0),
+    ident: tuple[int, ...] = (0,) * IDENT_LEN,
     out: HeaderBuffer | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The message's header (written into `out`, or a fresh buffer) and the tensors that
@@ -201,7 +201,7 @@ def send_message(
     tensors: list[torch.Tensor],
     dst: int,
     channel: Channel,
-    ident: tuple[int, ...] = (0, 0, 0, 0),
+    ident: tuple[int, ...] = (0,) * IDENT_LEN,
     header: HeaderBuffer | None = None,
 ) -> list[dist.Work]:
     """Post the header's and the payloads' sends; the caller waits on the returned works

@@ -82,16 +82,24 @@ class StageWorker(Protocol):
         outgoing: list[Msg],
         *,
         keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
-        """`keep=False`: no backward follows (a forward-only list), keep nothing for one."""
+        """`keep=False`: no backward follows (a forward-only list), keep nothing for one.
+        `chunk`: the instruction's exchange chunk (`Instr.chunk`, -1: not chunked)."""
         ...
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]: ...
-    def kept(self, layer: int, slot: int) -> Payload:
-        """The tensors the FWD of (layer, slot) keeps for its BWD beyond its messages (the
-        meter holds them with the FWD's received and sent payloads)."""
+    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        """The tensors the FWD of (layer, slot, chunk) keeps for its BWD beyond its messages
+        (the meter holds them with the FWD's received and sent payloads)."""
         ...
 
 
@@ -145,7 +153,8 @@ class Executor:
         incoming = [m for msgs in self.program.streams.values() for m in msgs]
         self.consumer_lane = {m: consumer_lane(m) for m in incoming}  # the lane it wakes
         self.recv_event = {
-            m: message_event_name("recv", message_label(m.kind, m.layer, m.slot)) for m in incoming
+            m: message_event_name("recv", message_label(m.kind, m.layer, m.slot, m.chunk))
+            for m in incoming
         }
         self.task_lane = {ins.task: lane for lane, instrs in program.lanes.items()
                           for _, ins in instrs}  # fmt: skip
@@ -163,7 +172,7 @@ class Executor:
             Output(
                 m,
                 KINDS.index(m.kind),
-                message_event_name("send", message_label(m.kind, m.layer, m.slot)),
+                message_event_name("send", message_label(m.kind, m.layer, m.slot, m.chunk)),
                 f"{m.kind}:{m.layer}:{m.slot}:",
             )
             for m in self.program.outputs.get(task, ())
@@ -212,13 +221,14 @@ class Executor:
         try:
             for msg in msgs:
                 what = functools.partial(self._receiving, msg)
-                expect = (KINDS.index(msg.kind), msg.layer, msg.slot, step)  # as sent
+                expect = (KINDS.index(msg.kind), msg.layer, msg.slot, msg.chunk, step)  # as sent
                 try:
                     incoming = receiver.next(self._backstop, what, expect=expect)
                 except ProtocolError as err:
-                    kind, layer, slot, got_step = err.got
+                    kind, layer, slot, chunk, got_step = err.got
+                    got = Msg(KINDS[kind], layer, slot, msg.src, self.rank, chunk)
                     raise ProtocolError(
-                        f"{what()}: got {KINDS[kind]}[l{layer},s{slot}] of step {got_step + 1} "
+                        f"{what()}: got {got} of step {got_step + 1} "
                         f"instead (a message was lost or reordered)",
                         err.got,
                     ) from None
@@ -390,7 +400,7 @@ class Executor:
                 payload = out[msg]
                 header = self.headers.take()
                 channel = topo.stream(self.rank, msg.dst, msg.channel)
-                ident = (o.kind, msg.layer, msg.slot, step)  # the receiver checks it
+                ident = (o.kind, msg.layer, msg.slot, msg.chunk, step)  # the receiver checks it
                 works = send_message(payload, msg.dst, channel, ident, header)
                 sends.append((o, works, header, payload, Tracer.now_us(), step))
             with st.lock:
@@ -408,7 +418,9 @@ class Executor:
             events = [st.events[t] for t in work.cross]
         self.streams.after(lane, events)
         if work.instr.op == Op.BWD:
-            self.streams.adopt(lane, self.worker.kept(work.instr.layer, work.instr.slot))
+            instr = work.instr
+            kept = self.worker.kept(instr.layer, instr.slot, chunk=instr.chunk)
+            self.streams.adopt(lane, kept)
 
     def _trace_computes(self, st: StepState) -> None:
         """The step's compute spans, into the tracer (with streams: resolved from their
@@ -424,19 +436,21 @@ class Executor:
         (on this lane's thread) until the matching BWD has run. The FWDs of a forward-only
         list run without autograd (grad mode is per thread: set on this lane's) and keep
         nothing (`schedule.semantics`)."""
-        task = (instr.layer, instr.slot)
+        layer, slot, chunk = instr.layer, instr.slot, instr.chunk
+        worker = self.worker
         if self.program.forward_only:  # under no_grad (`_compute_lane`)
-            return self.worker.forward(instr.layer, instr.slot, received, outgoing, keep=False)
+            return worker.forward(layer, slot, received, outgoing, keep=False, chunk=chunk)
+        task = (layer, slot, chunk)
         if instr.op != Op.FWD:
-            out = self.worker.backward(instr.layer, instr.slot, received, outgoing)
+            out = worker.backward(layer, slot, received, outgoing, chunk=chunk)
             if self.meter is not None:
                 self.meter.release(task)
             return out
         if self.meter is None:
-            return self.worker.forward(instr.layer, instr.slot, received, outgoing)
+            return worker.forward(layer, slot, received, outgoing, chunk=chunk)
         with self.meter.saving():
-            out = self.worker.forward(instr.layer, instr.slot, received, outgoing)
-        kept = self.worker.kept(instr.layer, instr.slot)
+            out = worker.forward(layer, slot, received, outgoing, chunk=chunk)
+        kept = worker.kept(layer, slot, chunk=chunk)
         self.meter.hold(task, [*received.values(), *out.values(), kept])
         return out
 

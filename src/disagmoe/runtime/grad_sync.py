@@ -90,17 +90,24 @@ class OverlappedSync:
         outgoing: list[Msg],
         *,
         keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
-        return self.worker.forward(layer, slot, received, outgoing, keep=keep)
+        return self.worker.forward(layer, slot, received, outgoing, keep=keep, chunk=chunk)
 
-    def kept(self, layer: int, slot: int) -> Payload:
-        return self.worker.kept(layer, slot)
+    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        return self.worker.kept(layer, slot, chunk=chunk)
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
-        out = self.worker.backward(layer, slot, received, outgoing)
-        for k in self.issue_at.get((Op.BWD.value, "A", layer, slot), ()):
+        out = self.worker.backward(layer, slot, received, outgoing, chunk=chunk)
+        for k in self.issue_at.get((Op.BWD.value, "A", layer, slot, chunk), ()):
             self._issue(k)
         return out
 

@@ -64,7 +64,7 @@ class ActivationMeter:
         self._params = {_storage_key(p) for p in params}
         self._lock = threading.Lock()
         self._refs: dict[int, list[int]] = {}  # storage key -> [holders, nbytes]
-        self._held: dict[tuple[int, int], list[tuple[torch.Tensor, int]]] = {}
+        self._held: dict[tuple[int, ...], list[tuple[torch.Tensor, int]]] = {}
         self.current = 0
         self.peak = 0
 
@@ -107,13 +107,14 @@ class ActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
-    def hold(self, task: tuple[int, int], payloads: Iterable[list[torch.Tensor]]) -> None:
-        """A FWD of (layer, slot) keeps these payloads until its BWD (`release`)."""
+    def hold(self, task: tuple[int, ...], payloads: Iterable[list[torch.Tensor]]) -> None:
+        """A FWD of `task` (layer, slot, exchange chunk) keeps these payloads until its BWD
+        (`release`)."""
         held = self._held.setdefault(task, [])
         for payload in payloads:
             held += [(t, self._add(t)) for t in payload]
 
-    def release(self, task: tuple[int, int]) -> None:
+    def release(self, task: tuple[int, ...]) -> None:
         for _, key in self._held.pop(task, []):
             self._drop(key)
 

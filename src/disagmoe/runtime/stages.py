@@ -13,10 +13,21 @@ Messages (lists of tensors, see schedule.ir for who sends what to whom):
 * grad_act[l]      d residual_BSH
 * grad_combine[l]  d y_RH
 * grad_dispatch[l] d u_RH, d weights_A
+
+Exchange chunks (`schedule.ir`): with c > 1 the four exchange messages of (layer, slot)
+between a replica and shard j come as c messages each, chunk k carrying the rows
+`chunk_rows(R_j, c, k)` of the replica's R_j rows for shard j (`split_rows`: the
+assignments of those rows, rows re-based to the chunk). The replica stashes each chunk's
+leaves and outputs apart; the shard computes one chunk per FWD/BWD (stash key
+(layer, slot, chunk)), from every replica that sent that chunk. The next layer adds the
+chunks' outputs into the residual shard by shard and chunk by chunk: each token receives
+the same additions, in the same order, as unchunked. How many chunks a shard's exchange
+has is the number of its messages that the schedule names.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +38,7 @@ from ..device import HOST
 from ..distributed.layout import Layout
 from ..models import Assignments, MoETransformer, build_meta_model, split_by_owner
 from ..models.layers import rope_tables
-from ..schedule.ir import Msg
+from ..schedule.ir import Msg, chunk_rows
 from .objective import LossScale, loss_total
 from .precision import Precision
 from .setup import materialize_initial_weights
@@ -90,12 +101,38 @@ def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
+def split_rows(plan: Assignments, num_chunks: int) -> list[Assignments]:
+    """One shard's dispatch plan as `num_chunks` plans: chunk k holds the rows
+    `chunk_rows(R, num_chunks, k)` of the plan's R rows (its token ids, in plan order) and
+    the assignments of those rows, rows re-based to the chunk (`schedule.ir`, "Exchange
+    chunks"). The plan's assignments must be ordered by row, as `split_by_owner` gives them
+    (token-major); each chunk's are then one contiguous range, found with one host read."""
+    if num_chunks == 1:
+        return [plan]
+    num_rows = plan.token_ids.numel()
+    bounds = [chunk_rows(num_rows, num_chunks, k) for k in range(num_chunks)]
+    starts = torch.tensor([lo for lo, _ in bounds] + [num_rows], device=plan.rows_A.device)
+    cuts = torch.searchsorted(plan.rows_A, starts).tolist()
+    return [
+        Assignments(
+            token_ids=plan.token_ids[lo:hi],
+            rows_A=plan.rows_A[cuts[k] : cuts[k + 1]] - lo,
+            experts_A=plan.experts_A[cuts[k] : cuts[k + 1]],
+            weights_A=plan.weights_A[cuts[k] : cuts[k + 1]],
+        )
+        for k, (lo, hi) in enumerate(bounds)
+    ]
+
+
+Part = tuple[int, int]  # (shard, exchange chunk) of a replica's exchange; chunk -1: whole
+
+
 @dataclass
 class _AttnState:
     resid_leaf: torch.Tensor | None = None
-    combine_leaves: dict[int, torch.Tensor] = field(default_factory=dict)  # shard -> y leaf
+    combine_leaves: dict[Part, torch.Tensor] = field(default_factory=dict)  # -> y leaf
     residual: torch.Tensor | None = None
-    dispatched: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    dispatched: dict[Part, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     objective: torch.Tensor | None = None  # loss share (layer L) or scaled aux term
 
 
@@ -164,7 +201,10 @@ class AttnWorker:
         outgoing: list[Msg],
         *,
         keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
+        """`chunk`: -1 (an attention compute is never chunked: `schedule.ir`)."""
+        assert chunk == -1, chunk
         with self.precision.autocast():
             return self._forward(layer, slot, received, outgoing, keep=keep)
 
@@ -188,16 +228,20 @@ class AttnWorker:
             st.resid_leaf = _leaf(act[0])
             x = st.resid_leaf
             combines = {
-                self.layout.role(m.src).index: p for m, p in received.items() if m.kind == "combine"
+                (self.layout.role(m.src).index, m.chunk): p
+                for m, p in received.items()
+                if m.kind == "combine"
             }
             if combines:
                 B, S, H = x.shape
                 x_TH = x.reshape(B * S, H)
                 token_ids = act[2].split(act[1].tolist())
-                for j in sorted(combines):
-                    y_leaf = _leaf(combines[j][0])
-                    st.combine_leaves[j] = y_leaf
-                    x_TH = x_TH.index_add(0, token_ids[j], y_leaf.to(x_TH.dtype))
+                num_chunks = Counter(j for j, _ in combines)
+                for j, k in sorted(combines):  # shard by shard, chunk by chunk
+                    lo, hi = chunk_rows(token_ids[j].numel(), num_chunks[j], k)
+                    y_leaf = _leaf(combines[(j, k)][0])
+                    st.combine_leaves[(j, k)] = y_leaf
+                    x_TH = x_TH.index_add(0, token_ids[j][lo:hi], y_leaf.to(x_TH.dtype))
                 x = x_TH.view(B, S, H)
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
@@ -218,13 +262,16 @@ class AttnWorker:
                 counts = torch.tensor([plan.token_ids.numel() for plan in plans], dtype=torch.long)
                 act_payload += [counts, torch.cat([plan.token_ids for plan in plans])]
                 message = self.precision.message
-                for j, plan in enumerate(plans):
-                    st.dispatched[j] = (message(res.u_TH[plan.token_ids]), message(plan.weights_A))
-                for msg in outgoing:
-                    if msg.kind == "dispatch":
-                        j = self.layout.role(msg.dst).index
-                        u_j, w_j = st.dispatched[j]
-                        out[msg] = [u_j.detach(), w_j.detach(), plans[j].rows_A, plans[j].experts_A]
+                dispatches = [m for m in outgoing if m.kind == "dispatch"]
+                shard = {m: self.layout.role(m.dst).index for m in dispatches}
+                num_chunks = Counter(shard.values())
+                parts = {j: split_rows(plans[j], c) for j, c in num_chunks.items()}
+                for msg in dispatches:
+                    j, k = shard[msg], msg.chunk
+                    part = parts[j][max(k, 0)]
+                    u, w = message(res.u_TH[part.token_ids]), message(part.weights_A)
+                    st.dispatched[(j, k)] = (u, w)
+                    out[msg] = [u.detach(), w.detach(), part.rows_A, part.experts_A]
                 aux = self.scale.aux([res.aux])
                 if aux is not None:
                     st.objective = aux
@@ -238,18 +285,26 @@ class AttnWorker:
             self.stash[(layer, slot)] = st
         return out
 
-    def kept(self, layer: int, slot: int) -> Payload:
+    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
         """The stash of (layer, slot): its leaves and the roots of its backward. Most are
         messages too; the residual handed to the next layer on this rank (p = 1) is not, and
         under `recompute=full` no op saves it either."""
+        assert chunk == -1, chunk
         st = self.stash[(layer, slot)]
         roots = [st.resid_leaf, st.residual, st.objective]
         dispatched = [t for pair in st.dispatched.values() for t in pair]
         return [t for t in roots if t is not None] + list(st.combine_leaves.values()) + dispatched
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
+        assert chunk == -1, chunk
         st = self.stash.pop((layer, slot))
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
@@ -262,7 +317,7 @@ class AttnWorker:
             grads.append(g_act[0])
             for msg, payload in received.items():
                 if msg.kind == "grad_dispatch":
-                    u_j, w_j = st.dispatched[self.layout.role(msg.src).index]
+                    u_j, w_j = st.dispatched[(self.layout.role(msg.src).index, msg.chunk)]
                     tensors += [u_j, w_j]
                     grads += payload
         if st.objective is not None:
@@ -281,7 +336,8 @@ class AttnWorker:
             self.local[("grad_act", layer - 1, slot)] = g_resid
         for msg in outgoing:
             if msg.kind == "grad_combine":
-                out[msg] = [_grad_or_zeros(st.combine_leaves[self.layout.role(msg.dst).index])]
+                y_leaf = st.combine_leaves[(self.layout.role(msg.dst).index, msg.chunk)]
+                out[msg] = [_grad_or_zeros(y_leaf)]
         return out
 
 
@@ -296,6 +352,8 @@ class ExpertWorker:
 
     A slot's forward serves the replicas whose dispatch arrived: all m, or replicas
     0..k-1 for a last slot that only k replicas run (m does not divide the micro-batches).
+    With exchange chunks each chunk of a slot is a forward (and a backward) of its own,
+    over the rows of that chunk from each of those replicas (module doc).
     """
 
     def __init__(
@@ -315,7 +373,7 @@ class ExpertWorker:
             assert full is not None
             self.modules.add(f"layers.{l}.experts", full.narrow(experts.start, len(experts)))
         self.expert_offset = experts.start
-        self.stash: dict[tuple[int, int], _ExpertState] = {}
+        self.stash: dict[tuple[int, int, int], _ExpertState] = {}  # (layer, slot, chunk)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.modules.named_parameters())
@@ -328,6 +386,7 @@ class ExpertWorker:
         outgoing: list[Msg],
         *,
         keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
         by_replica = sorted((self.layout.role(m.src).index, p) for m, p in received.items())
         inputs, xs, rows, experts, weights, counts = {}, [], [], [], [], []
@@ -352,18 +411,24 @@ class ExpertWorker:
             y = self.precision.message(self.modules[f"layers.{layer}.experts"](x, plan))
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
         if keep:  # for the backward
-            self.stash[(layer, slot)] = _ExpertState(inputs, outputs)
+            self.stash[(layer, slot, chunk)] = _ExpertState(inputs, outputs)
         return {msg: [outputs[self.layout.role(msg.dst).index].detach()] for msg in outgoing}
 
-    def kept(self, layer: int, slot: int) -> Payload:
-        """The stash of (layer, slot): the received leaves and the outputs."""
-        st = self.stash[(layer, slot)]
+    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        """The stash of (layer, slot, chunk): the received leaves and the outputs."""
+        st = self.stash[(layer, slot, chunk)]
         return [t for pair in st.inputs.values() for t in pair] + list(st.outputs.values())
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
-        st = self.stash.pop((layer, slot))
+        st = self.stash.pop((layer, slot, chunk))
         grads_by_replica = {self.layout.role(m.src).index: p[0] for m, p in received.items()}
         replicas = sorted(st.outputs)
         _backward([st.outputs[r] for r in replicas], [grads_by_replica[r] for r in replicas])
