@@ -1,7 +1,7 @@
 """Where AF-Pipe's step leaves its bound at paper scale: step/bound against the micro-batches
 per replica, and when in the step the binding worker is idle.
 
-    .venv/bin/python benchmarks/schedule_chain.py [--json PATH]
+    .venv/bin/python benchmarks/schedule_chain.py [--model qwen3-30b-a3b] [--json PATH]
 
 gpt-oss-20b, seq 8192, 64 nominal H800 (8 nodes), p=1, m=n=32 (the planner's layout of
 `benchmarks/schedule_orders.py`), breadth order, fair links, simulated (no GPU run): the
@@ -11,11 +11,16 @@ the step, its bound (`simulator.bound`), and the share of each tenth of the step
 the expert shard `F(g0,j0)` (the binding worker) computes. Prints a table; `--json PATH`
 writes `{"rows": [{micro_batches, max_in_flight, exchange_chunks, step_s, bound_s,
 busy_by_tenth}]}`.
+
+`--model qwen3-30b-a3b`: its planner layout instead (p=4, m=n=8, cap 8, steady: the
+order auto picks there), the planner's 64 micro-batches only, and the busy share of its
+binding worker, the attention replica `A(g0,r0)` of group 0 (which also holds the LM head).
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 from results_io import write_json
 
@@ -23,9 +28,24 @@ from disagmoe.presets import CLUSTER_PRESETS, model_preset
 from disagmoe.simulator import SimResult, simulate_disagg
 from disagmoe.simulator.engine import COMPUTE
 
-SETTINGS = ((64, 2), (256, 0), (512, 0))  # (micro-batches per step, in-flight cap; 0: none)
 CHUNKS = (1, 2, 4)  # exchange chunks (schedule.exchange_chunks)
-WORKER = "F(g0,j0)"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A preset's planner layout (`benchmarks/schedule_orders.py`), order and binding worker."""
+
+    groups: int
+    workers: int  # m = n
+    order: str
+    worker: str
+    runs: tuple[tuple[int, int], ...]  # (micro-batches per step, in-flight cap; 0: none)
+
+
+SETTINGS = {
+    "gpt-oss-20b": Setting(1, 32, "breadth", "F(g0,j0)", ((64, 2), (256, 0), (512, 0))),
+    "qwen3-30b-a3b": Setting(4, 8, "steady", "A(g0,r0)", ((64, 8),)),
+}
 
 
 def busy_by_tenth(result: SimResult, role: str) -> list[float]:
@@ -53,20 +73,23 @@ def busy_by_tenth(result: SimResult, role: str) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt-oss-20b", choices=sorted(SETTINGS))
     parser.add_argument("--json", default="", help="write the rows here")
     args = parser.parse_args()
-    model, cluster = model_preset("gpt-oss-20b"), CLUSTER_PRESETS["h800"]
+    model, cluster = model_preset(args.model), CLUSTER_PRESETS["h800"]
+    setting = SETTINGS[args.model]
     rows = []
     print(f"{'micro-batches':>13s} {'cap':>3s} {'chunks':>6s} {'step s':>7s} {'bound s':>7s} "
-          f"{'st/bd':>6s}  {WORKER} busy per tenth of the step")  # fmt: skip
-    for micro, cap in SETTINGS:
+          f"{'st/bd':>6s}  {setting.worker} busy per tenth of the step")  # fmt: skip
+    for micro, cap in setting.runs:
         for chunks in CHUNKS:
-            r = simulate_disagg(model, cluster, groups=1, attn_workers=32, expert_workers=32,
+            r = simulate_disagg(model, cluster, groups=setting.groups,
+                                attn_workers=setting.workers, expert_workers=setting.workers,
                                 seq_len=8192, micro_batch_size=1, num_micro_batches=micro,
-                                max_in_flight=cap, order="breadth",
-                                exchange_chunks=chunks)  # fmt: skip
+                                max_in_flight=cap, order=setting.order,
+                                exchange_chunks=chunks, reduce=True)  # fmt: skip
             assert r.bound is not None
-            busy = busy_by_tenth(r, WORKER)
+            busy = busy_by_tenth(r, setting.worker)
             print(f"{micro:13d} {cap:3d} {chunks:6d} {r.step_time_s:7.3f} {r.bound.seconds:7.3f} "
                   f"{r.step_time_s / r.bound.seconds:6.3f}  {' '.join(f'{b:.2f}' for b in busy)}",
                   flush=True)  # fmt: skip
@@ -74,7 +97,7 @@ def main() -> None:
                          "step_s": r.step_time_s, "bound_s": r.bound.seconds,
                          "busy_by_tenth": busy})  # fmt: skip
     if args.json:
-        write_json(args.json, {"model": model.name, "worker": WORKER, "rows": rows})
+        write_json(args.json, {"model": model.name, "worker": setting.worker, "rows": rows})
 
 
 if __name__ == "__main__":
