@@ -156,7 +156,12 @@ class ScheduleConfig:
     on the wire; 1 sends it whole; 0: auto picks (`simulator.choose`: 1, 2 or 4, whichever
     simulates the shortest step, the same on every rank).
     `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
-    run's analytic costs and links, `simulator.choose.schedule_costs`); auto decides it.
+    run's costs and links, `simulator.choose.schedule_costs`); auto decides it.
+    `costs_file`: measured compute costs (a `compute_costs.json`: `disagmoe bench
+    --compute emulated` writes one; `simulator.measured`) that the run's costs price compute
+    with, for the run-costed orders and auto's replays; empty: the file of
+    `train.emulate_compute` when it names one (what an emulated run's compute costs), else
+    the analytic costs of `cluster`. Links always come from `cluster`.
     """
 
     max_in_flight: int = field(  # 0: from the memory model and budget; -1: no cap
@@ -175,6 +180,13 @@ class ScheduleConfig:
         default=1,
         metadata=flag(
             "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0: auto)"
+        ),
+    )
+    costs_file: str = field(  # "": train.emulate_compute's file, else the analytic costs
+        default="",
+        metadata=flag(
+            "measured compute costs (compute_costs.json) that auto and --set "
+            "schedule.costs=run price compute with"
         ),
     )
 

@@ -191,23 +191,25 @@ def test_exchange_chunk_counts_are_disagg_rows_of_one_run() -> None:
     from disagmoe.bench.cli import add_bench_arguments, spec_from_args
 
     spec = dataclasses.replace(
-        SPEC, groups=1, attn_workers=4, expert_workers=4, exchange_chunks=(1, 3),
+        SPEC, groups=1, attn_workers=4, expert_workers=4, exchange_chunks=(1, 3, 0),
         overrides=("schedule.exchange_chunks=2",),
     )  # fmt: skip
     rows = spec.entries
-    assert rows == ("disagg (chunks 1)", "disagg (chunks 3)", "ep-1f1b")
+    assert rows == ("disagg (chunks 1)", "disagg (chunks 3)", "disagg (chunks auto)", "ep-1f1b")
     for row in rows:
         assert Entry.parse(row).label == row
     flags = spec.train_flags(rows[1], Path("r"))
     sets = [flags[i + 1] for i, f in enumerate(flags) if f == "--set"]
     assert sets[-1] == "schedule.exchange_chunks=3"  # after the global override
     assert "schedule.exchange_chunks=3" not in spec.train_flags("ep-1f1b", Path("r"))
+    auto = spec.train_flags("disagg (chunks auto)", Path("r"))
+    assert auto[-1] == "schedule.exchange_chunks=0"
     parser = argparse.ArgumentParser()
     add_bench_arguments(parser)
     parsed = spec_from_args(
-        parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", "1,4"])
+        parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", "1,4,auto"])
     )
-    assert parsed.exchange_chunks == (1, 4)
+    assert parsed.exchange_chunks == (1, 4, 0)
     for bad in ("0", "2,2", "17", "x"):
         with pytest.raises(ValueError, match="--exchange-chunks"):
             spec_from_args(

@@ -269,6 +269,9 @@ class EPTrainer:
         roles = [lay.role(r) for r in range(lay.pp * lay.dp)]
         return {"placement": "rank order", "roles": roles}
 
+    def schedule_facts(self) -> dict[str, Any]:
+        return {}
+
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6
 

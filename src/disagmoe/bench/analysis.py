@@ -203,8 +203,7 @@ def emulated_network(
 
 
 def _workload(cfg: RunConfig) -> Workload:
-    act = 8 if cfg.train.dtype == "float64" else 4 if cfg.train.dtype == "float32" else 2
-    return Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, act, 8)
+    return Workload.of_run(cfg)
 
 
 def predict_disagg(

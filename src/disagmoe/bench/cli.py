@@ -102,8 +102,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every runtime once per train.recompute mode, one row each "
                    "(none, attn, full; default: the config's, one row)")  # fmt: skip
     p.add_argument("--exchange-chunks", default="", metavar="C[,C]",
-                   help="disagg: exchange chunk counts to run, one row each (e.g. 1,2; "
-                   "default: the config's, one row)")  # fmt: skip
+                   help="disagg: exchange chunk counts to run, one row each (e.g. 1,4,auto; "
+                   "auto: the run's schedule choice picks; default: the config's)")  # fmt: skip
     p.add_argument("--nic-split", default="auto", metavar="A:F|auto",
                    help="disagg: NIC rate of an attention vs an expert worker, same total as "
                    "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
@@ -180,7 +180,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     placements = _choices("--placements", args.placements, PLACEMENTS)
     splits = _choices("--splits", args.splits, SPLITS)
     recomputes = _choices("--recomputes", args.recomputes, RECOMPUTE) if args.recomputes else ()
-    counts = tuple(str(c) for c in range(1, MAX_EXCHANGE_CHUNKS + 1))
+    counts = ("auto", *(str(c) for c in range(1, MAX_EXCHANGE_CHUNKS + 1)))
     chunks = (
         _choices("--exchange-chunks", args.exchange_chunks, counts) if args.exchange_chunks else ()
     )
@@ -221,7 +221,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
         loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
         placements=placements, splits=splits, recomputes=recomputes,
-        exchange_chunks=tuple(int(c) for c in chunks),
+        exchange_chunks=tuple(0 if c == "auto" else int(c) for c in chunks),
     )  # fmt: skip
     planned = None
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):

@@ -62,14 +62,14 @@ class Entry:
     placement: str = "node-aware"  # disagg only
     split: str = "planner"  # disagg only: "planner" (or given) | "even"
     recompute: str = ""  # "" = the config's; else train.recompute for this row
-    chunks: int = 0  # disagg only: 0 = the config's; else schedule.exchange_chunks
+    chunks: int = -1  # disagg only: -1 = the config's; else schedule.exchange_chunks (0: auto)
 
     @property
     def label(self) -> str:
         """`disagg`, `disagg (packed)`, `disagg (even, packed, chunks 2, recompute full)`, ..."""
         quals = [self.split] if self.split != "planner" else []
         quals += [self.placement] if self.placement != "node-aware" else []
-        quals += [f"chunks {self.chunks}"] if self.chunks else []
+        quals += [f"chunks {self.chunks or 'auto'}"] if self.chunks >= 0 else []
         quals += [f"recompute {self.recompute}"] if self.recompute else []
         return f"{self.runtime} ({', '.join(quals)})" if quals else self.runtime
 
@@ -90,8 +90,9 @@ class Entry:
                 entry = dataclasses.replace(entry, split=q)
             elif q.startswith("recompute ") and q.split()[1] in RECOMPUTE:
                 entry = dataclasses.replace(entry, recompute=q.split()[1])
-            elif q.startswith("chunks ") and q.split()[1].isdigit():
-                entry = dataclasses.replace(entry, chunks=int(q.split()[1]))
+            elif q.startswith("chunks ") and (q.split()[1].isdigit() or q == "chunks auto"):
+                count = q.split()[1]
+                entry = dataclasses.replace(entry, chunks=0 if count == "auto" else int(count))
             else:
                 raise ValueError(f"bench row {label!r}: unknown qualifier {q!r}")
         return entry
@@ -133,7 +134,7 @@ class BenchSpec:
     placements: tuple[str, ...] = ("node-aware",)  # disagg: one run per placement
     splits: tuple[str, ...] = ("planner",)  # disagg: one run per split (SPLITS)
     recomputes: tuple[str, ...] = ()  # every runtime once per mode; () = the config's
-    exchange_chunks: tuple[int, ...] = ()  # disagg: one run per count; () = the config's
+    exchange_chunks: tuple[int, ...] = ()  # disagg: one run per count (0: auto); () = config's
 
     @property
     def world(self) -> int:
@@ -151,7 +152,7 @@ class BenchSpec:
                     Entry(runtime, p, s, chunks=c)
                     for s in self.splits
                     for p in self.placements
-                    for c in (self.exchange_chunks or (0,))
+                    for c in (self.exchange_chunks or (-1,))
                 ]
             out += [
                 dataclasses.replace(v, recompute=r).label
@@ -199,6 +200,24 @@ class BenchSpec:
         R = self.ranks_per_node
         return [sum(rates[k * R : (k + 1) * R]) * 1000 / self.time_scale for k in range(self.nodes)]
 
+    def cluster_overrides(self) -> list[str]:
+        """`cluster.*` settings that describe this emulated cluster as a run sees it in real
+        time (`emulated_network`: one NIC per node shared by its ranks, TCP's efficiency,
+        slowed by the time scale like the compute waits), so that a disagg run's schedule
+        choice (`schedule.order = auto`, `exchange_chunks = 0`, run costs) prices its links
+        with the cluster it runs on; its compute it prices with the costs file."""
+        net = emulated_network(self.nic_gbps, self.ranks_per_node, self.loopback)
+        scale = 1.0 if self.loopback else self.time_scale  # loopback is not slowed
+        return [
+            "cluster.name=emulated",
+            f"cluster.gpus_per_node={net.gpus_per_node}",
+            f"cluster.nics_per_node={net.nics_per_node}",
+            f"cluster.nic_gbps={net.nic_bytes_per_s / scale / 1e9!r}",
+            f"cluster.nvlink_gbps={net.nvlink_bytes_per_s / 1e9!r}",
+            "cluster.bw_efficiency=1.0",
+            f"cluster.latency_us={net.latency_s * 1e6!r}",
+        ]
+
     def layout_flags(self, entry: str) -> list[str]:
         e = Entry.parse(entry)
         if e.runtime == "disagg":
@@ -223,12 +242,14 @@ class BenchSpec:
         ]  # fmt: skip
         if self.costs_path:
             flags += ["--set", f"train.emulate_compute={self.costs_path}"]
+            if runtime == "disagg":  # what its schedule choice prices links with
+                flags += [x for item in self.cluster_overrides() for x in ("--set", item)]
         extra = self.disagg_overrides if runtime == "disagg" else ()
         for item in (*self.overrides, *extra):
             flags += ["--set", item]
         if e.recompute:  # after the overrides: the row's mode wins
             flags += ["--set", f"train.recompute={e.recompute}"]
-        if e.chunks:  # likewise the row's exchange chunks
+        if e.chunks >= 0:  # likewise the row's exchange chunks
             flags += ["--set", f"schedule.exchange_chunks={e.chunks}"]
         return flags
 

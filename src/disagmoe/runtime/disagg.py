@@ -40,6 +40,7 @@ from ..distributed.placement import node_mix, resolve_ranks_per_node
 from ..distributed.topology import Topology, allreduce_grads, world_sum
 from ..schedule.afpipe import build_afpipe, build_afpipe_rank
 from ..schedule.ir import Instr, Schedule, lists_text
+from ..schedule.orders import ScheduleCosts
 from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
 from ..simulator.choose import run_order
@@ -93,13 +94,29 @@ def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
     return dataclasses.replace(layout, ranks_per_node=ranks)
 
 
-def run_schedule(cfg: RunConfig, layout: Layout, *, forward_only: bool = False) -> Schedule:
+# (order, generator costs or None, exchange chunks): `simulator.choose.run_order`'s answer
+Resolved = tuple[str, ScheduleCosts | None, int]
+
+
+def resolve_schedule(cfg: RunConfig, layout: Layout) -> Resolved:
+    """`schedule.order = auto` and `schedule.exchange_chunks = 0` resolved for a run of
+    `cfg` on `layout` (`simulator.choose.run_order`: the same on every rank)."""
+    return run_order(cfg, layout, num_slots(cfg, layout), run_cap(cfg, layout))
+
+
+def run_schedule(
+    cfg: RunConfig,
+    layout: Layout,
+    *,
+    forward_only: bool = False,
+    resolved: Resolved | None = None,
+) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes (per training step,
-    or with `forward_only` per evaluation batch); `schedule.order = auto` and
-    `schedule.exchange_chunks = 0` are resolved by `simulator.choose.run_order`, the same
-    on every rank (an evaluation batch uses the training step's chunk count)."""
+    or with `forward_only` per evaluation batch) with the order, generator costs and chunk
+    count `resolved` (default: `resolve_schedule`; an evaluation batch passes the training
+    step's)."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs, chunks = run_order(cfg, layout, slots, cap)
+    order, costs, chunks = resolved or resolve_schedule(cfg, layout)
     return build_afpipe(
         layout,
         slots,
@@ -120,11 +137,16 @@ WHOLE_WORLD_RANKS = 64
 
 
 def run_schedule_of_rank(
-    cfg: RunConfig, layout: Layout, rank: int, *, forward_only: bool = False
+    cfg: RunConfig,
+    layout: Layout,
+    rank: int,
+    *,
+    forward_only: bool = False,
+    resolved: Resolved | None = None,
 ) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs, chunks = run_order(cfg, layout, slots, cap)
+    order, costs, chunks = resolved or resolve_schedule(cfg, layout)
     return build_afpipe_rank(
         layout,
         rank,
@@ -139,15 +161,22 @@ def run_schedule_of_rank(
 
 
 def rank_lists(
-    cfg: RunConfig, layout: Layout, rank: int, *, whole_world: bool, forward_only: bool = False
+    cfg: RunConfig,
+    layout: Layout,
+    rank: int,
+    *,
+    whole_world: bool,
+    forward_only: bool = False,
+    resolved: Resolved | None = None,
 ) -> tuple[Schedule | None, tuple[Instr, ...]]:
     """(the whole world's schedule, validated, or None, `rank`'s list): with `whole_world`
     the rank builds every rank's list, else only its own (`WHOLE_WORLD_RANKS`)."""
     if whole_world:
-        schedule = run_schedule(cfg, layout, forward_only=forward_only)
+        schedule = run_schedule(cfg, layout, forward_only=forward_only, resolved=resolved)
         validate(schedule)
         return schedule, schedule.ranks[rank]
-    return None, run_schedule_of_rank(cfg, layout, rank, forward_only=forward_only)
+    lists = run_schedule_of_rank(cfg, layout, rank, forward_only=forward_only, resolved=resolved)
+    return None, lists
 
 
 class DisaggTrainer:
@@ -165,8 +194,9 @@ class DisaggTrainer:
         self.cap = run_cap(cfg, self.layout)
         # above `whole_world_ranks` only this rank's list: time and memory follow its own
         self.whole_world = self.layout.world_size <= self.whole_world_ranks
+        self.resolved = resolve_schedule(cfg, self.layout)
         self.schedule, self.instrs = rank_lists(
-            cfg, self.layout, self.rank, whole_world=self.whole_world
+            cfg, self.layout, self.rank, whole_world=self.whole_world, resolved=self.resolved
         )
         program = RankProgram.compile(self.rank, self.instrs, self.cap)
         self.device = resolve_device(cfg.parallel.device)
@@ -276,7 +306,12 @@ class DisaggTrainer:
         assert self.eval_set is not None
         if self._eval_executor is None:
             _, instrs = rank_lists(
-                self.cfg, self.layout, self.rank, whole_world=self.whole_world, forward_only=True
+                self.cfg,
+                self.layout,
+                self.rank,
+                whole_world=self.whole_world,
+                forward_only=True,
+                resolved=self.resolved,
             )
             self._eval_executor = Executor(
                 RankProgram.compile(self.rank, instrs, self.cap),
@@ -338,6 +373,16 @@ class DisaggTrainer:
 
     def process_groups(self) -> int:
         return self.topo.process_groups
+
+    def schedule_facts(self) -> dict[str, Any]:
+        order, costs, chunks = self.resolved
+        return {
+            "order": order,
+            "costs": "nominal" if costs is None else "run",
+            "exchange_chunks": chunks,
+            "compute_costs": self.cfg.schedule.costs_file or self.cfg.train.emulate_compute,
+            "max_in_flight": self.cap,
+        }
 
     def placement(self) -> dict[str, Any]:
         lay = self.layout

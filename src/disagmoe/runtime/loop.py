@@ -61,6 +61,11 @@ class Trainer(Evaluates, Protocol):
         """Where the ranks sit, for run.json: `roles` (rank -> role), the placement rule."""
         ...
 
+    def schedule_facts(self) -> dict[str, Any]:
+        """What the run's schedule resolved to, for run.json's `schedule` (AF-Pipe: order,
+        generator costs, exchange chunks, compute costs file, in-flight cap; else empty)."""
+        ...
+
 
 class NonFiniteError(RuntimeError):
     pass
@@ -141,6 +146,8 @@ def run_training(
             "process_groups": trainer.process_groups(),
             **trainer.placement(),
         }
+        if facts := trainer.schedule_facts():
+            run_info["schedule"] = facts
         (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
     log = (
         MetricsLog(

@@ -54,6 +54,9 @@ class ReferenceTrainer:
     def placement(self) -> dict[str, Any]:
         return {"roles": ["reference"]}
 
+    def schedule_facts(self) -> dict[str, Any]:
+        return {}
+
     def busy_seconds(self, step: int) -> float:
         return self.tracer.busy_us(step=step) / 1e6
 

@@ -29,6 +29,7 @@ from ..schedule.orders import GENERATED_ORDERS, PortLoads, ScheduleCosts
 from .costs import AnalyticCosts, InstrCosts, Workload
 from .engine import Program
 from .links import LinkModel
+from .measured import MeasuredCosts
 from .network import Network, Ports
 from .replay import check_schedule, simulate_schedule
 from .symmetry import Symmetry
@@ -147,14 +148,12 @@ def choose_order(
 def run_choice(
     cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
 ) -> tuple[OrderChoice, ScheduleCosts]:
-    """`choose_order` for a run of `cfg` on `layout` with the analytic costs of
-    `cfg.cluster`: among every candidate for `schedule.order = auto`, else of the given
+    """`choose_order` for a run of `cfg` on `layout` with its compute costs
+    (`run_compute_costs`) and the links of `cfg.cluster`: among every candidate for `schedule.order = auto`, else of the given
     order and `schedule.costs` alone (its predicted step, for `disagmoe schedule`); at
     `schedule.exchange_chunks`, or for 0 at each of `CHUNK_CANDIDATES`."""
-    workload = Workload(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size)
-    costs = AnalyticCosts.for_cluster(
-        workload, cfg.cluster, layout.attn_workers, layout.expert_workers, cfg.train.recompute
-    )
+    workload = Workload.of_run(cfg)
+    costs = run_compute_costs(cfg, layout, workload)
     net = Network.from_cluster(cfg.cluster)
     order = cfg.schedule.order
     candidates = CANDIDATES if order == "auto" else ((order, cfg.schedule.costs == "run"),)
@@ -170,6 +169,17 @@ def run_choice(
         chunks=run_chunk_candidates(cfg),
         overlap_sync=cfg.parallel.overlap_grad_sync,
     )
+
+
+def run_compute_costs(cfg: RunConfig, layout: Layout, workload: Workload) -> InstrCosts:
+    """What a run's compute costs as the choice prices it: `schedule.costs_file`, else
+    `train.emulate_compute`'s file, measured (`simulator.measured`, its fixed cost paid
+    per exchange chunk), else the analytic costs of `cfg.cluster`."""
+    m, n, recompute = layout.attn_workers, layout.expert_workers, cfg.train.recompute
+    path = cfg.schedule.costs_file or cfg.train.emulate_compute
+    if path:
+        return MeasuredCosts.load(path).bound_to(workload, m, n, recompute)
+    return AnalyticCosts.for_cluster(workload, cfg.cluster, m, n, recompute)
 
 
 def run_chunk_candidates(cfg: RunConfig) -> tuple[int, ...]:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from .. import flops
-from ..config import ClusterConfig, ModelConfig
+from ..config import ClusterConfig, ModelConfig, RunConfig
 from ..schedule.ir import Op
 
 LAYER_KINDS = ("embed", "dense", "moe", "head")
@@ -55,6 +55,13 @@ class Workload:
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.micro_batch_size < 1:
             raise ValueError("seq_len and micro_batch_size must be >= 1")
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig) -> Workload:
+        """The micro-batch a run of `cfg` moves: activations in its compute dtype, token ids,
+        rows and expert ids as int64 (what `runtime.stages` puts on the wire)."""
+        act = {"float64": 8, "float32": 4}.get(cfg.train.dtype, 2)
+        return cls(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, act, 8)
 
     @property
     def tokens(self) -> int:
