@@ -113,3 +113,15 @@ def test_emulated_disagg_runs_see_the_emulated_links() -> None:
     # real compute has no costs file: the run keeps its cluster
     real = dataclasses.replace(spec, compute="real", time_scale=1.0, costs_path="")
     assert not any(f.startswith("cluster.") for f in real.train_flags("disagg", Path("r")))
+
+
+def test_bench_rows_say_what_the_schedule_resolved_to(tmp_path: Path) -> None:
+    from disagmoe.bench.runner import _schedule_note
+
+    (tmp_path / "run.json").write_text(
+        json.dumps({"schedule": {"order": "steady", "exchange_chunks": 2}})
+    )
+    assert _schedule_note(tmp_path) == " order steady exchange-chunks 2"
+    (tmp_path / "run.json").write_text(json.dumps({"runtime": "ep-1f1b"}))
+    assert _schedule_note(tmp_path) == ""
+    assert _schedule_note(tmp_path / "missing") == ""

@@ -422,6 +422,17 @@ class RuntimeResult:
         }
 
 
+def _schedule_note(run_dir: Path) -> str:
+    """ " order O exchange-chunks C" of a disagg run (its run.json: what `auto` picked), or ""."""
+    try:
+        facts = json.loads((run_dir / "run.json").read_text()).get("schedule") or {}
+    except (OSError, ValueError):
+        return ""
+    if not facts:
+        return ""
+    return f" order {facts['order']} exchange-chunks {facts['exchange_chunks']}"
+
+
 def summarize(
     spec: BenchSpec, outcomes: list[RunOutcome], link_model: LinkModel = "fair"
 ) -> list[RuntimeResult]:
@@ -441,6 +452,7 @@ def summarize(
             results.append(res)
             continue
         res.ok = True
+        res.layout += _schedule_note(good[0].run_dir)
         times = [t / k for o in good for t in o.step_times.values()]
         res.step_time_s = statistics.median(times)
         medians = [statistics.median(o.step_times.values()) / k for o in good]
