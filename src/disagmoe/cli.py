@@ -73,14 +73,17 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 def _order_line(cfg: RunConfig, layout: Layout) -> str:
     """The order and exchange chunks the lists follow and the simulated optimizer step of
-    the training lists on `cfg.cluster` (analytic costs), with its bound."""
+    the training lists on `cfg.cluster` (compute: `choose.run_compute_costs`), with its
+    bound."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
     choice, _ = run_choice(cfg, layout, slots, cap)
     ratio = f" (step/bound {choice.step_s / choice.bound_s:.2f})" if choice.bound_s else ""
+    measured = cfg.schedule.costs_file or cfg.train.emulate_compute
+    costs = f"measured costs {measured}" if measured else "analytic costs"
     line = (
         f"# order {choice.label}: predicted optimizer step {choice.step_s * 1e3:.4g} ms, bound "
         f"{choice.bound_s * 1e3:.4g} ms{ratio} on cluster {cfg.cluster.name} "
-        "(simulator, analytic costs, fair links)"
+        f"(simulator, {costs}, fair links)"
     )
     if cfg.schedule.order == "auto" or cfg.schedule.exchange_chunks == 0:
         steps = ", ".join(
