@@ -17,7 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from disagmoe.bench.runner import BenchSpec, RunOutcome, RuntimeResult, read_steps, summarize
+from disagmoe.bench.runner import RunOutcome, RuntimeResult, read_steps, summarize
+from disagmoe.bench.spec import BenchSpec
 from disagmoe.simulator.links import LINK_MODELS, LinkModel
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from disagmoe.bench.cli import nic_split
-from disagmoe.bench.runner import BenchSpec, Entry
+from disagmoe.bench.spec import BenchSpec, Entry
 from disagmoe.config import ParallelConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import model_preset

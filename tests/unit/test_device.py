@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "disagmoe"
 ALLOWED = {
     "device.py": "the one module that names device types",
     "config.py": "the --device choices",
-    "bench/runner.py": "the emulated cluster's ranks get the flag --device cpu",
+    "bench/spec.py": "the emulated cluster's ranks get the flag --device cpu",
     "testing/spawn.py": "test ranks: the --device name they bind (default cpu)",
 }
 PATTERN = re.compile(r"""\.cpu\(\)|torch\.device\(\s*["'](cpu|cuda)|["']cuda["']|["']cpu["']""")

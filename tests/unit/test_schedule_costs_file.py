@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from disagmoe.bench.analysis import emulated_network
-from disagmoe.bench.runner import BenchSpec
+from disagmoe.bench.spec import BenchSpec
 from disagmoe.config import (
     ClusterConfig,
     ParallelConfig,

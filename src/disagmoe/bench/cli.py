@@ -41,7 +41,8 @@ from ..extras import require_extra
 from ..presets import model_preset
 from ..schedule.orders import MAX_EXCHANGE_CHUNKS
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
-from .runner import SPLITS, BenchSpec, RuntimeResult, even_split, run_all, summarize
+from .runner import RuntimeResult, run_all, summarize
+from .spec import SPLITS, BenchSpec, even_split
 
 MAX_EMULATED_RANKS = 64
 RANK_MEMORY_BYTES = 400 * 2**20  # a rank's Python + torch + gloo, measured ~250-350 MB
