@@ -43,8 +43,15 @@ def test_split_rows_partitions_a_plan_into_its_chunks(num_chunks: int) -> None:
     plans = _plans(12, 8, 2, [range(0, 6), range(6, 7), range(7, 8)])
     plans[2] = split_by_owner(Routing(*_top1_to(0, 12, 8)), [range(0, 7), range(7, 8)])[1]
     assert plans[2].token_ids.numel() == 0 and 0 < plans[1].token_ids.numel() < 7
-    for plan in plans:
-        parts = split_rows(plan, num_chunks)
+    together = split_rows(plans, [num_chunks] * len(plans))
+    assert split_rows(plans, [1, num_chunks, 1])[0] == [plans[0]]  # unchunked: the plan
+    for plan, parts in zip(plans, together, strict=True):
+        alone = split_rows([plan], [num_chunks])[0]  # alone or together: the same chunks
+        assert all(
+            torch.equal(getattr(a, f), getattr(b, f))
+            for a, b in zip(parts, alone, strict=True)
+            for f in ("token_ids", "rows_A", "experts_A", "weights_A")
+        )
         assert len(parts) == num_chunks
         num_rows = plan.token_ids.numel()
         for k, part in enumerate(parts):
@@ -74,6 +81,6 @@ def test_split_rows_keeps_the_weights_differentiable() -> None:
     probs = torch.rand(6, 4, dtype=torch.float64).softmax(-1).requires_grad_()
     weights, indices = probs.topk(2, dim=-1)
     (plan,) = split_by_owner(Routing(indices, weights, probs), [range(0, 4)])
-    parts = split_rows(plan, 2)
+    (parts,) = split_rows([plan], [2])
     sum(p.weights_A.sum() * (k + 1) for k, p in enumerate(parts)).backward()  # type: ignore[union-attr]
     assert probs.grad is not None and probs.grad.abs().sum() > 0

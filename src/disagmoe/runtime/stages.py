@@ -28,6 +28,7 @@ has is the number of its messages that the schedule names.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -101,27 +102,46 @@ def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
 
 
-def split_rows(plan: Assignments, num_chunks: int) -> list[Assignments]:
-    """One shard's dispatch plan as `num_chunks` plans: chunk k holds the rows
-    `chunk_rows(R, num_chunks, k)` of the plan's R rows (its token ids, in plan order) and
-    the assignments of those rows, rows re-based to the chunk (`schedule.ir`, "Exchange
-    chunks"). The plan's assignments must be ordered by row, as `split_by_owner` gives them
-    (token-major); each chunk's are then one contiguous range, found with one host read."""
-    if num_chunks == 1:
-        return [plan]
-    num_rows = plan.token_ids.numel()
-    bounds = [chunk_rows(num_rows, num_chunks, k) for k in range(num_chunks)]
-    starts = torch.tensor([lo for lo, _ in bounds] + [num_rows], device=plan.rows_A.device)
-    cuts = torch.searchsorted(plan.rows_A, starts).tolist()
-    return [
-        Assignments(
-            token_ids=plan.token_ids[lo:hi],
-            rows_A=plan.rows_A[cuts[k] : cuts[k + 1]] - lo,
-            experts_A=plan.experts_A[cuts[k] : cuts[k + 1]],
-            weights_A=plan.weights_A[cuts[k] : cuts[k + 1]],
-        )
-        for k, (lo, hi) in enumerate(bounds)
+def split_rows(plans: Sequence[Assignments], num_chunks: Sequence[int]) -> list[list[Assignments]]:
+    """Shard j's dispatch plan `plans[j]` as `num_chunks[j]` plans: chunk k holds the rows
+    `chunk_rows(R, c, k)` of the plan's R rows (its token ids, in plan order) and the
+    assignments of those rows, rows re-based to the chunk (`schedule.ir`, "Exchange
+    chunks"). A plan's assignments must be ordered by row, as `split_by_owner` gives them
+    (token-major); each chunk's are then one contiguous range. The ranges of every chunked
+    plan are found on the plans' device and read to the host once, together."""
+    bounds = [
+        [chunk_rows(plan.token_ids.numel(), c, k) for k in range(c)]
+        for plan, c in zip(plans, num_chunks, strict=True)
     ]
+    chunked = [j for j, c in enumerate(num_chunks) if c > 1]
+    searched = [
+        torch.searchsorted(
+            plans[j].rows_A,
+            torch.tensor([lo for lo, _ in bounds[j]] + [plans[j].token_ids.numel()],
+                         device=plans[j].rows_A.device),
+        )
+        for j in chunked
+    ]  # fmt: skip
+    flat = torch.cat(searched).tolist() if searched else []
+    cuts: dict[int, list[int]] = {}
+    for j in chunked:
+        cuts[j], flat = flat[: num_chunks[j] + 1], flat[num_chunks[j] + 1 :]
+    out: list[list[Assignments]] = []
+    for j, plan in enumerate(plans):
+        if j not in cuts:
+            out.append([plan])
+            continue
+        at = cuts[j]
+        out.append([
+            Assignments(
+                token_ids=plan.token_ids[lo:hi],
+                rows_A=plan.rows_A[at[k] : at[k + 1]] - lo,
+                experts_A=plan.experts_A[at[k] : at[k + 1]],
+                weights_A=plan.weights_A[at[k] : at[k + 1]],
+            )
+            for k, (lo, hi) in enumerate(bounds[j])
+        ])  # fmt: skip
+    return out
 
 
 Part = tuple[int, int]  # (shard, exchange chunk) of a replica's exchange; chunk -1: whole
@@ -265,7 +285,7 @@ class AttnWorker:
                 dispatches = [m for m in outgoing if m.kind == "dispatch"]
                 shard = {m: self.layout.role(m.dst).index for m in dispatches}
                 num_chunks = Counter(shard.values())
-                parts = {j: split_rows(plans[j], c) for j, c in num_chunks.items()}
+                parts = split_rows(plans, [num_chunks.get(j, 1) for j in range(len(plans))])
                 for msg in dispatches:
                     j, k = shard[msg], msg.chunk
                     part = parts[j][max(k, 0)]
