@@ -59,11 +59,18 @@ class _Worker:
         outgoing: list[Msg],
         *,
         keep: bool = True,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
         return {m: self.payload for m in outgoing}
 
     def backward(
-        self, layer: int, slot: int, received: dict[Msg, Payload], outgoing: list[Msg]
+        self,
+        layer: int,
+        slot: int,
+        received: dict[Msg, Payload],
+        outgoing: list[Msg],
+        *,
+        chunk: int = -1,
     ) -> dict[Msg, Payload]:
         return self.forward(layer, slot, received, outgoing)
 
@@ -153,8 +160,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default="", help="write the rows to this JSON file")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument(
+        "--sizes",
+        default="",
+        help="comma-separated message sizes in bytes (default: "
+        + ",".join(str(b) for b, _ in SIZES)
+        + "); each streams as many messages as its default, or 400 at most",
+    )
     args = parser.parse_args()
-    rows = run_ranks(_measure, 2, SIZES, args.repeats)[1]  # the receiver's timings
+    sizes = SIZES
+    if args.sizes:
+        counts = dict(SIZES)
+        try:
+            picked = [int(b) for b in args.sizes.split(",")]
+        except ValueError:
+            parser.error(f"--sizes: not a comma-separated list of byte counts: {args.sizes!r}")
+        if any(b < 64 for b in picked):
+            parser.error("--sizes: every message needs at least 64 bytes (its int part)")
+        sizes = tuple((b, counts.get(b, max(10, min(400, (16 << 20) // b)))) for b in picked)
+    rows = run_ranks(_measure, 2, sizes, args.repeats)[1]  # the receiver's timings
     print(f"{'bytes':>9s} {'count':>5s} {'runtime us/msg':>14s} {'gloo us/msg':>11s} "
           f"{'gloo+alloc':>10s} {'ratio':>6s}")  # fmt: skip
     for r in rows:

@@ -1,5 +1,6 @@
 """The wire format of a message on a channel of `Topology.build` (on CPU its header and
-payload groups are both gloo): inline small tensors, payloads, empty tensors, dtypes,
+payload groups are both gloo): inline tensors (headers sent at their used length into
+receive buffers of the largest size), payloads, empty tensors, dtypes,
 identity checks, a payload that never follows its header (two ranks, one spawn)."""
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from disagmoe.testing.spawn import run_ranks
 
 def _messages() -> list[list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
-    big = torch.randn(700, 16, generator=gen, dtype=torch.float64)  # > inline capacity
+    big = torch.randn(3000, 16, generator=gen, dtype=torch.float64)  # > inline capacity
     return [
         [torch.randn(4, 3, generator=gen), torch.arange(5)],  # all inline
         [big, torch.arange(7), torch.zeros(0, 16)],  # payload + inline + empty
         [torch.zeros(0, 16, dtype=torch.float64), torch.zeros(0, dtype=torch.int64)],  # nothing
         [big.to(torch.bfloat16), torch.tensor([True, False]), torch.ones(3, dtype=torch.int32)],
-        [big[:, :3], torch.tensor(2.5)],  # a non-contiguous payload and a 0-dim tensor
+        [big[:, :8], torch.tensor(2.5)],  # a non-contiguous payload and a 0-dim tensor
+        [big[:1000, :8].to(torch.float32), big[:4, :3]],  # 32 KB + non-contiguous, inline
     ]
 
 
@@ -67,6 +69,7 @@ def _exchange() -> list[str]:
         assert len(got) == len(sent)
         for a, b in zip(got, sent, strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (k, a, b)
+            assert a.untyped_storage().nbytes() == a.nbytes  # no header buffer behind it
         checks.append(f"message {k} ok")
     try:
         rx.next(30, "test", expect=(5, 0, 0, 0, 0))
@@ -83,8 +86,8 @@ def _exchange() -> list[str]:
 
 def test_messages_arrive_whole_and_in_order() -> None:
     receiver = run_ranks(_exchange, 2)[1]
-    assert receiver[:5] == [f"message {k} ok" for k in range(5)]
-    assert receiver[5] == "protocol error (9, 9, 9, 9, 9)"
-    assert receiver[6] == (
+    assert receiver[:6] == [f"message {k} ok" for k in range(6)]
+    assert receiver[6] == "protocol error (9, 9, 9, 9, 9)"
+    assert receiver[7] == (
         "receiving 7: its header arrived, its payload did not complete within 1 s"
     ), receiver

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
+from disagmoe.distributed.exchange import INLINE_BYTES
 from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
 from disagmoe.testing.spawn import run_ranks
 
 DISPATCH = Msg("dispatch", 0, 0, 0, 1)
 GRAD = Msg("grad_dispatch", 0, 0, 1, 0)
-BIG = 1024  # float64 elements: 8 KiB, more than a header carries inline
+BIG = 2 * INLINE_BYTES // 8  # float64 elements: more than a header carries inline
 
 
 def _schedule() -> Schedule:

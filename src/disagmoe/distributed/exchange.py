@@ -1,13 +1,17 @@
 """Point-to-point messages of variable size: a header that says what follows, then payloads.
 
-A message is a list of tensors. Its **header** is one fixed-size byte buffer on the
-channel's header group: the message's identity, each tensor's dtype and shape, and —
-"inline" — the bytes of every small host tensor that fits (`INLINE_BYTES` in all), so
-a message of small tensors (routing metadata, token counts, or a whole tiny message)
-costs one send and one receive. Each remaining tensor is a **payload**: sent as it is,
-without a copy, on the channel's payload group, and received into a buffer the receiver
-allocates from the header ("counts first, then payloads"). Empty tensors (a worker that
-routed no token to a shard) cost nothing. Only `isend` / `irecv` — no collective.
+A message is a list of tensors. Its **header** is one byte buffer on the channel's header
+group: the message's identity, each tensor's dtype and shape, and — "inline" — the bytes
+of every host tensor that fits (`INLINE_BYTES`, 64 KiB, in all: a message of host tensors
+up to that size, such as routing metadata, token counts or a whole small activation,
+costs one send and one receive). Only the header's used bytes travel: the receiver posts each
+header receive into a buffer of the largest size (`HEADER_BYTES`; a gloo receive may be
+larger than its send) and copies the inline tensors out, so the buffer is reused at
+once and a received tensor holds exactly its own bytes. Each remaining tensor is a
+**payload**: sent as it is, without a copy, on the channel's payload group, and received
+into a buffer the receiver allocates from the header ("counts first, then payloads").
+Empty tensors (a worker that routed no token to a shard) cost nothing. Only `isend` /
+`irecv` — no collective.
 
 Payloads may live on an accelerator and travel over the device backend while headers
 stay on a host group: the receiver reads nothing but headers on the host, and a payload
@@ -20,10 +24,10 @@ with gloo a send leaves only once its receive is posted, so headers are never he
 behind the receiver, and a payload can start while the previous one is still on the wire.
 
 What a message costs on the host is kept to a few operations (docs/design-notes.md, "What
-a message costs"): send headers are encoded with `struct` and one `memmove` per inline
-tensor into reused buffers (`HeaderPool`), and host payloads of 128 KiB and more are
-received into buffers reused once nothing holds them (`ReceiveBuffers`: a fresh one costs
-a page fault per 4 KiB while the data comes in).
+a message costs"): headers are encoded with `struct` and one `memmove` per inline tensor
+into reused buffers (`HeaderPool`; the receiver's landing buffers likewise), and host
+payloads of 128 KiB and more are received into buffers reused once nothing holds them
+(`ReceiveBuffers`: a fresh one costs a page fault per 4 KiB while the data comes in).
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from .topology import Channel
 
 IDENT_LEN = 5  # a message names itself, e.g. (kind, layer, slot, exchange chunk, step)
 META_WORDS = 64  # int64 fields: identity, tensor count, per tensor (dtype, where, ndim, *shape)
-INLINE_BYTES = 4096  # host tensors' bytes that may travel inside the header
-HEADER_BYTES = META_WORDS * 8 + INLINE_BYTES
+INLINE_BYTES = 64 << 10  # host tensors' bytes that may travel inside the header
+HEADER_BYTES = META_WORDS * 8 + INLINE_BYTES  # the largest header (only its used bytes travel)
 DTYPES = (
     torch.float64,
     torch.float32,
@@ -79,13 +83,6 @@ def _align(nbytes: int) -> int:
     return (nbytes + 7) // 8 * 8
 
 
-# The numpy dtype a dtype's bytes are read as (bfloat16 has none: its int16 bits).
-_NUMPY = {
-    dtype: torch.empty(0, dtype=dtype).numpy().dtype for dtype in DTYPES if dtype != torch.bfloat16
-}
-_NUMPY[torch.bfloat16] = np.dtype(np.int16)
-
-
 # libc's memmove called holding the GIL (`ctypes.memmove` releases it, and getting it back
 # from a busy lane costs more than the copy of a few KB).
 _memmove = ctypes.PyDLL(None).memmove
@@ -101,7 +98,8 @@ def _words(count: int) -> struct.Struct:
 
 class HeaderBuffer:
     """A header's host memory: as numpy (written by `encode_header`), as the tensor that is
-    sent, and its address (inline tensors are copied in with one `memmove`)."""
+    sent or received into, and its address (inline tensors are copied in and out with one
+    `memmove` each). Only the pages a message uses are ever touched."""
 
     __slots__ = ("address", "array", "tensor")
 
@@ -113,7 +111,7 @@ class HeaderBuffer:
 
 class HeaderPool:
     """Header buffers for sending, reused once a send that used one has completed (a fresh
-    4.6 KB buffer and its torch wrapper cost as much as encoding the header).
+    buffer and its torch wrapper cost as much as encoding the header).
 
     `take` and `give` may be called from different threads (deque ends are atomic).
     """
@@ -138,12 +136,12 @@ def encode_header(
     ident: tuple[int, ...] = (0,) * IDENT_LEN,
     out: HeaderBuffer | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The message's header (written into `out`, or a fresh buffer) and the tensors that
-    travel as payloads, in order.
+    """The message's header — the used bytes of `out` (or of a fresh buffer): the fields
+    and the inline tensors — and the tensors that travel as payloads, in order.
 
     Plain byte copies on host memory (`struct`, `memmove`): a few microseconds, not one
-    torch op per field. Bytes of the buffer that no field covers are left as they were
-    (the receiver reads only what the fields describe).
+    torch op per field. Bytes of the field area that no field covers are left as they
+    were (the receiver reads only what the fields describe).
     """
     assert len(ident) == IDENT_LEN
     buf = out if out is not None else HeaderBuffer()
@@ -163,7 +161,7 @@ def encode_header(
     if len(fields) > META_WORDS:
         raise ValueError(f"message header needs {len(fields)} fields > {META_WORDS}")
     _words(len(fields)).pack_into(buf.array.data, 0, *fields)
-    return buf.tensor, payloads
+    return buf.tensor[:pos], payloads
 
 
 def decode_header(
@@ -314,20 +312,23 @@ class Receiver:
     """Receives the messages of one (sender, channel) stream in order.
 
     `start(count)` begins a batch of `count` messages (one step's), posting up to `window`
-    header receives ahead; `next` waits for the next header, checks the message's identity
-    and posts its payloads' receives on `device`.
+    header receives ahead; `next` waits for the next header, checks the message's identity,
+    copies its inline tensors out and posts its payloads' receives on `device`. Header
+    landing buffers are reused once decoded: at most `window` of them, of which a message
+    touches only the pages it used.
     """
 
     def __init__(
-        self, src: int, channel: Channel, *, window: int = 4096, device: torch.device | None = None
+        self, src: int, channel: Channel, *, window: int = 512, device: torch.device | None = None
     ) -> None:
         self.src = src
         self.channel = channel
         self.window = window
         self.device = device or HOST
-        self.posted: deque[tuple[np.ndarray, dist.Work]] = deque()
+        self.posted: deque[tuple[HeaderBuffer, dist.Work]] = deque()
         self.unposted = 0
         self.buffers = ReceiveBuffers() if self.device == HOST else None
+        self._landing: list[HeaderBuffer] = []
 
     def start(self, count: int) -> None:
         assert not self.posted and not self.unposted, "the previous batch is not finished"
@@ -336,15 +337,14 @@ class Receiver:
             self._post()
 
     def stop(self) -> None:
-        """Forget the batch's receives not taken (after a failure)."""
+        """Forget the batch's receives not taken (after a failure). Their buffers are not
+        reused: a receive still posted may yet write into one."""
         self.posted.clear()
         self.unposted = 0
 
     def _post(self) -> None:
-        header = np.empty(HEADER_BYTES, dtype=np.uint8)
-        self.posted.append(
-            (header, _irecv(torch.from_numpy(header), self.src, self.channel.header))
-        )
+        header = self._landing.pop() if self._landing else HeaderBuffer()
+        self.posted.append((header, _irecv(header.tensor, self.src, self.channel.header)))
         self.unposted -= 1
 
     def next(
@@ -355,10 +355,9 @@ class Receiver:
         header, work = self.posted.popleft()
         wait_work(work, timeout_s, what)
         arrived = time.time_ns() / 1000.0
-        if self.unposted:
-            self._post()
-        ident, specs = decode_header(header)
+        ident, specs = decode_header(header.array)
         if expect is not None and ident != tuple(expect):
+            self._release(header)
             raise ProtocolError(
                 f"{_text(what)}: got message {ident} instead of {tuple(expect)} "
                 "(lost or reordered)",
@@ -368,9 +367,11 @@ class Receiver:
         pos = META_WORDS * 8
         for dtype, inline, shape in specs:
             if inline:
-                nbytes = math.prod(shape) * dtype.itemsize
-                t = torch.from_numpy(header[pos : pos + nbytes].view(_NUMPY[dtype]).reshape(shape))
-                tensors.append(t.view(dtype) if dtype == torch.bfloat16 else t)
+                t = torch.empty(shape, dtype=dtype)
+                nbytes = t.nbytes
+                if nbytes:
+                    _memmove(t.data_ptr(), header.address + pos, nbytes)
+                tensors.append(t)
                 pos += _align(nbytes)
                 continue
             if self.buffers is not None:
@@ -380,4 +381,11 @@ class Receiver:
             if t.numel():
                 works.append(_irecv(t, self.src, self.channel.payload))
             tensors.append(t)
+        self._release(header)
         return Incoming(tensors, works, arrived, arrived - t_wait)
+
+    def _release(self, header: HeaderBuffer) -> None:
+        """`header` was read: it lands the next header of the batch, if one is left."""
+        self._landing.append(header)
+        if self.unposted:
+            self._post()
