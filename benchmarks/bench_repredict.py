@@ -1,13 +1,22 @@
-"""Recompute a finished `disagmoe bench`'s simulator predictions under each link model.
+"""Recompute a finished `disagmoe bench`'s simulator predictions under each replay model.
 
 .venv/bin/python benchmarks/bench_repredict.py runs/bench-fair8 [--json PATH]
 
 Reads `<out>/bench.json` (the spec and each row's run dirs) and every run dir's
 `metrics.jsonl`, `config.toml` and `trace.json` — what the bench itself reads — and runs
 the bench's own summary (`bench.runner.summarize`: measured step, breakdown, bound,
-prediction) once per link model (`simulator.links`: "fifo", the model before max-min
-sharing, and "fair"). Nothing is re-measured. Prints one row per bench row: measured
-step, then the predicted step and its error per model, then the bound.
+prediction) once per model. Nothing is re-measured. The models (`MODELS`):
+
+* `fifo`: the link model before max-min sharing (`simulator.links`), pooled costs;
+* `pooled`: fair links, one compute median per (op, component, layer kind) and the
+  workload's average message bytes (the bench's prediction before "own");
+* `own`: fair links, each rank's instructions and each message's bytes as measured
+  (the bench's prediction: `bench.analysis.predict_disagg`);
+* `own+msg`: `own` with the run's per-message host costs (`bench.overheads`).
+
+The EP rows are one model for all but `fifo` (the replay options are AF-Pipe's).
+Prints one row per bench row: measured step, the predicted step and its error per
+model, then the bound; `--json PATH` writes the same rows.
 """
 
 from __future__ import annotations
@@ -17,9 +26,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from disagmoe.bench.analysis import Replay
 from disagmoe.bench.runner import RunOutcome, RuntimeResult, read_steps, summarize
 from disagmoe.bench.spec import BenchSpec
-from disagmoe.simulator.links import LINK_MODELS, LinkModel
+from disagmoe.simulator.links import LinkModel
+
+# name -> (link model, replay, per-message overheads)
+MODELS: dict[str, tuple[LinkModel, Replay, bool]] = {
+    "fifo": ("fifo", "pooled", False),
+    "pooled": ("fair", "pooled", False),
+    "own": ("fair", "own", False),
+    "own+msg": ("fair", "own", True),
+}
 
 
 def load_spec(out_dir: Path) -> tuple[BenchSpec, list[dict[str, Any]]]:
@@ -52,8 +70,8 @@ def main() -> int:
     args = parser.parse_args()
     spec, rows = load_spec(args.out_dir)
     runs = outcomes(spec, rows)
-    models: tuple[LinkModel, ...] = LINK_MODELS[::-1]  # fifo first: the old model
-    results: dict[LinkModel, list[RuntimeResult]] = {m: summarize(spec, runs, m) for m in models}
+    models = tuple(MODELS)
+    results: dict[str, list[RuntimeResult]] = {m: summarize(spec, runs, *MODELS[m]) for m in models}
     head = f"{'runtime':22s} {'step s':>7s}"
     for m in models:
         head += f" {m + ' sim s':>11s} {'err':>6s}"

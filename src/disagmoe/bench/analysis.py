@@ -14,10 +14,12 @@ Per rank and measured step (trace lanes of `runtime.observe`):
 Values are means over ranks and measured steps. The step time is rank 0's wall time of
 the step (metrics.jsonl), which includes the loss / norm reductions.
 
-Prediction: compute seconds come from the trace (AF-Pipe: median per (op, component,
-layer kind), the `simulator_fidelity` recipe; ep-*: seconds per FLOP of forward and of
-backward fitted over the stage computations), the network is the emulated one (the tbf
-rate per NIC, loopback inside a node), and the measured median SYNC + STEP is added.
+Prediction: compute seconds come from the trace (AF-Pipe: each rank's compute
+instruction its median over the measured steps and each message its measured bytes —
+`replay="own"`, the default — or one median per (op, component, layer kind) and the
+workload's average bytes, `"pooled"`; ep-*: seconds per FLOP of forward and of backward
+fitted over the stage computations), the network is the emulated one (the tbf rate per
+NIC, loopback inside a node), and the measured median SYNC + STEP is added.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ..config import ClusterConfig, RunConfig
 from ..distributed.layout import Layout
@@ -42,10 +44,12 @@ from ..runtime.observe import (
     total_length,
     union_intervals,
 )
+from ..schedule.ir import Instr, Msg, compute_event_name
 from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
 from ..simulator.bound import Bound, worker_bound
 from ..simulator.ep import EPCosts
 from ..simulator.links import LinkModel
+from .overheads import fit_message_overheads
 
 Event = dict[str, Any]
 TCP_EFFICIENCY = 0.94  # goodput / tbf rate of a bulk TCP stream (headers, acks)
@@ -206,10 +210,30 @@ def _workload(cfg: RunConfig) -> Workload:
     return Workload.of_run(cfg)
 
 
+Replay = Literal["own", "pooled"]
+REPLAYS: tuple[Replay, ...] = ("own", "pooled")
+
+
 def predict_disagg(
-    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+    cfg: RunConfig,
+    world: int,
+    events: list[Event],
+    net: Network,
+    link_model: LinkModel = "fair",
+    replay: Replay = "own",
+    overheads: bool = False,
 ) -> float:
-    """Simulated step seconds of an AF-Pipe run with its measured instruction medians."""
+    """Simulated step seconds of an AF-Pipe run, its own instruction lists replayed over
+    `net`. `replay` says what they cost:
+
+    * "own": each rank's compute instruction its median over the measured steps (ranks
+      that computed slower in the run stay slower), each message its measured bytes
+      (routing makes some shards' messages larger than the average); what the run did,
+      so the error is the simulator's model of overlap and links alone;
+    * "pooled": one median per (op, component, layer kind), the workload's average bytes:
+      a cost table as the planner would use it.
+
+    `overheads`: with the run's per-message host costs too (`bench.overheads`)."""
     from ..runtime.disagg import run_schedule
 
     workload = _workload(cfg)
@@ -232,11 +256,48 @@ def predict_disagg(
         cfg.model, cfg.parallel, world, ranks_per_node=cfg.parallel.ranks_per_node or world
     )
     schedule = run_schedule(cfg, layout)
+    own = replay == "own"
     sim = simulate_schedule(
         schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
         sync=False, link_model=link_model,
+        overheads=fit_message_overheads(events) if overheads else None,
+        rank_compute_s=_instruction_medians(events) if own else None,
+        measured_bytes=_message_bytes(events) if own else None,
     )  # fmt: skip
     return sim.step_time_s + _sync_step_s(events)
+
+
+def _instruction_medians(events: list[Event]) -> Callable[[int, Instr], float | None]:
+    """A compute's median seconds over the measured steps, per rank and instruction (an
+    exchange chunk's own span: its event is the chunk's)."""
+    spans: dict[tuple[int, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e["cat"] in ("fwd", "bwd"):
+            spans[(e["pid"], e["name"])].append(e["dur"] / 1e6)
+    medians = {key: statistics.median(v) for key, v in spans.items()}
+
+    def seconds(rank: int, ins: Instr) -> float | None:
+        name = compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot, ins.chunk)
+        return medians.get((rank, name))
+
+    return seconds
+
+
+def _message_bytes(events: list[Event]) -> Callable[[Msg], float | None]:
+    """A message's median bytes over the measured steps, per (sender, receiver, message)."""
+    sizes: dict[tuple[Any, ...], list[float]] = defaultdict(list)
+    for e in events:
+        if e["cat"] == "send" and "dst" in e["args"]:
+            name, a = parse_event_name(e["name"]), e["args"]
+            chunk = name.chunk if name.chunk is not None else -1
+            key = (name.what, a["layer"], a["slot"], e["pid"], a["dst"], chunk)
+            sizes[key].append(float(a.get("bytes", 0)))
+    medians = {key: statistics.median(v) for key, v in sizes.items()}
+
+    def nbytes(msg: Msg) -> float | None:
+        return medians.get((msg.kind, msg.layer, msg.slot, msg.src, msg.dst, msg.chunk))
+
+    return nbytes
 
 
 @dataclass(frozen=True)
@@ -319,13 +380,28 @@ def predict_ep(
 
 
 def predict(
-    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+    cfg: RunConfig,
+    world: int,
+    events: list[Event],
+    net: Network,
+    link_model: LinkModel = "fair",
+    replay: Replay = "own",
+    overheads: bool = False,
 ) -> float:
     """Simulator's step seconds for a measured run (events of its measured steps only);
-    `link_model` as in `simulator.links`."""
+    `link_model` as in `simulator.links`; `replay` and `overheads` (AF-Pipe runs) as in
+    `predict_disagg`."""
     if cfg.parallel.runtime == "disagg":
-        return predict_disagg(cfg, world, events, net, link_model)
+        return predict_disagg(cfg, world, events, net, link_model, replay, overheads)
     return predict_ep(cfg, world, events, net, link_model)
 
 
-__all__ = ["Breakdown", "emulated_network", "predict", "trace_bound", "trace_breakdown"]
+__all__ = [
+    "REPLAYS",
+    "Breakdown",
+    "Replay",
+    "emulated_network",
+    "predict",
+    "trace_bound",
+    "trace_breakdown",
+]

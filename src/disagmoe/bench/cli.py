@@ -281,7 +281,7 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
             f"{bound_s:8.3f} {over:>7s} {binds:16s} {r.layout}"
         )
     lines.append("exposed = communication not covered by compute (s/step, mean over ranks); "
-                 "comm% = exposed / step; sim = simulator with the trace's cost table")  # fmt: skip
+                 "comm% = exposed / step; sim = simulator replaying the run with its traced costs")  # fmt: skip
     lines.append("bound = max over ranks of max(compute, its node's busier NIC direction: bytes "
                  "/ rate) + optimizer step, from the trace; binds = what sets it")  # fmt: skip
     return "\n".join(lines)

@@ -36,6 +36,7 @@ from ..simulator.links import LinkModel
 from .analysis import (
     TCP_EFFICIENCY,
     Breakdown,
+    Replay,
     emulated_network,
     predict,
     trace_bound,
@@ -220,10 +221,15 @@ def _schedule_note(run_dir: Path) -> str:
 
 
 def summarize(
-    spec: BenchSpec, outcomes: list[RunOutcome], link_model: LinkModel = "fair"
+    spec: BenchSpec,
+    outcomes: list[RunOutcome],
+    link_model: LinkModel = "fair",
+    replay: Replay = "own",
+    overheads: bool = False,
 ) -> list[RuntimeResult]:
     """Pool each runtime's measured steps; breakdown and prediction (`link_model`,
-    `simulator.links`) from its traces."""
+    `simulator.links`; `replay` and `overheads`: `bench.analysis.predict_disagg`) from
+    its traces."""
     results = []
     k = spec.time_scale  # wall times are k x the emulated cluster's; results are divided by k
     net = emulated_network(spec.nic_gbps / k, spec.ranks_per_node, spec.loopback)
@@ -261,7 +267,9 @@ def summarize(
             parts.append(trace_breakdown(events, o.step_times))
             bounds.append(trace_bound(events, o.step_times, node_of, node_rates))
             cfg = load_toml(o.run_dir / "config.toml")
-            predictions.append(predict(cfg, spec.world, events, run_net, link_model))
+            predictions.append(
+                predict(cfg, spec.world, events, run_net, link_model, replay, overheads)
+            )
         res.breakdown = Breakdown(
             *(
                 statistics.fmean(getattr(p, f) for p in parts) / k

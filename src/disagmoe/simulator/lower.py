@@ -68,6 +68,17 @@ class Pricing:
     bucket_s: Callable[[int, int], float] | None = None
     step_s: float = 0.0
     overheads: MessageOverheads | None = None
+    # Seconds of a compute on a real rank, overriding `compute_s` where it gives a number
+    # (a replay of measured instructions: `bench.analysis.predict_disagg`); lanes only
+    rank_compute_s: Callable[[int, Instr], float | None] | None = None
+
+    def compute_on(self, real_rank: int, ins: Instr, kind: str) -> float:
+        """`compute_s`, unless `rank_compute_s` prices this compute of this rank."""
+        if self.rank_compute_s is not None:
+            seconds = self.rank_compute_s(real_rank, ins)
+            if seconds is not None:
+                return seconds
+        return self.compute_s(ins, kind)
 
     @property
     def message_latency_s(self) -> float:
@@ -106,7 +117,8 @@ class _Lowering:
     # -- lanes (AF-Pipe) ---------------------------------------------------------------
 
     def lanes(self, rp: RankProgram) -> None:
-        prog, rank, compute_s = self.prog, rp.rank, self.pricing.compute_s
+        prog, rank, compute_on = self.prog, rp.rank, self.pricing.compute_on
+        real = self.symmetry.real(rank)
         task_op: dict[TaskKey, int] = {}
         lane_last: dict[str, int] = {}
         for index, ins in rp.computes():
@@ -117,7 +129,7 @@ class _Lowering:
                 COMPUTE,
                 rank,
                 ins.lane,
-                compute_s(ins, compute_kind(ins)),
+                compute_on(real, ins, compute_kind(ins)),
                 _category(ins.comp),
                 compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot, ins.chunk),
                 [lane_last.get(ins.lane, -1)],

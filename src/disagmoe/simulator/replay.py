@@ -9,6 +9,7 @@ schedule of a layout and calls it; `simulator.choose` calls it per candidate ord
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ..distributed.layout import Layout
@@ -51,6 +52,8 @@ def afpipe_pricing(
     num_micro_batches: int = 0,
     overlap_sync: bool = True,
     exchange_chunks: int = 1,
+    rank_compute_s: Callable[[int, Instr], float | None] | None = None,
+    measured_bytes: Callable[[Msg], float | None] | None = None,
 ) -> Pricing:
     """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
     `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas; with
@@ -60,7 +63,11 @@ def afpipe_pricing(
     `num_micro_batches` (M; 0: m divides it): an F compute of a slot that only k < m
     replicas run (the last one when m does not divide M) costs k/m of a full slot's.
     `exchange_chunks` (the schedule's `meta["exchange_chunks"]`): an F compute or an
-    exchange message of one chunk costs its share (`costs.chunk_compute_s`, `chunk_bytes`)."""
+    exchange message of one chunk costs its share (`costs.chunk_compute_s`, `chunk_bytes`).
+    `rank_compute_s`: seconds of a compute on a real rank where it has them (measured
+    instructions), before all of this (`lower.Pricing.rank_compute_s`); `measured_bytes`
+    likewise the bytes of a message between real ranks (a run's own messages: its routing
+    makes some shards' larger than the average the workload prices)."""
 
     def sync_s(rank: int) -> float:
         role = layout.role(rank)
@@ -95,6 +102,8 @@ def afpipe_pricing(
         return seconds
 
     def message_bytes(msg: Msg) -> float:
+        if measured_bytes is not None and (seen := measured_bytes(msg)) is not None:
+            return seen
         nbytes = workload.message_bytes(msg.kind, msg.layer, shards)
         return chunk_bytes(nbytes, exchange_chunks) if msg.chunk >= 0 else nbytes
 
@@ -106,6 +115,7 @@ def afpipe_pricing(
         bucket_s=bucket_s if sync and overlap_sync else None,
         step_s=step_s,
         overheads=overheads,
+        rank_compute_s=rank_compute_s,
     )
 
 
@@ -127,6 +137,8 @@ def simulate_schedule(
     peak_in_flight: int = 0,
     link_model: LinkModel = "fair",
     overlap_sync: bool = True,
+    rank_compute_s: Callable[[int, Instr], float | None] | None = None,
+    measured_bytes: Callable[[Msg], float | None] | None = None,
 ) -> SimResult:
     """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
@@ -138,7 +150,12 @@ def simulate_schedule(
     validated `schedule` already (`checked_afpipe`; 0: validate here). `link_model`: how
     messages share ports (`simulator.links`). `overlap_sync`: the A gradients' all-reduce
     runs per layer bucket during the backward (`parallel.overlap_grad_sync`), else at SYNC.
+    `rank_compute_s`, `measured_bytes`: a compute's seconds on a real rank and a message's
+    bytes where they give them (a replay of a run's measured instructions and messages;
+    real ranks, so with `full` unset), else `costs` and `workload`.
     """
+    if full is not None and measured_bytes is not None:
+        raise ValueError("measured_bytes name real ranks: replay the full schedule")
     peak = peak_in_flight or check_schedule(schedule)
     real_layout = full or layout
     num_micro = num_micro_batches or (
@@ -162,6 +179,8 @@ def simulate_schedule(
         num_micro_batches=num_micro,
         overlap_sync=overlap_sync,
         exchange_chunks=int(schedule.meta.get("exchange_chunks", 1)),
+        rank_compute_s=rank_compute_s,
+        measured_bytes=measured_bytes,
     )
     program = lower(schedule, pricing, symmetry)
     timeline = run_program(program, share_compute=share_compute, cores=cores, link_model=link_model)
