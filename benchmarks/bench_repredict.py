@@ -16,7 +16,10 @@ prediction) once per model. Nothing is re-measured. The models (`MODELS`):
 
 The EP rows are one model for all but `fifo` (the replay options are AF-Pipe's).
 Prints one row per bench row: measured step, the predicted step and its error per
-model, then the bound; `--json PATH` writes the same rows.
+model, then the bound; `--json PATH` writes the same rows. `--table` prints the bench's
+own table instead, summarized again with the current analysis (breakdown, bound and the
+bench's prediction), as `disagmoe bench` would print it now; with `--plots DIR` also its
+figures (`disagmoe bench --plots`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe.bench.analysis import Replay
+from disagmoe.bench.cli import format_table, write_plots
 from disagmoe.bench.runner import RunOutcome, RuntimeResult, read_steps, summarize
 from disagmoe.bench.spec import BenchSpec
 from disagmoe.simulator.links import LinkModel
@@ -67,9 +71,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir", type=Path, help="a `disagmoe bench --out` directory")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--table", action="store_true", help="print the bench's own table")
+    parser.add_argument("--plots", metavar="DIR", type=Path, help="with --table: its figures")
     args = parser.parse_args()
     spec, rows = load_spec(args.out_dir)
     runs = outcomes(spec, rows)
+    if args.table:
+        network = json.loads((args.out_dir / "bench.json").read_text())["network"]
+        results = summarize(spec, runs)
+        print(format_table(spec, results, network))
+        if args.plots:
+            write_plots(spec, results, network, args.plots)
+        return 0
     models = tuple(MODELS)
     results: dict[str, list[RuntimeResult]] = {m: summarize(spec, runs, *MODELS[m]) for m in models}
     head = f"{'runtime':22s} {'step s':>7s}"

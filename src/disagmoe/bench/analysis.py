@@ -7,7 +7,10 @@ Per rank and measured step (trace lanes of `runtime.observe`):
   blocking waits on all-to-alls inside them (the ep-* stages block in collectives; an
   event flagged `blocking` is communication, not compute);
 * comm     = union of the send / recv lanes and the gradient all-reduces (SYNC, and the
-  per-layer buckets that overlap the backward: `runtime.grad_sync`);
+  per-layer buckets that overlap the backward: `runtime.grad_sync`); on the receiving
+  rank an AF-Pipe message counts from its sender's post to its receive span's end (its
+  flight: a message whose tensors travel inline in the header has a receive span of
+  one instant, the header's arrival); the bench's ranks share one host clock;
 * exposed  = comm not covered by compute on that rank;
 * bubble   = step time minus (compute ∪ comm): the rank waits with nothing in flight.
 
@@ -64,8 +67,11 @@ class Breakdown:
     bubble_s: float
 
 
-def rank_breakdown(events: list[Event], step_s: float) -> Breakdown:
-    """Breakdown of one rank's events of one step (seconds)."""
+def rank_breakdown(
+    events: list[Event], step_s: float, inbound: Sequence[Interval] = ()
+) -> Breakdown:
+    """Breakdown of one rank's events of one step (seconds); `inbound`: the flights of
+    the messages it received (trace microseconds), communication too."""
     compute = event_spans(
         e
         for e in events
@@ -77,6 +83,8 @@ def rank_breakdown(events: list[Event], step_s: float) -> Breakdown:
     comm = event_spans(
         e for e in events if e["cat"] in COMM_LANES or (e["cat"] == "sync" and e["name"] != "STEP")
     )
+    if inbound:
+        comm = union_intervals([*comm, *inbound])
     compute_s, comm_s = total_length(compute) / 1e6, total_length(comm) / 1e6
     exposed = comm_s - overlap_length(compute, comm) / 1e6
     busy = compute_s + exposed
@@ -90,12 +98,36 @@ def trace_breakdown(events: list[Event], step_times: dict[int, float]) -> Breakd
         step = e.get("args", {}).get("step")
         if e.get("ph") == "X" and step in step_times:
             by_key[(e["pid"], step)].append(e)
-    parts = [rank_breakdown(evs, step_times[step]) for (_, step), evs in by_key.items()]
+    inbound = _flights(events)
+    parts = [
+        rank_breakdown(evs, step_times[step], inbound.get((rank, step), ()))
+        for (rank, step), evs in by_key.items()
+    ]
     if not parts:
         return Breakdown(0.0, 0.0, 0.0, 0.0)
     return Breakdown(
         *(statistics.fmean(getattr(p, f) for p in parts) for f in Breakdown.__dataclass_fields__)
     )
+
+
+def _flights(events: list[Event]) -> dict[tuple[int, int], list[Interval]]:
+    """{(receiving rank, step): [(sender's post, receive end)]} of the AF-Pipe messages:
+    a send and a receive of one message share name (after the verb), sender, receiver
+    and step."""
+    posted: dict[tuple[Any, ...], float] = {}
+    for e in events:
+        if e.get("cat") == "send" and "dst" in e.get("args", {}):
+            a = e["args"]
+            posted[(e["name"][5:], e["pid"], a["dst"], a.get("step"))] = float(e["ts"])
+    flights: dict[tuple[int, int], list[Interval]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "recv" and "src" in e.get("args", {}):
+            a = e["args"]
+            t0 = posted.get((e["name"][5:], a["src"], e["pid"], a.get("step")))
+            end = float(e["ts"]) + float(e.get("dur", 0.0))
+            if t0 is not None and t0 < end:
+                flights[(e["pid"], a.get("step"))].append((t0, end))
+    return flights
 
 
 def _send_bytes(e: Event) -> list[tuple[int, float]]:

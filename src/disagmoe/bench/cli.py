@@ -287,6 +287,18 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
     return "\n".join(lines)
 
 
+def write_plots(spec: BenchSpec, results: list[RuntimeResult], network: str, out: Path) -> None:
+    """bench_tokens.png (tokens/s, step split) and bench_trace.png (a step of the first
+    and the last row, bound shaded) into `out`."""
+    from .plots import plot_bars, plot_trace_pair
+
+    emulated = spec.compute == "emulated"
+    label = f"{network}; {compute_label(spec)}" if emulated else network
+    note = f" [emulated compute, wall clock = {spec.time_scale:g}x]" if emulated else ""
+    plot_bars(results, out / "bench_tokens.png", label)
+    plot_trace_pair(results, out / "bench_trace.png", spec.steps - 1, note, spec.time_scale)
+
+
 def compute_label(spec: BenchSpec) -> str:
     if spec.compute == "real":
         return "real compute"
@@ -358,15 +370,7 @@ def run_bench(args: argparse.Namespace) -> int:
         outcomes = run_all(spec, cluster, log)
     results = summarize(spec, outcomes)
     if args.plots:
-        from .plots import plot_bars, plot_trace_pair
-
-        emulated = spec.compute == "emulated"
-        label = f"{network}; {compute_label(spec)}" if emulated else network
-        note = f" [emulated compute, wall clock = {spec.time_scale:g}x]" if emulated else ""
-        plot_bars(results, Path(args.plots) / "bench_tokens.png", label)
-        plot_trace_pair(
-            results, Path(args.plots) / "bench_trace.png", spec.steps - 1, note, spec.time_scale
-        )
+        write_plots(spec, results, network, Path(args.plots))
     report = json.dumps({
         "network": network, "emulated_compute": spec.compute == "emulated",
         "time_scale": spec.time_scale, "compute": compute_label(spec), "spec": _spec_dict(spec),
