@@ -15,9 +15,9 @@ count once), refcounted so that a storage is released when its last holder goes:
   on the same rank), which the stage keeps until its BWD (leaves whose gradient it sends
   back, outputs it differentiates): `hold` at the FWD, `release` after the matching
   BWD. Index tensors among them (token ids, rows) are freed earlier by the stage once
-  sent; counting them until the BWD is an upper bound of a few bytes per token. On a
-  host (gloo) a received message whose small tensors travel inside its header keeps
-  the whole header buffer (`distributed.exchange`, 4.5 KiB), which is counted.
+  sent; counting them until the BWD is an upper bound of a few bytes per token. Tensors
+  that travelled inline in a header are copied out of it (`distributed.exchange`), so
+  each holds only its own bytes.
 
 Parameters are not activations: saved tensors whose storage is a parameter's (a
 weight saved by a linear, a view of an expert's weight) are skipped.
