@@ -348,7 +348,9 @@ class TrainConfig:
     fail_rank: int = field(
         default=0, metadata=flag("fault injection: the rank to kill (default 0)")
     )
-    drop_message: str = ""  # fault injection: "KIND:LAYER:SLOT:STEP" is never sent (hang test)
+    # fault injection (hang test): "KIND:LAYER:SLOT:STEP[:CHUNK]" is never sent (every
+    # exchange chunk of it without CHUNK)
+    drop_message: str = ""
     emulate_compute: str = ""  # costs JSON: attention/experts become calibrated waits (bench)
 
     def __post_init__(self) -> None:
@@ -419,11 +421,11 @@ class TrainConfig:
         _require(
             not self.drop_message
             or (
-                len(parts) == 4
+                len(parts) in (4, 5)
                 and parts[0] in FORWARD_KINDS + BACKWARD_KINDS
                 and all(p.isdigit() for p in parts[1:])
             ),
-            "train.drop_message must look like KIND:LAYER:SLOT:STEP with KIND one of "
+            "train.drop_message must look like KIND:LAYER:SLOT:STEP[:CHUNK] with KIND one of "
             f"{', '.join(FORWARD_KINDS + BACKWARD_KINDS)}, e.g. combine:0:0:1",
         )
 

@@ -68,8 +68,12 @@ def trainer_steps(
     out = _steps(trainer, cfg, steps)
     chunks = cfg.schedule.exchange_chunks
     if chunks > 1:  # the run's exchange was chunked: every chunk's compute ran and was traced
-        names = {e["name"] for e in trainer.tracer.step_events(steps - 1)}
+        events = trainer.tracer.step_events(steps - 1)
+        names = {e["name"] for e in events}
         assert any(name.endswith(f" c{chunks - 1}") for name in names), sorted(names)[:20]
+        for e in events:  # a chunk's compute says which in its args, as the simulator's
+            if e["cat"] in ("fwd", "bwd") and " c" in e["name"]:
+                assert e["args"]["chunk"] == int(e["name"].rsplit(" c", 1)[1]), e
     shard = getattr(trainer, "expert_shard", None)
     return {"steps": out, "shard": shard() if callable(shard) else None}
 

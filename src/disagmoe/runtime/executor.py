@@ -46,7 +46,7 @@ from ..distributed.exchange import (
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
-from .lanes import Compute, Lane, Output, StepState, recv_lane_name
+from .lanes import Compute, Lane, Output, StepState, drop_key, dropped, recv_lane_name
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
 from .streams import LaneStreams
@@ -146,7 +146,7 @@ class Executor:
         self.hooks = hooks
         self.tracer = tracer
         self.timeout_s = timeout_s
-        self.drop = drop_message  # fault injection "KIND:LAYER:SLOT:STEP"
+        self.drop = drop_key(drop_message)  # fault injection "KIND:LAYER:SLOT:STEP[:CHUNK]"
         self.program = program
         self.meter = meter  # counts what a FWD keeps until its BWD (runtime.memory)
         self._backstop = _BACKSTOP * timeout_s + 10.0
@@ -173,7 +173,7 @@ class Executor:
                 m,
                 KINDS.index(m.kind),
                 message_event_name("send", message_label(m.kind, m.layer, m.slot, m.chunk)),
-                f"{m.kind}:{m.layer}:{m.slot}:",
+                (m.kind, m.layer, m.slot, m.chunk),
             )
             for m in self.program.outputs.get(task, ())
         )
@@ -392,10 +392,12 @@ class Executor:
             out = self._run_compute(instr, received, work.outgoing)
             t1 = streams.stamp(lane)
             args = {"layer": instr.layer, "slot": instr.slot, "step": step, "index": work.index}
+            if instr.chunk >= 0:
+                args["chunk"] = instr.chunk  # as the simulator's trace has it
             st.spans.append((work.name, lane, t0, t1, args))  # traced when the step ends
             for o in work.outputs:
                 msg = o.msg
-                if self.drop and self.drop == f"{o.drop}{step}":
+                if self.drop is not None and dropped(self.drop, o, step):
                     continue  # fault injection: this message is lost
                 payload = out[msg]
                 header = self.headers.take()

@@ -35,7 +35,7 @@ class Output:
     msg: Msg
     kind: int  # index in KINDS (the first field of its identity)
     event: str  # its send event's name
-    drop: str  # the fault-injection key without the step, "KIND:LAYER:SLOT:"
+    drop: tuple[str, int, int, int]  # what a fault-injection key names: kind, layer, slot, chunk
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,3 +112,26 @@ class Lane:
                 with st.lock:
                     st.finished += 1
                     st.ended.notify_all()
+
+
+DropKey = tuple[str, int, int, int, int | None]  # kind, layer, slot, step, chunk (None: any)
+
+
+def drop_key(spec: str) -> DropKey | None:
+    """`train.drop_message` ("KIND:LAYER:SLOT:STEP[:CHUNK]", validated by the config) as a
+    key; None when empty. Without CHUNK every exchange chunk of the message is dropped."""
+    if not spec:
+        return None
+    kind, *nums = spec.split(":")
+    layer, slot, step = (int(x) for x in nums[:3])
+    return kind, layer, slot, step, int(nums[3]) if len(nums) > 3 else None
+
+
+def dropped(key: DropKey, out: Output, step: int) -> bool:
+    """Whether fault injection `key` drops `out` in `step`."""
+    kind, layer, slot, at, chunk = key
+    return (
+        step == at
+        and out.drop[:3] == (kind, layer, slot)
+        and (chunk is None or chunk == out.drop[3])
+    )
