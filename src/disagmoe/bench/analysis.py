@@ -242,8 +242,7 @@ def _workload(cfg: RunConfig) -> Workload:
     return Workload.of_run(cfg)
 
 
-Replay = Literal["own", "pooled"]
-REPLAYS: tuple[Replay, ...] = ("own", "pooled")
+Replay = Literal["own", "pooled"]  # what a replay prices computes and messages with
 
 
 def predict_disagg(
@@ -429,7 +428,6 @@ def predict(
 
 
 __all__ = [
-    "REPLAYS",
     "Breakdown",
     "Replay",
     "emulated_network",
