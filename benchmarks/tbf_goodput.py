@@ -1,0 +1,184 @@
+"""TCP goodput through the emulated cluster's NICs, against the rate the bench assumes.
+
+    sudo .venv/bin/python benchmarks/tbf_goodput.py [--mbit 40] [--seconds 4] [--queue-ms 5]
+        [--json PATH]
+
+The bench's link model (`bench.analysis.emulated_network`, and the trace bound) takes a
+node's goodput as `TCP_EFFICIENCY` (0.94) x its tbf rate, shared max-min fairly by every
+flow in flight. This measures what TCP really gets through the same namespaces and token
+buckets (`bench.netns.EmulatedCluster`, the bench's queue and MTU), one pattern at a time:
+
+* `1 flow`: node 0 -> node 1, one connection;
+* `4 flows`: node 0 -> node 1, four connections at once (a NIC shared by several streams);
+* `all to all`: 4 nodes, every node sending to every other at once (12 flows; each NIC
+  carries 3 out and 3 in, as AF-Pipe's exchange does);
+* `on/off`: node 0 -> node 1, 64 KiB bursts with 2 ms pauses (a stream that goes idle
+  between messages, as per-layer exchanges do).
+
+Prints per pattern the goodput per sending NIC (bytes received, from the first byte's
+arrival to the last's at the receivers, over the sending nodes) over the tbf rate, and
+the packets the token buckets dropped; `--json PATH` writes `{"rows": [{pattern, flows,
+goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from disagmoe.bench.analysis import TCP_EFFICIENCY
+from disagmoe.bench.netns import QUEUE_MS, EmulatedCluster, available
+
+PORT = 47000
+
+# A receiver: accepts `n` connections on PORT and counts their bytes until they close;
+# prints the bytes and the wall-clock times of the first and the last.
+RECEIVER = r"""
+import socket, sys, threading, time
+n = int(sys.argv[1]); total = [0]; first = [float("inf")]; last = [0.0]
+lock = threading.Lock()
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("0.0.0.0", PORT)); srv.listen(64)
+print("ready", flush=True)
+def take(c):
+    got, t0, t1 = 0, None, 0.0
+    while True:
+        b = c.recv(1 << 20)
+        if not b:
+            break
+        t1 = time.time()
+        if t0 is None:
+            t0 = t1
+        got += len(b)
+    with lock:
+        total[0] += got
+        if t0 is not None:
+            first[0] = min(first[0], t0); last[0] = max(last[0], t1)
+threads = []
+for _ in range(n):
+    c, _ = srv.accept()
+    t = threading.Thread(target=take, args=(c,)); t.start(); threads.append(t)
+for t in threads:
+    t.join()
+print(total[0], first[0], last[0], flush=True)
+""".replace("PORT", str(PORT))
+
+# A sender: one connection per destination; from `start_at` (wall clock) sends for
+# `seconds` (bursts with pauses if `pause_ms` > 0), then closes.
+SENDER = r"""
+import socket, sys, threading, time
+seconds, burst, pause_ms = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+start_at, dests = float(sys.argv[4]), sys.argv[5:]
+buf = b"x" * burst
+def send(addr):
+    s = socket.create_connection((addr, PORT))
+    time.sleep(max(start_at - time.time(), 0.0))  # every sender of a pattern starts at once
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        s.sendall(buf)
+        if pause_ms > 0:
+            time.sleep(pause_ms / 1e3)
+    s.close()
+threads = [threading.Thread(target=send, args=(d,)) for d in dests]
+for t in threads: t.start()
+for t in threads: t.join()
+""".replace("PORT", str(PORT))
+
+
+def _drops(cluster: EmulatedCluster) -> int:
+    """Packets the cluster's token buckets have dropped so far (`tc -s qdisc show`)."""
+    total = 0
+    for ns in [cluster.hub, *(cluster.node(k) for k in range(cluster.num_nodes))]:
+        out = subprocess.run(
+            ["tc", "-s", "-n", ns, "qdisc", "show"], capture_output=True, text=True, check=False
+        ).stdout
+        total += sum(int(n) for n in re.findall(r"dropped (\d+)", out))
+    return total
+
+
+def _measure(
+    cluster: EmulatedCluster,
+    flows: dict[int, list[int]],
+    seconds: float,
+    burst: int = 1 << 20,
+    pause_ms: float = 0.0,
+) -> float:
+    """Goodput per sending NIC / tbf rate: `flows` = {sender node: [receiver nodes]}."""
+    incoming: dict[int, int] = {}
+    for dsts in flows.values():
+        for d in dsts:
+            incoming[d] = incoming.get(d, 0) + 1
+    receivers = {}
+    for node, n in incoming.items():
+        argv = cluster.wrap(node, [sys.executable, "-c", RECEIVER, str(n)])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+        cluster.track(proc)
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        receivers[node] = proc
+    senders = []
+    start_at = time.time() + 3.0  # after every sender process has started
+    for node, dsts in flows.items():
+        args = [str(seconds), str(burst), str(pause_ms), str(start_at)]
+        args += [cluster.addr(d) for d in dsts]
+        proc = subprocess.Popen(cluster.wrap(node, [sys.executable, "-c", SENDER, *args]))
+        cluster.track(proc)
+        senders.append(proc)
+    for proc in senders:
+        proc.wait(timeout=seconds + 60)
+    got, first, last = 0, float("inf"), 0.0
+    for proc in receivers.values():
+        out, _ = proc.communicate(timeout=60)
+        n, t0, t1 = out.strip().splitlines()[-1].split()
+        got, first, last = got + int(n), min(first, float(t0)), max(last, float(t1))
+    rate = cluster.node_mbit[0] * 1e6 / 8
+    return got / (last - first) / len(flows) / rate
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mbit", type=float, default=40.0, help="tbf rate per node, Mbit/s")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per pattern")
+    parser.add_argument(
+        "--queue-ms", type=float, default=QUEUE_MS, help="tbf queue (the bench's by default)"
+    )
+    parser.add_argument("--json", default="", help="write the rows to this JSON file")
+    args = parser.parse_args()
+    why = available()
+    if why:
+        print(f"tbf_goodput: needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    patterns = [
+        ("1 flow", {0: [1]}, {}),
+        ("4 flows", {0: [1, 1, 1, 1]}, {}),
+        ("all to all", {k: [d for d in range(4) if d != k] for k in range(4)}, {}),
+        ("on/off", {0: [1]}, {"burst": 64 << 10, "pause_ms": 2.0}),
+    ]
+    rows = []
+    print(
+        f"tbf {args.mbit:g} Mbit/s per node, queue {args.queue_ms:g} ms; "
+        f"the bench assumes {TCP_EFFICIENCY:.2f}"
+    )
+    print(f"{'pattern':12s} {'flows':>5s} {'goodput / rate':>15s} {'tbf drops':>10s}")
+    with EmulatedCluster([args.mbit] * 4, queue_ms=args.queue_ms) as cluster:
+        for name, flows, kw in patterns:
+            before = _drops(cluster)
+            ratio = _measure(cluster, flows, args.seconds, **kw)
+            drops = _drops(cluster) - before
+            count = sum(len(d) for d in flows.values())
+            rows.append(
+                {"pattern": name, "flows": count, "goodput_ratio": round(ratio, 3), "drops": drops}
+            )
+            print(f"{name:12s} {count:5d} {ratio:15.3f} {drops:10d}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
