@@ -1,20 +1,27 @@
 """Where AF-Pipe's step leaves its bound at paper scale: step/bound against the micro-batches
 per replica, and when in the step the binding worker is idle.
 
-    .venv/bin/python benchmarks/schedule_chain.py [--model qwen3-30b-a3b] [--json PATH]
+    .venv/bin/python benchmarks/schedule_chain.py [--model qwen3-30b-a3b] [--head-scale S]
+        [--json PATH]
 
 gpt-oss-20b, seq 8192, 64 nominal H800 (8 nodes), p=1, m=n=32 (the planner's layout of
 `benchmarks/schedule_orders.py`), breadth order, fair links, simulated (no GPU run): the
-planner's 64 micro-batches with its in-flight cap of 2, then 256 and 512 uncapped, each with
-each micro-batch's exchange in 1, 2 and 4 chunks (`schedule.exchange_chunks`). For each:
-the step, its bound (`simulator.bound`), and the share of each tenth of the step in which
+64 micro-batches with an in-flight cap of 2 the planner picked before its stage 4, its
+stage-4 plan's 256 with a cap of 3, then 256 and 512 uncapped, each with each
+micro-batch's exchange in 1, 2 and 4 chunks (`schedule.exchange_chunks`). For each: the
+step, its bound (`simulator.bound`), and the share of each tenth of the step in which
 the expert shard `F(g0,j0)` (the binding worker) computes. Prints a table; `--json PATH`
-writes `{"rows": [{micro_batches, max_in_flight, exchange_chunks, step_s, bound_s,
-busy_by_tenth}]}`.
+writes `{"rows": [{head_scale, micro_batches, max_in_flight, exchange_chunks, step_s,
+bound_s, busy_by_tenth}]}`.
 
-`--model qwen3-30b-a3b`: its planner layout instead (p=4, m=n=8, cap 8, steady: the
-order auto picks there), the planner's 64 micro-batches only, and the busy share of its
-binding worker, the attention replica `A(g0,r0)` of group 0 (which also holds the LM head).
+`--head-scale S`: a what-if, not a mechanism — the analytic costs with the LM head and
+loss (attention "layer" L) priced at S times their seconds (`ScaledHead`), to see how much
+of the gap the head's block holds.
+
+`--model qwen3-30b-a3b`: the layout the planner picked for it when it planned unchunked
+(p=4, m=n=8, cap 8, steady: the order auto picks there), 64 micro-batches only, and the
+busy share of its binding worker, the attention replica `A(g0,r0)` of group 0 (which also
+holds the LM head).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ from dataclasses import dataclass
 from results_io import write_json
 
 from disagmoe.presets import CLUSTER_PRESETS, model_preset
+from disagmoe.schedule.ir import Op
 from disagmoe.simulator import SimResult, simulate_disagg
+from disagmoe.simulator.costs import AnalyticCosts, InstrCosts, Workload
 from disagmoe.simulator.engine import COMPUTE
 
 CHUNKS = (1, 2, 4)  # exchange chunks (schedule.exchange_chunks)
@@ -43,9 +52,23 @@ class Setting:
 
 
 SETTINGS = {
-    "gpt-oss-20b": Setting(1, 32, "breadth", "F(g0,j0)", ((64, 2), (256, 0), (512, 0))),
+    "gpt-oss-20b": Setting(1, 32, "breadth", "F(g0,j0)", ((64, 2), (256, 3), (256, 0), (512, 0))),
     "qwen3-30b-a3b": Setting(4, 8, "steady", "A(g0,r0)", ((64, 8),)),
 }
+
+
+@dataclass(frozen=True)
+class ScaledHead:
+    """What-if costs: `base`, with the LM head and loss (attention "layer" L) priced at
+    `scale` times their seconds; F shards and the other layers as they are."""
+
+    base: InstrCosts
+    num_layers: int
+    scale: float
+
+    def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        seconds = self.base.compute_s(op, comp, layer)
+        return seconds * self.scale if comp == "A" and layer == self.num_layers else seconds
 
 
 def busy_by_tenth(result: SimResult, role: str) -> list[float]:
@@ -75,25 +98,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt-oss-20b", choices=sorted(SETTINGS))
     parser.add_argument("--json", default="", help="write the rows here")
+    parser.add_argument("--head-scale", type=float, default=1.0, metavar="S",
+                        help="what-if: price the LM head and loss at S times their seconds")  # fmt: skip
     args = parser.parse_args()
     model, cluster = model_preset(args.model), CLUSTER_PRESETS["h800"]
     setting = SETTINGS[args.model]
     rows = []
     print(f"{'micro-batches':>13s} {'cap':>3s} {'chunks':>6s} {'step s':>7s} {'bound s':>7s} "
           f"{'st/bd':>6s}  {setting.worker} busy per tenth of the step")  # fmt: skip
+    costs: InstrCosts | None = None
+    if args.head_scale != 1.0:
+        base = AnalyticCosts.for_cluster(Workload(model, 8192, 1), cluster, setting.workers,
+                                         setting.workers, "none")  # fmt: skip
+        costs = ScaledHead(base, model.num_layers, args.head_scale)
     for micro, cap in setting.runs:
         for chunks in CHUNKS:
             r = simulate_disagg(model, cluster, groups=setting.groups,
                                 attn_workers=setting.workers, expert_workers=setting.workers,
                                 seq_len=8192, micro_batch_size=1, num_micro_batches=micro,
                                 max_in_flight=cap, order=setting.order,
-                                exchange_chunks=chunks, reduce=True)  # fmt: skip
+                                exchange_chunks=chunks, reduce=True, costs=costs)  # fmt: skip
             assert r.bound is not None
             busy = busy_by_tenth(r, setting.worker)
             print(f"{micro:13d} {cap:3d} {chunks:6d} {r.step_time_s:7.3f} {r.bound.seconds:7.3f} "
                   f"{r.step_time_s / r.bound.seconds:6.3f}  {' '.join(f'{b:.2f}' for b in busy)}",
                   flush=True)  # fmt: skip
-            rows.append({"micro_batches": micro, "max_in_flight": cap, "exchange_chunks": chunks,
+            rows.append({"head_scale": args.head_scale, "micro_batches": micro,
+                         "max_in_flight": cap, "exchange_chunks": chunks,
                          "step_s": r.step_time_s, "bound_s": r.bound.seconds,
                          "busy_by_tenth": busy})  # fmt: skip
     if args.json:

@@ -27,7 +27,10 @@ docs/bench.md (4 x 2 and 8 x 2 ranks, 0.4 Gbit/s, global batch 64, m=n=4 with mi
 emulated cluster as the planner sees it
 (`bench.cli.emulated_cluster_of`, analytic compute at 0.02 TFLOP/s); and the three presets
 at 8K on 8 H800 nodes with p, m, n, in-flight cap, recompute and NIC split from the
-planner (`disagmoe plan --gpus 64 --seq-len 8192`: `planner.plan_for`, profile auto), global batch 64.
+planner (`disagmoe plan --gpus 64 --seq-len 8192 --exchange-chunks 4`: `planner.plan_for`, profile
+auto, each plan scored by a replay of breadth with 4 exchange chunks), the global batch the
+planner's stage 4 picks (micro-batches per replica doubled while the replay is more than 1.1x
+its bound and doubling pays).
 Nominal clusters, no GPU measurement. Prints a table; writes JSON with a `rows` list.
 """
 
@@ -45,6 +48,9 @@ from disagmoe.planner import plan_for
 from disagmoe.presets import CLUSTER_PRESETS, model_preset
 from disagmoe.simulator import simulate_disagg
 from disagmoe.simulator.choose import CANDIDATES, CHUNK_CANDIDATES
+
+# The planner's simulator profile replays breadth with 4 exchange chunks, auto's usual pick.
+PLAN_EXCHANGE_CHUNKS = 4
 
 
 def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
@@ -70,7 +76,8 @@ def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
     h800 = CLUSTER_PRESETS["h800"]
     for name in ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b"):
         model = model_preset(name)
-        plan = plan_for(model, h800, gpus=64, seq_len=8192, micro_batch_size=1, profile="auto")
+        plan = plan_for(model, h800, gpus=64, seq_len=8192, micro_batch_size=1, profile="auto",
+                        exchange_chunks=PLAN_EXCHANGE_CHUNKS)  # fmt: skip
         kw = dict(
             groups=plan.groups,
             attn_workers=plan.attn_gpus_per_group,

@@ -14,9 +14,12 @@ from disagmoe.planner.cli import add_plan_arguments, run_plan
 from disagmoe.planner.plan import score
 from disagmoe.planner.sim_profile import (
     AUTO_SIMULATOR_MAX_GPUS,
+    MAX_MICRO_BATCHES_PER_REPLICA,
     SimulatorProfile,
     grid,
+    grow_micro_batches,
     resolve_profile,
+    step_over_bound,
     sweep_plans,
 )
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
@@ -98,7 +101,10 @@ def test_search_under_the_simulator_never_loses_to_its_seed(rng_seed: int) -> No
 
 def test_choice_is_within_5_percent_of_an_exhaustive_sweep() -> None:
     pl = tiny_planner()
-    chosen = plan_for(TINY, H800, gpus=8, seq_len=4096, micro_batch_size=1, profile="simulator")
+    # stages 1-3: the sweep is at the ring formula's micro-batches, so is the choice
+    chosen = plan_for(TINY, H800, gpus=8, seq_len=4096, micro_batch_size=1, profile="simulator",
+                      batch_stage=False)  # fmt: skip
+    assert chosen.micro_batches == pl.micro_batches(chosen.groups)
     assert chosen.profile == "simulator" and chosen.simulated_step_s is not None
     prof = SimulatorProfile(pl)
     swept: list[Plan] = []
@@ -107,6 +113,52 @@ def test_choice_is_within_5_percent_of_an_exhaustive_sweep() -> None:
     best = min(score(plan, plan.step_time_s) for plan in swept)
     assert len(swept) > 50
     assert score(chosen, chosen.step_time_s) <= 1.05 * best
+
+
+def test_profile_replays_the_options_exchange_chunks() -> None:
+    pl = tiny_planner(exchange_chunks=4)
+    plan = seed_plan(pl)
+    m = plan.attn_gpus_per_group
+    direct = simulate_disagg(
+        TINY, H800, groups=plan.groups, attn_workers=m, expert_workers=plan.ffn_gpus_per_group,
+        seq_len=4096, micro_batch_size=1, num_micro_batches=plan.micro_batches * m,
+        max_in_flight=plan.in_flight, reduce=True, placement="node-aware",
+        nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group), recompute=plan.recompute,
+        exchange_chunks=4,
+    )  # fmt: skip
+    assert SimulatorProfile(pl)(plan) == direct.step_time_s
+    assert direct.config["exchange_chunks"] == 4
+    args = parse("--model", "gpt-oss-20b", "--gpus", "8", "--seq-len", "4096",
+                 "--exchange-chunks", "0")  # fmt: skip
+    assert args.exchange_chunks == 0
+    with pytest.raises(ValueError, match="exchange_chunks must be"):
+        PlanOptions(exchange_chunks=17)
+
+
+def test_stage4_doubles_the_micro_batches_while_the_bubble_is_above_target() -> None:
+    pl = tiny_planner()
+    prof = SimulatorProfile(pl)
+    seed = seed_plan(pl, prof)
+    assert step_over_bound(prof, seed) > 1 + pl.options.bubble_target  # a bubble to remove
+    grown = grow_micro_batches(pl, seed, prof)
+    ratio = grown.micro_batches // seed.micro_batches
+    assert grown.micro_batches == seed.micro_batches * ratio and ratio & (ratio - 1) == 0
+    assert ratio > 1 and grown.micro_batches <= MAX_MICRO_BATCHES_PER_REPLICA
+    assert grown.stage == "batch" and grown.in_flight >= seed.in_flight
+    assert (grown.groups, grown.attn_gpus_per_group, grown.attn_nics_per_group) == (
+        seed.groups, seed.attn_gpus_per_group, seed.attn_nics_per_group
+    )  # fmt: skip
+    # faster per sequence trained, by the same replay
+    assert score(grown, prof(grown)) < score(seed, prof(seed))
+    assert grown.step_time_s == prof(grown)
+    # plan_for runs the stage; a plan within its target, or a fixed count, is kept
+    chosen = plan_for(TINY, H800, gpus=8, seq_len=4096, micro_batch_size=1, profile="simulator")
+    assert chosen.micro_batches > pl.micro_batches(chosen.groups)
+    loose = tiny_planner(bubble_target=0.9)
+    assert grow_micro_batches(loose, seed, SimulatorProfile(loose)) is seed
+    fixed = plan_for(TINY, H800, gpus=8, seq_len=4096, micro_batch_size=1,
+                     profile="simulator", micro_batches=3)  # fmt: skip
+    assert fixed.micro_batches == 3
 
 
 def test_grid() -> None:

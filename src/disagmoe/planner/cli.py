@@ -49,6 +49,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=SCHEDULE_ORDERS, default="breadth",
                         help="schedule.order the simulator profile replays (auto: each plan "
                         "scored by its best order, simulator.choose; 6x the replays)")  # fmt: skip
+    parser.add_argument("--exchange-chunks", type=int, default=1, metavar="C",
+                        help="schedule.exchange_chunks the simulator profile replays "
+                        "(0: auto's pick of 1, 2 or 4 per plan; 3x the replays)")  # fmt: skip
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
@@ -93,6 +96,7 @@ def run_plan(args: argparse.Namespace) -> int:
         seed=args.seed,
         profile=args.profile,
         order=args.order,
+        exchange_chunks=args.exchange_chunks,
         costs=costs,
     )
     if costs is not None and plan.profile != "simulator":
@@ -129,7 +133,8 @@ def format_plan(plan: Plan, epsilon: float = PlanOptions().epsilon) -> str:
         ("T_ffn compute / comm", f"{plan.t_ffn_compute_s * ms:.3f} / {plan.t_ffn_comm_s * ms:.3f} ms"),
         ("T_stage (binding)", f"{plan.t_stage_s * ms:.3f} ms  ({plan.binding})"),
         ("vs Stage 1 optimum", f"+{100 * plan.stage1_gap:.2f}% per sequence (stage 2 band "
-         f"{100 * epsilon:g}%)" if plan.stage == "milp" else "- (moved by stage 3)"),
+         f"{100 * epsilon:g}%)" if plan.stage == "milp" else
+         "- (moved by stage 3)" if plan.stage == "search" else "- (micro-batches from stage 4)"),
         ("I_attn / I_ffn / ridge", f"{plan.i_attn:,.0f} / {plan.i_ffn:,.0f} / {plan.ridge:,.0f} FLOP/B"),
         ("memory A / F / usable", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
          f"{plan.mem_cap_gib:.1f} GiB per GPU"),
@@ -137,6 +142,7 @@ def format_plan(plan: Plan, epsilon: float = PlanOptions().epsilon) -> str:
          f"  ({plan.profile})"),
         ("simulated step", "-" if plan.simulated_step_s is None else
          f"{plan.simulated_step_s:.3f} s  ({plan.seq_len * plan.sequences_per_step / plan.simulated_step_s:,.0f} tokens/s)"),
+        ("schedule replayed", plan.schedule or "-"),
     ]  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

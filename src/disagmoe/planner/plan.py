@@ -22,6 +22,7 @@ from typing import Any
 import disagmoe.planner.costmodel as cm
 from disagmoe.config import SCHEDULE_ORDERS, ClusterConfig, ModelConfig
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
+from disagmoe.schedule.orders import MAX_EXCHANGE_CHUNKS
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
 PROFILES = ("auto", "analytic", "simulator")
@@ -43,6 +44,11 @@ class PlanOptions:
     search_radius: int = 2  # stage 3: r, max change of m, M_a and the in-flight cap per move
     profile: str = "analytic"  # auto | analytic | simulator (sim_profile.py); CLI default auto
     order: str = "breadth"  # schedule.order the simulator profile replays (auto: best of all)
+    # schedule.exchange_chunks the simulator profile replays (0: auto's pick of 1, 2 or 4)
+    exchange_chunks: int = 1
+    # stage 4 (sim_profile.grow_micro_batches): with the simulator profile and micro_batches
+    # 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
+    batch_stage: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -57,6 +63,11 @@ class PlanOptions:
         if self.order not in SCHEDULE_ORDERS:
             raise ValueError(
                 f"order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}"
+            )
+        if not 0 <= self.exchange_chunks <= MAX_EXCHANGE_CHUNKS:
+            raise ValueError(
+                f"exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto), "
+                f"got {self.exchange_chunks}"
             )
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
@@ -101,10 +112,11 @@ class Plan:
     memory_binding: str  # "" or what caps the in-flight micro-batches
     roofline_only: bool
     solver: str
-    stage: str  # "milp" (stages 1-2) or "search" (improved by stage 3)
+    stage: str  # "milp" (stages 1-2), "search" (stage 3) or "batch" (stage 4's micro-batches)
     step_time_s: float  # the profile's seconds per step
     stage1_gap: float = 0.0  # tau / Stage 1 optimum - 1 (<= PlanOptions.epsilon from stage 2)
     profile: str = "analytic"  # what scored step_time_s: "analytic" or "simulator"
+    schedule: str = ""  # the AF-Pipe order and exchange chunks the simulator replayed
 
     @property
     def attn_gpus(self) -> int:
@@ -262,8 +274,10 @@ class Planner:
         memory_binding: str = "",
         solver: str = "",
         stage: str = "milp",
+        micro_batches: int = 0,
     ) -> Plan | None:
-        """A checked plan for these choices, or None if a hard constraint is violated."""
+        """A checked plan for these choices, or None if a hard constraint is violated.
+        `micro_batches` per replica (0: `self.micro_batches(groups)`)."""
         prob = self.problem(groups, in_flight, recompute)
         n, mf = prob.gpus - m, prob.nics - attn_nics
         if min(m, n, attn_nics, mf) < 1:
@@ -294,7 +308,7 @@ class Planner:
             micro_batch_size=self.micro_batch_size,
             groups=groups,
             virtual_stages=self.model.num_layers // groups,
-            micro_batches=self.micro_batches(groups),
+            micro_batches=micro_batches or self.micro_batches(groups),
             in_flight=in_flight,
             recompute=recompute,
             attn_gpus_per_group=m,

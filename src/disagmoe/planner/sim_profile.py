@@ -45,7 +45,12 @@ SEED_BAND = 1.5
 # are simulated only when no other seed is left.
 SEED_MAX_MICRO_BATCHES = 64
 
-PlanKey = tuple[int, int, int, int, int, int, str, int]
+# Stage 4 (`grow_micro_batches`): at most this many micro-batches per replica; short of
+# the bubble target, the fewest within this share of the best seconds per sequence.
+MAX_MICRO_BATCHES_PER_REPLICA = 16
+MIN_DOUBLING_GAIN = 0.025
+
+PlanKey = tuple[int, int, int, int, int, int, str, int]  # the options' order and chunks are fixed
 
 
 def plan_key(plan: Plan) -> PlanKey:
@@ -97,6 +102,7 @@ class SimulatorProfile:
                 nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group),
                 recompute=plan.recompute,
                 order=pl.options.order,
+                exchange_chunks=pl.options.exchange_chunks,
             )
         except ScheduleRejected:
             return None
@@ -123,7 +129,8 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
     in-flight count with the analytic profile (the MILP's band and the memory trade-off);
     the simulator then scores the seeds within `SEED_BAND` of the best analytic one and of
     at most `SEED_MAX_MICRO_BATCHES` micro-batches, the best of them is Stage 3's start,
-    and every Stage-3 candidate is simulated. p stays the seed's.
+    and every Stage-3 candidate is simulated. p stays the seed's. Stage 4
+    (`grow_micro_batches`) then sets the micro-batches, unless the options fix them.
     """
     name = resolve_profile(planner)
     analytic = AnalyticProfile(planner)
@@ -141,7 +148,52 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
         seed = min(scored, key=lambda plan: score(plan, plan.step_time_s))
     if not (opts.roofline_only or opts.search_moves == 0):
         seed = refine_plan(planner, seed, prof).best
-    return dataclasses.replace(seed, profile=name)
+    if isinstance(prof, SimulatorProfile) and opts.batch_stage and not opts.micro_batches:
+        seed = grow_micro_batches(planner, seed, prof)
+    replayed = f"{opts.order}, exchange chunks {opts.exchange_chunks or 'auto'}"
+    return dataclasses.replace(seed, profile=name, schedule=replayed if name == "simulator" else "")
+
+
+def step_over_bound(prof: SimulatorProfile, plan: Plan) -> float:
+    """The plan's replayed step over its bound (`simulator.bound`); inf if rejected."""
+    result = prof.result(plan)
+    if result is None or result.bound is None or result.bound.seconds <= 0:
+        return math.inf
+    return result.step_time_s / result.bound.seconds
+
+
+def grow_micro_batches(planner: Planner, plan: Plan, prof: SimulatorProfile) -> Plan:
+    """Stage 4: the plan's layout with as many micro-batches per replica as its bubble needs.
+
+    The ring formula behind `Planner.micro_batches` counts the fill of 2p - 1 stages; a
+    replayed step also pays each micro-batch's whole forward-head-backward chain at its
+    start and end (docs/simulator.md), which two slots per replica cannot hide. So the
+    plan's count is doubled up to `MAX_MICRO_BATCHES_PER_REPLICA`, each count with the
+    in-flight cap (from the plan's to what memory admits) that replays fastest, and the
+    pick is the smallest count whose replayed step is within 1 + `bubble_target` of its
+    bound (`simulator.bound`); if none is, the smallest within `MIN_DOUBLING_GAIN` of the
+    best seconds per sequence of them all. The global batch grows with the count:
+    `--micro-batches` fixes it instead.
+    """
+    target = 1.0 + planner.options.bubble_target
+    if step_over_bound(prof, plan) <= target:
+        return plan
+    options = [plan]
+    micro = plan.micro_batches * 2
+    while micro <= MAX_MICRO_BATCHES_PER_REPLICA:
+        top = min(micro, planner.max_in_flight_attn(plan.groups, plan.recompute))
+        cands = [_with_micro_batches(planner, plan, prof, micro, cap)
+                 for cap in range(plan.in_flight, top + 1)]  # the FFN memory may admit fewer  # fmt: skip
+        feasible = [c for c in cands if c is not None]
+        if not feasible:
+            break
+        options.append(min(feasible, key=lambda c: score(c, c.step_time_s)))
+        micro *= 2
+    within = [c for c in options if step_over_bound(prof, c) <= target]
+    if within:
+        return within[0]
+    fastest = min(score(c, c.step_time_s) for c in options)
+    return next(c for c in options if score(c, c.step_time_s) <= fastest / (1 - MIN_DOUBLING_GAIN))
 
 
 def grid(lo: int, hi: int, points: int) -> list[int]:
@@ -193,3 +245,15 @@ def sweep_plans(
                     if plan is not None:
                         out.append(plan)
     return out
+
+
+def _with_micro_batches(
+    planner: Planner, plan: Plan, prof: SimulatorProfile, micro: int, cap: int
+) -> Plan | None:
+    """`plan`'s layout with `micro` micro-batches per replica and `cap` in flight, checked."""
+    return planner.evaluate(
+        groups=plan.groups, m=plan.attn_gpus_per_group, attn_nics=plan.attn_nics_per_group,
+        in_flight=cap, recompute=plan.recompute, profile=prof, stage="batch",
+        micro_batches=micro,
+        memory_binding=f"in-flight {cap} of {micro} (memory)" if cap < micro else "",
+    )  # fmt: skip
