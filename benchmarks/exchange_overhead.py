@@ -16,7 +16,8 @@ Two local gloo ranks (one thread each), in one run:
 Per message = the receiver's wall time for the whole batch / count (median of repeats;
 messages stream back to back, so this is the cost per message, not one message's latency).
 Prints a table; `--json PATH` writes `{"rows": [{bytes, count, runtime_us, gloo_us,
-gloo_alloc_us, ratio}]}` (ratio = runtime / gloo).
+gloo_alloc_us, ratio, ratio_min, ratio_median, ratio_max}]}` (ratio = runtime / gloo of the
+medians; the other three of the per-repeat ratios, each repeat running both back to back).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
 from disagmoe.schedule.semantics import RankProgram
 from disagmoe.testing.spawn import run_ranks
 
-SIZES = ((256, 400), (4096, 400), (65536, 200), (1 << 20, 40), (8 << 20, 10))  # (bytes, count)
+# (bytes, count): a step of the large sizes lasts 50-100 ms, long enough that the VM's
+# scheduling noise (a few ms per step) does not set the ratio
+SIZES = ((256, 400), (4096, 400), (65536, 200), (1 << 20, 160), (8 << 20, 16))
 
 
 class _Worker:
@@ -143,6 +146,9 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 for key, t in zip(times, (r, g, a), strict=True):
                     times[key].append(t)
         us = {key: statistics.median(t) / count * 1e6 for key, t in times.items()}
+        # runtime / gloo of each repeat (they run back to back, so a slow phase of the
+        # machine hits both): the spread says how far to trust the median's ratio
+        paired = sorted(r / g for r, g in zip(times["runtime"], times["gloo"], strict=True))
         rows.append(
             {
                 "bytes": nbytes,
@@ -151,6 +157,9 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 "gloo_us": round(us["gloo"], 1),
                 "gloo_alloc_us": round(us["gloo_alloc"], 1),
                 "ratio": round(us["runtime"] / us["gloo"], 2),
+                "ratio_min": round(paired[0], 2),
+                "ratio_median": round(statistics.median(paired), 2),
+                "ratio_max": round(paired[-1], 2),
             }
         )
     return rows
@@ -180,10 +189,11 @@ def main() -> int:
         sizes = tuple((b, counts.get(b, max(10, min(400, (16 << 20) // b)))) for b in picked)
     rows = run_ranks(_measure, 2, sizes, args.repeats)[1]  # the receiver's timings
     print(f"{'bytes':>9s} {'count':>5s} {'runtime us/msg':>14s} {'gloo us/msg':>11s} "
-          f"{'gloo+alloc':>10s} {'ratio':>6s}")  # fmt: skip
+          f"{'gloo+alloc':>10s} {'ratio':>6s}  per-repeat ratio min/median/max")  # fmt: skip
     for r in rows:
         print(f"{r['bytes']:9d} {r['count']:5d} {r['runtime_us']:14.1f} {r['gloo_us']:11.1f} "
-              f"{r['gloo_alloc_us']:10.1f} {r['ratio']:6.2f}")  # fmt: skip
+              f"{r['gloo_alloc_us']:10.1f} {r['ratio']:6.2f}  {r['ratio_min']:.2f} / "
+              f"{r['ratio_median']:.2f} / {r['ratio_max']:.2f}")  # fmt: skip
     if args.json:
         write_json(args.json, {"rows": rows})
     return 0
