@@ -23,7 +23,7 @@ from disagmoe.planner.sim_profile import (
     sweep_plans,
 )
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
-from disagmoe.simulator import simulate_disagg
+from disagmoe.simulator import SimResult, simulate_disagg
 
 H800 = CLUSTER_PRESETS["h800"]
 TINY = dataclasses.replace(MODEL_PRESETS["gpt-oss-20b"], num_layers=4)  # 8 GPUs, seconds
@@ -68,17 +68,23 @@ def test_auto_profile_switches_to_analytic_above_the_stated_size() -> None:
         PlanOptions(profile="measured")
 
 
-def test_profile_is_the_simulators_step_of_the_plan() -> None:
-    pl = tiny_planner()
-    plan = seed_plan(pl)
-    prof = SimulatorProfile(pl)
+def replay(plan: Plan, **extra: object) -> SimResult:
+    """`simulate_disagg` of the plan, as the simulator profile should call it."""
     m = plan.attn_gpus_per_group
-    direct = simulate_disagg(
+    return simulate_disagg(
         TINY, H800, groups=plan.groups, attn_workers=m, expert_workers=plan.ffn_gpus_per_group,
         seq_len=4096, micro_batch_size=1, num_micro_batches=plan.micro_batches * m,
         max_in_flight=plan.in_flight, reduce=True, placement="node-aware",
         nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group), recompute=plan.recompute,
+        **extra,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def test_profile_is_the_simulators_step_of_the_plan() -> None:
+    pl = tiny_planner()
+    plan = seed_plan(pl)
+    prof = SimulatorProfile(pl)
+    direct = replay(plan)
     assert prof(plan) == direct.step_time_s
     assert direct.tokens_per_step == plan.sequences_per_step * 4096
     prof(plan)
@@ -118,14 +124,7 @@ def test_choice_is_within_5_percent_of_an_exhaustive_sweep() -> None:
 def test_profile_replays_the_options_exchange_chunks() -> None:
     pl = tiny_planner(exchange_chunks=4)
     plan = seed_plan(pl)
-    m = plan.attn_gpus_per_group
-    direct = simulate_disagg(
-        TINY, H800, groups=plan.groups, attn_workers=m, expert_workers=plan.ffn_gpus_per_group,
-        seq_len=4096, micro_batch_size=1, num_micro_batches=plan.micro_batches * m,
-        max_in_flight=plan.in_flight, reduce=True, placement="node-aware",
-        nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group), recompute=plan.recompute,
-        exchange_chunks=4,
-    )  # fmt: skip
+    direct = replay(plan, exchange_chunks=4)
     assert SimulatorProfile(pl)(plan) == direct.step_time_s
     assert direct.config["exchange_chunks"] == 4
     args = parse("--model", "gpt-oss-20b", "--gpus", "8", "--seq-len", "4096",
