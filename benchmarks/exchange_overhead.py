@@ -1,6 +1,6 @@
 """Per-message cost of the runtime's exchange path against raw gloo isend/irecv, side by side.
 
-    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 5]
+    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6]
 
 Two local gloo ranks (one thread each), in one run:
 
@@ -18,6 +18,9 @@ messages stream back to back, so this is the cost per message, not one message's
 Prints a table; `--json PATH` writes `{"rows": [{bytes, count, runtime_us, gloo_us,
 gloo_alloc_us, ratio, ratio_min, ratio_median, ratio_max}]}` (ratio = runtime / gloo of the
 medians; the other three of the per-repeat ratios, each repeat running both back to back).
+With `--runs R` > 1 it measures R times, each in a fresh pair of processes, and also prints
+per size the median, min and max of the runs' ratios (JSON: `runs`, `over_runs`; `rows` is
+the first run's).
 """
 
 from __future__ import annotations
@@ -165,10 +168,22 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
     return rows
 
 
+def _print_rows(rows: list[dict[str, float]]) -> None:
+    print(f"{'bytes':>9s} {'count':>5s} {'runtime us/msg':>14s} {'gloo us/msg':>11s} "
+          f"{'gloo+alloc':>10s} {'ratio':>6s}  per-repeat ratio min/median/max")  # fmt: skip
+    for r in rows:
+        print(f"{r['bytes']:9d} {r['count']:5d} {r['runtime_us']:14.1f} {r['gloo_us']:11.1f} "
+              f"{r['gloo_alloc_us']:10.1f} {r['ratio']:6.2f}  {r['ratio_min']:.2f} / "
+              f"{r['ratio_median']:.2f} / {r['ratio_max']:.2f}")  # fmt: skip
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default="", help="write the rows to this JSON file")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="measure this many times, each in a fresh pair of processes, and "
+                        "print the median ratio over the runs")  # fmt: skip
     parser.add_argument(
         "--sizes",
         default="",
@@ -187,15 +202,31 @@ def main() -> int:
         if any(b < 64 for b in picked):
             parser.error("--sizes: every message needs at least 64 bytes (its int part)")
         sizes = tuple((b, counts.get(b, max(10, min(400, (16 << 20) // b)))) for b in picked)
-    rows = run_ranks(_measure, 2, sizes, args.repeats)[1]  # the receiver's timings
-    print(f"{'bytes':>9s} {'count':>5s} {'runtime us/msg':>14s} {'gloo us/msg':>11s} "
-          f"{'gloo+alloc':>10s} {'ratio':>6s}  per-repeat ratio min/median/max")  # fmt: skip
-    for r in rows:
-        print(f"{r['bytes']:9d} {r['count']:5d} {r['runtime_us']:14.1f} {r['gloo_us']:11.1f} "
-              f"{r['gloo_alloc_us']:10.1f} {r['ratio']:6.2f}  {r['ratio_min']:.2f} / "
-              f"{r['ratio_median']:.2f} / {r['ratio_max']:.2f}")  # fmt: skip
+    if args.runs < 1:
+        parser.error("--runs must be >= 1")
+    runs = []
+    for run in range(args.runs):
+        rows = run_ranks(_measure, 2, sizes, args.repeats)[1]  # the receiver's timings
+        runs.append(rows)
+        if args.runs > 1:
+            print(f"run {run + 1} of {args.runs}:")
+        _print_rows(rows)
+    out: dict[str, Any] = {"rows": runs[0]}
+    if args.runs > 1:
+        # each run starts its own pair of processes: the machine's phase differs between
+        # runs more than between the repeats of one, so the median over runs is the figure
+        print(f"over {args.runs} runs: ratio median (min - max)")
+        summary = []
+        for i, (nbytes, _count) in enumerate(sizes):
+            ratios = sorted(rows[i]["ratio"] for rows in runs)
+            summary.append({"bytes": nbytes, "ratio_median": statistics.median(ratios),
+                            "ratio_min": ratios[0], "ratio_max": ratios[-1],
+                            "ratios": ratios})  # fmt: skip
+            print(f"{nbytes:9d}  {statistics.median(ratios):.2f} ({ratios[0]:.2f} - "
+                  f"{ratios[-1]:.2f})")  # fmt: skip
+        out = {"rows": runs[0], "runs": runs, "over_runs": summary}
     if args.json:
-        write_json(args.json, {"rows": rows})
+        write_json(args.json, out)
     return 0
 
 
