@@ -11,13 +11,20 @@ Two local gloo ranks (one thread each), in one run:
 * gloo: the same number of payloads of the same byte size, every `isend` / `irecv` posted
   at once on a dedicated 2-rank group, then waited for; receive buffers allocated once;
 * gloo+alloc: the same, each receive into a freshly allocated buffer, as a receiver of
-  variable-size messages must.
+  variable-size messages must;
+* protocol: the gloo operations of the runtime's message protocol alone, without the
+  executor: per message its header (`encode_header` of the same tensors: inline up to 64
+  KiB) on one 2-rank group and, above that, its payload on another; the receiver posts
+  every header receive at once and a payload's receive when its header arrived, into
+  buffers allocated once. Its ratio to gloo is the floor of a two-operation protocol on
+  this host; runtime / protocol is what the executor adds on top.
 
 Per message = the receiver's wall time for the whole batch / count (median of repeats;
 messages stream back to back, so this is the cost per message, not one message's latency).
 Prints a table; `--json PATH` writes `{"rows": [{bytes, count, runtime_us, gloo_us,
-gloo_alloc_us, ratio, ratio_min, ratio_median, ratio_max}]}` (ratio = runtime / gloo of the
-medians; the other three of the per-repeat ratios, each repeat running both back to back).
+gloo_alloc_us, protocol_us, ratio, protocol_ratio, ratio_min, ratio_median, ratio_max}]}`
+(ratio = runtime / gloo of the medians, protocol_ratio = protocol / gloo; the other three of
+the per-repeat runtime / gloo ratios, each repeat running both back to back).
 With `--runs R` > 1 it measures R times, each in a fresh pair of processes, and also prints
 per size the median, min and max of the runs' ratios (JSON: `runs`, `over_runs`; `rows` is
 the first run's).
@@ -36,6 +43,7 @@ import torch.distributed as dist
 from results_io import write_json
 
 from disagmoe.config import ModelConfig, ParallelConfig
+from disagmoe.distributed.exchange import HEADER_BYTES, encode_header
 from disagmoe.distributed.layout import Layout
 from disagmoe.distributed.topology import Topology
 from disagmoe.runtime.executor import Executor, Payload
@@ -112,12 +120,41 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - t0
 
 
+def _protocol(
+    header: torch.Tensor,
+    payloads: list[torch.Tensor],
+    landing: list[torch.Tensor],
+    bodies_in: list[list[torch.Tensor]],
+    groups: tuple[dist.ProcessGroup, dist.ProcessGroup],
+) -> None:
+    """The runtime's protocol alone: rank 0 sends `len(landing)` messages (`header` on the
+    first group, `payloads` on the second); rank 1 posts every header receive at once and a
+    message's payload receives (into `bodies_in`) once its header is in."""
+    heads, bodies = groups
+    if dist.get_rank() == 0:
+        works = []
+        for _ in landing:
+            works.append(dist.isend(header, 1, group=heads))
+            works += [dist.isend(t, 1, group=bodies) for t in payloads]
+    else:
+        posted = [dist.irecv(b, 0, group=heads) for b in landing]
+        works = []
+        for head, body in zip(posted, bodies_in, strict=True):
+            assert head is not None
+            head.wait()
+            works += [dist.irecv(t, 0, group=bodies) for t in body]
+    for w in works:
+        assert w is not None
+        w.wait()
+
+
 def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str, float]]:
     rank = dist.get_rank()
     layout = Layout.build(
         ModelConfig(num_layers=1, num_experts=2), ParallelConfig(attn_workers=1, expert_workers=1)
     )
     raw = dist.new_group([0, 1])
+    heads, bodies = dist.new_group([0, 1]), dist.new_group([0, 1])  # the protocol's groups
     rows = []
     for nbytes, count in sizes:
         schedule = _schedule(count)
@@ -140,13 +177,21 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 assert w is not None
                 w.wait()
 
-        times: dict[str, list[float]] = {"runtime": [], "gloo": [], "gloo_alloc": []}
+        header, payloads = encode_header(worker.payload)
+        header = header.clone()
+        landing = [torch.empty(HEADER_BYTES, dtype=torch.uint8) for _ in range(count)]
+        bodies_in = [[torch.empty_like(t) for t in payloads] for _ in range(count)]
+
+        times: dict[str, list[float]] = {"runtime": [], "gloo": [], "gloo_alloc": [],
+                                         "protocol": []}  # fmt: skip
         for step in range(repeats + 1):  # the first of each is a warm-up
             r = _timed(functools.partial(executor.run_step, step))
             g = _timed(functools.partial(gloo, False))
             a = _timed(functools.partial(gloo, True))
+            p = _timed(functools.partial(_protocol, header, payloads, landing, bodies_in,
+                                         (heads, bodies)))  # fmt: skip
             if step:
-                for key, t in zip(times, (r, g, a), strict=True):
+                for key, t in zip(times, (r, g, a, p), strict=True):
                     times[key].append(t)
         us = {key: statistics.median(t) / count * 1e6 for key, t in times.items()}
         # runtime / gloo of each repeat (they run back to back, so a slow phase of the
@@ -159,7 +204,9 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 "runtime_us": round(us["runtime"], 1),
                 "gloo_us": round(us["gloo"], 1),
                 "gloo_alloc_us": round(us["gloo_alloc"], 1),
+                "protocol_us": round(us["protocol"], 1),
                 "ratio": round(us["runtime"] / us["gloo"], 2),
+                "protocol_ratio": round(us["protocol"] / us["gloo"], 2),
                 "ratio_min": round(paired[0], 2),
                 "ratio_median": round(statistics.median(paired), 2),
                 "ratio_max": round(paired[-1], 2),
@@ -170,10 +217,12 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
 
 def _print_rows(rows: list[dict[str, float]]) -> None:
     print(f"{'bytes':>9s} {'count':>5s} {'runtime us/msg':>14s} {'gloo us/msg':>11s} "
-          f"{'gloo+alloc':>10s} {'ratio':>6s}  per-repeat ratio min/median/max")  # fmt: skip
+          f"{'gloo+alloc':>10s} {'protocol':>8s} {'ratio':>6s} {'floor':>5s}  "
+          "per-repeat ratio min/median/max")  # fmt: skip
     for r in rows:
         print(f"{r['bytes']:9d} {r['count']:5d} {r['runtime_us']:14.1f} {r['gloo_us']:11.1f} "
-              f"{r['gloo_alloc_us']:10.1f} {r['ratio']:6.2f}  {r['ratio_min']:.2f} / "
+              f"{r['gloo_alloc_us']:10.1f} {r['protocol_us']:8.1f} {r['ratio']:6.2f} "
+              f"{r['protocol_ratio']:5.2f}  {r['ratio_min']:.2f} / "
               f"{r['ratio_median']:.2f} / {r['ratio_max']:.2f}")  # fmt: skip
 
 
@@ -215,15 +264,22 @@ def main() -> int:
     if args.runs > 1:
         # each run starts its own pair of processes: the machine's phase differs between
         # runs more than between the repeats of one, so the median over runs is the figure
-        print(f"over {args.runs} runs: ratio median (min - max)")
+        print(f"over {args.runs} runs: median (min - max) of the runtime / gloo ratio, of the "
+              "protocol / gloo floor and of runtime / protocol")  # fmt: skip
         summary = []
         for i, (nbytes, _count) in enumerate(sizes):
             ratios = sorted(rows[i]["ratio"] for rows in runs)
+            floors = sorted(rows[i]["protocol_ratio"] for rows in runs)
+            over = sorted(rows[i]["runtime_us"] / rows[i]["protocol_us"] for rows in runs)
             summary.append({"bytes": nbytes, "ratio_median": statistics.median(ratios),
                             "ratio_min": ratios[0], "ratio_max": ratios[-1],
-                            "ratios": ratios})  # fmt: skip
+                            "ratios": ratios, "protocol_ratio_median": statistics.median(floors),
+                            "protocol_ratios": floors,
+                            "runtime_over_protocol_median": round(statistics.median(over), 2)})  # fmt: skip
             print(f"{nbytes:9d}  {statistics.median(ratios):.2f} ({ratios[0]:.2f} - "
-                  f"{ratios[-1]:.2f})")  # fmt: skip
+                  f"{ratios[-1]:.2f})   floor {statistics.median(floors):.2f} ({floors[0]:.2f} - "
+                  f"{floors[-1]:.2f})   over the floor {statistics.median(over):.2f} "
+                  f"({over[0]:.2f} - {over[-1]:.2f})")  # fmt: skip
         out = {"rows": runs[0], "runs": runs, "over_runs": summary}
     if args.json:
         write_json(args.json, out)
