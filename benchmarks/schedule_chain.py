@@ -3,6 +3,7 @@ per replica, and when in the step the binding worker is idle.
 
     .venv/bin/python benchmarks/schedule_chain.py [--model qwen3-30b-a3b] [--head-scale S]
         [--json PATH]
+    .venv/bin/python benchmarks/schedule_chain.py --plans [--head-scale S] [--json PATH]
 
 gpt-oss-20b, seq 8192, 64 nominal H800 (8 nodes), p=1, m=n=32 (the planner's layout of
 `benchmarks/schedule_orders.py`), breadth order, fair links, simulated (no GPU run): the
@@ -18,6 +19,14 @@ bound_s, busy_by_tenth}]}`.
 loss (attention "layer" L) priced at S times their seconds (`ScaledHead`), to see how much
 of the gap the head's block holds.
 
+`--plans`: the three presets' plans of `benchmarks/schedule_orders.py` (8K, 8 H800 nodes,
+its planner settings and global batch) replayed as `schedule.order = auto` with
+`exchange_chunks = 0` picks, with the head as it is and at `--head-scale` (default 0.25
+there: about what a head split into 4 token chunks would leave exposed if the shards
+overlapped the other three quarters — a what-if, not built): step, bound, step/bound,
+and auto's order and chunks for each. JSON: `{"rows": [{model, head_scale, micro_batches,
+max_in_flight, step_s, bound_s, order, exchange_chunks}]}`.
+
 `--model qwen3-30b-a3b`: the layout the planner picked for it when it planned unchunked
 (p=4, m=n=8, cap 8, steady: the order auto picks there), 64 micro-batches only, and the
 busy share of its binding worker, the attention replica `A(g0,r0)` of group 0 (which also
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Any
 
 from results_io import write_json
 
@@ -94,13 +104,54 @@ def busy_by_tenth(result: SimResult, role: str) -> list[float]:
     ]
 
 
+def plans(head_scale: float) -> list[dict[str, Any]]:
+    """`--plans`: the presets' planned steps with the head as it is and at `head_scale`."""
+    from schedule_orders import settings  # the planner's presets, as that table has them
+
+    rows = []
+    print(f"{'model':18s} {'M':>4s} {'cap':>3s} {'head':>5s} {'step s':>7s} {'bound s':>7s} "
+          f"{'st/bd':>6s} {'order':>9s} {'chunks':>6s}")  # fmt: skip
+    for _label, model, cluster, kw in settings():
+        if "nic_split" not in kw:  # the emulated bench settings: no LM head block there
+            continue
+        base = AnalyticCosts.for_cluster(
+            Workload(model, kw["seq_len"], kw["micro_batch_size"]), cluster,
+            kw["attn_workers"], kw["expert_workers"], kw["recompute"],
+        )  # fmt: skip
+        for scale in (1.0, head_scale):
+            r = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, reduce=True,
+                                costs=ScaledHead(base, model.num_layers, scale), **kw)  # fmt: skip
+            assert r.bound is not None
+            order = f"{r.config['order']}{'+c' if r.config['costed'] else ''}"
+            print(f"{model.name:18s} {kw['num_micro_batches']:4d} {kw['max_in_flight']:3d} "
+                  f"{scale:5.2f} {r.step_time_s:7.4f} {r.bound.seconds:7.4f} "
+                  f"{r.step_time_s / r.bound.seconds:6.3f} {order:>9s} "
+                  f"{r.config['exchange_chunks']:6d}", flush=True)  # fmt: skip
+            rows.append({"model": model.name, "head_scale": scale,
+                         "micro_batches": kw["num_micro_batches"],
+                         "max_in_flight": kw["max_in_flight"], "step_s": r.step_time_s,
+                         "bound_s": r.bound.seconds, "order": order,
+                         "exchange_chunks": r.config["exchange_chunks"]})  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt-oss-20b", choices=sorted(SETTINGS))
     parser.add_argument("--json", default="", help="write the rows here")
-    parser.add_argument("--head-scale", type=float, default=1.0, metavar="S",
-                        help="what-if: price the LM head and loss at S times their seconds")  # fmt: skip
+    parser.add_argument("--head-scale", type=float, default=None, metavar="S",
+                        help="what-if: price the LM head and loss at S times their seconds "
+                        "(default 1, with --plans 0.25)")  # fmt: skip
+    parser.add_argument("--plans", action="store_true",
+                        help="the three presets' plans, head as it is and at --head-scale")  # fmt: skip
     args = parser.parse_args()
+    if args.plans:
+        rows = plans(0.25 if args.head_scale is None else args.head_scale)
+        if args.json:
+            write_json(args.json, {"rows": rows})
+        return
+    if args.head_scale is None:
+        args.head_scale = 1.0
     model, cluster = model_preset(args.model), CLUSTER_PRESETS["h800"]
     setting = SETTINGS[args.model]
     rows = []
