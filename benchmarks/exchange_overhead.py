@@ -1,6 +1,6 @@
 """Per-message cost of the runtime's exchange path against raw gloo isend/irecv, side by side.
 
-    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6]
+    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6] [--hand-over]
 
 Two local gloo ranks (one thread each), in one run:
 
@@ -24,7 +24,9 @@ messages stream back to back, so this is the cost per message, not one message's
 Prints a table; `--json PATH` writes `{"rows": [{bytes, count, runtime_us, gloo_us,
 gloo_alloc_us, protocol_us, ratio, protocol_ratio, ratio_min, ratio_median, ratio_max}]}`
 (ratio = runtime / gloo of the medians, protocol_ratio = protocol / gloo; the other three of
-the per-repeat runtime / gloo ratios, each repeat running both back to back).
+the per-repeat runtime / gloo ratios, each repeat running both back to back; and, read from
+the receiver's trace of its last runtime step, `header_gap_us`, `compute_gap_us` and
+`consumer_lag_us`, which `--hand-over` prints: see `_hand_over`).
 With `--runs R` > 1 it measures R times, each in a fresh pair of processes, and also prints
 per size the median, min and max of the runs' ratios (JSON: `runs`, `over_runs`; `rows` is
 the first run's).
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import statistics
 import time
 from typing import Any
@@ -160,10 +163,10 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
         schedule = _schedule(count)
         topo = Topology.build(layout)
         worker = _Worker(nbytes)
+        tracer = Tracer(rank, schedule.roles[rank])
         executor = Executor(
             RankProgram.build(schedule, rank), schedule.roles[rank], topo, worker, worker,
-            Tracer(rank, schedule.roles[rank]),
-            timeout_s=120,
+            tracer, timeout_s=120,
         )  # fmt: skip
         buffers = [torch.ones(nbytes // 8, dtype=torch.float64) for _ in range(count)]
 
@@ -210,9 +213,37 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 "ratio_min": round(paired[0], 2),
                 "ratio_median": round(statistics.median(paired), 2),
                 "ratio_max": round(paired[-1], 2),
+                **_hand_over(tracer.step_events(repeats)),
             }
         )
     return rows
+
+
+def _hand_over(events: list[dict[str, Any]]) -> dict[str, float]:
+    """The receiver's last runtime step, read from its trace (medians, us): how far apart
+    its receive lane took the headers (`header_gap_us`), how far apart the consuming lane
+    started its computes (`compute_gap_us`), and how long after its header a message's
+    compute started (`consumer_lag_us`). Empty on the sender."""
+    heads = sorted(e["ts"] for e in events if e["cat"] == "recv")
+    starts = sorted(e["ts"] for e in events if e["cat"] == "fwd")
+    if len(heads) < 2 or len(heads) != len(starts):
+        return {}
+    return {
+        "header_gap_us": round(statistics.median(b - a for a, b in itertools.pairwise(heads)), 1),
+        "compute_gap_us": round(statistics.median(b - a for a, b in itertools.pairwise(starts)), 1),
+        "consumer_lag_us": round(
+            statistics.median(c - h for h, c in zip(heads, starts, strict=True)), 1
+        ),
+    }
+
+
+def _print_hand_over(rows: list[dict[str, float]]) -> None:
+    print("receiver's last step: median us between headers taken, between the consumer's "
+          "computes, and from a header to its compute")  # fmt: skip
+    for r in rows:
+        if "header_gap_us" in r:
+            print(f"{r['bytes']:9d}  header gap {r['header_gap_us']:8.1f}  compute gap "
+                  f"{r['compute_gap_us']:8.1f}  lag {r['consumer_lag_us']:9.1f}")  # fmt: skip
 
 
 def _print_rows(rows: list[dict[str, float]]) -> None:
@@ -233,6 +264,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=1,
                         help="measure this many times, each in a fresh pair of processes, and "
                         "print the median ratio over the runs")  # fmt: skip
+    parser.add_argument("--hand-over", action="store_true",
+                        help="also print how the receiver's lanes handed messages over in its "
+                        "last step (from its trace)")  # fmt: skip
     parser.add_argument(
         "--sizes",
         default="",
@@ -260,6 +294,8 @@ def main() -> int:
         if args.runs > 1:
             print(f"run {run + 1} of {args.runs}:")
         _print_rows(rows)
+        if args.hand_over:
+            _print_hand_over(rows)
     out: dict[str, Any] = {"rows": runs[0]}
     if args.runs > 1:
         # each run starts its own pair of processes: the machine's phase differs between
