@@ -145,23 +145,22 @@ def main() -> None:
     parser.add_argument("--plans", action="store_true",
                         help="the three presets' plans, head as it is and at --head-scale")  # fmt: skip
     args = parser.parse_args()
+    head_scale = args.head_scale if args.head_scale is not None else 0.25 if args.plans else 1.0
     if args.plans:
-        rows = plans(0.25 if args.head_scale is None else args.head_scale)
+        rows = plans(head_scale)
         if args.json:
             write_json(args.json, {"rows": rows})
         return
-    if args.head_scale is None:
-        args.head_scale = 1.0
     model, cluster = model_preset(args.model), CLUSTER_PRESETS["h800"]
     setting = SETTINGS[args.model]
     rows = []
     print(f"{'micro-batches':>13s} {'cap':>3s} {'chunks':>6s} {'step s':>7s} {'bound s':>7s} "
           f"{'st/bd':>6s}  {setting.worker} busy per tenth of the step")  # fmt: skip
     costs: InstrCosts | None = None
-    if args.head_scale != 1.0:
+    if head_scale != 1.0:
         base = AnalyticCosts.for_cluster(Workload(model, 8192, 1), cluster, setting.workers,
                                          setting.workers, "none")  # fmt: skip
-        costs = ScaledHead(base, model.num_layers, args.head_scale)
+        costs = ScaledHead(base, model.num_layers, head_scale)
     for micro, cap in setting.runs:
         for chunks in CHUNKS:
             r = simulate_disagg(model, cluster, groups=setting.groups,
@@ -174,7 +173,7 @@ def main() -> None:
             print(f"{micro:13d} {cap:3d} {chunks:6d} {r.step_time_s:7.3f} {r.bound.seconds:7.3f} "
                   f"{r.step_time_s / r.bound.seconds:6.3f}  {' '.join(f'{b:.2f}' for b in busy)}",
                   flush=True)  # fmt: skip
-            rows.append({"head_scale": args.head_scale, "micro_batches": micro,
+            rows.append({"head_scale": head_scale, "micro_batches": micro,
                          "max_in_flight": cap, "exchange_chunks": chunks,
                          "step_s": r.step_time_s, "bound_s": r.bound.seconds,
                          "busy_by_tenth": busy})  # fmt: skip
