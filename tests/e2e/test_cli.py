@@ -1,4 +1,9 @@
-"""`disagmoe` as a user runs it: real subprocesses, real exit codes, real output files."""
+"""`disagmoe` as a user runs it: real subprocesses, real exit codes, real output files.
+
+The tables of input mistakes call `disagmoe.cli.main` in this process (`run_cli_in_process`:
+the same exit code and stderr, without a 3 s Python start-up each); a mistake of each
+command family still goes through a real process here and in `test_workflows.py`,
+`test_memory.py` and `test_reliability.py`."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagmoe.testing.cli import run_cli
+from disagmoe.testing.cli import run_cli, run_cli_in_process
 
 
 def disagmoe(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
@@ -82,7 +87,7 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
     ],
 )
 def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
-    result = disagmoe(*args, "--run-dir", str(tmp_path / "r"), timeout=120)
+    result = run_cli_in_process(*args, "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], result.stderr
@@ -92,7 +97,7 @@ def test_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("runtime", ["disagg", "reference"])
 def test_device_cuda_without_cuda_one_line_exit_2(runtime: str, tmp_path: Path) -> None:
-    result = disagmoe(
+    result = run_cli_in_process(
         "train", "--runtime", runtime, "--device", "cuda", "--run-dir", str(tmp_path / "r")
     )
     assert result.returncode == 2, result.stderr
@@ -112,11 +117,20 @@ def test_device_cuda_without_cuda_one_line_exit_2(runtime: str, tmp_path: Path) 
     ],
 )
 def test_bench_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:
-    result = disagmoe("bench", *args, "--out", str(tmp_path / "b"), timeout=120)
+    result = run_cli_in_process("bench", *args, "--out", str(tmp_path / "b"))
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and match in lines[0], result.stderr
     assert not (tmp_path / "b").exists()
+
+
+def test_bench_bad_input_from_a_real_process(tmp_path: Path) -> None:
+    """The table above as a shell meets it: exit code 2, one line, no traceback."""
+    result = disagmoe("bench", "--mtu", "100", "--out", str(tmp_path / "b"), timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--mtu must be in" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "b").exists()
 
 
 def test_malformed_toml_and_unsupported_hf(tmp_path: Path) -> None:
