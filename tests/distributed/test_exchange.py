@@ -1,10 +1,12 @@
 """The wire format of a message on a channel of `Topology.build` (on CPU its header and
 payload groups are both gloo): inline tensors (headers sent at their used length into
 receive buffers of the largest size), payloads, empty tensors, dtypes,
-identity checks, a payload that never follows its header (two ranks, one spawn)."""
+identity checks, a payload that never follows its header; and who takes a stream's headers
+in the executor, its receive lane or its consuming lane (two ranks, one spawn)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from disagmoe.testing.spawn import run_ranks
@@ -84,10 +86,106 @@ def _exchange() -> list[str]:
     return checks
 
 
-def test_messages_arrive_whole_and_in_order() -> None:
-    receiver = run_ranks(_exchange, 2)[1]
+# The stream's messages (one per layer): all inline, or with a payload (> 64 KiB).
+TURN_SIZES = (16, 16, 16, 20000, 20000, 16, 16)
+
+
+def _turns() -> list[tuple[int, int, str]]:
+    """Rank 0 sends one `dispatch` per layer, of TURN_SIZES floats, to rank 1 for two steps;
+    rank 1's computes check what arrived. Returns, on rank 1, (step, layer, the thread that
+    took the header) per message."""
+    import threading
+
+    import torch.distributed as dist
+
+    from disagmoe.config import ModelConfig, ParallelConfig
+    from disagmoe.distributed.layout import Layout
+    from disagmoe.distributed.topology import Topology
+    from disagmoe.runtime.executor import Executor
+    from disagmoe.runtime.observe import Tracer
+    from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
+    from disagmoe.schedule.semantics import RankProgram
+
+    def payload(layer: int, step: int) -> list[torch.Tensor]:
+        n = TURN_SIZES[layer]
+        return [torch.arange(n, dtype=torch.float64) * (step + 1) + layer, torch.arange(4)]
+
+    taken: list[tuple[int, int, str]] = []
+
+    class Worker:
+        step = 0
+
+        def forward(self, layer, slot, received, outgoing, *, keep=True, chunk=-1):  # type: ignore[no-untyped-def]
+            for tensors in received.values():
+                expect = payload(layer, self.step)
+                assert all(torch.equal(a, b) for a, b in zip(tensors, expect, strict=True))
+            return {m: payload(layer, self.step) for m in outgoing}
+
+        def sync(self, step: int) -> int:
+            return 0
+
+        def optimizer_step(self, step: int) -> None:
+            self.step += 1
+
+    class Recording(Executor):
+        def _take_header(self, st, msg, receiver, timeout_s):  # type: ignore[no-untyped-def]
+            taken.append((st.step, msg.layer, threading.current_thread().name))
+            return super()._take_header(st, msg, receiver, timeout_s)
+
+    sender: list[Instr] = []
+    receiver: list[Instr] = []
+    for layer in range(len(TURN_SIZES)):
+        msg = Msg("dispatch", layer, 0, 0, 1)
+        sender += [Instr(Op.FWD, "A", layer, 0), Instr(Op.SEND, msg=msg)]
+        receiver += [Instr(Op.RECV, msg=msg), Instr(Op.FWD, "F", layer, 0)]
+    schedule = Schedule(
+        name="turns",
+        num_ranks=2,
+        num_slots=1,
+        max_in_flight=1,
+        roles=("A(g0,r0)", "F(g0,j0)"),
+        ranks=(tuple(sender), tuple(receiver)),
+    )
+    rank = dist.get_rank()
+    layout = Layout.build(
+        ModelConfig(num_layers=1, num_experts=2), ParallelConfig(attn_workers=1, expert_workers=1)
+    )
+    worker = Worker()
+    executor = Recording(
+        RankProgram.build(schedule, rank), schedule.roles[rank], Topology.build(layout),
+        worker, worker, Tracer(rank, schedule.roles[rank]), timeout_s=60,
+    )  # fmt: skip
+    for step in range(2):
+        executor.run_step(step)
+        worker.optimizer_step(step)
+    return taken
+
+
+def _exchange_and_turns() -> tuple[list[str], list[tuple[int, int, str]]]:
+    return _exchange(), _turns()
+
+
+@pytest.fixture(scope="module")
+def received() -> tuple[list[str], list[tuple[int, int, str]]]:
+    """What rank 1 saw, of both parts (one spawn)."""
+    return run_ranks(_exchange_and_turns, 2)[1]
+
+
+def test_messages_arrive_whole_and_in_order(
+    received: tuple[list[str], list[tuple[int, int, str]]],
+) -> None:
+    receiver = received[0]
     assert receiver[:6] == [f"message {k} ok" for k in range(6)]
     assert receiver[6] == "protocol error (9, 9, 9, 9, 9)"
     assert receiver[7] == (
         "receiving 7: its header arrived, its payload did not complete within 1 s"
     ), receiver
+
+
+def test_stream_turns(received: tuple[list[str], list[tuple[int, int, str]]]) -> None:
+    """Each step the receive lane takes the first header; after a message without a payload
+    the consuming lane ("fwd") takes the stream's headers itself, and a message with a
+    payload hands them back to the receive lane ("recv0fwd")."""
+    taken = received[1]
+    lanes = ["recv0fwd", "fwd", "fwd", "fwd", "recv0fwd", "recv0fwd", "fwd"]
+    assert taken == [(step, layer, lanes[layer]) for step in range(2) for layer in range(7)]

@@ -8,7 +8,10 @@ and receive lane runs on its own stream, `runtime.streams`):
 * "recv" — one thread per incoming (sender, channel) stream: it takes the stream's headers
            in FIFO order, posts each message's payload receives at once (while the previous
            payload may still be on the wire) and puts the message into the mailbox; the
-           compute that consumes it waits for its payload (`Incoming.wait`);
+           compute that consumes it waits for its payload (`Incoming.wait`). After a message
+           that has no payload (all inline in its header) it parks, and the consuming lane
+           takes that stream's next headers itself when it waits for them: a small message
+           then crosses no thread (`lanes.Turn`); a payload hands the turn back;
 * "send" — sends are posted (`isend`) by the compute lane right after the producing
            compute, from the producer's thread (and stream); one thread sees them complete;
 * "sync" — SYNC and STEP, through the trainer's `StepHooks`, once the rest is done.
@@ -25,10 +28,12 @@ the missing messages.
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import time
 from collections import deque
 from collections.abc import Callable
+from threading import Condition
 from typing import Any, Protocol
 
 import torch
@@ -46,7 +51,7 @@ from ..distributed.exchange import (
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
-from .lanes import Compute, Lane, Output, StepState, drop_key, dropped, recv_lane_name
+from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, dropped, recv_lane_name
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
 from .streams import LaneStreams
@@ -160,6 +165,11 @@ class Executor:
                           for _, ins in instrs}  # fmt: skip
         self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
                          for lane, instrs in program.lanes.items()}  # fmt: skip
+        self.stream_of = {m: (m.src, m.channel) for m in incoming}  # its (src, channel) turn
+        self.receivers = {
+            (src, channel): Receiver(src, topo.stream(src, self.rank, channel), device=topo.device)
+            for src, channel in program.streams
+        }
         lanes = [*program.lanes, *(recv_lane_name(*key) for key in program.streams)]
         self.streams = streams or LaneStreams(stream_backend(topo.device), lanes)
         self.sends: deque[_Send] = deque()  # posted, completion not yet seen
@@ -194,17 +204,16 @@ class Executor:
     def _start_lanes(self) -> None:
         """Receive lanes first, then the compute lanes, then send completion: `run_step`
         counts on this order."""
-        for (src, channel), msgs in self.program.streams.items():
-            rx = Receiver(src, self.topo.stream(src, self.rank, channel), device=self.topo.device)
+        for src, channel in self.program.streams:
             name = recv_lane_name(src, channel)
             on = self.streams.on(name)
-            self.lanes.append(Lane(name, self._bind_recv(src, msgs, rx), on))
+            self.lanes.append(Lane(name, self._bind_recv((src, channel)), on))
         for lane in self.program.lanes:
             self.lanes.append(Lane(lane, self._bind_compute(lane), self.streams.on(lane)))
         self.lanes.append(Lane("send", self._send_waiter))
 
-    def _bind_recv(self, src: int, msgs: list[Msg], rx: Receiver) -> Callable[[StepState], None]:
-        return lambda st: self._recv_lane(st, src, msgs, rx)
+    def _bind_recv(self, key: tuple[int, str]) -> Callable[[StepState], None]:
+        return lambda st: self._recv_lane(st, st.turns[key])
 
     def _bind_compute(self, lane: str) -> Callable[[StepState], None]:
         return lambda st: self._compute_lane(st, lane)
@@ -212,35 +221,65 @@ class Executor:
     def _receiving(self, msg: Msg) -> str:
         return f"rank {self.rank} {self.role}: receiving {msg} from rank {msg.src}"
 
-    def _recv_lane(self, st: StepState, src: int, msgs: list[Msg], receiver: Receiver) -> None:
-        """Headers of one stream in order; each message's payload receives are posted at
-        once and the message goes into the mailbox right away: its consumer waits for the
-        payload (`_take`)."""
-        step, lanes = st.step, self.consumer_lane
-        receiver.start(len(msgs))
+    def _recv_lane(self, st: StepState, turn: Turn) -> None:
+        """Headers of one stream in order while the lane has its turn; each message's
+        payload receives are posted at once and the message goes into the mailbox right
+        away: its consumer waits for the payload (`_take`). Parked while the consuming lane
+        has the turn (`lanes.Turn`)."""
+        receiver = turn.receiver
+        receiver.start(len(turn.msgs))
         try:
-            for msg in msgs:
-                what = functools.partial(self._receiving, msg)
-                expect = (KINDS.index(msg.kind), msg.layer, msg.slot, msg.chunk, step)  # as sent
-                try:
-                    incoming = receiver.next(self._backstop, what, expect=expect)
-                except ProtocolError as err:
-                    kind, layer, slot, chunk, got_step = err.got
-                    got = Msg(KINDS[kind], layer, slot, msg.src, self.rank, chunk)
-                    raise ProtocolError(
-                        f"{what()}: got {got} of step {got_step + 1} "
-                        f"instead (a message was lost or reordered)",
-                        err.got,
-                    ) from None
-                if not incoming.works:
-                    self._trace_recv(step, msg, incoming, incoming.arrived)
-                lane = lanes[msg]
+            while True:
                 with st.lock:
-                    st.mailbox[msg] = incoming
-                    if msg in st.awaits[lane]:
-                        st.wake[lane].notify()
+                    while turn.pull and not turn.done and not st.errors:
+                        turn.parked.wait()
+                    if turn.done or st.errors:
+                        return
+                    msg = turn.msgs[turn.next]
+                incoming = self._take_header(st, msg, receiver, self._backstop)
+                with st.lock:
+                    self._deliver(st, turn, msg, incoming, by_lane=True)
         finally:
             receiver.stop()
+
+    def _take_header(
+        self, st: StepState, msg: Msg, receiver: Receiver, timeout_s: float
+    ) -> Incoming:
+        """The next header of `receiver`'s stream, which must be `msg`'s (its payload
+        receives posted); called without `st.lock`, by whichever lane has the turn."""
+        what = functools.partial(self._receiving, msg)
+        expect = (KINDS.index(msg.kind), msg.layer, msg.slot, msg.chunk, st.step)  # as sent
+        try:
+            incoming = receiver.next(timeout_s, what, expect=expect)
+        except ProtocolError as err:
+            kind, layer, slot, chunk, got_step = err.got
+            got = Msg(KINDS[kind], layer, slot, msg.src, self.rank, chunk)
+            raise ProtocolError(
+                f"{what()}: got {got} of step {got_step + 1} "
+                f"instead (a message was lost or reordered)",
+                err.got,
+            ) from None
+        if not incoming.works:
+            self._trace_recv(st.step, msg, incoming, incoming.arrived)
+        return incoming
+
+    @staticmethod
+    def _deliver(st: StepState, turn: Turn, msg: Msg, incoming: Incoming, *, by_lane: bool) -> None:
+        """Under `st.lock`: `msg` (the turn's next) into the mailbox, and the turn to whom
+        takes the stream's next header: the receive lane after a message with a payload,
+        the consuming lane after one without (`lanes.Turn`)."""
+        turn.next += 1
+        st.mailbox[msg] = incoming
+        if incoming.works:
+            if turn.pull:
+                turn.pull = False
+                turn.parked.notify()
+        else:
+            turn.pull = True
+        if turn.done and turn.pull:
+            turn.parked.notify()  # (the receive lane ends its step)
+        if by_lane and msg in st.awaits[turn.lane]:
+            st.wake[turn.lane].notify()
 
     def _trace_recv(self, step: int, msg: Msg, incoming: Incoming, end: float) -> None:
         """The receive of `msg`: from its header's arrival until its payload is in (for a
@@ -328,6 +367,10 @@ class Executor:
             while not self._ready(st, work):
                 if st.errors:
                     raise RuntimeError(_ANOTHER_LANE)
+                turn = self._pullable(st, work)
+                if turn is not None:
+                    self._pull(st, work, turn, deadline, arrived)
+                    continue
                 if time.monotonic() > deadline:
                     missing, tasks = self.program.waiting_for(work.instr, st.done, arrived)
                     if not missing and not extended:
@@ -338,6 +381,43 @@ class Executor:
         finally:
             needs.clear()
             awaits.clear()
+
+    def _pullable(self, st: StepState, work: Compute) -> Turn | None:
+        """The turn of a stream that one of `work`'s missing inputs comes on, if this lane
+        (the stream's consumer) takes its headers now."""
+        mailbox, turns, stream_of = st.mailbox, st.turns, self.stream_of
+        for m in work.inputs:
+            if m not in mailbox:
+                turn = turns[stream_of[m]]
+                if turn.pull:
+                    return turn
+        return None
+
+    def _pull(
+        self,
+        st: StepState,
+        work: Compute,
+        turn: Turn,
+        deadline: float,
+        arrived: Callable[[Msg], bool],
+    ) -> None:
+        """Take the next header of `turn`'s stream on this (the consuming) lane, releasing
+        `st.lock` while it comes; HangError when nothing came by `deadline`."""
+        msg = turn.msgs[turn.next]
+        st.lock.release()
+        try:
+            # whole seconds: `wait_work` caches one timedelta per timeout it is given
+            remaining = float(max(math.ceil(deadline - time.monotonic()), 1))
+            incoming = self._take_header(st, msg, turn.receiver, remaining)
+        except CommTimeout:
+            st.lock.acquire()
+            missing, tasks = self.program.waiting_for(work.instr, st.done, arrived)
+            raise HangError(self._hang_report(work, missing or [msg], tasks)) from None
+        except BaseException:
+            st.lock.acquire()
+            raise
+        st.lock.acquire()
+        self._deliver(st, turn, msg, incoming, by_lane=False)
 
     def _take(self, st: StepState, work: Compute, msg: Msg, incoming: Incoming) -> Payload:
         """A message of `work`'s, once its payload is in. On CUDA the wait makes this lane's
@@ -464,6 +544,10 @@ class Executor:
         if not self.lanes:
             self._start_lanes()
         st = StepState(step)
+        st.turns = {
+            key: Turn(msgs, self.receivers[key], self.consumer_lane[msgs[0]], Condition(st.lock))
+            for key, msgs in self.program.streams.items()
+        }
         self.streams.begin_step()
         for lane in self.lanes:
             lane.inbox.put(st)

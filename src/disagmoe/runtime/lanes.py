@@ -3,9 +3,10 @@ kept for the whole run, and each compute and outgoing message with what running 
 worked out once, when the executor is built.
 
 One `StepState` per optimizer step: a lock, the mailbox of messages whose header is in,
-the computes done, and one condition per compute lane so that an arrival wakes only the
-lane that waits for it. A `Lane` is a thread that runs its body once per step, inside its
-stream's context on an accelerator (`runtime.streams`).
+the computes done, one condition per compute lane so that an arrival wakes only the
+lane that waits for it, and one `Turn` per incoming stream: whether its receive lane or
+its consuming compute lane takes its next header. A `Lane` is a thread that runs its body
+once per step, inside its stream's context on an accelerator (`runtime.streams`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..distributed.exchange import Incoming
+from ..distributed.exchange import Incoming, Receiver
 from ..schedule.ir import Instr, Msg
 from ..schedule.semantics import TaskKey
 from .streams import Stamp
@@ -53,6 +54,33 @@ class Compute:
     outgoing: list[Msg]  # the outputs' messages, as the worker takes them
 
 
+@dataclass(slots=True)
+class Turn:
+    """Who takes the headers of one incoming (sender, channel) stream during a step.
+
+    Its receive lane takes them while `pull` is false: it posts a message's payload
+    receives as soon as its header is in, so that the payload moves while the consuming
+    lane computes. After a message with no payload (all of it inline in the header) the
+    receive lane sets `pull` and parks: there is nothing to post early, and the consuming
+    lane takes the stream's next headers itself when it waits for them, so such a message
+    crosses no thread. A message with a payload taken that way hands the turn back
+    (`pull` false, the receive lane woken). Exactly one of the two calls `receiver.next`
+    at a time: the receive lane only while `pull` is false, the consumer only while it is
+    true, and each flips it only after its own take. Changed under `StepState.lock`.
+    """
+
+    msgs: list[Msg]  # the stream's messages this step, in FIFO order
+    receiver: Receiver
+    lane: str  # the compute lane that consumes the stream
+    parked: threading.Condition  # on StepState.lock: the receive lane waits on it while `pull`
+    next: int = 0  # index in `msgs` of the next header to take
+    pull: bool = False  # the consuming lane takes the next header
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.msgs)
+
+
 @dataclass
 class StepState:
     """What the lanes share during one step: one lock, and one condition per waiter so that
@@ -71,6 +99,7 @@ class StepState:
     awaits: dict[str, set[Msg]] = field(default_factory=dict)  # lane -> messages it waits for
     events: dict[TaskKey, Any] = field(default_factory=dict)  # compute -> its stream event
     spans: list[tuple[str, str, Stamp, Stamp, dict[str, Any]]] = field(default_factory=list)
+    turns: dict[tuple[int, str], Turn] = field(default_factory=dict)  # (src, channel) -> turn
     ended: threading.Condition = field(init=False)  # run_step waits on it
 
     def __post_init__(self) -> None:
@@ -84,6 +113,8 @@ class StepState:
             self.errors.append(err)
             for cond in (*self.wake.values(), self.ended):
                 cond.notify_all()
+            for turn in self.turns.values():
+                turn.parked.notify_all()
 
 
 class Lane:
