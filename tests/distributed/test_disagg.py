@@ -21,9 +21,9 @@ import transformers
 from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
 from disagmoe.models.hf_import import read_hf_config
 from disagmoe.presets import MODEL_PRESETS
-from disagmoe.runtime.disagg import DisaggTrainer
 from tests.unit.test_evaluate import eval_file
 
+from . import trainers
 from .equivalence import chunked, evaluating, max_rel_errors, recomputing
 
 TRAINER = "disagmoe.runtime.disagg:DisaggTrainer"
@@ -138,40 +138,6 @@ def capped(cfg: RunConfig, cap: int) -> RunConfig:
     return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_in_flight=cap))
 
 
-class BucketCheckingTrainer(DisaggTrainer):
-    """After each step, checks the overlapped gradient all-reduce (`runtime.grad_sync`):
-    every replica of a group issued the same buckets in the same order (descending
-    layers), the first one before the rank's last BWD started (during the backward, not at
-    SYNC), each traced with its bytes and peers; with `parallel.overlap_grad_sync` off,
-    SYNC all-reduced everything itself."""
-
-    def step(self, step: int, *, capture_grads: bool = False):  # type: ignore[no-untyped-def]
-        import torch.distributed as dist
-
-        result = super().step(step, capture_grads=capture_grads)
-        sync = self.grad_sync
-        mine = (str(self.role), self.role.comp, self.role.group, sync.issued_last if sync else None)
-        everyone: list[object] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        events = self.tracer.step_events(step)
-        buckets = [e for e in events if e["name"].startswith("allreduce")]
-        (sync_event,) = [e for e in events if e["name"] == "SYNC grads"]
-        if self.role.comp == "A" and self.layout.attn_workers > 1:
-            layers = sorted(self.layout.layers_of(self.rank), reverse=True)
-            if self.cfg.parallel.overlap_grad_sync:
-                assert sync is not None and sync.issued_last == layers, (mine, layers)
-                peers = [o for o in everyone if o[1] == "A" and o[2] == self.role.group]  # type: ignore[index]
-                assert {tuple(o[3]) for o in peers} == {tuple(layers)}, everyone  # type: ignore[index]
-                last_bwd = max(e["ts"] for e in events if e["cat"] == "bwd")
-                first = min(buckets, key=lambda e: e["ts"])
-                assert first["name"] == f"allreduce l{layers[0]}" and first["ts"] < last_bwd
-                assert all(e["args"]["bytes"] > 0 and e["args"]["peers"] for e in buckets)
-                assert sync_event["args"]["bytes"] == 0
-            else:
-                assert sync is None and not buckets and sync_event["args"]["bytes"] > 0
-        return result
-
-
 def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
     """Uneven splits (docs/design-notes.md, "Uneven splits"): 8 experts on n=3 shards
     (3, 3, 2), also with an in-flight cap of one slot; 8 micro-batches on m=3 replicas
@@ -196,7 +162,7 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
             chunked(uneven_experts, 3),
         ],
         world=4,
-        trainer=f"{__name__}:BucketCheckingTrainer",
+        trainer=f"{trainers.__name__}:BucketCheckingTrainer",
     )
 
 
@@ -246,16 +212,6 @@ def placed(cfg: RunConfig, placement: str, ranks_per_node: int) -> RunConfig:
     return dataclasses.replace(cfg, parallel=parallel)
 
 
-class PlacementTrainer(DisaggTrainer):
-    """Checks on every rank that its run.json role map (`placement()`) names the role it runs."""
-
-    def expert_shard(self) -> tuple[int, int] | None:
-        info = self.placement()
-        assert info["roles"][self.rank] == str(self.role)
-        assert info["ranks_per_node"] == self.cfg.parallel.ranks_per_node
-        return super().expert_shard()
-
-
 def test_six_ranks_node_aware_two_ranks_per_node() -> None:
     """p = 2, m = 2, n = 1 on three nodes of 2 ranks: node-aware interleaves each group's
     block A, F, A (node 1 holds a replica of each group), packed keeps A, A, F; both exact."""
@@ -266,17 +222,10 @@ def test_six_ranks_node_aware_two_ranks_per_node() -> None:
 
     roles = [str(run_layout(aware).role(r)) for r in range(6)]
     assert roles == ["A(g0,r0)", "F(g0,j0)", "A(g0,r1)", "A(g1,r0)", "F(g1,j0)", "A(g1,r1)"]
-    errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:PlacementTrainer")
+    errors = max_rel_errors(cfgs, 6, STEPS, f"{trainers.__name__}:PlacementTrainer")
     for cfg, (loss_err, grad_err, count) in zip(cfgs, errors, strict=True):
         label = f"{cfg.parallel.placement} top_k={cfg.model.top_k}"
         assert loss_err < TOL and grad_err < TOL and count > 10, (label, loss_err, grad_err)
-
-
-class RankLocalTrainer(BucketCheckingTrainer):
-    """Every rank builds only its own instruction list, as above `WHOLE_WORLD_RANKS` (the
-    overlapped all-reduce checked as by `BucketCheckingTrainer`)."""
-
-    whole_world_ranks = 0
 
 
 def test_six_ranks_p2_m2_n1_rank_local_lists(tmp_path: Path) -> None:
@@ -291,7 +240,7 @@ def test_six_ranks_p2_m2_n1_rank_local_lists(tmp_path: Path) -> None:
         uneven,
         chunked(uneven, 2),
     ]
-    errors = max_rel_errors(cfgs, 6, STEPS, f"{__name__}:RankLocalTrainer")
+    errors = max_rel_errors(cfgs, 6, STEPS, f"{trainers.__name__}:RankLocalTrainer")
     assert len(errors) == len(cfgs)
     for loss_err, grad_err, count in errors:
         assert loss_err < TOL and grad_err < TOL and count > 10, (loss_err, grad_err)

@@ -1,0 +1,57 @@
+"""Trainers with extra checks, run on the spawned ranks of `test_disagg.py` (by
+`module:Class` path). Their own module, light to import: every rank imports it."""
+
+from __future__ import annotations
+
+from disagmoe.runtime.disagg import DisaggTrainer
+
+
+class BucketCheckingTrainer(DisaggTrainer):
+    """After each step, checks the overlapped gradient all-reduce (`runtime.grad_sync`):
+    every replica of a group issued the same buckets in the same order (descending
+    layers), the first one before the rank's last BWD started (during the backward, not at
+    SYNC), each traced with its bytes and peers; with `parallel.overlap_grad_sync` off,
+    SYNC all-reduced everything itself."""
+
+    def step(self, step: int, *, capture_grads: bool = False):  # type: ignore[no-untyped-def]
+        import torch.distributed as dist
+
+        result = super().step(step, capture_grads=capture_grads)
+        sync = self.grad_sync
+        mine = (str(self.role), self.role.comp, self.role.group, sync.issued_last if sync else None)
+        everyone: list[object] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        events = self.tracer.step_events(step)
+        buckets = [e for e in events if e["name"].startswith("allreduce")]
+        (sync_event,) = [e for e in events if e["name"] == "SYNC grads"]
+        if self.role.comp == "A" and self.layout.attn_workers > 1:
+            layers = sorted(self.layout.layers_of(self.rank), reverse=True)
+            if self.cfg.parallel.overlap_grad_sync:
+                assert sync is not None and sync.issued_last == layers, (mine, layers)
+                peers = [o for o in everyone if o[1] == "A" and o[2] == self.role.group]  # type: ignore[index]
+                assert {tuple(o[3]) for o in peers} == {tuple(layers)}, everyone  # type: ignore[index]
+                last_bwd = max(e["ts"] for e in events if e["cat"] == "bwd")
+                first = min(buckets, key=lambda e: e["ts"])
+                assert first["name"] == f"allreduce l{layers[0]}" and first["ts"] < last_bwd
+                assert all(e["args"]["bytes"] > 0 and e["args"]["peers"] for e in buckets)
+                assert sync_event["args"]["bytes"] == 0
+            else:
+                assert sync is None and not buckets and sync_event["args"]["bytes"] > 0
+        return result
+
+
+class PlacementTrainer(DisaggTrainer):
+    """Checks on every rank that its run.json role map (`placement()`) names the role it runs."""
+
+    def expert_shard(self) -> tuple[int, int] | None:
+        info = self.placement()
+        assert info["roles"][self.rank] == str(self.role)
+        assert info["ranks_per_node"] == self.cfg.parallel.ranks_per_node
+        return super().expert_shard()
+
+
+class RankLocalTrainer(BucketCheckingTrainer):
+    """Every rank builds only its own instruction list, as above `WHOLE_WORLD_RANKS` (the
+    overlapped all-reduce checked as by `BucketCheckingTrainer`)."""
+
+    whole_world_ranks = 0
