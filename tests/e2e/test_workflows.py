@@ -4,6 +4,10 @@ tiny tokenizer built offline -> `prepare-data` on jsonl (training and validation
 -> `train --init-from-hf --data --eval-data --eval-every 5` on `reference` and `disagg`
 (same float64 losses and eval losses) -> `export` -> `transformers` loads the export and
 its logits are ours. And the one-line errors (exit 2) along the way.
+
+The multi-process training and the first mistake run `disagmoe` in a real process; the
+other steps call `disagmoe.cli.main` in this process (`run_cli_in_process`: same exit code and
+output, without a 3 s Python start-up each).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from safetensors.torch import load_file
 
 from disagmoe.runtime.checkpoint import load_model
 from disagmoe.testing.cli import run_cli
+from disagmoe.testing.cli import run_cli_in_process as in_process
 from disagmoe.testing.tokenizer import WORDS, build_tiny_tokenizer
 from tests.unit.test_hf_import import FLOAT64_ATOL, build_hf, patch_hf_for_float64
 
@@ -51,14 +56,14 @@ def test_prepare_train_export_load(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     tok = build_tiny_tokenizer(tmp_path / "tok")
     docs = write_corpus(tmp_path / "docs.jsonl")
     prefix = str(tmp_path / "data" / "corpus")
-    result = disagmoe(
+    result = in_process(
         "prepare-data", "--tokenizer", str(tok), "--input", str(docs), "--out", prefix
     )
     assert result.returncode == 0, result.stderr
     meta = json.loads(Path(prefix + ".json").read_text())
     assert f"{meta['num_documents']} documents" in result.stdout and meta["num_documents"] == 200
     val = str(tmp_path / "data" / "val")  # held-out documents, same tokenizer
-    result = disagmoe(
+    result = in_process(
         "prepare-data",
         "--tokenizer",
         str(tok),
@@ -78,8 +83,9 @@ def test_prepare_train_export_load(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         *("--eval-data", val, "--eval-every", "5"),
     ]
     runs = {rt: tmp_path / rt for rt in ("reference", "disagg")}
-    for runtime, run_dir in runs.items():
-        result = disagmoe("train", "--runtime", runtime, "--run-dir", str(run_dir), *common)
+    for runtime, run_dir in runs.items():  # reference: one process, this one
+        run = in_process if runtime == "reference" else disagmoe
+        result = run("train", "--runtime", runtime, "--run-dir", str(run_dir), *common)
         assert result.returncode == 0, result.stderr
         assert f"{runtime}: 6 steps, loss " in result.stdout and " at step 6, " in result.stdout
     ref, dis = (records(runs[rt]) for rt in ("reference", "disagg"))
@@ -95,7 +101,7 @@ def test_prepare_train_export_load(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert ref[4]["eval_loss"] != ref[5]["eval_loss"]  # step 6 trained the weights further
 
     for runtime, run_dir in runs.items():
-        result = disagmoe(
+        result = in_process(
             "export",
             str(run_dir),
             "--step",
@@ -144,7 +150,7 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         "no tokenizer at",
     )
     one_line_error(
-        disagmoe(
+        in_process(
             "prepare-data",
             "--tokenizer",
             str(tok),
@@ -158,24 +164,26 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
         "line 1 has no string field 'body'",
     )
     assert (
-        disagmoe(
+        in_process(
             "prepare-data", "--tokenizer", str(tok), "--input", str(docs), "--out", prefix
         ).returncode
         == 0
     )
     # the tiny preset's 256-token vocabulary is not this tokenizer's
-    one_line_error(disagmoe("train", "--data", prefix, "--steps", "1"), "tokenized with vocab size")
+    one_line_error(
+        in_process("train", "--data", prefix, "--steps", "1"), "tokenized with vocab size"
+    )
     hf_dir = tmp_path / "hf"
     build_hf("mixtral", torch.float32).save_pretrained(hf_dir)
-    one_line_error(disagmoe("train", "--init-from-hf", str(hf_dir)), "--allow-byte-data")
+    one_line_error(in_process("train", "--init-from-hf", str(hf_dir)), "--allow-byte-data")
 
     (tmp_path / "empty-run").mkdir()
     one_line_error(
-        disagmoe("export", str(tmp_path / "empty-run"), "--out", str(tmp_path / "x")),
+        in_process("export", str(tmp_path / "empty-run"), "--out", str(tmp_path / "x")),
         "no checkpoints in",
     )
     run_dir = tmp_path / "shared"
-    result = disagmoe(
+    result = in_process(
         "train",
         "--model",
         "tiny-shared",
@@ -191,10 +199,10 @@ def test_bad_input_is_one_line(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     one_line_error(
-        disagmoe("export", str(run_dir), "--out", str(tmp_path / "x")),
+        in_process("export", str(run_dir), "--out", str(tmp_path / "x")),
         "shared experts, which neither Qwen3-MoE nor Mixtral has",
     )
     one_line_error(
-        disagmoe("export", str(run_dir), "--step", "7", "--out", str(tmp_path / "x")),
+        in_process("export", str(run_dir), "--step", "7", "--out", str(tmp_path / "x")),
         "has no checkpoint of step 7; it has steps 1",
     )
