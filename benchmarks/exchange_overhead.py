@@ -51,9 +51,10 @@ from disagmoe.distributed.layout import Layout
 from disagmoe.distributed.topology import Topology
 from disagmoe.runtime.executor import Executor, Payload
 from disagmoe.runtime.observe import Tracer
-from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
+from disagmoe.schedule.ir import Msg
 from disagmoe.schedule.semantics import RankProgram
 from disagmoe.testing.spawn import run_ranks
+from disagmoe.testing.streams import one_stream_schedule
 
 # (bytes, count): a step of the large sizes lasts 50-100 ms, long enough that the VM's
 # scheduling noise (a few ms per step) does not set the ratio
@@ -96,24 +97,6 @@ class _Worker:
 
     def optimizer_step(self, step: int) -> None:
         pass
-
-
-def _schedule(count: int) -> Schedule:
-    """A(g0,r0) -> F(g0,j0): one `dispatch` message per layer, consumed by the F compute."""
-    sender: list[Instr] = []
-    receiver: list[Instr] = []
-    for layer in range(count):
-        msg = Msg("dispatch", layer, 0, 0, 1)
-        sender += [Instr(Op.FWD, "A", layer, 0), Instr(Op.SEND, msg=msg)]
-        receiver += [Instr(Op.RECV, msg=msg), Instr(Op.FWD, "F", layer, 0)]
-    return Schedule(
-        name="exchange",
-        num_ranks=2,
-        num_slots=1,
-        max_in_flight=1,
-        roles=("A(g0,r0)", "F(g0,j0)"),
-        ranks=(tuple(sender), tuple(receiver)),
-    )
 
 
 def _timed(fn: Any) -> float:
@@ -160,7 +143,7 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
     heads, bodies = dist.new_group([0, 1]), dist.new_group([0, 1])  # the protocol's groups
     rows = []
     for nbytes, count in sizes:
-        schedule = _schedule(count)
+        schedule = one_stream_schedule(count)
         topo = Topology.build(layout)
         worker = _Worker(nbytes)
         tracer = Tracer(rank, schedule.roles[rank])

@@ -103,8 +103,8 @@ def _turns() -> list[tuple[int, int, str]]:
     from disagmoe.distributed.topology import Topology
     from disagmoe.runtime.executor import Executor
     from disagmoe.runtime.observe import Tracer
-    from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
     from disagmoe.schedule.semantics import RankProgram
+    from disagmoe.testing.streams import one_stream_schedule
 
     def payload(layer: int, step: int) -> list[torch.Tensor]:
         n = TURN_SIZES[layer]
@@ -132,20 +132,7 @@ def _turns() -> list[tuple[int, int, str]]:
             taken.append((st.step, msg.layer, threading.current_thread().name))
             return super()._take_header(st, msg, receiver, timeout_s)
 
-    sender: list[Instr] = []
-    receiver: list[Instr] = []
-    for layer in range(len(TURN_SIZES)):
-        msg = Msg("dispatch", layer, 0, 0, 1)
-        sender += [Instr(Op.FWD, "A", layer, 0), Instr(Op.SEND, msg=msg)]
-        receiver += [Instr(Op.RECV, msg=msg), Instr(Op.FWD, "F", layer, 0)]
-    schedule = Schedule(
-        name="turns",
-        num_ranks=2,
-        num_slots=1,
-        max_in_flight=1,
-        roles=("A(g0,r0)", "F(g0,j0)"),
-        ranks=(tuple(sender), tuple(receiver)),
-    )
+    schedule = one_stream_schedule(len(TURN_SIZES), "turns")
     rank = dist.get_rank()
     layout = Layout.build(
         ModelConfig(num_layers=1, num_experts=2), ParallelConfig(attn_workers=1, expert_workers=1)
