@@ -11,8 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
-from disagmoe.testing.cli import run_cli
+from disagmoe.testing.cli import run_cli, run_cli_in_process
 from disagmoe.testing.spawn import run_ranks
 
 
@@ -27,14 +29,18 @@ def _cfg(run_dir: Path, **train: Any) -> RunConfig:
 def _train_disagg(cfgs: list[RunConfig]) -> list[list[float]]:
     import torch.distributed as dist
 
-    from disagmoe.baselines import EPTrainer
     from disagmoe.runtime.disagg import DisaggTrainer
     from disagmoe.runtime.loop import run_training
 
     out = []
     for cfg in cfgs:
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-        trainer = DisaggTrainer(cfg) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
+        if cfg.parallel.runtime == "disagg":
+            trainer = DisaggTrainer(cfg)
+        else:
+            from disagmoe.baselines import EPTrainer
+
+            trainer = EPTrainer(cfg)
         records = run_training(trainer, cfg, Path(cfg.train.run_dir))
         out.append([r["loss"] for r in records])
         dist.barrier()
@@ -53,73 +59,88 @@ def _close(a: list[float], b: list[float]) -> bool:
     return len(a) == len(b) and all(abs(x - y) <= 1e-10 * abs(x) for x, y in zip(a, b, strict=True))
 
 
-def test_exact_and_relayout_resume(tmp_path: Path) -> None:
-    full = _cfg(tmp_path / "full", checkpoint_every=2)
-    first = _cfg(tmp_path / "part", steps=2, checkpoint_every=2)
-    second = _cfg(tmp_path / "part", checkpoint_every=2, resume="latest")
-    step2 = str(tmp_path / "full" / "checkpoints" / "step-00000002")
-    # Re-layout: the 4-rank disagg checkpoint continued by the reference trainer and by p=2.
-    by_reference = dataclasses.replace(
-        _cfg(tmp_path / "ref", resume=step2), parallel=ParallelConfig(runtime="reference")
+def _step2(run_dir: Path) -> str:
+    return str(run_dir / "checkpoints" / "step-00000002")
+
+
+@pytest.fixture(scope="module")
+def resumes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[float]]]:
+    """The resume tests' training, their run dirs under one root: the reference trainer's
+    4 steps (`ref`, checkpoints every 2), then one spawn of 4 ranks that trains, in order,
+    every disagg and ep-1f1b run (each after the run whose checkpoint it continues).
+    Returns the root and each run's losses."""
+    tmp = tmp_path_factory.mktemp("resumes")
+    ref = dataclasses.replace(
+        _cfg(tmp / "ref", checkpoint_every=2), parallel=ParallelConfig(runtime="reference")
     )
-    ring = dataclasses.replace(
-        _cfg(tmp_path / "ring", resume=step2),
-        parallel=ParallelConfig(groups=2, attn_workers=1, expert_workers=1),
-    )
-    losses = run_ranks(_train_disagg, 4, [full, first, second])[0]
-    full_losses, resumed = losses[0], losses[2]
-    assert _close(resumed, full_losses[2:]), (resumed, full_losses)
-    metrics = (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(m)["step"] for m in metrics] == [1, 2, 3, 4]
-    assert _close(_reference(by_reference), full_losses[2:])
-    # ... and a reference checkpoint continued by the disaggregated runtime.
-    ref_full = dataclasses.replace(
-        _cfg(tmp_path / "rf", checkpoint_every=2), parallel=ParallelConfig(runtime="reference")
-    )
-    ref_losses = _reference(ref_full)
-    assert _close(ref_losses, full_losses)
-    from_ref = _cfg(tmp_path / "fr", resume=str(tmp_path / "rf" / "checkpoints" / "step-00000002"))
+    losses = {"ref": _reference(ref)}
     # Uneven expert shards (8 experts on 3 shards: 3, 3, 2): the even checkpoint continued
     # for one step, saved, and that uneven checkpoint resumed on the same layout.
     uneven = ParallelConfig(groups=1, attn_workers=1, expert_workers=3)
-    uneven_a = dataclasses.replace(
-        _cfg(tmp_path / "un", resume=step2, steps=3, checkpoint_every=1), parallel=uneven
-    )
-    uneven_b = dataclasses.replace(
-        _cfg(tmp_path / "un2", resume=str(tmp_path / "un" / "checkpoints" / "step-00000003")),
-        parallel=uneven,
-    )
-    ring_losses, from_ref_losses, uneven_a_losses, uneven_b_losses = run_ranks(
-        _train_disagg, 4, [ring, from_ref, uneven_a, uneven_b]
-    )[0]
-    assert _close(ring_losses, full_losses[2:])
-    assert _close(from_ref_losses, ref_losses[2:])
-    assert _close(uneven_a_losses, full_losses[2:3])
-    assert _close(uneven_b_losses, full_losses[3:])
-
-
-def test_baseline_resume_and_relayout(tmp_path: Path) -> None:
-    """ep-1f1b (pp=2, ep=2): exact resume, and continuing the reference trainer's checkpoint."""
-    ref = dataclasses.replace(
-        _cfg(tmp_path / "ref", checkpoint_every=2), parallel=ParallelConfig(runtime="reference")
-    )
-    ref_losses = _reference(ref)
     ep = ParallelConfig(runtime="ep-1f1b", pp=2, ep=2)
-    full = dataclasses.replace(_cfg(tmp_path / "ep", checkpoint_every=2), parallel=ep)
-    resumed = dataclasses.replace(
-        _cfg(tmp_path / "ep2", resume=str(tmp_path / "ep" / "checkpoints" / "step-00000002")),
-        parallel=ep,
+    cfgs = {
+        "full": _cfg(tmp / "full", checkpoint_every=2),
+        "first": _cfg(tmp / "part", steps=2, checkpoint_every=2),
+        "second": _cfg(tmp / "part", checkpoint_every=2, resume="latest"),
+        # re-layout: the 4-rank disagg checkpoint continued by p=2 ...
+        "ring": dataclasses.replace(
+            _cfg(tmp / "ring", resume=_step2(tmp / "full")),
+            parallel=ParallelConfig(groups=2, attn_workers=1, expert_workers=1),
+        ),
+        # ... and a reference checkpoint continued by the disaggregated runtime
+        "from_ref": _cfg(tmp / "fr", resume=_step2(tmp / "ref")),
+        "uneven_a": dataclasses.replace(
+            _cfg(tmp / "un", resume=_step2(tmp / "full"), steps=3, checkpoint_every=1),
+            parallel=uneven,
+        ),
+        "uneven_b": dataclasses.replace(
+            _cfg(tmp / "un2", resume=str(tmp / "un" / "checkpoints" / "step-00000003")),
+            parallel=uneven,
+        ),
+        # ep-1f1b (pp=2, ep=2): a full run, its exact resume, the reference's continued
+        "ep": dataclasses.replace(_cfg(tmp / "ep", checkpoint_every=2), parallel=ep),
+        "ep_resumed": dataclasses.replace(
+            _cfg(tmp / "ep2", resume=_step2(tmp / "ep")), parallel=ep
+        ),
+        "ep_from_ref": dataclasses.replace(
+            _cfg(tmp / "ep3", resume=_step2(tmp / "ref")), parallel=ep
+        ),
+    }
+    losses.update(zip(cfgs, run_ranks(_train_disagg, 4, list(cfgs.values()))[0], strict=True))
+    return tmp, losses
+
+
+def test_exact_and_relayout_resume(
+    resumes: tuple[Path, dict[str, list[float]]], tmp_path: Path
+) -> None:
+    root, losses = resumes
+    full_losses = losses["full"]
+    assert _close(losses["second"], full_losses[2:]), (losses["second"], full_losses)
+    metrics = (root / "part" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(m)["step"] for m in metrics] == [1, 2, 3, 4]
+    # Re-layout: the 4-rank disagg checkpoint continued by the reference trainer and by p=2.
+    by_reference = dataclasses.replace(
+        _cfg(tmp_path / "ref", resume=_step2(root / "full")),
+        parallel=ParallelConfig(runtime="reference"),
     )
-    from_ref = dataclasses.replace(
-        _cfg(tmp_path / "ep3", resume=str(tmp_path / "ref" / "checkpoints" / "step-00000002")),
-        parallel=ep,
-    )
-    full_losses, resumed_losses, from_ref_losses = run_ranks(
-        _train_disagg, 4, [full, resumed, from_ref]
-    )[0]
-    assert _close(full_losses, ref_losses)
-    assert _close(resumed_losses, ref_losses[2:])
-    assert _close(from_ref_losses, ref_losses[2:])
+    assert _close(_reference(by_reference), full_losses[2:])
+    assert _close(losses["ring"], full_losses[2:])
+    # ... and a reference checkpoint continued by the disaggregated runtime.
+    ref_losses = losses["ref"]
+    assert _close(ref_losses, full_losses)
+    assert _close(losses["from_ref"], ref_losses[2:])
+    # Uneven expert shards: one step from the even checkpoint, then resumed from its own.
+    assert _close(losses["uneven_a"], full_losses[2:3])
+    assert _close(losses["uneven_b"], full_losses[3:])
+
+
+def test_baseline_resume_and_relayout(resumes: tuple[Path, dict[str, list[float]]]) -> None:
+    """ep-1f1b (pp=2, ep=2): exact resume, and continuing the reference trainer's checkpoint."""
+    _, losses = resumes
+    ref_losses = losses["ref"]
+    assert _close(losses["ep"], ref_losses)
+    assert _close(losses["ep_resumed"], ref_losses[2:])
+    assert _close(losses["ep_from_ref"], ref_losses[2:])
 
 
 def test_incompatible_checkpoint_is_refused(tmp_path: Path) -> None:
@@ -145,12 +166,16 @@ def test_incompatible_checkpoint_is_refused(tmp_path: Path) -> None:
 
 
 def test_killed_worker_restarts_from_checkpoint(tmp_path: Path) -> None:
+    """The restarted disagg run's losses are those of an uninterrupted run of the same flags:
+    the reference trainer's (the ground truth, in this process: no ranks to kill)."""
     common = ["--dtype", "float64", "--no-progress", "--steps", "5", "--checkpoint-every", "2"]
 
     def run(name: str, *extra: str) -> subprocess.CompletedProcess[str]:
         return run_cli("train", *common, "--run-dir", str(tmp_path / name), *extra, timeout=300)
 
-    clean = run("clean")
+    clean = run_cli_in_process(
+        "train", *common, "--runtime", "reference", "--run-dir", str(tmp_path / "clean")
+    )
     assert clean.returncode == 0, clean.stderr[-2000:]
     failed = run("failed", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2")
     assert failed.returncode == 0, failed.stderr[-2000:]
