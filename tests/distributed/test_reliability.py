@@ -29,18 +29,14 @@ def _cfg(run_dir: Path, **train: Any) -> RunConfig:
 def _train_disagg(cfgs: list[RunConfig]) -> list[list[float]]:
     import torch.distributed as dist
 
+    from disagmoe.baselines import EPTrainer
     from disagmoe.runtime.disagg import DisaggTrainer
     from disagmoe.runtime.loop import run_training
 
     out = []
     for cfg in cfgs:
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-        if cfg.parallel.runtime == "disagg":
-            trainer = DisaggTrainer(cfg)
-        else:
-            from disagmoe.baselines import EPTrainer
-
-            trainer = EPTrainer(cfg)
+        trainer = DisaggTrainer(cfg) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
         records = run_training(trainer, cfg, Path(cfg.train.run_dir))
         out.append([r["loss"] for r in records])
         dist.barrier()
