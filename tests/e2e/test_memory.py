@@ -7,6 +7,10 @@ flight the two agree within 2%; with K > 1 the prediction is an upper bound at m
 high (the first slot's loss head is released before the last slot's forward ends). One
 expert shard (n = 1) keeps routing balanced by construction; an untrained router on a tiny
 model routes unevenly over n > 1 shards, which the balanced-routing model does not cover.
+
+The runs that train call `disagmoe.cli.main` in this process (`run_cli_in_process`: their
+ranks are real processes, launched as from a shell, without the launcher's 3 s start-up);
+the run that cannot fit is refused by a real process.
 """
 
 from __future__ import annotations
@@ -18,14 +22,14 @@ from typing import Any
 
 import pytest
 
-from disagmoe.testing.cli import run_cli
+from disagmoe.testing.cli import run_cli, run_cli_in_process
 
 # Recompute modes checked: every mode on the first layout; `full` also with p = 2.
 RECOMPUTE = ["none", "attn", "full"]
 
 
 def train(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return run_cli("train", "--no-progress", "--run-dir", str(tmp_path / "run"), *args)
+    return run_cli_in_process("train", "--no-progress", "--run-dir", str(tmp_path / "run"), *args)
 
 
 def last_record(tmp_path: Path) -> dict[str, Any]:
@@ -71,7 +75,10 @@ def test_small_budget_caps_in_flight_and_trains(tmp_path: Path) -> None:
 
 
 def test_a_run_that_cannot_fit_fails_with_one_line(tmp_path: Path) -> None:
-    result = train(tmp_path, "--steps", "1", "--memory-gib", "0.003")
+    result = run_cli(
+        "train", "--no-progress", "--run-dir", str(tmp_path / "run"), "--steps", "1",
+        "--memory-gib", "0.003",
+    )  # fmt: skip
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr

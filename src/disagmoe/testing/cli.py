@@ -26,12 +26,13 @@ def run_cli_in_process(*args: str) -> subprocess.CompletedProcess[str]:
     captured: what `run_cli` returns (the exit code `sys.exit(main())` would give), without
     the seconds a Python start-up and the imports cost. For commands that fail on their
     input or run in one process; ranks a command spawns are real processes either way.
-    Torch's thread count and default dtype, which a run sets, are restored afterwards."""
+    The environment, torch's thread count and default dtype, which a run sets, are restored
+    afterwards."""
     import torch
 
     from ..cli import main
 
-    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    environ, threads, dtype = dict(os.environ), torch.get_num_threads(), torch.get_default_dtype()
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
@@ -43,6 +44,8 @@ def run_cli_in_process(*args: str) -> subprocess.CompletedProcess[str]:
                 print(exit_.code, file=sys.stderr)
                 code = 1
         finally:
+            os.environ.clear()
+            os.environ.update(environ)
             torch.set_num_threads(threads)
             torch.set_default_dtype(dtype)
     return subprocess.CompletedProcess(["disagmoe", *args], code, out.getvalue(), err.getvalue())
