@@ -166,6 +166,8 @@ class Executor:
         self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
                          for lane, instrs in program.lanes.items()}  # fmt: skip
         self.stream_of = {m: (m.src, m.channel) for m in incoming}  # its (src, channel) turn
+        for key, msgs in program.streams.items():  # (a channel's kinds share one consumer lane)
+            assert len({self.consumer_lane[m] for m in msgs}) == 1, key
         self.receivers = {
             (src, channel): Receiver(src, topo.stream(src, self.rank, channel), device=topo.device)
             for src, channel in program.streams
