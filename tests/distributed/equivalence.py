@@ -5,11 +5,12 @@ with eval data, also the eval loss of an evaluation between the first two steps)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from disagmoe.config import RunConfig, replace_section
+from disagmoe.config import RunConfig, ScheduleConfig, replace_section
 from disagmoe.runtime.model_stats import StepStats
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
@@ -92,12 +93,22 @@ def recomputing(cfg: RunConfig, mode: str) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=mode))
 
 
+_REFERENCE: dict[tuple[RunConfig, int, bool], list[dict[str, Any]]] = {}  # the latest 8
+
+
 def reference_steps(cfg: RunConfig, steps: int, prepare: bool = False) -> list[dict[str, Any]]:
-    """The reference trainer's steps for `cfg`, always without recompute."""
-    ref = ReferenceTrainer(without_recompute(cfg))
-    if prepare:
-        collapse_routing(ref.named_params)
-    return _steps(ref, cfg, steps)
+    """The reference trainer's steps for `cfg`, always without recompute. The latest 8 are
+    kept by config up to its schedule section, which the reference does not read: a test's
+    variants of one config in order, cap or chunks compute it once (read the outputs only)."""
+    key = (dataclasses.replace(without_recompute(cfg), schedule=ScheduleConfig()), steps, prepare)
+    if key not in _REFERENCE:
+        ref = ReferenceTrainer(without_recompute(cfg))
+        if prepare:
+            collapse_routing(ref.named_params)
+        _REFERENCE[key] = _steps(ref, cfg, steps)
+        while len(_REFERENCE) > 8:
+            del _REFERENCE[next(iter(_REFERENCE))]
+    return _REFERENCE[key]
 
 
 def _steps(trainer: Any, cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
@@ -133,53 +144,74 @@ def evaluating(cfg: RunConfig, eval_data: str, eval_batches: int = 2) -> RunConf
     return dataclasses.replace(cfg, train=train)
 
 
+TRAINER = "disagmoe.runtime.disagg:DisaggTrainer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A config the spawned ranks train: with the trainer class at `module:Class`, and
+    with every router starting at zero if `prepare` (`collapse_routing`)."""
+
+    cfg: RunConfig
+    trainer: str = TRAINER
+    prepare: bool = False
+
+
+def spawn_cases(cases: list[Case], world: int, steps: int) -> list[list[dict[str, Any]]]:
+    """Every case on one spawn of `world` ranks, one after the other: per case, each rank's
+    output (`trainer_steps`)."""
+    results = run_ranks(_run_many, world, cases, steps)
+    return [[rank_out[k] for rank_out in results] for k in range(len(cases))]
+
+
+def rel_errors(case: Case, rank_outs: list[dict[str, Any]], steps: int) -> tuple[float, float, int]:
+    """(max loss rel err, max grad rel err, #params compared) of one case's rank outputs
+    against the reference trainer."""
+    cfg = case.cfg
+    ref = reference_steps(cfg, steps, case.prepare)
+    loss_err = grad_err = 0.0
+    names: set[str] = set()
+    for step in range(steps):
+        ref_loss = ref[step]["loss"]
+        for rank_out in rank_outs:
+            got = rank_out["steps"][step]
+            loss_err = max(loss_err, abs(got["loss"] - ref_loss) / abs(ref_loss))
+            assert_same_routing(got["routing"], ref[step]["routing"], f"{cfg.parallel} step {step}")
+            if "eval_loss" in ref[step]:  # an eval loss error counts as a loss error
+                want = ref[step]["eval_loss"]
+                loss_err = max(loss_err, abs(got["eval_loss"] - want) / abs(want))
+            shard = rank_out["shard"]
+            for name, grad in got["grads"].items():
+                expected = ref[step]["grads"][name]
+                if shard is not None and name.endswith(("experts.gate_up", "experts.down")):
+                    lo, hi = shard
+                    expected = expected[lo:hi]
+                assert grad.shape == expected.shape, name
+                scale = expected.abs().max().item() or 1.0
+                grad_err = max(grad_err, (grad - expected).abs().max().item() / scale)
+                names.add(name)
+    missing = set(ref[0]["grads"]) - names
+    assert not missing, f"parameters without a distributed gradient: {sorted(missing)[:5]}"
+    return loss_err, grad_err, len(names)
+
+
 def max_rel_errors(
     cfgs: list[RunConfig], world: int, steps: int, trainer_path: str, prepare: bool = False
 ) -> list[tuple[float, float, int]]:
-    """For each config: (max loss rel err, max grad rel err, #params compared).
+    """For each config, on one spawn: (max loss rel err, max grad rel err, #params compared).
 
     With `prepare`, every router starts at zero (`collapse_routing`)."""
-    results = run_ranks(_run_many, world, cfgs, steps, trainer_path, prepare)
-    report = []
-    for k, cfg in enumerate(cfgs):
-        ref = reference_steps(cfg, steps, prepare)
-        loss_err = grad_err = 0.0
-        names: set[str] = set()
-        for step in range(steps):
-            ref_loss = ref[step]["loss"]
-            for rank_out in results:
-                got = rank_out[k]["steps"][step]
-                loss_err = max(loss_err, abs(got["loss"] - ref_loss) / abs(ref_loss))
-                assert_same_routing(
-                    got["routing"], ref[step]["routing"], f"{cfg.parallel} step {step}"
-                )
-                if "eval_loss" in ref[step]:  # an eval loss error counts as a loss error
-                    want = ref[step]["eval_loss"]
-                    loss_err = max(loss_err, abs(got["eval_loss"] - want) / abs(want))
-                shard = rank_out[k]["shard"]
-                for name, grad in got["grads"].items():
-                    expected = ref[step]["grads"][name]
-                    if shard is not None and name.endswith(("experts.gate_up", "experts.down")):
-                        lo, hi = shard
-                        expected = expected[lo:hi]
-                    assert grad.shape == expected.shape, name
-                    scale = expected.abs().max().item() or 1.0
-                    grad_err = max(grad_err, (grad - expected).abs().max().item() / scale)
-                    names.add(name)
-        missing = set(ref[0]["grads"]) - names
-        assert not missing, f"parameters without a distributed gradient: {sorted(missing)[:5]}"
-        report.append((loss_err, grad_err, len(names)))
-    return report
+    cases = [Case(cfg, trainer_path, prepare) for cfg in cfgs]
+    outs = spawn_cases(cases, world, steps)
+    return [rel_errors(case, out, steps) for case, out in zip(cases, outs, strict=True)]
 
 
-def _run_many(
-    cfgs: list[RunConfig], steps: int, trainer_path: str, prepare: bool
-) -> list[dict[str, Any]]:
+def _run_many(cases: list[Case], steps: int) -> list[dict[str, Any]]:
     import torch.distributed as dist
 
     out = []
-    for cfg in cfgs:
-        out.append(trainer_steps(cfg, steps, trainer_path, prepare))
+    for case in cases:
+        out.append(trainer_steps(case.cfg, steps, case.trainer, case.prepare))
         dist.barrier()
     return out
 

@@ -4,15 +4,18 @@ float64, 3 optimizer steps per case: per-step losses and every parameter's
 gradient (expert gradients against the matching slice of the reference's)
 agree to 1e-10 relative; cases with eval data also evaluate after the first step (the
 forward-only AF-Pipe schedule, runtime/evaluate.py) and match the reference's eval loss.
-Several cases share one spawn of the ranks; `chunked` cases run the exchange in exchange
-chunks (`schedule.exchange_chunks`), whose every chunk must have run (`equivalence`).
+Several cases share one spawn of the ranks (every 4-rank test's: `four_ranks`); `chunked`
+cases run the exchange in exchange chunks (`schedule.exchange_chunks`), whose every chunk
+must have run (`equivalence`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,9 +27,17 @@ from disagmoe.presets import MODEL_PRESETS
 from tests.unit.test_evaluate import eval_file
 
 from . import trainers
-from .equivalence import chunked, evaluating, max_rel_errors, recomputing
+from .equivalence import (
+    TRAINER,
+    Case,
+    chunked,
+    evaluating,
+    max_rel_errors,
+    recomputing,
+    rel_errors,
+    spawn_cases,
+)
 
-TRAINER = "disagmoe.runtime.disagg:DisaggTrainer"
 TOL = 1e-10
 STEPS = 3
 
@@ -51,32 +62,57 @@ def case(
 def assert_equivalent(
     cfgs: list[RunConfig], world: int, prepare: bool = False, trainer: str = TRAINER
 ) -> None:
-    for cfg, (loss_err, grad_err, count) in zip(
-        cfgs, max_rel_errors(cfgs, world, STEPS, trainer, prepare), strict=True
-    ):
-        label = (
-            f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} "
-            f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute} "
-            f"chunks={cfg.schedule.exchange_chunks} {cfg.model}"
-        )
-        assert loss_err < TOL, f"{label}: loss rel err {loss_err}"
-        assert grad_err < TOL, f"{label}: grad rel err {grad_err}"
-        assert count > 10
+    errors = max_rel_errors(cfgs, world, STEPS, trainer, prepare)
+    for cfg, (loss_err, grad_err, count) in zip(cfgs, errors, strict=True):
+        assert_small(cfg, loss_err, grad_err, count)
+
+
+def assert_small(cfg: RunConfig, loss_err: float, grad_err: float, count: int) -> None:
+    label = (
+        f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} "
+        f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute} "
+        f"chunks={cfg.schedule.exchange_chunks} {cfg.model}"
+    )
+    assert loss_err < TOL, f"{label}: loss rel err {loss_err}"
+    assert grad_err < TOL, f"{label}: grad rel err {grad_err}"
+    assert count > 10
+
+
+FourRankCases = Callable[[Path], list[Case]]
+FOUR_RANKS: dict[str, FourRankCases] = {}  # test name -> its cases (given a folder for files)
+
+
+def four_rank_cases(build: FourRankCases) -> FourRankCases:
+    """Registers a 4-rank test's cases, named as the test, for the one spawn (`four_ranks`)."""
+    FOUR_RANKS[build.__name__] = build
+    return build
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[tuple[Case, Any]]]:
+    """Every 4-rank test's cases on one spawn (the ranks start once): per test, each case
+    with its ranks' outputs. A test takes its own out (`pop`), which frees them after it."""
+    folder = tmp_path_factory.mktemp("four_ranks")
+    groups = {name: build(folder / name) for name, build in FOUR_RANKS.items()}
+    outs = iter(spawn_cases([c for group in groups.values() for c in group], 4, STEPS))
+    return {name: [(c, next(outs)) for c in group] for name, group in groups.items()}
+
+
+def assert_equivalent_cases(results: list[tuple[Case, Any]]) -> None:
+    for c, rank_outs in results:
+        assert_small(c.cfg, *rel_errors(c, rank_outs, STEPS))
 
 
 def short(cfg: RunConfig, seq_len: int) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seq_len=seq_len))
 
 
-def test_four_ranks_p1_m2_n2() -> None:
-    """p=1 (m=2, n=2): top-2, top-1, tied embedding and LM head, shared experts + dense
-    first layer, sparse routing; activation recompute of the attention core and of whole
-    stages (against the reference without recompute). Exchange chunks: 2 with recompute
-    of whole stages, and 3 of micro-batches of 2 tokens (a shard gets at most 2 rows:
-    empty chunks)."""
+@four_rank_cases
+def four_ranks_p1_m2_n2_cases(folder: Path) -> list[Case]:
     shared_dense = case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96)
-    assert_equivalent(
-        [
+    return [
+        Case(cfg)
+        for cfg in [
             chunked(recomputing(shared_dense, "full"), 2),
             chunked(short(case(1, 2, 2, micro=1), 2), 3),
             case(1, 2, 2),
@@ -87,9 +123,17 @@ def test_four_ranks_p1_m2_n2() -> None:
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
             recomputing(case(1, 2, 2), "attn"),
             recomputing(shared_dense, "full"),
-        ],
-        world=4,
-    )
+        ]
+    ]
+
+
+def test_four_ranks_p1_m2_n2(four_ranks: dict[str, list[tuple[Case, Any]]]) -> None:
+    """p=1 (m=2, n=2): top-2, top-1, tied embedding and LM head, shared experts + dense
+    first layer, sparse routing; activation recompute of the attention core and of whole
+    stages (against the reference without recompute). Exchange chunks: 2 with recompute
+    of whole stages, and 3 of micro-batches of 2 tokens (a shard gets at most 2 rows:
+    empty chunks)."""
+    assert_equivalent_cases(four_ranks.pop("four_ranks_p1_m2_n2_cases"))
 
 
 def ordered(cfg: RunConfig, order: str, costs: str = "nominal") -> RunConfig:
@@ -99,46 +143,81 @@ def ordered(cfg: RunConfig, order: str, costs: str = "nominal") -> RunConfig:
     return dataclasses.replace(cfg, schedule=schedule)
 
 
-def test_four_ranks_p2_m1_n1(tmp_path: Path) -> None:
-    """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
-    full recompute with the hop; an evaluation between steps; the steady order capped at
-    one slot, ordered with the run's costs, and auto (the best candidate for the default
-    cluster, simulator.choose); 3 exchange chunks, capped at one slot, with an evaluation."""
-    val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
-    assert_equivalent(
-        [
+@four_rank_cases
+def four_ranks_p2_m1_n1_cases(folder: Path) -> list[Case]:
+    folder.mkdir()
+    val = eval_file(folder / "val.npy", num_tokens=33 * 8 * 2)
+    return [
+        Case(cfg)
+        for cfg in [
             evaluating(chunked(capped(case(2, 1, 1), 1), 3), val),
             evaluating(case(2, 1, 1), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
             recomputing(case(2, 1, 1), "full"),
             ordered(capped(case(2, 1, 1), 1), "steady", "run"),
             ordered(case(2, 1, 1), "auto"),
-        ],
-        world=4,
-    )
+        ]
+    ]
 
 
-def test_extreme_routing_all_tokens_to_one_shard() -> None:
-    """Zeroed routers: step 1 routes every token to the same k experts (one shard); the
-    other shard and all other experts see no token for the whole step (with 2 exchange
-    chunks: every chunk of it empty); still exact."""
-    assert_equivalent(
-        [
+def test_four_ranks_p2_m1_n1(four_ranks: dict[str, list[tuple[Case, Any]]]) -> None:
+    """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
+    full recompute with the hop; an evaluation between steps; the steady order capped at
+    one slot, ordered with the run's costs, and auto (the best candidate for the default
+    cluster, simulator.choose); 3 exchange chunks, capped at one slot, with an evaluation."""
+    assert_equivalent_cases(four_ranks.pop("four_ranks_p2_m1_n1_cases"))
+
+
+@four_rank_cases
+def extreme_routing_all_tokens_to_one_shard_cases(folder: Path) -> list[Case]:
+    return [
+        Case(cfg, prepare=True)
+        for cfg in [
             case(1, 2, 2),
             case(1, 2, 2, top_k=1),
             recomputing(case(1, 2, 2), "full"),
             chunked(case(1, 2, 2), 2),
-        ],
-        world=4,
-        prepare=True,
-    )
+        ]
+    ]
+
+
+def test_extreme_routing_all_tokens_to_one_shard(
+    four_ranks: dict[str, list[tuple[Case, Any]]],
+) -> None:
+    """Zeroed routers: step 1 routes every token to the same k experts (one shard); the
+    other shard and all other experts see no token for the whole step (with 2 exchange
+    chunks: every chunk of it empty); still exact."""
+    assert_equivalent_cases(four_ranks.pop("extreme_routing_all_tokens_to_one_shard_cases"))
 
 
 def capped(cfg: RunConfig, cap: int) -> RunConfig:
     return dataclasses.replace(cfg, schedule=dataclasses.replace(cfg.schedule, max_in_flight=cap))
 
 
-def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
+@four_rank_cases
+def four_ranks_uneven_splits_and_in_flight_cap_cases(folder: Path) -> list[Case]:
+    folder.mkdir()
+    val = eval_file(folder / "val.npy", num_tokens=33 * 8 * 2)
+    uneven_experts = case(1, 1, 3)
+    uneven_micro = case(1, 3, 1, micro=1)
+    assert uneven_micro.train.num_micro_batches == 8
+    return [
+        Case(cfg, f"{trainers.__name__}:BucketCheckingTrainer")
+        for cfg in [
+            uneven_experts,
+            capped(uneven_experts, 1),
+            uneven_micro,
+            evaluating(capped(uneven_micro, 2), val),
+            ordered(capped(uneven_micro, 2), "steady", "run"),
+            syncing_at_the_end(uneven_micro),
+            chunked(uneven_experts, 3),
+        ]
+    ]
+
+
+def test_four_ranks_uneven_splits_and_in_flight_cap(
+    four_ranks: dict[str, list[tuple[Case, Any]]],
+) -> None:
     """Uneven splits (docs/design-notes.md, "Uneven splits"): 8 experts on n=3 shards
     (3, 3, 2), also with an in-flight cap of one slot; 8 micro-batches on m=3 replicas
     (slots 3, 3, 2: the shard serves slot 2 for replicas 0 and 1 only), capped at 2 and
@@ -147,23 +226,7 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(tmp_path: Path) -> None:
     (`parallel.overlap_grad_sync` off); uneven experts with 3 exchange chunks.
     The overlapped all-reduce's buckets are checked on every step
     (`BucketCheckingTrainer`)."""
-    val = eval_file(tmp_path / "val.npy", num_tokens=33 * 8 * 2)
-    uneven_experts = case(1, 1, 3)
-    uneven_micro = case(1, 3, 1, micro=1)
-    assert uneven_micro.train.num_micro_batches == 8
-    assert_equivalent(
-        [
-            uneven_experts,
-            capped(uneven_experts, 1),
-            uneven_micro,
-            evaluating(capped(uneven_micro, 2), val),
-            ordered(capped(uneven_micro, 2), "steady", "run"),
-            syncing_at_the_end(uneven_micro),
-            chunked(uneven_experts, 3),
-        ],
-        world=4,
-        trainer=f"{trainers.__name__}:BucketCheckingTrainer",
-    )
+    assert_equivalent_cases(four_ranks.pop("four_ranks_uneven_splits_and_in_flight_cap_cases"))
 
 
 def syncing_at_the_end(cfg: RunConfig) -> RunConfig:
@@ -178,8 +241,8 @@ def test_eight_ranks_p2_m2_n2() -> None:
     assert_equivalent([case(2, 2, 2), case(2, 2, 2, top_k=1)], world=8)
 
 
-def test_init_from_hf_start_point(tmp_path: Path) -> None:
-    """Starting from a Hugging Face Qwen3-MoE checkpoint trains identically."""
+@four_rank_cases
+def init_from_hf_start_point_cases(folder: Path) -> list[Case]:
     hf_cfg = transformers.Qwen3MoeConfig(
         vocab_size=256,
         hidden_size=32,
@@ -196,15 +259,22 @@ def test_init_from_hf_start_point(tmp_path: Path) -> None:
         router_aux_loss_coef=0.01,
     )
     torch.manual_seed(0)
-    transformers.Qwen3MoeForCausalLM(hf_cfg).save_pretrained(tmp_path)
+    transformers.Qwen3MoeForCausalLM(hf_cfg).save_pretrained(folder)
     base = case(1, 2, 2)
     cfg = dataclasses.replace(
         base,
-        model=read_hf_config(tmp_path),
-        train=dataclasses.replace(base.train, init_from_hf=str(tmp_path), allow_byte_data=True),
+        model=read_hf_config(folder),
+        train=dataclasses.replace(base.train, init_from_hf=str(folder), allow_byte_data=True),
     )
-    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_moe"
-    assert_equivalent([cfg], world=4)
+    return [Case(cfg)]
+
+
+def test_init_from_hf_start_point(four_ranks: dict[str, list[tuple[Case, Any]]]) -> None:
+    """Starting from a Hugging Face Qwen3-MoE checkpoint trains identically."""
+    results = four_ranks.pop("init_from_hf_start_point_cases")
+    folder = Path(results[0][0].cfg.train.init_from_hf)
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen3_moe"
+    assert_equivalent_cases(results)
 
 
 def placed(cfg: RunConfig, placement: str, ranks_per_node: int) -> RunConfig:
