@@ -29,7 +29,9 @@ def losses(run_dir: Path) -> list[float]:
 
 def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
     common = ["--dtype", "float64", "--steps", "5", "--seed", "3", "--no-progress"]
-    ref = disagmoe("train", "--runtime", "reference", "--run-dir", str(tmp_path / "ref"), *common)
+    ref = run_cli_in_process(  # one process either way: this one
+        "train", "--runtime", "reference", "--run-dir", str(tmp_path / "ref"), *common
+    )
     assert ref.returncode == 0, ref.stderr
     dis = disagmoe("train", "--runtime", "disagg", "--run-dir", str(tmp_path / "dis"), *common)
     assert dis.returncode == 0, dis.stderr
@@ -154,13 +156,14 @@ def test_schedule_command(tmp_path: Path) -> None:
 
 
 def test_schedule_of_one_rank() -> None:
+    """In this process (`test_schedule_command` runs `schedule` as a real process)."""
     layout = ("--groups", "2", "--attn-workers", "2", "--expert-workers", "2")
-    whole = disagmoe("schedule", *layout)
-    one = disagmoe("schedule", *layout, "--rank", "5", "--validate")
+    whole = run_cli_in_process("schedule", *layout)
+    one = run_cli_in_process("schedule", *layout, "--rank", "5", "--validate")
     assert whole.returncode == 0 and one.returncode == 0, one.stderr
     # node-aware: group 1's block is ranks 4..7 = A(g1,r0), F(g1,j0), A(g1,r1), F(g1,j1)
     section = whole.stdout.split("rank 5 F(g1,j0):\n")[1].split("rank 6")[0]
     assert one.stdout.split("rank 5 F(g1,j0):\n")[1].startswith(section)
     assert "rank 4" not in one.stdout and "this rank's list equals its slice" in one.stdout
-    bad = disagmoe("schedule", *layout, "--rank", "8")
+    bad = run_cli_in_process("schedule", *layout, "--rank", "8")
     assert bad.returncode == 2 and "--rank must be in 0..7" in bad.stderr
