@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from threading import Condition
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -55,8 +55,8 @@ from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, dropped, re
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
 from .streams import LaneStreams
+from .work import Payload, StageWorker, StepHooks
 
-Payload = list[torch.Tensor]
 KINDS = tuple(MESSAGE_KINDS)
 # The lanes are Python threads: a receive thread whose message just arrived must get the
 # GIL back from a computing lane quickly, or every message pays up to one switch interval
@@ -74,48 +74,6 @@ _BACKSTOP = 2.0
 # every message: once its queue is empty it sleeps this long (or until the step's last send
 # is posted) and then takes what came.
 _SEND_POLL_S = 1e-3
-
-
-class StageWorker(Protocol):
-    """The compute behind FWD and BWD instructions (`runtime.stages`)."""
-
-    def forward(
-        self,
-        layer: int,
-        slot: int,
-        received: dict[Msg, Payload],
-        outgoing: list[Msg],
-        *,
-        keep: bool = True,
-        chunk: int = -1,
-    ) -> dict[Msg, Payload]:
-        """`keep=False`: no backward follows (a forward-only list), keep nothing for one.
-        `chunk`: the instruction's exchange chunk (`Instr.chunk`, -1: not chunked)."""
-        ...
-
-    def backward(
-        self,
-        layer: int,
-        slot: int,
-        received: dict[Msg, Payload],
-        outgoing: list[Msg],
-        *,
-        chunk: int = -1,
-    ) -> dict[Msg, Payload]: ...
-    def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
-        """The tensors the FWD of (layer, slot, chunk) keeps for its BWD beyond its messages
-        (the meter holds them with the FWD's received and sent payloads)."""
-        ...
-
-
-class StepHooks(Protocol):
-    """What SYNC and STEP instructions do (the trainer: gradient all-reduce, optimizer)."""
-
-    def sync(self, step: int) -> int:
-        """Reduce gradients; return the bytes all-reduced (0 if nothing was)."""
-        ...
-
-    def optimizer_step(self, step: int) -> None: ...
 
 
 class HangError(RuntimeError):
@@ -240,7 +198,7 @@ class Executor:
                     msg = turn.msgs[turn.next]
                 incoming = self._take_header(st, msg, receiver, self._backstop)
                 with st.lock:
-                    self._deliver(st, turn, msg, incoming, by_lane=True)
+                    st.deliver(turn, msg, incoming, by_lane=True)
         finally:
             receiver.stop()
 
@@ -264,24 +222,6 @@ class Executor:
         if not incoming.works:
             self._trace_recv(st.step, msg, incoming, incoming.arrived)
         return incoming
-
-    @staticmethod
-    def _deliver(st: StepState, turn: Turn, msg: Msg, incoming: Incoming, *, by_lane: bool) -> None:
-        """Under `st.lock`: `msg` (the turn's next) into the mailbox, and the turn to whom
-        takes the stream's next header: the receive lane after a message with a payload,
-        the consuming lane after one without (`lanes.Turn`)."""
-        turn.next += 1
-        st.mailbox[msg] = incoming
-        if incoming.works:
-            if turn.pull:
-                turn.pull = False
-                turn.parked.notify()
-        else:
-            turn.pull = True
-        if turn.done and turn.pull:
-            turn.parked.notify()  # (the receive lane ends its step)
-        if by_lane and msg in st.awaits[turn.lane]:
-            st.wake[turn.lane].notify()
 
     def _trace_recv(self, step: int, msg: Msg, incoming: Incoming, end: float) -> None:
         """The receive of `msg`: from its header's arrival until its payload is in (for a
@@ -419,7 +359,7 @@ class Executor:
             st.lock.acquire()
             raise
         st.lock.acquire()
-        self._deliver(st, turn, msg, incoming, by_lane=False)
+        st.deliver(turn, msg, incoming, by_lane=False)
 
     def _take(self, st: StepState, work: Compute, msg: Msg, incoming: Incoming) -> Payload:
         """A message of `work`'s, once its payload is in. On CUDA the wait makes this lane's

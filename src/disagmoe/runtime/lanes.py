@@ -108,6 +108,24 @@ class StepState:
         self.needs = {lane: set() for lane in ("fwd", "bwd")}
         self.awaits = {lane: set() for lane in ("fwd", "bwd")}
 
+    def deliver(self, turn: Turn, msg: Msg, incoming: Incoming, *, by_lane: bool) -> None:
+        """Under `lock`: `msg` (the turn's next) into the mailbox, and the turn to whom takes
+        the stream's next header: the receive lane after a message with a payload, the
+        consuming lane after one without (`Turn`). `by_lane`: the receive lane took it (and
+        wakes the consumer if it waits for it)."""
+        turn.next += 1
+        self.mailbox[msg] = incoming
+        if incoming.works:
+            if turn.pull:
+                turn.pull = False
+                turn.parked.notify()
+        else:
+            turn.pull = True
+        if turn.done and turn.pull:
+            turn.parked.notify()  # (the receive lane ends its step)
+        if by_lane and msg in self.awaits[turn.lane]:
+            self.wake[turn.lane].notify()
+
     def fail(self, err: BaseException) -> None:
         with self.lock:
             self.errors.append(err)
