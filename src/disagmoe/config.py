@@ -153,7 +153,7 @@ class ScheduleConfig:
     costs or the nominal ones, whose simulated step is shortest (`simulator.choose`).
     `exchange_chunks`: each micro-batch's exchange with each expert shard as that many
     chunks of its rows (`schedule.ir`), so a shard computes one chunk while the next is
-    on the wire; 1 sends it whole; 0: auto picks (`simulator.choose`: 1, 2 or 4, whichever
+    on the wire; 1 sends it whole; 0: auto picks (`simulator.choose`: 1, 2, 4 or 8, whichever
     simulates the shortest step, the same on every rank).
     `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
     run's costs and links, `simulator.choose.schedule_costs`); auto decides it.
@@ -175,7 +175,7 @@ class ScheduleConfig:
     costs: str = "nominal"  # nominal | run
     # each micro-batch's exchange with each expert shard in this many chunks of its rows,
     # the shard computing one while the next is on the wire (schedule.ir); 1: whole;
-    # 0: auto picks 1, 2 or 4 by simulated step (simulator.choose)
+    # 0: auto picks 1, 2, 4 or 8 by simulated step (simulator.choose)
     exchange_chunks: int = field(
         default=1,
         metadata=flag(

@@ -51,7 +51,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         "scored by its best order, simulator.choose; 6x the replays)")  # fmt: skip
     parser.add_argument("--exchange-chunks", type=int, default=1, metavar="C",
                         help="schedule.exchange_chunks the simulator profile replays "
-                        "(0: auto's pick of 1, 2 or 4 per plan; 3x the replays)")  # fmt: skip
+                        "(0: auto's pick of 1, 2, 4 or 8 per plan; 4x the replays)")  # fmt: skip
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "

@@ -44,7 +44,7 @@ class PlanOptions:
     search_radius: int = 2  # stage 3: r, max change of m, M_a and the in-flight cap per move
     profile: str = "analytic"  # auto | analytic | simulator (sim_profile.py); CLI default auto
     order: str = "breadth"  # schedule.order the simulator profile replays (auto: best of all)
-    # schedule.exchange_chunks the simulator profile replays (0: auto's pick of 1, 2 or 4)
+    # schedule.exchange_chunks the simulator profile replays (0: auto's pick of 1, 2, 4 or 8)
     exchange_chunks: int = 1
     # stage 4 (sim_profile.grow_micro_batches): with the simulator profile and micro_batches
     # 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound

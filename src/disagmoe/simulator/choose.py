@@ -39,7 +39,7 @@ CANDIDATES: tuple[tuple[str, bool], ...] = tuple(
     (order, costed) for costed in (False, True) for order in GENERATED_ORDERS
 )
 # exchange chunk counts `schedule.exchange_chunks = 0` lets auto pick from, fewest first
-CHUNK_CANDIDATES: tuple[int, ...] = (1, 2, 4)
+CHUNK_CANDIDATES: tuple[int, ...] = (1, 2, 4, 8)
 
 
 def schedule_costs(

@@ -67,7 +67,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         metavar="C",
         help="disagg: each micro-batch's exchange with an expert shard in C chunks of its rows, "
-        "pipelined with the shard's compute (schedule.exchange_chunks; 0: auto picks 1, 2 or 4 "
+        "pipelined with the shard's compute (schedule.exchange_chunks; 0: auto picks 1, 2, 4 or 8 "
         "by simulated step)",
     )
     parser.add_argument(

@@ -99,7 +99,7 @@ def simulate_disagg(
     the A gradients' all-reduce runs per layer bucket during the backward
     (`schedule.sync`), else after the rank's last op. `exchange_chunks`
     (`schedule.exchange_chunks`): each micro-batch's exchange with a shard in that many
-    chunks (`schedule.ir`, priced by `replay.afpipe_pricing`); 0: `choose` picks 1, 2 or 4
+    chunks (`schedule.ir`, priced by `replay.afpipe_pricing`); 0: `choose` picks 1, 2, 4 or 8
     (with an explicit order, among that order alone).
     """
 
