@@ -89,6 +89,7 @@ class _Worker:
         outgoing: list[Msg],
         *,
         chunk: int = -1,
+        defer: bool = False,
     ) -> dict[Msg, Payload]:
         return self.forward(layer, slot, received, outgoing)
 

@@ -4,15 +4,18 @@
     .venv/bin/python benchmarks/schedule_orders.py [--json benchmarks/results/schedule_orders.json]
 
 Per setting this replays one optimizer step (`simulate_disagg`, fair links) of each
-candidate of `schedule.order = auto` with `schedule.exchange_chunks = 0` — breadth, depth
-and steady, each ordered with the nominal costs and with the run's costs and links, each
-with its exchange in 1, 2 and 4 chunks (`simulator.choose`) — and prints the unchunked
-candidates' steps, the best step with 2 and with 4 chunks, and auto's pick (order and
-chunks), its step, its bound (`simulator.bound`), their ratio and the unchunked best's
-ratio (`c1 st/bd`).
+candidate of `schedule.order = auto` with `schedule.exchange_chunks = 0` and
+`schedule.split_backward = auto` — breadth, depth and steady, each ordered with the nominal
+costs and with the run's costs and links, each with its exchange in 1, 2, 4 and 8 chunks,
+each with whole backwards and with deferred weight gradients (`simulator.choose`) — and
+prints the unchunked whole-backward candidates' steps, the best step with 2, 4 and 8
+chunks (whole backwards), the best with deferred weight gradients (`best +W`), and auto's
+pick (order, `+c` ordered with the run's costs, `+W` weight gradients deferred; chunks),
+its step, its bound (`simulator.bound`), their ratio and the unchunked whole-backward
+best's ratio (`c1 st/bd`).
 Every replay is the symmetry-reduced one (`reduce=True`: one replica per class, one shard
 per group, bundled messages, as `run_choice` replays for `schedule.order = auto`), which
-keeps 18 candidates per setting affordable.
+keeps 48 candidates per setting affordable.
 `one-slot` is the step of the same layout (auto, chunks too) when every replica runs one
 micro-batch: about
 what the dependency chain of a single micro-batch (every layer forward and backward, each
@@ -99,32 +102,41 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     names = [f"{o}{'+c' if c else ''}" for o, c in CANDIDATES]
-    more = [f"best c{k}" for k in CHUNK_CANDIDATES if k > 1]
+    more = [f"best c{k}" for k in CHUNK_CANDIDATES if k > 1] + ["best +W"]
     print(f"{'setting':34s} {'p/m/n':>8s} {'M':>3s} {'cap':>3s} "
           + " ".join(f"{n:>9s}" for n in names + more)
-          + f" {'chosen':>9s} {'chunks':>6s} {'step s':>8s} {'bound s':>8s} {'st/bd':>6s}"
+          + f" {'chosen':>11s} {'chunks':>6s} {'step s':>8s} {'bound s':>8s} {'st/bd':>6s}"
           f" {'c1 st/bd':>8s} {'one-slot':>8s}  binding")  # fmt: skip
     for label, model, cluster, kw in settings():
         t0 = time.perf_counter()
         # one auto replay tries every (order, costs, chunks) candidate (simulator.choose)
-        auto = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, reduce=True, **kw)
+        auto = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, reduce=True,
+                               split_backward=None, **kw)  # fmt: skip
         steps: dict[str, dict[int, float]] = {}
-        for order, costed, chunks, step in auto.config["auto_steps"]:
-            steps.setdefault(f"{order}{'+c' if costed else ''}", {})[chunks] = step
+        split_steps = []
+        for order, costed, chunks, step, split in auto.config["auto_steps"]:
+            if split:
+                split_steps.append(step)
+            else:
+                steps.setdefault(f"{order}{'+c' if costed else ''}", {})[chunks] = step
         best = {k: min(v[k] for v in steps.values()) for k in CHUNK_CANDIDATES}
         one = simulate_disagg(
-            model, cluster, order="auto", exchange_chunks=0, reduce=True,
+            model, cluster, order="auto", exchange_chunks=0, reduce=True, split_backward=None,
             **{**kw, "num_micro_batches": kw["attn_workers"]},
         )  # fmt: skip
         bound = auto.bound.seconds if auto.bound else 0.0
-        chosen = f"{auto.config['order']}{'+c' if auto.config['costed'] else ''}"
+        chosen = (
+            f"{auto.config['order']}{'+c' if auto.config['costed'] else ''}"
+            f"{'+W' if auto.config['split_backward'] else ''}"
+        )
         chunks = auto.config["exchange_chunks"]
         layout = f"{kw['groups']}/{kw['attn_workers']}/{kw['expert_workers']}"
         cap = kw.get("max_in_flight", 0)
         print(f"{label:34s} {layout:>8s} {kw['num_micro_batches']:3d} {cap:3d} "
               + " ".join(f"{steps[n][1]:9.4f}" for n in names)
               + " " + " ".join(f"{best[k]:9.4f}" for k in CHUNK_CANDIDATES if k > 1)
-              + f" {chosen:>9s} {chunks:6d} {auto.step_time_s:8.4f} {bound:8.4f} "
+              + f" {min(split_steps):9.4f}"
+              + f" {chosen:>11s} {chunks:6d} {auto.step_time_s:8.4f} {bound:8.4f} "
               f"{auto.step_time_s / bound:6.3f} {best[1] / bound:8.3f} {one.step_time_s:8.4f}  "
               f"{auto.bound.describe() if auto.bound else '-'}", flush=True)  # fmt: skip
         rows.append(
@@ -137,6 +149,8 @@ def main() -> None:
                 "candidate_steps_by_chunks_s": {n: {str(k): t for k, t in v.items()}
                                                 for n, v in steps.items()},
                 "best_step_by_chunks_s": {str(k): t for k, t in best.items()},
+                "best_split_backward_step_s": min(split_steps),
+                "split_backward": auto.config["split_backward"],
                 "chosen": chosen,
                 "exchange_chunks": chunks,
                 "step_s": auto.step_time_s,

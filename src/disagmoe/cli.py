@@ -85,10 +85,12 @@ def _order_line(cfg: RunConfig, layout: Layout) -> str:
         f"{choice.bound_s * 1e3:.4g} ms{ratio} on cluster {cfg.cluster.name} "
         f"(simulator, {costs}, fair links)"
     )
-    if cfg.schedule.order == "auto" or cfg.schedule.exchange_chunks == 0:
+    given = cfg.schedule
+    if given.order == "auto" or given.exchange_chunks == 0 or given.split_backward == "auto":
         steps = ", ".join(
-            f"{o}{'+costs' if c else ''}{f' c{k}' if k > 1 else ''} {t * 1e3:.4g}"
-            for o, c, k, t in choice.steps
+            f"{o}{'+costs' if c else ''}{f' c{k}' if k > 1 else ''}{' +W' if w else ''} "
+            f"{t * 1e3:.4g}"
+            for o, c, k, t, w in choice.steps
         )
         line += f"\n# auto candidates (ms): {steps}"
     return line

@@ -140,6 +140,7 @@ class ParallelConfig:
 
 # schedule.orders.GENERATED_ORDERS, and "auto": the best of them by simulated step
 SCHEDULE_ORDERS = ("breadth", "depth", "steady", "auto")
+SPLIT_BACKWARD = ("off", "on", "auto")  # schedule.split_backward
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -155,6 +156,10 @@ class ScheduleConfig:
     chunks of its rows (`schedule.ir`), so a shard computes one chunk while the next is
     on the wire; 1 sends it whole; 0: auto picks (`simulator.choose`: 1, 2, 4 or 8, whichever
     simulates the shortest step, the same on every rank).
+    `split_backward`: "on" splits every backward into what the next stage waits for (input
+    gradients) and a W that computes the weights' gradients later, when the rank has
+    nothing else ready (`schedule.semantics`, "Deferred weight gradients"); "auto" does it
+    where it simulates the shorter step. Needs real compute without activation recompute.
     `costs`: what an explicit order's lanes are timed with, "nominal" or "run" (this
     run's costs and links, `simulator.choose.schedule_costs`); auto decides it.
     `costs_file`: measured compute costs (a `compute_costs.json`: `disagmoe bench
@@ -182,6 +187,14 @@ class ScheduleConfig:
             "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0: auto)"
         ),
     )
+    # off | on | auto: every backward defers its weight gradients to a W that fills the
+    # rank's idle gaps (schedule.semantics); auto: whichever simulates the shorter step
+    split_backward: str = field(
+        default="off",
+        metadata=flag(
+            "AF-Pipe: defer each backward's weight gradients (off | on | auto: by simulated step)"
+        ),
+    )
     costs_file: str = field(  # "": train.emulate_compute's file, else the analytic costs
         default="",
         metadata=flag(
@@ -207,6 +220,11 @@ class ScheduleConfig:
             0 <= self.exchange_chunks <= MAX_EXCHANGE_CHUNKS,
             f"schedule.exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
             f"got {self.exchange_chunks}",
+        )
+        _require(
+            self.split_backward in SPLIT_BACKWARD,
+            f"schedule.split_backward must be one of {', '.join(SPLIT_BACKWARD)}, "
+            f"got {self.split_backward!r}",
         )
 
 
@@ -448,6 +466,19 @@ class RunConfig:
             f"train.seq_len ({self.train.seq_len}) exceeds model.max_seq_len "
             f"({self.model.max_seq_len})",
         )
+        _require(
+            self.schedule.split_backward != "on" or not self.split_backward_blocker(),
+            f"schedule.split_backward = on cannot run with {self.split_backward_blocker()}: "
+            "set it off (or auto, which then keeps backwards whole)",
+        )
+
+    def split_backward_blocker(self) -> str:
+        """What keeps a run from deferring weight gradients (`runtime.wgrad`), or ""."""
+        if self.train.recompute != "none":
+            return f"train.recompute = {self.train.recompute}"
+        if self.train.emulate_compute:
+            return "train.emulate_compute (an emulated backward waits on its input path)"
+        return ""
 
 
 SECTIONS: dict[str, type] = {

@@ -75,6 +75,11 @@ def trainer_steps(
         for e in events:  # a chunk's compute says which in its args, as the simulator's
             if e["cat"] in ("fwd", "bwd") and " c" in e["name"]:
                 assert e["args"]["chunk"] == int(e["name"].rsplit(" c", 1)[1]), e
+    if cfg.schedule.split_backward == "on":  # every BWD's weight gradients ran in a W
+        events = trainer.tracer.step_events(steps - 1)
+        backs = sorted(e["name"][1:] for e in events if e["name"].startswith("B"))
+        weights = sorted(e["name"][1:] for e in events if e["name"].startswith("W"))
+        assert backs and backs == weights, (backs[:5], weights[:5])
     shard = getattr(trainer, "expert_shard", None)
     return {"steps": out, "shard": shard() if callable(shard) else None}
 
@@ -133,6 +138,14 @@ def chunked(cfg: RunConfig, chunks: int) -> RunConfig:
     import dataclasses
 
     schedule = dataclasses.replace(cfg.schedule, exchange_chunks=chunks)
+    return dataclasses.replace(cfg, schedule=schedule)
+
+
+def splitting(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `schedule.split_backward` on (every backward's weight gradients in a W)."""
+    import dataclasses
+
+    schedule = dataclasses.replace(cfg.schedule, split_backward="on")
     return dataclasses.replace(cfg, schedule=schedule)
 
 

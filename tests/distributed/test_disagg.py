@@ -36,6 +36,7 @@ from .equivalence import (
     recomputing,
     rel_errors,
     spawn_cases,
+    splitting,
 )
 
 TOL = 1e-10
@@ -227,6 +228,33 @@ def test_four_ranks_uneven_splits_and_in_flight_cap(
     The overlapped all-reduce's buckets are checked on every step
     (`BucketCheckingTrainer`)."""
     assert_equivalent_cases(four_ranks.pop("four_ranks_uneven_splits_and_in_flight_cap_cases"))
+
+
+@four_rank_cases
+def four_ranks_split_backward_cases(folder: Path) -> list[Case]:
+    shared_dense = case(1, 2, 2, num_shared_experts=1, num_dense_layers=1, dense_dim=96)
+    return [
+        Case(splitting(cfg), f"{trainers.__name__}:BucketCheckingTrainer")
+        for cfg in [
+            case(1, 2, 2),
+            ordered(capped(case(1, 2, 2), 1), "steady", "run"),
+            chunked(case(1, 2, 2, tie_embeddings=True), 2),
+            shared_dense,
+            case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
+            ordered(capped(case(2, 1, 1), 1), "steady", "nominal"),
+            chunked(case(1, 1, 3), 3),
+        ]
+    ]
+
+
+def test_four_ranks_split_backward(four_ranks: dict[str, list[tuple[Case, Any]]]) -> None:
+    """Deferred weight gradients (`schedule.split_backward`, `runtime.wgrad`): every
+    backward computes its input gradients and a W its weight gradients later; exact on
+    p = 1 (capped at one slot in the steady order with the run's costs; with 2 exchange
+    chunks and a tied embedding; shared and dense layers; 16 experts at top-1, several
+    without a token), on the p = 2 ring, and on 3 uneven shards with 3 chunks; the
+    overlapped all-reduce's buckets issued after the Ws (`BucketCheckingTrainer`)."""
+    assert_equivalent_cases(four_ranks.pop("four_ranks_split_backward_cases"))
 
 
 def syncing_at_the_end(cfg: RunConfig) -> RunConfig:

@@ -70,6 +70,7 @@ class _Worker:
         outgoing: list[Msg],
         *,
         chunk: int = -1,
+        defer: bool = False,
     ) -> dict[Msg, list[torch.Tensor]]:
         self.seen[f"B{layer}"] = [t.data_ptr() for p in received.values() for t in p]
         self.stash.pop((layer, slot))

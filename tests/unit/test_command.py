@@ -28,6 +28,7 @@ CONFIG_FLAGS = {
     "--no-overlap-grad-sync": "parallel.overlap_grad_sync",
     "--max-in-flight": "schedule.max_in_flight",
     "--exchange-chunks": "schedule.exchange_chunks",
+    "--split-backward": "schedule.split_backward",
     "--costs-file": "schedule.costs_file",
     "--steps": "train.steps",
     "--seed": "train.seed",

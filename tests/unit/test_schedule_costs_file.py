@@ -75,7 +75,7 @@ def test_the_costs_file_decides_the_chunk_count(tmp_path: Path) -> None:
     assert isinstance(run_compute_costs(heavy, layout, workload), MeasuredCosts)
     choice = run_choice(heavy, layout, 4, 3)[0]
     assert choice.exchange_chunks == 1
-    steps = {k: t for _, _, k, t in choice.steps}
+    steps = {k: t for _, _, k, t, _ in choice.steps}
     assert steps[1] < steps[2] < steps[4]
     # the same costs without a fixed part: chunks win again
     assert run_choice(config(costs=costs_file(tmp_path, 0.0)), layout, 4, 3)[0].exchange_chunks > 1

@@ -96,9 +96,9 @@ def test_auto_picks_the_shortest_candidate_deterministically() -> None:
     first, _ = choose_order(lay, 8, 2, 16, costs, workload, net)
     again, _ = choose_order(lay, 8, 2, 16, costs, workload, net)
     assert (first.order, first.costed, first.steps) == (again.order, again.costed, again.steps)
-    assert [(o, c) for o, c, k, _ in first.steps] == list(CANDIDATES)
-    assert {k for _, _, k, _ in first.steps} == {1} and first.exchange_chunks == 1
-    assert first.step_s == min(t for *_, t in first.steps) and first.bound_s > 0
+    assert [(o, c) for o, c, k, _, _ in first.steps] == list(CANDIDATES)
+    assert {k for _, _, k, _, _ in first.steps} == {1} and first.exchange_chunks == 1
+    assert first.step_s == min(t for _, _, _, t, _ in first.steps) and first.bound_s > 0
     auto = simulate_disagg(
         MODEL_PRESETS["tiny"], SLOW, groups=2, attn_workers=2, expert_workers=1, seq_len=128,
         micro_batch_size=2, num_micro_batches=16, max_in_flight=2, order="auto", reduce=True,

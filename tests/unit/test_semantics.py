@@ -68,6 +68,7 @@ class _Worker:
         outgoing: list[Msg],
         *,
         chunk: int = -1,
+        defer: bool = False,
     ) -> dict[Msg, Payload]:
         self.ran.append(f"B l{layer} s{slot}")
         return {}

@@ -137,20 +137,20 @@ def test_auto_picks_the_chunk_count_deterministically() -> None:
     run_choice.cache_clear()
     again, _ = run_choice(cfg, layout, 4, 0)
     assert first == again
-    tried = {k for _, _, k, _ in first.steps}
+    tried = {k for _, _, k, _, _ in first.steps}
     assert tried == set(CHUNK_CANDIDATES) and len(first.steps) == 6 * len(CHUNK_CANDIDATES)
-    best = min(t for *_, t in first.steps)
+    best = min(t for _, _, _, t, _ in first.steps)
     assert first.step_s == best
     # ties go to the fewest chunks: the chosen count is the smallest reaching the best step
-    assert first.exchange_chunks == min(k for _, _, k, t in first.steps if t == best)
-    order, _, chunks = run_order(cfg, layout, 4, 0)
-    assert (order, chunks) == (first.order, first.exchange_chunks)
+    assert first.exchange_chunks == min(k for _, _, k, t, _ in first.steps if t == best)
+    order, _, chunks, split = run_order(cfg, layout, 4, 0)
+    assert (order, chunks, split) == (first.order, first.exchange_chunks, False)
     # an explicit count is taken as given, without a replay; 1 is the default
-    assert run_order(_cfg("breadth", 2), layout, 4, 0) == ("breadth", None, 2)
+    assert run_order(_cfg("breadth", 2), layout, 4, 0) == ("breadth", None, 2, False)
     assert ScheduleConfig().exchange_chunks == 1
     # an explicit order with chunks 0: the chunk count is chosen for that order alone
     fixed, _ = run_choice(_cfg("depth", 0), layout, 4, 0)
-    assert {(o, c) for o, c, _, _ in fixed.steps} == {("depth", False)}
+    assert {(o, c) for o, c, _, _, _ in fixed.steps} == {("depth", False)}
     assert fixed.order == "depth" and fixed.exchange_chunks in CHUNK_CANDIDATES
 
 

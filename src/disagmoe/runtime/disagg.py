@@ -94,8 +94,9 @@ def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
     return dataclasses.replace(layout, ranks_per_node=ranks)
 
 
-# (order, generator costs or None, exchange chunks): `simulator.choose.run_order`'s answer
-Resolved = tuple[str, ScheduleCosts | None, int]
+# (order, generator costs or None, exchange chunks, split backward):
+# `simulator.choose.run_order`'s answer
+Resolved = tuple[str, ScheduleCosts | None, int, bool]
 
 
 def resolve_schedule(cfg: RunConfig, layout: Layout) -> Resolved:
@@ -116,7 +117,7 @@ def run_schedule(
     count `resolved` (default: `resolve_schedule`; an evaluation batch passes the training
     step's)."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs, chunks = resolved or resolve_schedule(cfg, layout)
+    order, costs, chunks, split = resolved or resolve_schedule(cfg, layout)
     return build_afpipe(
         layout,
         slots,
@@ -126,6 +127,7 @@ def run_schedule(
         forward_only=forward_only,
         costs=costs,
         exchange_chunks=chunks,
+        split_backward=split,
     )
 
 
@@ -146,7 +148,7 @@ def run_schedule_of_rank(
 ) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs, chunks = resolved or resolve_schedule(cfg, layout)
+    order, costs, chunks, split = resolved or resolve_schedule(cfg, layout)
     return build_afpipe_rank(
         layout,
         rank,
@@ -157,6 +159,7 @@ def run_schedule_of_rank(
         forward_only=forward_only,
         costs=costs,
         exchange_chunks=chunks,
+        split_backward=split,
     )
 
 
@@ -375,11 +378,12 @@ class DisaggTrainer:
         return self.topo.process_groups
 
     def schedule_facts(self) -> dict[str, Any]:
-        order, costs, chunks = self.resolved
+        order, costs, chunks, split = self.resolved
         return {
             "order": order,
             "costs": "nominal" if costs is None else "run",
             "exchange_chunks": chunks,
+            "split_backward": split,
             "compute_costs": self.cfg.schedule.costs_file or self.cfg.train.emulate_compute,
             "max_in_flight": self.cap,
         }

@@ -456,8 +456,8 @@ class Executor:
     def _run_compute(
         self, instr: Instr, received: dict[Msg, Payload], outgoing: list[Msg]
     ) -> dict[Msg, Payload]:
-        """The worker's FWD or BWD; with a meter, what a FWD saves and keeps is counted
-        (on this lane's thread) until the matching BWD has run. The FWDs of a forward-only
+        """The worker's FWD, BWD or W; with a meter, what a FWD saves and keeps is counted
+        (on this lane's thread) until the matching BWD has run (its W where it defers one). The FWDs of a forward-only
         list run without autograd (grad mode is per thread: set on this lane's) and keep
         nothing (`schedule.semantics`)."""
         layer, slot, chunk = instr.layer, instr.slot, instr.chunk
@@ -465,9 +465,15 @@ class Executor:
         if self.program.forward_only:  # under no_grad (`_compute_lane`)
             return worker.forward(layer, slot, received, outgoing, keep=False, chunk=chunk)
         task = (layer, slot, chunk)
-        if instr.op != Op.FWD:
-            out = worker.backward(layer, slot, received, outgoing, chunk=chunk)
+        if instr.op == Op.WGT:  # the weight gradients its BWD deferred: the slot's last use
+            worker.weight_grads(layer, slot, chunk=chunk)
             if self.meter is not None:
+                self.meter.release(task)
+            return {}
+        if instr.op == Op.BWD:
+            defer = (instr.comp, layer, slot) in self.program.split
+            out = worker.backward(layer, slot, received, outgoing, chunk=chunk, defer=defer)
+            if self.meter is not None and not defer:
                 self.meter.release(task)
             return out
         if self.meter is None:

@@ -1,8 +1,9 @@
 """An attention rank's gradient all-reduce overlapped with its backward (`schedule.sync`).
 
 `OverlappedSync` stands in for the rank's `AttnWorker` before the executor (same
-`forward` / `backward` / `kept`): after the worker's backward of (layer, slot) it issues,
-on the bwd lane, every bucket whose issue point that BWD is — an asynchronous
+`forward` / `backward` / `weight_grads` / `kept`): after the worker's backward of (layer,
+slot) — its W where the list defers weight gradients — it issues, on the bwd lane, every
+bucket whose issue point that compute is — an asynchronous
 `all_reduce` over the group's m replicas of a flat copy of the bucket's gradients (a
 parameter without a gradient is final with none: it joins as zeros, as
 `objective.fill_missing_grads` would make it at SYNC). Every replica issues the same
@@ -105,11 +106,17 @@ class OverlappedSync:
         outgoing: list[Msg],
         *,
         chunk: int = -1,
+        defer: bool = False,
     ) -> dict[Msg, Payload]:
-        out = self.worker.backward(layer, slot, received, outgoing, chunk=chunk)
+        out = self.worker.backward(layer, slot, received, outgoing, chunk=chunk, defer=defer)
         for k in self.issue_at.get((Op.BWD.value, "A", layer, slot, chunk), ()):
             self._issue(k)
         return out
+
+    def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
+        self.worker.weight_grads(layer, slot, chunk=chunk)
+        for k in self.issue_at.get((Op.WGT.value, "A", layer, slot, chunk), ()):
+            self._issue(k)
 
     # -- the all-reduces ---------------------------------------------------------------
 

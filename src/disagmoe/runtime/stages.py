@@ -43,6 +43,7 @@ from ..schedule.ir import Msg, chunk_rows
 from .objective import LossScale, loss_total
 from .precision import Precision
 from .setup import materialize_initial_weights
+from .wgrad import Deferred, backward_inputs, backward_weights
 
 Payload = list[torch.Tensor]
 
@@ -186,6 +187,7 @@ class AttnWorker:
             self.modules.add("norm", model.norm)
             self.modules.add("lm_head", model.lm_head)
         self.stash: dict[tuple[int, int], _AttnState] = {}
+        self.deferred: dict[tuple[int, int, int], Deferred] = {}  # BWDs' W parts (wgrad)
         self.micro_batches: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.local: dict[tuple[str, int, int], Payload] = {}
         self.ce_sum = loss_total(device)  # this replica's loss shares, summed on the device
@@ -315,6 +317,10 @@ class AttnWorker:
         dispatched = [t for pair in st.dispatched.values() for t in pair]
         return [t for t in roots if t is not None] + list(st.combine_leaves.values()) + dispatched
 
+    def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
+        """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
+        backward_weights(self.deferred.pop((layer, slot, chunk)))
+
     def backward(
         self,
         layer: int,
@@ -323,7 +329,10 @@ class AttnWorker:
         outgoing: list[Msg],
         *,
         chunk: int = -1,
+        defer: bool = False,
     ) -> dict[Msg, Payload]:
+        """`defer`: compute the input gradients only and keep the rest for
+        `weight_grads(layer, slot)` (`runtime.wgrad`)."""
         assert chunk == -1, chunk
         st = self.stash.pop((layer, slot))
         tensors: list[torch.Tensor] = []
@@ -343,7 +352,13 @@ class AttnWorker:
         if st.objective is not None:
             tensors.append(st.objective)
             grads.append(torch.ones_like(st.objective))
-        _backward(tensors, grads)
+        if defer:
+            inputs = [st.resid_leaf, *st.combine_leaves.values()]
+            self.deferred[(layer, slot, chunk)] = backward_inputs(
+                tensors, grads, [t for t in inputs if t is not None], self.layer_parameters(layer)
+            )
+        else:
+            _backward(tensors, grads)
         out: dict[Msg, Payload] = {}
         if layer == 0:
             return out
@@ -394,6 +409,7 @@ class ExpertWorker:
             self.modules.add(f"layers.{l}.experts", full.narrow(experts.start, len(experts)))
         self.expert_offset = experts.start
         self.stash: dict[tuple[int, int, int], _ExpertState] = {}  # (layer, slot, chunk)
+        self.deferred: dict[tuple[int, int, int], Deferred] = {}  # BWDs' W parts (wgrad)
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(self.modules.named_parameters())
@@ -439,6 +455,10 @@ class ExpertWorker:
         st = self.stash[(layer, slot, chunk)]
         return [t for pair in st.inputs.values() for t in pair] + list(st.outputs.values())
 
+    def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
+        """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
+        backward_weights(self.deferred.pop((layer, slot, chunk)))
+
     def backward(
         self,
         layer: int,
@@ -447,11 +467,19 @@ class ExpertWorker:
         outgoing: list[Msg],
         *,
         chunk: int = -1,
+        defer: bool = False,
     ) -> dict[Msg, Payload]:
         st = self.stash.pop((layer, slot, chunk))
         grads_by_replica = {self.layout.role(m.src).index: p[0] for m, p in received.items()}
         replicas = sorted(st.outputs)
-        _backward([st.outputs[r] for r in replicas], [grads_by_replica[r] for r in replicas])
+        roots = [st.outputs[r] for r in replicas]
+        grads = [grads_by_replica[r] for r in replicas]
+        if defer:
+            inputs = [t for pair in st.inputs.values() for t in pair]
+            params = list(self.modules[f"layers.{layer}.experts"].parameters())
+            self.deferred[(layer, slot, chunk)] = backward_inputs(roots, grads, inputs, params)
+        else:
+            _backward(roots, grads)
         out = {}
         for msg in outgoing:
             u_leaf, w_leaf = st.inputs[self.layout.role(msg.dst).index]

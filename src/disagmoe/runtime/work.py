@@ -14,7 +14,7 @@ Payload = list[torch.Tensor]
 
 
 class StageWorker(Protocol):
-    """The compute behind FWD and BWD instructions (`runtime.stages`)."""
+    """The compute behind FWD, BWD and W instructions (`runtime.stages`)."""
 
     def forward(
         self,
@@ -38,7 +38,15 @@ class StageWorker(Protocol):
         outgoing: list[Msg],
         *,
         chunk: int = -1,
-    ) -> dict[Msg, Payload]: ...
+        defer: bool = False,
+    ) -> dict[Msg, Payload]:
+        """`defer`: the input gradients only; `weight_grads` computes the rest (a W)."""
+        ...
+
+    def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
+        """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
+        ...
+
     def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
         """The tensors the FWD of (layer, slot, chunk) keeps for its BWD beyond its messages
         (the meter holds them with the FWD's received and sent payloads)."""

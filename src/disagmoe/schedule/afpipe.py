@@ -23,6 +23,14 @@ per chunk, each consuming and producing that chunk's messages, so a shard comput
 chunk while the next is on the wire. The generator prices a chunk at 1/c of the compute
 and of the message.
 
+`split_backward=True` defers weight gradients (`schedule.semantics`, "Deferred weight
+gradients"): every backward is a BWD that computes what the next stage waits for (input
+gradients) and a W after it that computes the weights' gradients, with no message; a W
+runs when nothing else is ready on its lane (`orders.weight_priority`), so the weight
+GEMMs fill the gaps a slot's chain leaves (the forward-to-backward turn, the LM head's
+block), and the in-flight cap holds a slot until its W ran. The generator prices a W at
+`costs.compute_s(Op.WGT, ...)` and its BWD at the rest of the backward.
+
 `forward_only=True` gives the forward-only schedule of evaluation: the same forwards and
 forward messages, no backward, no SYNC or STEP, and no in-flight cap (a forward-only list
 keeps nothing: `schedule.semantics`).
@@ -44,7 +52,14 @@ from dataclasses import replace
 from ..distributed.layout import Layout
 from .graph import Task, TaskGraph, emit_schedule, list_schedule
 from .ir import Instr, Op, Schedule
-from .orders import NOMINAL, ScheduleCosts, check_chunks, check_order, priority
+from .orders import (
+    NOMINAL,
+    ScheduleCosts,
+    check_chunks,
+    check_order,
+    priority,
+    weight_priority,
+)
 
 
 def micro_batch_count(layout: Layout, num_slots: int, num_micro_batches: int = 0) -> int:
@@ -72,8 +87,10 @@ def build_afpipe_graph(
     forward_only: bool = False,
     costs: ScheduleCosts = NOMINAL,
     exchange_chunks: int = 1,
+    split_backward: bool = False,
 ) -> TaskGraph:
     check_order(order)
+    split = split_backward and not forward_only
     check_chunks(exchange_chunks)
     p, n, L = layout.groups, layout.expert_workers, layout.num_layers
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
@@ -85,11 +102,23 @@ def build_afpipe_graph(
 
     def add(task: Task) -> None:
         seconds = costs.compute_s(task.op, task.comp, task.layer)
+        weights = 0.0
+        if split and task.op == Op.BWD:  # the input gradients: the rest goes to its W
+            weights = costs.compute_s(Op.WGT, task.comp, task.layer)
+            seconds = max(0.0, seconds - weights)
         g.add(
             task,
             seconds * share if task.chunk >= 0 else seconds,
             (*priority(order, task.op, task.layer, task.slot), task.chunk),
         )
+        if split and task.op == Op.BWD:  # after its BWD in the lists, even at equal times
+            w = replace(task, op=Op.WGT)
+            g.add(
+                w,
+                weights * share if task.chunk >= 0 else weights,
+                (*weight_priority(task.layer, task.slot), task.chunk),
+            )
+            g.local_deps[w].append(task)
 
     def fa(l: int, s: int, r: int) -> Task:
         return Task(Op.FWD, "A", l, s, layout.attn_rank(l % p, r))
@@ -156,13 +185,16 @@ def build_afpipe_graph(
             continue
         role = layout.role(rank)
         first = layers[0]
+        held = Op.WGT if split else Op.BWD  # what the slot's activations are kept until
         for s in range(cap, num_slots):
             if role.comp == "A" and role.index < replicas[s]:
-                g.local_deps[fa(first, s, role.index)].append(ba(first, s - cap, role.index))
+                g.local_deps[fa(first, s, role.index)].append(
+                    replace(ba(first, s - cap, role.index), op=held)
+                )
             elif role.comp == "F":
                 for k in chunks:
                     g.local_deps[ff(first, s, role.index, k)].append(
-                        bf(first, s - cap, role.index, k)
+                        replace(bf(first, s - cap, role.index, k), op=held)
                     )
     for msgs in g.outputs.values():
         for msg in msgs:
@@ -184,6 +216,7 @@ def build_afpipe(
     forward_only: bool = False,
     costs: ScheduleCosts | None = None,
     exchange_chunks: int = 1,
+    split_backward: bool = False,
 ) -> Schedule:
     """AF-Pipe schedule for one optimizer step of `num_slots` micro-batch slots (with
     `forward_only`, for one evaluation batch: forwards only, no cap, named "afpipe-forward").
@@ -205,12 +238,14 @@ def build_afpipe(
     }
     if exchange_chunks > 1:
         meta["exchange_chunks"] = exchange_chunks
+    if split_backward and not forward_only:
+        meta["split_backward"] = 1
     if costs is not None:
         meta["costs"] = costs.name
         if reduced_layout(layout, num_micro)[0] != layout:
             rep = _representative(
                 layout, num_micro, num_slots, max_in_flight, order, forward_only, costs,
-                exchange_chunks,
+                exchange_chunks, split_backward,
             )  # fmt: skip
             ranks = tuple(_expand(layout, num_micro, rep, r) for r in range(layout.world_size))
             roles = tuple(str(layout.role(r)) for r in range(layout.world_size))
@@ -225,6 +260,7 @@ def build_afpipe(
         forward_only=forward_only,
         costs=priced,
         exchange_chunks=exchange_chunks,
+        split_backward=split_backward,
     )
     shared = priced.shared_compute or order == "steady"
     timeline = list_schedule(graph, priced.latency_s, shared_compute=shared)
@@ -270,6 +306,7 @@ def build_afpipe_rank(
     forward_only: bool = False,
     costs: ScheduleCosts | None = None,
     exchange_chunks: int = 1,
+    split_backward: bool = False,
 ) -> tuple[Instr, ...]:
     """`rank`'s AF-Pipe list without building the whole world's schedule.
 
@@ -288,8 +325,9 @@ def build_afpipe_rank(
     """
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
     rep = _representative(
-        layout, num_micro, num_slots, max_in_flight, order, forward_only, costs, exchange_chunks
-    )
+        layout, num_micro, num_slots, max_in_flight, order, forward_only, costs,
+        exchange_chunks, split_backward,
+    )  # fmt: skip
     return _expand(layout, num_micro, rep, rank)
 
 
@@ -302,6 +340,7 @@ def _representative(
     forward_only: bool,
     costs: ScheduleCosts | None,
     exchange_chunks: int = 1,
+    split_backward: bool = False,
 ) -> Schedule:
     """The schedule of `reduced_layout(layout)`: one replica per class, one shard per group."""
     reduced, reduced_micro = reduced_layout(layout, num_micro)
@@ -314,6 +353,7 @@ def _representative(
         forward_only=forward_only,
         costs=costs,
         exchange_chunks=exchange_chunks,
+        split_backward=split_backward,
     )
 
 

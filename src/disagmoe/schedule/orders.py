@@ -51,7 +51,8 @@ PortLoads = tuple[tuple[str, float], ...]
 class ScheduleCosts:
     """Costs a generator schedules against (see the module doc).
 
-    `compute_s(op, comp, layer)`: seconds of one compute on its worker. `message_ports(kind,
+    `compute_s(op, comp, layer)`: seconds of one compute on its worker (`Op.WGT`: of the
+    weight-gradient part of its backward, which a split backward defers). `message_ports(kind,
     layer, src, dst)`: the ports a message between ranks `src` and `dst` of the reduced
     layout (a representative's bundle) crosses and the seconds it holds each; empty: it
     holds none (arrives `latency_s` after it is posted). `shared_compute`: a worker's two
@@ -65,7 +66,7 @@ class ScheduleCosts:
 
 
 def _nominal_compute(op: Op, comp: str, layer: int) -> float:
-    return 2.0 if op == Op.BWD else 1.0
+    return 2.0 if op == Op.BWD else 1.0  # a W (weight gradients): 1 of the backward's 2
 
 
 def _no_ports(kind: str, layer: int, src: int, dst: int) -> PortLoads:
@@ -90,6 +91,16 @@ def check_order(order: str) -> None:
             f"schedule.order must be one of {', '.join(GENERATED_ORDERS)} here, got {order!r} "
             "('auto' is resolved by its caller: simulator.choose)"
         )
+
+
+LAST = 1 << 20  # before any slot or layer number: a priority after every order's own
+
+
+def weight_priority(layer: int, slot: int) -> tuple[int, ...]:
+    """The priority of a ready W (deferred weight gradients, `schedule.semantics`) under
+    every order: after any ready forward or backward, the oldest slot's highest layer first
+    (the order its backwards ran in)."""
+    return (LAST, slot, -layer)
 
 
 def priority(order: str, op: Op, layer: int, slot: int) -> tuple[int, ...]:

@@ -22,11 +22,20 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
   - a message whose producer runs on the consumer's own rank is a local hand-over
     (no SEND/RECV): the consumer waits for that producer (e.g. the residual
     `act` from A(l) to A(l+1) when p = 1);
+  - a W waits for the BWD of its own task;
   - in-flight cap: the forward of the rank's first layer for slot s waits for that
-    layer's backward of slot s - `max_in_flight` (of the same exchange chunk). A rank's slots are 0 .. S_r - 1
+    layer's backward of slot s - `max_in_flight` (of the same exchange chunk) — its W
+    where the list has one: a slot's activations are kept until its weight gradients are
+    computed. A rank's slots are 0 .. S_r - 1
     (an attention replica without the last, partial slot of an uneven step has one
     fewer than the others), so slot s - `max_in_flight` is always one of its own.
 
+* **Deferred weight gradients.** A BWD whose task also has a W (`Op.WGT`, same comp,
+  layer, slot and chunk) on the rank computes what its outgoing messages carry — the
+  input gradients (kind "I", `compute_kind`) — and keeps the rest of its backward for
+  the W, which runs on the "bwd" lane where the list puts it and produces no message
+  (`afpipe.build_afpipe(split_backward=True)`; `runtime.stages`). A BWD without a W is
+  the whole backward.
 * **Exchange chunks.** With `meta["exchange_chunks"]` = c > 1 (`schedule.ir`) a
   message of an exchange kind is produced or consumed on the F side by the compute of
   its own chunk (`Msg.chunk`) and on the A side by the one unchunked compute; nothing
@@ -116,6 +125,8 @@ class RankProgram:
     first_layer: int  # lowest layer of the rank's forwards (-1 without any)
     forward_only: bool = False  # forwards and no backward: see "Forward-only lists"
     local: dict[TaskKey, list[TaskKey]] = field(default_factory=dict)  # local dependencies
+    # (comp, layer, slot) of the backwards whose weight gradients a W computes
+    split: set[tuple[str, int, int]] = field(default_factory=set)
     SERIAL_STREAMS: ClassVar[bool] = True  # see "Streams" in the module doc
 
     @staticmethod
@@ -141,7 +152,7 @@ class RankProgram:
         streams: dict[tuple[int, str], list[Msg]] = defaultdict(list)
         finals: list[tuple[int, Instr]] = []
         for index, ins in enumerate(instrs):
-            if ins.op in (Op.FWD, Op.BWD):
+            if ins.op in (Op.FWD, Op.BWD, Op.WGT):
                 lanes[ins.lane].append((index, ins))
             elif ins.op == Op.SEND and ins.msg is not None:
                 outputs[producer(ins.msg)].append(ins.msg)
@@ -163,6 +174,7 @@ class RankProgram:
             finals=finals,
             first_layer=min(forwards) if forwards else -1,
             forward_only=bool(forwards) and not lanes["bwd"],
+            split={(i.comp, i.layer, i.slot) for _, i in lanes["bwd"] if i.op == Op.WGT},
         )
         prog.local = prog._local_dependencies()
         return prog
@@ -181,8 +193,12 @@ class RankProgram:
                 deps: list[TaskKey] = []
                 if ins.op == Op.BWD:
                     deps.append((Op.FWD.value, comp, layer, slot, chunk))
+                elif ins.op == Op.WGT:
+                    deps.append((Op.BWD.value, comp, layer, slot, chunk))
                 elif not self.forward_only and layer == self.first_layer and slot >= self.cap:
-                    deps.append((Op.BWD.value, comp, layer, slot - self.cap, chunk))
+                    old = slot - self.cap
+                    held = Op.WGT if (comp, layer, old) in self.split else Op.BWD
+                    deps.append((held.value, comp, layer, old, chunk))
                 for prod, cons in handovers:
                     if (cons.op.value, cons.comp) == (op, comp):
                         source = _task(prod, layer - cons.layer_offset, slot)
@@ -190,6 +206,15 @@ class RankProgram:
                             deps.append(source)
                 local[ins.task] = deps
         return local
+
+    def holds_until(self, instr: Instr) -> bool:
+        """Whether `instr` is the compute after which the rank keeps nothing more of its slot
+        at its first layer (in-flight accounting): that layer's BWD, or its W where the list
+        has one."""
+        if instr.layer != self.first_layer or self.forward_only:
+            return False
+        split = (instr.comp, instr.layer, instr.slot) in self.split
+        return instr.op == (Op.WGT if split else Op.BWD)
 
     def computes(self) -> list[tuple[int, Instr]]:
         """Every compute of the rank, in list order."""

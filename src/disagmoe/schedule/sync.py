@@ -11,7 +11,8 @@ layer 0 with the embedding), instead of one flat all-reduce at SYNC:
   to become final on a rank.
 * **Issue point.** Bucket k (in that order) is issued right after the BWD, in the rank's
   "bwd" lane order, after which bucket k and every earlier bucket are final: the last
-  BWD of any of their layers. A parameter two layers touch (a tied embedding and LM head)
+  BWD of any of their layers (the last W where backwards defer their weight gradients,
+  `schedule.semantics`). A parameter two layers touch (a tied embedding and LM head)
   belongs to the bucket issued later of those two layers' buckets.
 * **SYNC** waits for the buckets in flight and reduces what no bucket holds; STEP
   follows. A forward-only list (evaluation) has no BWD and no bucket.
@@ -38,9 +39,14 @@ class SyncBucket:
 
 
 def sync_buckets(program: RankProgram) -> list[SyncBucket]:
-    """The rank's buckets in issue order (see the module doc): one per layer its BWDs
-    touch, descending; none for a list without a BWD or for an expert rank."""
-    backward = [ins for _, ins in program.lanes["bwd"] if ins.op == Op.BWD and ins.comp == "A"]
+    """The rank's buckets in issue order (see the module doc): one per layer its BWDs (or
+    Ws) touch, descending; none for a list without a BWD or for an expert rank."""
+    backward = [
+        ins
+        for _, ins in program.lanes["bwd"]
+        if ins.comp == "A"
+        and ins.op == (Op.WGT if (ins.comp, ins.layer, ins.slot) in program.split else Op.BWD)
+    ]
     if not backward:
         return []
     last: dict[int, int] = {}  # layer -> position of its last BWD in the bwd lane

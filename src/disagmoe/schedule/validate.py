@@ -94,7 +94,7 @@ def check_fifo(schedule: Schedule) -> None:
 
 
 def check_forward_before_backward(schedule: Schedule) -> None:
-    """Every BWD after its FWD and every FWD with its BWD, or (forward-only schedules, see
+    """Every BWD after its FWD, every FWD with its BWD, every W after its BWD; or (forward-only schedules, see
     `schedule.semantics`) no BWD, SYNC or STEP on any rank."""
     forward_only = not any(i.op == Op.BWD for instrs in schedule.ranks for i in instrs)
     for rank, instrs in enumerate(schedule.ranks):
@@ -103,6 +103,8 @@ def check_forward_before_backward(schedule: Schedule) -> None:
             if extra is not None:
                 raise ScheduleError(f"rank {rank}: forward-only schedule has {extra}")
         seen: set[tuple[str, int, int, int]] = set()
+        backs: set[tuple[str, int, int, int]] = set()
+        weights: set[tuple[str, int, int, int]] = set()  # W: after its BWD, once
         for i in instrs:
             if i.op == Op.FWD:
                 if (i.comp, i.layer, i.slot, i.chunk) in seen:
@@ -110,6 +112,14 @@ def check_forward_before_backward(schedule: Schedule) -> None:
                 seen.add((i.comp, i.layer, i.slot, i.chunk))
             elif i.op == Op.BWD and (i.comp, i.layer, i.slot, i.chunk) not in seen:
                 raise ScheduleError(f"rank {rank}: {i} comes before its forward")
+            elif i.op == Op.WGT:
+                if (i.comp, i.layer, i.slot, i.chunk) in weights:
+                    raise ScheduleError(f"rank {rank}: {i} appears twice")
+                weights.add((i.comp, i.layer, i.slot, i.chunk))
+                if (i.comp, i.layer, i.slot, i.chunk) not in backs:
+                    raise ScheduleError(f"rank {rank}: {i} comes before its backward")
+            if i.op == Op.BWD:
+                backs.add((i.comp, i.layer, i.slot, i.chunk))
         backward = {(i.comp, i.layer, i.slot, i.chunk) for i in instrs if i.op == Op.BWD}
         if not forward_only and backward != seen:
             raise ScheduleError(
@@ -156,7 +166,10 @@ def simulate(schedule: Schedule) -> int:
                 continue
             if instr.layer == prog.first_layer and not prog.forward_only:
                 slots = in_flight[rank]
-                slots.add(instr.slot) if instr.op == Op.FWD else slots.discard(instr.slot)
+                if instr.op == Op.FWD:
+                    slots.add(instr.slot)
+                elif prog.holds_until(instr):
+                    slots.discard(instr.slot)
                 peak = max(peak, len(slots))
             queue.popleft()
             done[rank].add(instr.task)

@@ -19,6 +19,7 @@ calls it with the same inputs picks the same schedule (`schedule.order = auto`).
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 from ..config import RunConfig
@@ -70,19 +71,22 @@ def schedule_costs(
 @dataclass(frozen=True)
 class OrderChoice:
     """The chosen candidate and every candidate's simulated step (seconds):
-    `steps` holds (order, costed, exchange chunks, step) in the order they were tried."""
+    `steps` holds (order, costed, exchange chunks, step, split backward) in the order they
+    were tried."""
 
     order: str
     costed: bool  # ordered with the run's costs (else the nominal ones)
     step_s: float
     bound_s: float
-    steps: tuple[tuple[str, bool, int, float], ...]
+    steps: tuple[tuple[str, bool, int, float, bool], ...]  # (..., split_backward)
     exchange_chunks: int = 1
+    split_backward: bool = False  # weight gradients deferred (`schedule.semantics`)
 
     @property
     def label(self) -> str:
         chunks = f", {self.exchange_chunks} exchange chunks" if self.exchange_chunks > 1 else ""
-        return f"{self.order}{' (run costs)' if self.costed else ''}{chunks}"
+        split = ", weight gradients deferred" if self.split_backward else ""
+        return f"{self.order}{' (run costs)' if self.costed else ''}{chunks}{split}"
 
 
 def choose_order(
@@ -99,49 +103,51 @@ def choose_order(
     link_model: LinkModel = "fair",
     reduce: bool = True,
     overlap_sync: bool = True,
+    splits: tuple[bool, ...] = (False,),
 ) -> tuple[OrderChoice, ScheduleCosts]:
     """The candidate with the shortest simulated step on the real `layout` (module doc),
     and the run's generator costs (pass them to `build_afpipe` when `choice.costed`).
     `chunks`: the exchange chunk counts to try each candidate at (in tie-break order);
     `reduce`: replay the reduced schedules (else every rank's, as `simulate_disagg` does
-    for small layouts); `overlap_sync`: `parallel.overlap_grad_sync`."""
+    for small layouts); `overlap_sync`: `parallel.overlap_grad_sync`; `splits`:
+    `schedule.split_backward` values to try each candidate with (in tie-break order)."""
     priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
     reduced, reduced_micro = (
         reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
     )
-    best: tuple[float, float, str, bool, int] | None = None
-    steps = []
-    for c in chunks:
-        for order, costed in candidates:
-            schedule = build_afpipe(
-                reduced,
-                num_slots,
-                max_in_flight,
-                order,
-                num_micro_batches=reduced_micro,
-                costs=priced if costed else None,
-                exchange_chunks=c,
-            )
-            peak = check_schedule(schedule)
-            result = simulate_schedule(
-                schedule,
-                reduced,
-                costs,
-                workload,
-                net,
-                full=layout if reduce else None,
-                num_micro_batches=num_micro_batches,
-                peak_in_flight=peak,
-                link_model=link_model,
-                overlap_sync=overlap_sync,
-            )
-            steps.append((order, costed, c, result.step_time_s))
-            bound = result.bound.seconds if result.bound else 0.0
-            if best is None or result.step_time_s < best[0]:
-                best = (result.step_time_s, bound, order, costed, c)
+    best: tuple[float, float, str, bool, int, bool] | None = None
+    steps: list[tuple[str, bool, int, float, bool]] = []
+    for split, c, (order, costed) in itertools.product(splits, chunks, candidates):
+        schedule = build_afpipe(
+            reduced,
+            num_slots,
+            max_in_flight,
+            order,
+            num_micro_batches=reduced_micro,
+            costs=priced if costed else None,
+            exchange_chunks=c,
+            split_backward=split,
+        )
+        peak = check_schedule(schedule)
+        result = simulate_schedule(
+            schedule,
+            reduced,
+            costs,
+            workload,
+            net,
+            full=layout if reduce else None,
+            num_micro_batches=num_micro_batches,
+            peak_in_flight=peak,
+            link_model=link_model,
+            overlap_sync=overlap_sync,
+        )
+        steps.append((order, costed, c, result.step_time_s, split))
+        bound = result.bound.seconds if result.bound else 0.0
+        if best is None or result.step_time_s < best[0]:
+            best = (result.step_time_s, bound, order, costed, c, split)
     assert best is not None, "no candidate order"
-    step, bound, order, costed, c = best
-    return OrderChoice(order, costed, step, bound, tuple(steps), c), priced
+    step, bound, order, costed, c, split = best
+    return OrderChoice(order, costed, step, bound, tuple(steps), c, split), priced
 
 
 @functools.lru_cache(maxsize=8)
@@ -168,6 +174,7 @@ def run_choice(
         candidates=candidates,
         chunks=run_chunk_candidates(cfg),
         overlap_sync=cfg.parallel.overlap_grad_sync,
+        splits=run_split_candidates(cfg),
     )
 
 
@@ -182,6 +189,15 @@ def run_compute_costs(cfg: RunConfig, layout: Layout, workload: Workload) -> Ins
     return AnalyticCosts.for_cluster(workload, cfg.cluster, m, n, recompute)
 
 
+def run_split_candidates(cfg: RunConfig) -> tuple[bool, ...]:
+    """The `schedule.split_backward` values a run of `cfg` chooses from (auto: both, unless
+    the run cannot split its backwards, `RunConfig.split_backward_blocker`)."""
+    given = cfg.schedule.split_backward
+    if given == "auto":
+        return (False,) if cfg.split_backward_blocker() else (False, True)
+    return (given == "on",)
+
+
 def run_chunk_candidates(cfg: RunConfig) -> tuple[int, ...]:
     """The exchange chunk counts a run of `cfg` chooses from: `schedule.exchange_chunks`,
     or `CHUNK_CANDIDATES` when it is 0 (auto)."""
@@ -191,13 +207,15 @@ def run_chunk_candidates(cfg: RunConfig) -> tuple[int, ...]:
 
 def run_order(
     cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
-) -> tuple[str, ScheduleCosts | None, int]:
-    """(order, generator costs or None, exchange chunks) of a run: `schedule.order`,
-    `schedule.costs` and `schedule.exchange_chunks` as given, or where one is automatic
-    ("auto", exchange_chunks 0) `run_choice`'s pick — the same pure computation on every
-    rank."""
+) -> tuple[str, ScheduleCosts | None, int, bool]:
+    """(order, generator costs or None, exchange chunks, split backward) of a run:
+    `schedule.order`, `schedule.costs`, `schedule.exchange_chunks` and
+    `schedule.split_backward` as given, or where one is automatic ("auto", exchange_chunks
+    0) `run_choice`'s pick — the same pure computation on every rank."""
     given = cfg.schedule
-    if given.order != "auto" and given.costs == "nominal" and given.exchange_chunks > 0:
-        return given.order, None, given.exchange_chunks
+    fixed = given.order != "auto" and given.costs == "nominal" and given.exchange_chunks > 0
+    if fixed and given.split_backward != "auto":
+        return given.order, None, given.exchange_chunks, given.split_backward == "on"
     choice, priced = run_choice(cfg, layout, num_slots, max_in_flight)
-    return choice.order, priced if choice.costed else None, choice.exchange_chunks
+    costs = priced if choice.costed else None
+    return choice.order, costs, choice.exchange_chunks, choice.split_backward

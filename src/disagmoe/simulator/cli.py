@@ -71,6 +71,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "by simulated step)",
     )
     parser.add_argument(
+        "--split-backward",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="disagg: defer every backward's weight gradients to a W that fills the rank's "
+        "idle gaps (schedule.split_backward; auto: whichever simulates the shorter step)",
+    )
+    parser.add_argument(
         "--no-overlap-grad-sync",
         dest="overlap_grad_sync",
         action="store_false",
@@ -180,6 +187,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             f"--exchange-chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
             f"got {args.exchange_chunks}"
         )
+    if args.split_backward != "off" and args.runtime != "disagg":
+        raise ValueError("--split-backward is AF-Pipe's: use it with --runtime disagg")
     if args.exchange_chunks != 1 and args.runtime != "disagg":
         raise ValueError(
             "--exchange-chunks splits AF-Pipe's exchange: use it with --runtime disagg"
@@ -265,6 +274,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             costs=r.get("costs"),
             overlap_sync=args.overlap_grad_sync,
             exchange_chunks=args.exchange_chunks,
+            split_backward={"off": False, "on": True, "auto": None}[args.split_backward],
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])
@@ -293,6 +303,7 @@ def format_result(result: SimResult) -> str:
             [
                 f"schedule    {cfg['order']}{' (run costs)' if cfg.get('costed') else ''}, "
                 f"{cfg.get('exchange_chunks', 1)} exchange chunk(s)"
+                + (", weight gradients deferred" if cfg.get("split_backward") else "")
             ]
             if result.runtime == "disagg" and "order" in cfg
             else []

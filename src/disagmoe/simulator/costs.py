@@ -169,6 +169,21 @@ def chunk_bytes(nbytes: float, chunks: int) -> float:
     return nbytes / chunks
 
 
+def weight_grad_s(costs: InstrCosts, workload: Workload, comp: str, layer: int) -> float:
+    """Seconds of the weight-gradient part of (comp, layer)'s backward under `costs`: the
+    forward's GEMM share of its forward seconds (an expert compute is all GEMM; attention's
+    GEMM share by FLOPs, `Workload.attn_flops`), never more than the backward; attention
+    layer 0's whole backward (its BWD sends nothing, so all of it is deferred)."""
+    backward = costs.compute_s(Op.BWD, comp, layer)
+    if comp == "A" and layer == 0:
+        return backward
+    forward = costs.compute_s(Op.FWD, comp, layer)
+    if comp == "A":
+        gemm, core = workload.attn_flops(layer)
+        forward *= gemm / (gemm + core) if gemm + core > 0 else 0.0
+    return min(forward, backward)
+
+
 @dataclass(frozen=True, slots=True)
 class AnalyticCosts:
     """FLOPs / (peak * mfu). `attn_workers` / `expert_workers` set the F shard's load;
@@ -205,10 +220,18 @@ class AnalyticCosts:
         return flops.expert_flops(self.workload.model, pairs) * factor / self.flops_per_s
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
+        if op == Op.WGT:
+            return self.weight_grad_s(comp, layer)
         if comp == "A":
             return self.attn_s(op, layer)
         pairs = self.attn_workers * self.workload.pairs_per_shard(self.expert_workers)
         return self.expert_s(op, pairs)
+
+    def weight_grad_s(self, comp: str, layer: int) -> float:
+        """The weight-gradient part of a backward (what a W computes, `schedule.semantics`):
+        one forward's GEMMs (the attention core has no weights); attention layer 0's whole
+        backward, which sends nothing (its BWD has no input gradient to compute)."""
+        return weight_grad_s(self, self.workload, comp, layer)
 
 
 @dataclass(frozen=True, slots=True)

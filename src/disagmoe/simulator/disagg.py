@@ -40,13 +40,14 @@ def checked_afpipe(
     num_micro_batches: int,
     costs: ScheduleCosts | None = None,
     exchange_chunks: int = 1,
+    split_backward: bool = False,
 ) -> tuple[Schedule, int]:
     """`build_afpipe` and `check_schedule`, cached: with the nominal costs (`costs` None)
     the schedule depends on neither the costs, the NIC split nor the recompute mode,
     which the planner's profile varies."""
     schedule = build_afpipe(
         layout, num_slots, max_in_flight, order, num_micro_batches=num_micro_batches,
-        costs=costs, exchange_chunks=exchange_chunks,
+        costs=costs, exchange_chunks=exchange_chunks, split_backward=split_backward,
     )  # fmt: skip
     return schedule, check_schedule(schedule)
 
@@ -80,6 +81,7 @@ def simulate_disagg(
     costed: bool = False,
     overlap_sync: bool = True,
     exchange_chunks: int = 1,
+    split_backward: bool | None = False,
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -100,7 +102,9 @@ def simulate_disagg(
     (`schedule.sync`), else after the rank's last op. `exchange_chunks`
     (`schedule.exchange_chunks`): each micro-batch's exchange with a shard in that many
     chunks (`schedule.ir`, priced by `replay.afpipe_pricing`); 0: `choose` picks 1, 2, 4 or 8
-    (with an explicit order, among that order alone).
+    (with an explicit order, among that order alone). `split_backward`
+    (`schedule.split_backward`): every backward defers its weight gradients to a W
+    (`schedule.semantics`); None: `choose` tries both.
     """
 
     parallel = ParallelConfig(
@@ -134,25 +138,28 @@ def simulate_disagg(
         reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
     )
     chosen: dict[str, Any] = {}
-    if order == "auto" or exchange_chunks == 0:
+    if order == "auto" or exchange_chunks == 0 or split_backward is None:
         candidates = CANDIDATES if order == "auto" else ((order, costed),)
         chunks = (exchange_chunks,) if exchange_chunks else CHUNK_CANDIDATES
+        splits = (False, True) if split_backward is None else (split_backward,)
         choice, priced = choose_order(
             layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
             candidates=candidates, chunks=chunks, link_model=link_model, reduce=reduce,
-            overlap_sync=overlap_sync,
+            overlap_sync=overlap_sync, splits=splits,
         )  # fmt: skip
         chosen = {
             "order_choice": order,
             "chunks_choice": "auto" if exchange_chunks == 0 else exchange_chunks,
+            "split_choice": "auto" if split_backward is None else split_backward,
             "auto_steps": [list(c) for c in choice.steps],
         }
         order, costed, exchange_chunks = choice.order, choice.costed, choice.exchange_chunks
+        split_backward = choice.split_backward
     elif costed:
         priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
     schedule, peak = checked_afpipe(
         run_layout, slots, max_in_flight, order, run_micro, priced if costed else None,
-        exchange_chunks,
+        exchange_chunks, split_backward,
     )  # fmt: skip
     cfg = {
         "model": model.name,
@@ -169,6 +176,7 @@ def simulate_disagg(
         "order": order,
         "costed": costed,
         "exchange_chunks": exchange_chunks,
+        "split_backward": split_backward,
         "link_model": link_model,
         **chosen,
     }

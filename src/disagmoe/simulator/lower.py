@@ -129,7 +129,7 @@ class _Lowering:
                 COMPUTE,
                 rank,
                 ins.lane,
-                compute_on(real, ins, compute_kind(ins)),
+                compute_on(real, ins, compute_kind(ins, rp.split)),
                 _category(ins.comp),
                 compute_event_name(ins.op.value, ins.comp, ins.layer, ins.slot, ins.chunk),
                 [lane_last.get(ins.lane, -1)],

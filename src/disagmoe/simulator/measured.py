@@ -34,7 +34,7 @@ from pathlib import Path
 
 from .. import flops
 from ..schedule.ir import Op
-from .costs import Workload
+from .costs import Workload, weight_grad_s
 
 
 @dataclass(frozen=True)
@@ -148,6 +148,11 @@ class MeasuredCosts:
     def _compute_s(self, op: Op, comp: str, layer: int, chunks: int) -> float:
         w = self.workload
         assert w is not None, "MeasuredCosts.bound_to first"
+        if op == Op.WGT:  # the weight-gradient part of the backward (`costs.weight_grad_s`)
+            if comp == "F":  # one chunk's forward GEMMs, its fixed cost included
+                fwd, bwd = (self._compute_s(o, comp, layer, chunks) for o in (Op.FWD, Op.BWD))
+                return min(fwd, bwd)
+            return weight_grad_s(self, w, comp, layer) / chunks
         if comp == "A":
             fwd, bwd = self._attn_fwd_bwd(layer)
             return (fwd if op == Op.FWD else bwd) / chunks

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..distributed.layout import Layout
 from ..schedule.afpipe import replica_classes
-from ..schedule.ir import Instr, Msg, Schedule
+from ..schedule.ir import Instr, Msg, Op, Schedule
 from ..schedule.validate import ScheduleError, validate
 from .costs import InstrCosts, MessageOverheads, Workload, chunk_bytes, chunk_compute_s
 from .engine import run_program
@@ -92,11 +92,16 @@ def afpipe_pricing(
 
     shards, m = layout.expert_workers, layout.attn_workers
 
-    def compute_s(ins: Instr, kind: str) -> float:
+    def priced(op: Op, ins: Instr) -> float:
         if ins.chunk >= 0:
-            seconds = chunk_compute_s(costs, ins.op, ins.comp, ins.layer, exchange_chunks)
-        else:
-            seconds = costs.compute_s(ins.op, ins.comp, ins.layer)
+            return chunk_compute_s(costs, op, ins.comp, ins.layer, exchange_chunks)
+        return costs.compute_s(op, ins.comp, ins.layer)
+
+    def compute_s(ins: Instr, kind: str) -> float:
+        # a BWD whose weight gradients a W computes ("I") costs the rest of the backward
+        seconds = priced(ins.op, ins)
+        if kind == "I":
+            seconds = max(0.0, seconds - priced(Op.WGT, ins))
         if ins.comp == "F" and num_micro_batches:
             seconds *= layout.replicas_of_slot(ins.slot, num_micro_batches) / m
         return seconds
