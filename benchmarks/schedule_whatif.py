@@ -1,5 +1,5 @@
-"""What two mechanisms the runtime does not have would buy AF-Pipe's schedule: a what-if on the
-generator's own timeline, not a simulation of anything the runtime runs.
+"""What a token-chunked LM head would buy AF-Pipe's schedule: a what-if on the generator's own
+timeline, not a simulation of anything the runtime runs.
 
     .venv/bin/python benchmarks/schedule_whatif.py [--json benchmarks/results/schedule_whatif.json]
 
@@ -8,7 +8,7 @@ capped ones, the three presets' plans at 8K on 8 H800 nodes) this builds AF-Pipe
 graph (`schedule.afpipe.build_afpipe_graph`, the reduced layout, ordered with the run's
 costs and links as `simulator.choose` prices them) at 4 and 8 exchange chunks, breadth and
 steady, rewrites it, and list-schedules it (`schedule.graph.list_schedule`, a rank's lanes
-sharing its compute) — the makespan of the generator's timeline, which has neither the
+sharing its compute, one compute at a time by priority) — the makespan of the generator's timeline, which has neither the
 gradient all-reduce nor the optimizer step, so compare the columns with each other, and
 with the bound (`simulator.bound`, of the unmodified run), not with the simulated steps of
 docs/simulator.md:
@@ -17,12 +17,9 @@ docs/simulator.md:
   as exchange chunks: piece k consumes combine chunk k of every shard and its backward
   produces grad_combine chunk k (exchange chunks cut by token ranges), so the shards begin
   a slot's backward while the rest of its head runs;
-* `wgrad` — every backward split into its input-gradient part (what the next stage waits
-  for) and its weight-gradient GEMMs (`W`: one forward's GEMM seconds — the attention
-  projections or the LM head on A, the experts on F; the attention core has no weights),
-  deferred: a `W` runs when its rank has nothing else ready, and the in-flight cap holds
-  the slot until its `W` ran (its activations are kept until then);
-* `both`.
+* `+W` — the lists with deferred weight gradients (`schedule.split_backward`, a mechanism
+  the runtime has: `runtime.wgrad`), as generated, for comparison on the same timeline;
+* `+W head/c` — both.
 
 Prints a table (seconds; `st/bd` columns: the timeline over the bound) and with `--json` a
 `rows` list.
@@ -32,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -52,7 +48,7 @@ from disagmoe.simulator.placement import nic_shares
 
 CHUNKS = (4, 8)
 ORDERS = ("breadth", "steady")
-VARIANTS = ("as is", "head/c", "wgrad", "both")
+VARIANTS = ("as is", "head/c", "+W", "+W head/c")
 
 
 def split_head(g: TaskGraph, num_layers: int, pieces: int) -> TaskGraph:
@@ -90,35 +86,6 @@ def split_head(g: TaskGraph, num_layers: int, pieces: int) -> TaskGraph:
     return out
 
 
-def split_weight_grads(g: TaskGraph, weight_s: dict[tuple[str, int], float]) -> TaskGraph:
-    """`g` with every backward's weight-gradient GEMMs (`weight_s[(comp, layer)]` seconds of a
-    whole, unchunked compute) as a deferred task `W` after it (module doc)."""
-    out = TaskGraph(ports=g.ports)
-    deferred: dict[Task, Task] = {}
-    # exchange chunks of each backward: a chunk's share of its whole compute is 1/chunks
-    chunks = Counter((t.comp, t.layer, t.slot, t.rank) for t in g.tasks if t.op == Op.BWD)
-    for t in g.tasks:
-        if t.op != Op.BWD:
-            out.add(t, g.cost[t], g.priority[t])
-            continue
-        share = 1.0 / chunks[(t.comp, t.layer, t.slot, t.rank)]
-        w = replace(t, comp=f"{t.comp}w")
-        deferred[t] = w
-        seconds = weight_s[(t.comp, t.layer)] * share
-        out.add(t, g.cost[t] - seconds, g.priority[t])
-        out.add(w, seconds, (9, *g.priority[t]))  # after anything else ready on the rank
-        out.local_deps[w].append(t)
-    for t, msgs in g.inputs.items():
-        out.inputs[t] += msgs
-    for t, msgs in g.outputs.items():
-        out.outputs[t] += msgs
-    for t, deps in g.local_deps.items():
-        for d in deps:  # the cap: a first-stage forward waits for the old slot's W
-            cap = t.op == Op.FWD and d.op == Op.BWD and d in deferred
-            out.local_deps[t].append(deferred[d] if cap else d)
-    return out
-
-
 def whatif(
     label: str, model: ModelConfig, cluster: ClusterConfig, kw: dict[str, Any]
 ) -> dict[str, Any]:
@@ -140,24 +107,25 @@ def whatif(
     priced = schedule_costs(layout, micro, costs, workload, net)
     reduced, reduced_micro = reduced_layout(layout, micro)
     L = model.num_layers
-    weight_s = {("A", layer): workload.attn_flops(layer)[0] / costs.flops_per_s
-                for layer in range(L + 1)}  # fmt: skip
-    weight_s |= {("F", layer): costs.compute_s(Op.FWD, "F", layer) for layer in range(L)}
     bound = simulate_disagg(model, cluster, order="breadth", costed=True, exchange_chunks=4,
                             reduce=True, **kw).bound  # fmt: skip
     assert bound is not None
     row: dict[str, Any] = {"setting": label, "bound_s": bound.seconds, "timeline_s": {}}
     for chunks in CHUNKS:
         for order in ORDERS:
-            g = build_afpipe_graph(
-                reduced, slots, kw.get("max_in_flight", 0), order,
-                num_micro_batches=reduced_micro, costs=priced, exchange_chunks=chunks,
+            g, w = (
+                build_afpipe_graph(
+                    reduced, slots, kw.get("max_in_flight", 0), order,
+                    num_micro_batches=reduced_micro, costs=priced, exchange_chunks=chunks,
+                    split_backward=split,
+                )
+                for split in (False, True)
             )  # fmt: skip
             graphs = {
                 "as is": g,
                 "head/c": split_head(g, L, chunks),
-                "wgrad": split_weight_grads(g, weight_s),
-                "both": split_weight_grads(split_head(g, L, chunks), weight_s),
+                "+W": w,
+                "+W head/c": split_head(w, L, chunks),
             }
             for name, graph in graphs.items():
                 timeline = list_schedule(graph, priced.latency_s, shared_compute=True)
