@@ -62,6 +62,7 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
             "order": "breadth",
             "costs": "nominal",
             "exchange_chunks": 1,
+            "split_backward": False,
             "compute_costs": "",
             "max_in_flight": info["schedule"]["max_in_flight"],
         },
