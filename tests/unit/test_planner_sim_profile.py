@@ -134,6 +134,19 @@ def test_profile_replays_the_options_exchange_chunks() -> None:
         PlanOptions(exchange_chunks=17)
 
 
+def test_profile_replays_the_options_split_backward() -> None:
+    pl = tiny_planner(split_backward="on")
+    plan = seed_plan(pl)
+    direct = replay(plan, split_backward=True)
+    assert SimulatorProfile(pl)(plan) == direct.step_time_s
+    assert direct.config["split_backward"] is True
+    assert (
+        parse("--model", "tiny", "--gpus", "8", "--split-backward", "auto").split_backward == "auto"
+    )
+    with pytest.raises(ValueError, match="split_backward must be one of off, on, auto"):
+        PlanOptions(split_backward="yes")
+
+
 def test_stage4_doubles_the_micro_batches_while_the_bubble_is_above_target() -> None:
     pl = tiny_planner()
     prof = SimulatorProfile(pl)

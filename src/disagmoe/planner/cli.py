@@ -52,6 +52,9 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exchange-chunks", type=int, default=1, metavar="C",
                         help="schedule.exchange_chunks the simulator profile replays "
                         "(0: auto's pick of 1, 2, 4 or 8 per plan; 4x the replays)")  # fmt: skip
+    parser.add_argument("--split-backward", choices=("off", "on", "auto"), default="off",
+                        help="schedule.split_backward the simulator profile replays (weight "
+                        "gradients deferred; auto: the better per plan, 2x the replays)")  # fmt: skip
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
@@ -97,6 +100,7 @@ def run_plan(args: argparse.Namespace) -> int:
         profile=args.profile,
         order=args.order,
         exchange_chunks=args.exchange_chunks,
+        split_backward=args.split_backward,
         costs=costs,
     )
     if costs is not None and plan.profile != "simulator":

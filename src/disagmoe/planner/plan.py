@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import disagmoe.planner.costmodel as cm
-from disagmoe.config import SCHEDULE_ORDERS, ClusterConfig, ModelConfig
+from disagmoe.config import SCHEDULE_ORDERS, SPLIT_BACKWARD, ClusterConfig, ModelConfig
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
 from disagmoe.schedule.orders import MAX_EXCHANGE_CHUNKS
 
@@ -46,6 +46,8 @@ class PlanOptions:
     order: str = "breadth"  # schedule.order the simulator profile replays (auto: best of all)
     # schedule.exchange_chunks the simulator profile replays (0: auto's pick of 1, 2, 4 or 8)
     exchange_chunks: int = 1
+    # schedule.split_backward the simulator profile replays: off | on | auto (both, per plan)
+    split_backward: str = "off"
     # stage 4 (sim_profile.grow_micro_batches): with the simulator profile and micro_batches
     # 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
     batch_stage: bool = True
@@ -68,6 +70,11 @@ class PlanOptions:
             raise ValueError(
                 f"exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto), "
                 f"got {self.exchange_chunks}"
+            )
+        if self.split_backward not in SPLIT_BACKWARD:
+            raise ValueError(
+                f"split_backward must be one of {', '.join(SPLIT_BACKWARD)}, "
+                f"got {self.split_backward!r}"
             )
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")

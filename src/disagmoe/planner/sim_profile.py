@@ -103,6 +103,7 @@ class SimulatorProfile:
                 recompute=plan.recompute,
                 order=pl.options.order,
                 exchange_chunks=pl.options.exchange_chunks,
+                split_backward={"off": False, "on": True, "auto": None}[pl.options.split_backward],
             )
         except ScheduleRejected:
             return None
@@ -150,7 +151,9 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
         seed = refine_plan(planner, seed, prof).best
     if isinstance(prof, SimulatorProfile) and opts.batch_stage and not opts.micro_batches:
         seed = grow_micro_batches(planner, seed, prof)
-    replayed = f"{opts.order}, exchange chunks {opts.exchange_chunks or 'auto'}"
+    replayed = f"{opts.order}, exchange chunks {opts.exchange_chunks or 'auto'}" + (
+        f", split backward {opts.split_backward}" if opts.split_backward != "off" else ""
+    )
     return dataclasses.replace(seed, profile=name, schedule=replayed if name == "simulator" else "")
 
 
