@@ -62,6 +62,26 @@ def test_measured_memory_matches_the_model(
     assert "memory MiB per rank" in result.stdout
 
 
+def test_deferred_weight_gradients_are_counted_and_predicted_from_above(tmp_path: Path) -> None:
+    """With `schedule.split_backward` on the meter also counts the gradients a deferred BWD
+    keeps for its W, and the model adds one slot's of them (`runtime_memory`): an upper
+    bound, since the Ws run as soon as the rank has nothing else to do."""
+    args = ["--steps", "2", "--dtype", "float32", "--expert-workers", "1", "--max-in-flight", "1"]
+    result = train(tmp_path, *args, "--split-backward", "on")
+    assert result.returncode == 0, result.stderr
+    split = last_record(tmp_path)["memory_mib"]
+    whole_run = tmp_path / "whole"
+    result = run_cli_in_process(
+        "train", "--no-progress", "--run-dir", str(whole_run / "run"), *args
+    )
+    assert result.returncode == 0, result.stderr
+    whole = last_record(whole_run)["memory_mib"]
+    for role in ("A", "F"):
+        assert split[role]["act_peak"] > whole[role]["act_peak"], (role, split, whole)
+        assert split[role]["act_pred"] > whole[role]["act_pred"], (role, split, whole)
+        assert split[role]["act_peak"] <= split[role]["act_pred"], (role, split)
+
+
 def test_small_budget_caps_in_flight_and_trains(tmp_path: Path) -> None:
     # 16 micro-batches over 2 replicas: 8 slots, which do not fit in 9.5 MiB per rank.
     result = train(tmp_path, "--steps", "3", "--global-batch-size", "32", "--memory-gib", "0.0095")

@@ -265,10 +265,12 @@ class MemoryBreakdown:
     states: float  # weights + grads + optimizer states
     activations: float  # kept for backward, all in-flight micro-batches
     transient: float  # logits of one micro-batch (LM-head group only)
+    # gradients kept for deferred weight gradients (schedule.split_backward): one slot's
+    deferred: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.states + self.activations + self.transient
+        return self.states + self.activations + self.transient + self.deferred
 
 
 def attn_group_params(model: ModelConfig, groups: int, group: int) -> int:

@@ -146,6 +146,38 @@ def ffn_act_bytes(
     return kept
 
 
+def attn_deferred_bytes(model: ModelConfig, layer: int, prec: cm.Precision, tokens: int) -> float:
+    """Gradients a deferred BWD of attention `layer` (L: the loss head) keeps for its W
+    (`runtime.wgrad`: the output gradient of every op where a weight's path leaves the
+    inputs'), one micro-batch of `tokens`: per token b*(V + H) on the head (the logits' and
+    the final norm's); else the q, k, v and o projections' b*(q + 2kv + H), the two norms'
+    2b*H (and q/k norms' b*(q + kv)), the router's b*E on a MoE layer, the dense MLP's or the
+    shared experts' b*(2I + H). Attention layer 0 keeps its whole backward's incoming
+    gradients instead; the same estimate stands for them."""
+    b, h = prec.act, model.dim
+    if layer == model.num_layers:
+        return tokens * b * (model.vocab_size + h)
+    hd = model.head_dim_resolved
+    q, kv = model.num_heads * hd, model.num_kv_heads * hd
+    per_token = q + 2 * kv + h + 2 * h + (q + kv if model.qk_norm else 0)
+    if model.is_moe_layer(layer):
+        shared = model.num_shared_experts * model.expert_dim
+        per_token += model.num_experts + (2 * shared + h if shared else 0)
+    else:
+        per_token += 2 * model.dense_dim_resolved + h
+    return tokens * b * per_token
+
+
+def ffn_deferred_bytes(
+    model: ModelConfig, prec: cm.Precision, *, tokens: int, shards: int
+) -> float:
+    """Gradients a deferred expert BWD keeps for its W, one replica's micro-batch of
+    `tokens` on one layer: the gate|up and down GEMMs' output gradients, b*(2I + H) per
+    token-expert pair (balanced routing)."""
+    pairs = tokens * model.top_k / shards
+    return pairs * prec.act * (2 * model.expert_dim + model.dim)
+
+
 def attn_replica_memory(
     model: ModelConfig,
     *,
@@ -156,10 +188,12 @@ def attn_replica_memory(
     in_flight: int,
     recompute: str,
     prec: cm.Precision,
+    split_backward: bool = False,
 ) -> cm.MemoryBreakdown:
     """Worst A replica of this runtime: states, `in_flight` micro-batches of all its
     components (the loss head on group 0), and one micro-batch of logits (+ an fp32 copy
-    below fp32)."""
+    below fp32); with `split_backward`, one micro-batch's deferred gradients of all its
+    components (the Ws of a slot pending behind its backward, `attn_deferred_bytes`)."""
     worst = cm.MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
     tokens = micro_batch_size * seq_len
     kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "shards": shards}
@@ -170,10 +204,12 @@ def attn_replica_memory(
             for layer in layers
         )
         logits = prec.act + (4 if prec.act < 4 else 0)
+        deferred = sum(attn_deferred_bytes(model, layer, prec, tokens) for layer in layers)
         cand = cm.MemoryBreakdown(
             states=float(cm.attn_group_params(model, groups, g) * prec.state),
             activations=float(in_flight * per_mb),
             transient=float(tokens * model.vocab_size * logits) if g == 0 else 0.0,
+            deferred=float(deferred) if split_backward else 0.0,
         )
         if cand.total > worst.total:
             worst = cand
@@ -191,14 +227,19 @@ def ffn_shard_memory(
     in_flight: int,
     recompute: str,
     prec: cm.Precision,
+    split_backward: bool = False,
 ) -> cm.MemoryBreakdown:
     """Worst expert shard of this runtime: ceil(E/n) experts' states, and `in_flight`
-    micro-batches of `replicas` attention replicas' tokens on each of its MoE layers."""
+    micro-batches of `replicas` attention replicas' tokens on each of its MoE layers; with
+    `split_backward`, one slot's deferred gradients on each (`ffn_deferred_bytes`)."""
     moe_layers = cm.group_moe_layers(model, groups)
     experts = math.ceil(model.num_experts / shards)
     per_mb = ffn_act_bytes(model, recompute, prec, tokens=seq_len * micro_batch_size, shards=shards)
+    tokens = seq_len * micro_batch_size
+    deferred = moe_layers * replicas * ffn_deferred_bytes(model, prec, tokens=tokens, shards=shards)
     return cm.MemoryBreakdown(
         states=float(moe_layers * flops.expert_params(model, experts) * prec.state),
         activations=float(in_flight * moe_layers * replicas * per_mb),
         transient=0.0,
+        deferred=float(deferred) if split_backward else 0.0,
     )

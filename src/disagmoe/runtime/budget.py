@@ -71,6 +71,7 @@ class RunMemory:
                 "states": m.states,
                 "activations": m.activations,
                 "transient": m.transient,
+                "deferred": m.deferred,
                 "total": m.total,
             }
             for role, m in (("A", self.attn), ("F", self.ffn))
@@ -84,15 +85,17 @@ def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
     if param_dtype_name(train) != train.dtype:  # mixed: activations in compute, states in fp32
         states = cm.runtime_precision(param_dtype_name(train)).state
         prec = dataclasses.replace(prec, state=states)
+    # deferred weight gradients: counted wherever the run may split (auto may not)
+    split = cfg.schedule.split_backward != "off" and not cfg.split_backward_blocker()
     attn = rm.attn_replica_memory(
         cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
         micro_batch_size=train.micro_batch_size, in_flight=in_flight,
-        recompute=train.recompute, prec=prec,
+        recompute=train.recompute, prec=prec, split_backward=split,
     )  # fmt: skip
     ffn = rm.ffn_shard_memory(
         cfg.model, groups=par.groups, replicas=par.attn_workers, shards=par.expert_workers,
         seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, in_flight=in_flight,
-        recompute=train.recompute, prec=prec,
+        recompute=train.recompute, prec=prec, split_backward=split,
     )  # fmt: skip
     return RunMemory(in_flight=in_flight, attn=attn, ffn=ffn)
 
@@ -119,7 +122,8 @@ def in_flight_cap(cfg: RunConfig, slots: int) -> int:
     caps = [slots]
     for role in (one.attn, one.ffn):
         if role.activations > 0:
-            caps.append(int((budget - role.states - role.transient) // role.activations))
+            free = budget - role.states - role.transient - role.deferred
+            caps.append(int(free // role.activations))
     return max(1, min(caps))
 
 
@@ -134,7 +138,9 @@ def _check_fits(one: RunMemory, budget: float, gib: float) -> None:
         return
     what = "attention replica states" if role == "A" else "expert shard states"
     logits = f" + logits {_gib(mem.transient)}" if mem.transient else ""
+    deferred = f" + deferred gradients {_gib(mem.deferred)}" if mem.deferred else ""
+    fix = fixes[role] + (", schedule.split_backward = off" if mem.deferred else "")
     raise ValueError(
         f"{what} {_gib(mem.states)} + activations of one micro-batch {_gib(mem.activations)}"
-        f"{logits} exceed train.memory_gib={gib:g}; use {fixes[role]}"
+        f"{logits}{deferred} exceed train.memory_gib={gib:g}; use {fix}"
     )

@@ -359,7 +359,7 @@ class DisaggTrainer:
             fields = {f: max(row[i] for row in mine) for i, f in enumerate(MEMORY_FIELDS)}
             rec = {
                 "act_peak": fields["act_peak"] / mib,
-                "act_pred": pred.activations / mib,
+                "act_pred": (pred.activations + pred.deferred) / mib,
                 "states": (fields["params"] + fields["grads"] + fields["optim"]) / mib,
                 "states_pred": pred.states / mib,
             }

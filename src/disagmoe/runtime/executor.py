@@ -473,7 +473,9 @@ class Executor:
         if instr.op == Op.BWD:
             defer = (instr.comp, layer, slot) in self.program.split
             out = worker.backward(layer, slot, received, outgoing, chunk=chunk, defer=defer)
-            if self.meter is not None and not defer:
+            if self.meter is not None and defer:  # the captured gradients too, until the W
+                self.meter.hold(task, [worker.kept_for_weights(layer, slot, chunk=chunk)])
+            elif self.meter is not None:
                 self.meter.release(task)
             return out
         if self.meter is None:

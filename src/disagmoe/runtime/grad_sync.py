@@ -113,6 +113,9 @@ class OverlappedSync:
             self._issue(k)
         return out
 
+    def kept_for_weights(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        return self.worker.kept_for_weights(layer, slot, chunk=chunk)
+
     def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
         self.worker.weight_grads(layer, slot, chunk=chunk)
         for k in self.issue_at.get((Op.WGT.value, "A", layer, slot, chunk), ()):

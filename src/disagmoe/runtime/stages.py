@@ -321,6 +321,10 @@ class AttnWorker:
         """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
         backward_weights(self.deferred.pop((layer, slot, chunk)))
 
+    def kept_for_weights(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        """The gradients the deferred BWD of (layer, slot, chunk) keeps for its W."""
+        return self.deferred[(layer, slot, chunk)].tensors()
+
     def backward(
         self,
         layer: int,
@@ -458,6 +462,10 @@ class ExpertWorker:
     def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
         """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
         backward_weights(self.deferred.pop((layer, slot, chunk)))
+
+    def kept_for_weights(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        """The gradients the deferred BWD of (layer, slot, chunk) keeps for its W."""
+        return self.deferred[(layer, slot, chunk)].tensors()
 
     def backward(
         self,

@@ -45,6 +45,19 @@ class Deferred:
     groups: list[dict[str, Any]] = field(default_factory=list)
     whole: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The gradients kept for the W (what it holds beyond the forward's activations,
+        which the graph keeps until the W too): the captured ones, or the whole backward's."""
+        if self.whole is not None:
+            return list(self.whole[1])
+        return [
+            g
+            for group in self.groups
+            for grads in group["grads"]
+            for g in grads
+            if isinstance(g, torch.Tensor)
+        ]
+
 
 def backward_inputs(
     roots: Sequence[torch.Tensor],

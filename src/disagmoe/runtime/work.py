@@ -47,6 +47,11 @@ class StageWorker(Protocol):
         """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
         ...
 
+    def kept_for_weights(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
+        """The gradients a deferred BWD of (layer, slot, chunk) keeps for its W (the meter
+        holds them until the W)."""
+        ...
+
     def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
         """The tensors the FWD of (layer, slot, chunk) keeps for its BWD beyond its messages
         (the meter holds them with the FWD's received and sent payloads)."""
