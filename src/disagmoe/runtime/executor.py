@@ -55,7 +55,7 @@ from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, dropped, re
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
 from .streams import LaneStreams
-from .work import Payload, StageWorker, StepHooks
+from .work import Payload, StageWorker, StepHooks, run_compute
 
 KINDS = tuple(MESSAGE_KINDS)
 # The lanes are Python threads: a receive thread whose message just arrived must get the
@@ -411,7 +411,7 @@ class Executor:
             if streams.active:
                 self._join_streams(st, work, lane)
             t0 = streams.stamp(lane)
-            out = self._run_compute(instr, received, work.outgoing)
+            out = run_compute(self.worker, self.meter, self.program, instr, received, work.outgoing)
             t1 = streams.stamp(lane)
             args = {"layer": instr.layer, "slot": instr.slot, "step": step, "index": work.index}
             if instr.chunk >= 0:
@@ -452,39 +452,6 @@ class Executor:
         for name, lane, t0, t1, args in st.spans:
             self.tracer.add(name, lane, self.streams.host_us(t0), self.streams.host_us(t1), **args)
         st.spans.clear()
-
-    def _run_compute(
-        self, instr: Instr, received: dict[Msg, Payload], outgoing: list[Msg]
-    ) -> dict[Msg, Payload]:
-        """The worker's FWD, BWD or W; with a meter, what a FWD saves and keeps is counted
-        (on this lane's thread) until the matching BWD has run (its W where it defers one). The FWDs of a forward-only
-        list run without autograd (grad mode is per thread: set on this lane's) and keep
-        nothing (`schedule.semantics`)."""
-        layer, slot, chunk = instr.layer, instr.slot, instr.chunk
-        worker = self.worker
-        if self.program.forward_only:  # under no_grad (`_compute_lane`)
-            return worker.forward(layer, slot, received, outgoing, keep=False, chunk=chunk)
-        task = (layer, slot, chunk)
-        if instr.op == Op.WGT:  # the weight gradients its BWD deferred: the slot's last use
-            worker.weight_grads(layer, slot, chunk=chunk)
-            if self.meter is not None:
-                self.meter.release(task)
-            return {}
-        if instr.op == Op.BWD:
-            defer = (instr.comp, layer, slot) in self.program.split
-            out = worker.backward(layer, slot, received, outgoing, chunk=chunk, defer=defer)
-            if self.meter is not None and defer:  # the captured gradients too, until the W
-                self.meter.hold(task, [worker.kept_for_weights(layer, slot, chunk=chunk)])
-            elif self.meter is not None:
-                self.meter.release(task)
-            return out
-        if self.meter is None:
-            return worker.forward(layer, slot, received, outgoing, chunk=chunk)
-        with self.meter.saving():
-            out = worker.forward(layer, slot, received, outgoing, chunk=chunk)
-        kept = worker.kept(layer, slot, chunk=chunk)
-        self.meter.hold(task, [*received.values(), *out.values(), kept])
-        return out
 
     # ------------------------------------------------------------------- step
 

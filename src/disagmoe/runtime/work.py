@@ -1,6 +1,6 @@
 """What the executor (`runtime.executor`) needs from the rank's compute and from its trainer:
-the worker behind FWD and BWD instructions (`runtime.stages`) and the hooks behind SYNC and
-STEP."""
+the worker behind FWD, BWD and W instructions (`runtime.stages`), what one such instruction
+does to it (`run_compute`), and the hooks behind SYNC and STEP."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from typing import Protocol
 
 import torch
 
-from ..schedule.ir import Msg
+from ..schedule.ir import Instr, Msg, Op
+from ..schedule.semantics import RankProgram
+from .memory import ActivationMeter
 
 Payload = list[torch.Tensor]
 
@@ -66,3 +68,42 @@ class StepHooks(Protocol):
         ...
 
     def optimizer_step(self, step: int) -> None: ...
+
+
+def run_compute(
+    worker: StageWorker,
+    meter: ActivationMeter | None,
+    program: RankProgram,
+    instr: Instr,
+    received: dict[Msg, Payload],
+    outgoing: list[Msg],
+) -> dict[Msg, Payload]:
+    """The worker's FWD, BWD or W of `program`'s list; with a meter, what a FWD saves and
+    keeps is counted (on the calling lane's thread) until the matching BWD has run (its W
+    where it defers one, with the gradients kept for it). The FWDs of a forward-only list
+    run without autograd (grad mode is per thread: the caller sets it on its lane's) and
+    keep nothing (`schedule.semantics`)."""
+    layer, slot, chunk = instr.layer, instr.slot, instr.chunk
+    if program.forward_only:  # under no_grad (`Executor._compute_lane`)
+        return worker.forward(layer, slot, received, outgoing, keep=False, chunk=chunk)
+    task = (layer, slot, chunk)
+    if instr.op == Op.WGT:  # the weight gradients its BWD deferred: the slot's last use
+        worker.weight_grads(layer, slot, chunk=chunk)
+        if meter is not None:
+            meter.release(task)
+        return {}
+    if instr.op == Op.BWD:
+        defer = (instr.comp, layer, slot) in program.split
+        out = worker.backward(layer, slot, received, outgoing, chunk=chunk, defer=defer)
+        if meter is not None and defer:  # the captured gradients too, until the W
+            meter.hold(task, [worker.kept_for_weights(layer, slot, chunk=chunk)])
+        elif meter is not None:
+            meter.release(task)
+        return out
+    if meter is None:
+        return worker.forward(layer, slot, received, outgoing, chunk=chunk)
+    with meter.saving():
+        out = worker.forward(layer, slot, received, outgoing, chunk=chunk)
+    kept = worker.kept(layer, slot, chunk=chunk)
+    meter.hold(task, [*received.values(), *out.values(), kept])
+    return out
