@@ -143,6 +143,11 @@ SCHEDULE_ORDERS = ("breadth", "depth", "steady", "auto")
 SPLIT_BACKWARD = ("off", "on", "auto")  # schedule.split_backward
 
 
+def split_backward_flag(value: str) -> bool | None:
+    """A `schedule.split_backward` value as the simulator takes it (None: auto, try both)."""
+    return {"off": False, "on": True, "auto": None}[value]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ScheduleConfig:
     """AF-Pipe shape: slots a worker may hold activations for, and each lane's order.

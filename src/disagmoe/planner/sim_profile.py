@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from disagmoe.config import split_backward_flag
 from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score, seed_plans
 from disagmoe.planner.search import refine_plan
 from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
@@ -103,7 +104,7 @@ class SimulatorProfile:
                 recompute=plan.recompute,
                 order=pl.options.order,
                 exchange_chunks=pl.options.exchange_chunks,
-                split_backward={"off": False, "on": True, "auto": None}[pl.options.split_backward],
+                split_backward=split_backward_flag(pl.options.split_backward),
             )
         except ScheduleRejected:
             return None

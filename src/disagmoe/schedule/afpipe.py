@@ -101,23 +101,18 @@ def build_afpipe_graph(
     share = 1.0 / exchange_chunks
 
     def add(task: Task) -> None:
+        part = share if task.chunk >= 0 else 1.0
         seconds = costs.compute_s(task.op, task.comp, task.layer)
-        weights = 0.0
-        if split and task.op == Op.BWD:  # the input gradients: the rest goes to its W
-            weights = costs.compute_s(Op.WGT, task.comp, task.layer)
-            seconds = max(0.0, seconds - weights)
+        deferred = split and task.op == Op.BWD  # input gradients here, the rest in a W
+        weights = costs.compute_s(Op.WGT, task.comp, task.layer) if deferred else 0.0
         g.add(
             task,
-            seconds * share if task.chunk >= 0 else seconds,
+            max(0.0, seconds - weights) * part,
             (*priority(order, task.op, task.layer, task.slot), task.chunk),
         )
-        if split and task.op == Op.BWD:  # after its BWD in the lists, even at equal times
+        if deferred:  # added after its BWD: listed after it, even at equal times
             w = replace(task, op=Op.WGT)
-            g.add(
-                w,
-                weights * share if task.chunk >= 0 else weights,
-                (*weight_priority(task.layer, task.slot), task.chunk),
-            )
+            g.add(w, weights * part, (*weight_priority(task.layer, task.slot), task.chunk))
             g.local_deps[w].append(task)
 
     def fa(l: int, s: int, r: int) -> Task:

@@ -22,7 +22,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from ..config import RunConfig
+from ..config import RunConfig, split_backward_flag
 from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe, reduced_layout, replica_classes
 from ..schedule.ir import Msg, Op
@@ -192,10 +192,10 @@ def run_compute_costs(cfg: RunConfig, layout: Layout, workload: Workload) -> Ins
 def run_split_candidates(cfg: RunConfig) -> tuple[bool, ...]:
     """The `schedule.split_backward` values a run of `cfg` chooses from (auto: both, unless
     the run cannot split its backwards, `RunConfig.split_backward_blocker`)."""
-    given = cfg.schedule.split_backward
-    if given == "auto":
+    given = split_backward_flag(cfg.schedule.split_backward)
+    if given is None:
         return (False,) if cfg.split_backward_blocker() else (False, True)
-    return (given == "on",)
+    return (given,)
 
 
 def run_chunk_candidates(cfg: RunConfig) -> tuple[int, ...]:

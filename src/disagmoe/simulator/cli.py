@@ -17,6 +17,7 @@ from ..config import (
     SCHEDULE_ORDERS,
     ClusterConfig,
     ModelConfig,
+    split_backward_flag,
 )
 from ..flops import expert_flops, train_factors
 from ..planner.split import planned_split
@@ -274,7 +275,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             costs=r.get("costs"),
             overlap_sync=args.overlap_grad_sync,
             exchange_chunks=args.exchange_chunks,
-            split_backward={"off": False, "on": True, "auto": None}[args.split_backward],
+            split_backward=split_backward_flag(args.split_backward),
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])

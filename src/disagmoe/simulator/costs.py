@@ -220,18 +220,12 @@ class AnalyticCosts:
         return flops.expert_flops(self.workload.model, pairs) * factor / self.flops_per_s
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
-        if op == Op.WGT:
-            return self.weight_grad_s(comp, layer)
+        if op == Op.WGT:  # the weight-gradient part of the backward
+            return weight_grad_s(self, self.workload, comp, layer)
         if comp == "A":
             return self.attn_s(op, layer)
         pairs = self.attn_workers * self.workload.pairs_per_shard(self.expert_workers)
         return self.expert_s(op, pairs)
-
-    def weight_grad_s(self, comp: str, layer: int) -> float:
-        """The weight-gradient part of a backward (what a W computes, `schedule.semantics`):
-        one forward's GEMMs (the attention core has no weights); attention layer 0's whole
-        backward, which sends nothing (its BWD has no input gradient to compute)."""
-        return weight_grad_s(self, self.workload, comp, layer)
 
 
 @dataclass(frozen=True, slots=True)
