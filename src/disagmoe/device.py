@@ -130,6 +130,9 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({threads} thread{'s' if threads > 1 else ''})"
 
 
+_PRIORITY_OUT_OF_RANGE = 1 << 10  # beyond any device's stream priority range
+
+
 class AcceleratorStreams:
     """Streams and timing events of the accelerator `device`, for `runtime.streams` (the
     executor's lanes): the only code that creates them. Not run on a GPU yet."""
@@ -138,8 +141,12 @@ class AcceleratorStreams:
         assert device.type == _ACCELERATOR, device
         self.device = device
 
-    def new_stream(self) -> Any:
-        return torch.cuda.Stream(device=self.device)
+    def new_stream(self, background: bool = False) -> Any:
+        """A stream at the lowest priority (`background`) or the highest: the device's
+        scheduler gives waiting blocks of a higher-priority stream the free SMs first."""
+        # out-of-range priorities map to the nearest valid one (lower number: higher)
+        priority = _PRIORITY_OUT_OF_RANGE if background else -_PRIORITY_OUT_OF_RANGE
+        return torch.cuda.Stream(device=self.device, priority=priority)
 
     def use(self, stream: Any) -> Any:
         return torch.cuda.stream(stream)

@@ -98,8 +98,8 @@ class _FakeBackend:
     def _thread(self) -> str:
         return threading.current_thread().name
 
-    def new_stream(self) -> str:
-        return f"stream{next(self._ids)}"
+    def new_stream(self, background: bool = False) -> str:
+        return f"{'background' if background else 'stream'}{next(self._ids)}"
 
     @contextmanager
     def use(self, stream: str) -> Iterator[None]:
@@ -147,7 +147,7 @@ def _run() -> dict[str, Any]:
         ModelConfig(num_layers=1, num_experts=2), ParallelConfig(attn_workers=1, expert_workers=1)
     )
     topo = Topology.build(layout)
-    lanes = [*program.lanes, *(f"recv{src}{channel}" for src, channel in program.streams)]
+    lanes = [*program.running_lanes, *(f"recv{src}{channel}" for src, channel in program.streams)]
     backend = _FakeBackend()
     worker = _Worker()
     tracer = Tracer(rank, schedule.roles[rank])

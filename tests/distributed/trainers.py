@@ -32,7 +32,10 @@ class BucketCheckingTrainer(DisaggTrainer):
                 assert {tuple(o[3]) for o in peers} == {tuple(layers)}, everyone  # type: ignore[index]
                 last_bwd = max(e["ts"] for e in events if e["cat"] == "bwd")
                 first = min(buckets, key=lambda e: e["ts"])
-                assert first["name"] == f"allreduce l{layers[0]}" and first["ts"] < last_bwd
+                assert first["name"] == f"allreduce l{layers[0]}" and first["ts"] < last_bwd, (
+                    str(self.role),
+                    sorted((e["ts"], e["name"]) for e in events if e["cat"] in ("bwd", "sync")),
+                )
                 assert all(e["args"]["bytes"] > 0 and e["args"]["peers"] for e in buckets)
                 assert sync_event["args"]["bytes"] == 0
             else:

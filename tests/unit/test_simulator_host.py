@@ -22,7 +22,7 @@ from disagmoe.simulator import (
     simulate_disagg,
 )
 from disagmoe.simulator import simulate_schedule as simulate_afpipe
-from disagmoe.simulator.engine import COMPUTE, Program, run_program
+from disagmoe.simulator.engine import COMPUTE, DELAY, Program, run_program
 from disagmoe.simulator.placement import nic_shares
 
 
@@ -43,6 +43,29 @@ def test_cores_pool_shares_compute_across_ranks() -> None:
     assert run_program(prog, cores=4).makespan == pytest.approx(1.0)
     assert run_program(prog, cores=8).makespan == pytest.approx(1.0)  # one op <= one core
     assert run_program(prog, share_compute=False).makespan == pytest.approx(1.0)
+
+
+def test_a_background_compute_yields_its_gpu_and_resumes() -> None:
+    """A background compute (a W) runs only while no other compute of its rank does: the
+    others take the GPU as if it were idle, and it keeps the work it had done."""
+    prog = Program(num_ranks=2)
+    w = prog.add(COMPUTE, 0, "wgt", 1.0, "attn", "W", [])
+    wait = prog.add(DELAY, 0, "fwd", 0.5, "other", "wait", [])
+    f = prog.add(COMPUTE, 0, "fwd", 1.0, "attn", "F", [wait])
+    other = prog.add(COMPUTE, 1, "fwd", 1.0, "attn", "F elsewhere", [])  # another rank's GPU
+    prog.background = {w}
+    t = run_program(prog)
+    assert t.end[f] == pytest.approx(1.5)  # from 0.5 at full rate: the W paused
+    assert t.end[w] == pytest.approx(2.0)  # 0.5 done before, 0.5 after the F
+    assert t.end[other] == pytest.approx(1.0)
+    prog.background = set()  # without it, both share the GPU from 0.5 on
+    t = run_program(prog)
+    assert t.end[w] == pytest.approx(1.5) and t.end[f] == pytest.approx(2.0)
+    # in a pool of cores a background compute waits for every rank's others
+    prog.background = {w}
+    t = run_program(prog, cores=1)
+    assert t.end[other] < t.end[w] and t.end[f] < t.end[w]
+    assert t.end[w] == pytest.approx(3.0)
 
 
 def test_message_overheads_add_to_every_hop_of_a_single_slot() -> None:

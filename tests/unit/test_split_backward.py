@@ -5,7 +5,10 @@ one. The runtime's exactness on real ranks: tests/distributed/test_disagg.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
+import sys
+import threading
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from torch import nn
 
 from disagmoe.config import RunConfig, ScheduleConfig, TrainConfig
 from disagmoe.presets import MODEL_PRESETS
+from disagmoe.runtime.lanes import BACKGROUND_NICE, Lane, StepState
 from disagmoe.runtime.wgrad import backward_inputs, backward_weights
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import Instr, Op, Schedule
@@ -21,6 +25,7 @@ from disagmoe.schedule.sync import sync_buckets
 from disagmoe.schedule.validate import ScheduleError, validate
 from disagmoe.simulator.choose import choose_order, run_split_candidates
 from disagmoe.simulator.disagg import simulate_disagg
+from disagmoe.simulator.engine import COMPUTE
 from disagmoe.simulator.replay import simulate_schedule
 
 from .test_schedule import CONFIGS, layout
@@ -74,6 +79,53 @@ def test_a_slot_is_held_until_its_w_and_buckets_wait_for_the_ws() -> None:
     assert compute_kind(bwd, prog.split) == "I"
     whole = RankProgram.build(build_afpipe(lay, 3, 1, "steady"), lay.attn_rank(0, 0))
     assert compute_kind(bwd, whole.split) == "B" and not whole.split
+
+
+def test_ws_run_on_their_own_background_lane_in_list_order() -> None:
+    lay = layout(1, 2, 2, 3)
+    sched = build_afpipe(lay, 3, 2, "breadth", split_backward=True)
+    for rank, instrs in enumerate(sched.ranks):
+        prog = RankProgram.build(sched, rank)
+        assert all(ins.op == Op.WGT for _, ins in prog.lanes["wgt"])
+        assert not any(ins.op == Op.WGT for _, ins in prog.lanes["bwd"])
+        assert [ins for _, ins in prog.lanes["wgt"]] == [i for i in instrs if i.op == Op.WGT]
+        assert {(i.comp, i.layer, i.slot) for i in instrs if i.op == Op.WGT} == prog.split
+    # every W is a background compute of the replay, and no other compute is
+    result = simulate_schedule(sched, lay, *run_costs(lay, 6)[:3])
+    assert result.program is not None
+    prog_ = result.program
+    computes = [op for op, kind in enumerate(prog_.kind) if kind == COMPUTE]
+    assert prog_.background == {op for op in computes if prog_.lane[op] == "wgt"}
+    assert prog_.background and all(prog_.label[op].startswith("W") for op in prog_.background)
+
+
+def test_overlapped_sync_wants_every_attention_backward_split_or_none() -> None:
+    lay = layout(1, 1, 1, 2)
+    sched = build_afpipe(lay, 2, 0, "breadth", split_backward=True)
+    rank = lay.attn_rank(0, 0)
+    instrs = sched.ranks[rank]
+    drop = next(i for i in instrs if i.op == Op.WGT and i.comp == "A")
+    partial = tuple(i for i in instrs if i is not drop)
+    with pytest.raises(ValueError, match="needs all or none"):
+        sync_buckets(RankProgram.compile(rank, partial, 0))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values")
+def test_a_background_lane_thread_yields_the_cpu() -> None:
+    """The "wgt" lane's thread runs at a higher nice value than its process's other threads."""
+    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+
+    def body(st: StepState) -> None:
+        seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    lane = Lane("wgt", body, background=True)
+    st = StepState(0, ("wgt",))
+    lane.inbox.put(st)
+    lane.inbox.put(None)
+    lane.thread.join(10)
+    assert seen == [min(19, before + BACKGROUND_NICE)] and not st.errors
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before  # its own only
 
 
 def test_a_split_backward_costs_what_the_whole_one_costs() -> None:
@@ -170,12 +222,13 @@ def test_the_two_parts_give_the_whole_backwards_gradients(with_input: bool) -> N
 
 
 def test_a_split_is_not_always_shorter_and_auto_then_keeps_backwards_whole() -> None:
-    """On a network-bound step (the slow link, breadth) deferring weight gradients moves
-    compute, not the binding links, and the replay is longer: auto keeps it whole."""
+    """On a network-bound step (the slow link, breadth, no in-flight cap) deferring weight
+    gradients moves compute, not the binding links, and the replay is longer: auto keeps it
+    whole."""
     model = dataclasses.replace(MODEL_PRESETS["tiny"], num_layers=4, num_dense_layers=0)
     kw = dict(
         groups=1, attn_workers=2, expert_workers=2, seq_len=128, micro_batch_size=2,
-        num_micro_batches=8, max_in_flight=2, order="breadth",
+        num_micro_batches=8, max_in_flight=0, order="breadth",
     )  # fmt: skip
     whole = simulate_disagg(model, SLOW, **kw)  # type: ignore[arg-type]
     split = simulate_disagg(model, SLOW, split_backward=True, **kw)  # type: ignore[arg-type]

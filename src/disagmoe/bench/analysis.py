@@ -273,7 +273,7 @@ def predict_disagg(
     # and the replay gives a chunk its share (`simulator.costs.chunk_compute_s`)
     whole: dict[tuple[Any, ...], float] = defaultdict(float)
     for index, e in enumerate(events):
-        if e["cat"] in ("fwd", "bwd"):
+        if e["cat"] in ("fwd", "bwd", "wgt"):
             name = parse_event_name(e["name"])
             layer = e["args"]["layer"]
             of = (e["pid"], e["args"].get("step"), name.slot) if name.chunk is not None else index
@@ -303,7 +303,7 @@ def _instruction_medians(events: list[Event]) -> Callable[[int, Instr], float | 
     exchange chunk's own span: its event is the chunk's)."""
     spans: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in events:
-        if e["cat"] in ("fwd", "bwd"):
+        if e["cat"] in ("fwd", "bwd", "wgt"):
             spans[(e["pid"], e["name"])].append(e["dur"] / 1e6)
     medians = {key: statistics.median(v) for key, v in spans.items()}
 
@@ -374,7 +374,7 @@ def predict_ep(
     seconds: dict[str, float] = defaultdict(float)
     work: dict[str, float] = defaultdict(float)
     for e in events:
-        if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
+        if e["cat"] not in ("fwd", "bwd", "wgt") or "stage" not in e["args"]:
             continue
         kind = parse_event_name(e["name"]).what
         span = [(e["ts"], e["ts"] + e["dur"])]

@@ -62,7 +62,7 @@ def fit_message_overheads(events: list[Event]) -> MessageOverheads:
     streams: dict[tuple[int, int, int], list[Event]] = defaultdict(list)
     for e in events:
         cat = e.get("cat")
-        if cat in ("fwd", "bwd"):
+        if cat in ("fwd", "bwd", "wgt"):
             computes[(e["pid"], e["name"], e["args"]["step"])] = e
         elif cat in ("send", "recv"):
             msg, step = _msg(e), e["args"]["step"]

@@ -28,15 +28,16 @@ import matplotlib.pyplot as plt
 COLORS = {
     "fwd": "#4C72B0",
     "bwd": "#DD8452",
+    "wgt": "#937860",
     "send": "#8C8C8C",
     "recv": "#B0B0B0",
     "sync": "#55A868",
     "compute": "#4C72B0",
 }
-LANE_ORDER = ("fwd", "bwd", "send", "recv", "sync", "compute")
+LANE_ORDER = ("fwd", "bwd", "wgt", "send", "recv", "sync", "compute")
 # The lanes that carry each kind of binding resource (`Bound.binding`).
 BINDING_LANES = {
-    "compute": ("fwd", "bwd", "compute"),
+    "compute": ("fwd", "bwd", "wgt", "compute"),
     "network": ("send", "recv"),
     "serial": ("sync",),
 }
@@ -111,7 +112,7 @@ def plot_traces(
     out: str | Path,
     *,
     step: int | None = None,
-    lanes: tuple[str, ...] = ("fwd", "bwd", "send", "recv"),
+    lanes: tuple[str, ...] = ("fwd", "bwd", "wgt", "send", "recv"),
     bounds: Sequence[TraceBound | None] = (),
 ) -> None:
     """Stack the given (title, trace.json) pairs on one shared time axis (ms); `bounds[i]`

@@ -5,6 +5,10 @@ and receive lane runs on its own stream, `runtime.streams`):
 
 * "fwd"  — the rank's FWD instructions in list order,
 * "bwd"  — its BWD instructions in list order,
+* "wgt"  — its W instructions (deferred weight gradients) in list order, in the
+           background: a lower CPU priority for its thread, the lowest-priority stream on
+           a device, so it computes where the other lanes leave the worker idle (only in
+           lists that have Ws),
 * "recv" — one thread per incoming (sender, channel) stream: it takes the stream's headers
            in FIFO order, posts each message's payload receives at once (while the previous
            payload may still be on the wire) and puts the message into the mailbox; the
@@ -50,7 +54,7 @@ from ..distributed.exchange import (
 )
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
-from ..schedule.semantics import RankProgram, TaskKey, consumer_lane
+from ..schedule.semantics import BACKGROUND_LANES, RankProgram, TaskKey, consumer_lane
 from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, dropped, recv_lane_name
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
@@ -121,8 +125,9 @@ class Executor:
         }
         self.task_lane = {ins.task: lane for lane, instrs in program.lanes.items()
                           for _, ins in instrs}  # fmt: skip
-        self.computes = {lane: [self._compute(i, ins) for i, ins in instrs]
-                         for lane, instrs in program.lanes.items()}  # fmt: skip
+        self.compute_lanes = program.running_lanes  # (a list without Ws has no "wgt" lane)
+        self.computes = {lane: [self._compute(i, ins) for i, ins in program.lanes[lane]]
+                         for lane in self.compute_lanes}  # fmt: skip
         self.stream_of = {m: (m.src, m.channel) for m in incoming}  # its (src, channel) turn
         for key, msgs in program.streams.items():  # (a channel's kinds share one consumer lane)
             assert len({self.consumer_lane[m] for m in msgs}) == 1, key
@@ -130,7 +135,7 @@ class Executor:
             (src, channel): Receiver(src, topo.stream(src, self.rank, channel), device=topo.device)
             for src, channel in program.streams
         }
-        lanes = [*program.lanes, *(recv_lane_name(*key) for key in program.streams)]
+        lanes = [*self.compute_lanes, *(recv_lane_name(*key) for key in program.streams)]
         self.streams = streams or LaneStreams(stream_backend(topo.device), lanes)
         self.sends: deque[_Send] = deque()  # posted, completion not yet seen
         self.headers = HeaderPool()
@@ -168,8 +173,10 @@ class Executor:
             name = recv_lane_name(src, channel)
             on = self.streams.on(name)
             self.lanes.append(Lane(name, self._bind_recv((src, channel)), on))
-        for lane in self.program.lanes:
-            self.lanes.append(Lane(lane, self._bind_compute(lane), self.streams.on(lane)))
+        for lane in self.compute_lanes:
+            background = lane in BACKGROUND_LANES
+            compute = self._bind_compute(lane)
+            self.lanes.append(Lane(lane, compute, self.streams.on(lane), background=background))
         self.lanes.append(Lane("send", self._send_waiter))
 
     def _bind_recv(self, key: tuple[int, str]) -> Callable[[StepState], None]:
@@ -437,13 +444,17 @@ class Executor:
 
     def _join_streams(self, st: StepState, work: Compute, lane: str) -> None:
         """Before `work` runs on `lane`'s stream: wait for the events of its dependencies on
-        the other lane, and adopt what its FWD kept for a BWD (`runtime.streams`)."""
+        other lanes, and adopt what its FWD kept for a BWD, or its BWD for a W
+        (`runtime.streams`)."""
         with st.lock:
             events = [st.events[t] for t in work.cross]
         self.streams.after(lane, events)
-        if work.instr.op == Op.BWD:
-            instr = work.instr
+        instr = work.instr
+        if instr.op == Op.BWD:
             kept = self.worker.kept(instr.layer, instr.slot, chunk=instr.chunk)
+            self.streams.adopt(lane, kept)
+        elif instr.op == Op.WGT:  # the gradients its BWD captured on the "bwd" lane
+            kept = self.worker.kept_for_weights(instr.layer, instr.slot, chunk=instr.chunk)
             self.streams.adopt(lane, kept)
 
     def _trace_computes(self, st: StepState) -> None:
@@ -460,7 +471,7 @@ class Executor:
         on their lanes, then SYNC and STEP through the hooks (`schedule.semantics`)."""
         if not self.lanes:
             self._start_lanes()
-        st = StepState(step)
+        st = StepState(step, self.compute_lanes)
         st.turns = {
             key: Turn(msgs, self.receivers[key], self.consumer_lane[msgs[0]], Condition(st.lock))
             for key, msgs in self.program.streams.items()
@@ -468,7 +479,7 @@ class Executor:
         self.streams.begin_step()
         for lane in self.lanes:
             lane.inbox.put(st)
-        own = len(self.program.streams) + len(self.program.lanes)
+        own = len(self.program.streams) + len(self.compute_lanes)
         with st.lock:  # the receive and compute lanes finish on their own ...
             while st.finished < own and not st.errors:
                 st.ended.wait(0.1)

@@ -6,12 +6,16 @@ One `StepState` per optimizer step: a lock, the mailbox of messages whose header
 the computes done, one condition per compute lane so that an arrival wakes only the
 lane that waits for it, and one `Turn` per incoming stream: whether its receive lane or
 its consuming compute lane takes its next header. A `Lane` is a thread that runs its body
-once per step, inside its stream's context on an accelerator (`runtime.streams`).
+once per step, inside its stream's context on an accelerator (`runtime.streams`); the
+"wgt" lane (deferred weight gradients) runs in the background: a lower CPU priority for
+its thread, a low-priority stream on a device (`schedule.semantics`).
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -88,6 +92,7 @@ class StepState:
     (a wake-up costs a GIL hand-off)."""
 
     step: int
+    lanes: tuple[str, ...] = ("fwd", "bwd")  # the rank's compute lanes
     lock: threading.Lock = field(default_factory=threading.Lock)
     mailbox: dict[Msg, Incoming] = field(default_factory=dict)  # header in, not yet consumed
     done: set[TaskKey] = field(default_factory=set)
@@ -104,9 +109,9 @@ class StepState:
 
     def __post_init__(self) -> None:
         self.ended = threading.Condition(self.lock)
-        self.wake = {lane: threading.Condition(self.lock) for lane in ("fwd", "bwd")}
-        self.needs = {lane: set() for lane in ("fwd", "bwd")}
-        self.awaits = {lane: set() for lane in ("fwd", "bwd")}
+        self.wake = {lane: threading.Condition(self.lock) for lane in self.lanes}
+        self.needs = {lane: set() for lane in self.lanes}
+        self.awaits = {lane: set() for lane in self.lanes}
 
     def deliver(self, turn: Turn, msg: Msg, incoming: Incoming, *, by_lane: bool) -> None:
         """Under `lock`: `msg` (the turn's next) into the mailbox, and the turn to whom takes
@@ -135,23 +140,48 @@ class StepState:
                 turn.parked.notify_all()
 
 
+# How much a background lane's thread lowers its scheduling priority (a nice value above
+# its process's): the kernel then gives it the CPU mostly while the other lanes wait.
+BACKGROUND_NICE = 10
+
+
+def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
+    """Make the calling thread yield the CPU to its process's other threads: `nice` added to
+    its nice value (Linux keeps one per thread; raising it needs no privilege). Elsewhere,
+    or when the kernel refuses, nothing. Whether it was lowered."""
+    if not sys.platform.startswith("linux"):
+        return False
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError:
+        return False
+    return True
+
+
 class Lane:
     """A thread kept for the whole run that runs `body(step_state)` once per step, inside
-    `context` (its stream made current: `LaneStreams.on`)."""
+    `context` (its stream made current: `LaneStreams.on`). A `background` lane's thread
+    runs at a lower CPU priority (`lower_thread_priority`), as its stream does on a device."""
 
     def __init__(
         self,
         name: str,
         body: Callable[[StepState], None],
         context: AbstractContextManager[None] | None = None,
+        *,
+        background: bool = False,
     ) -> None:
         self.body = body
         self.context = context or nullcontext()
+        self.background = background
         self.inbox: queue.Queue[StepState | None] = queue.Queue()
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.thread.start()
 
     def _loop(self) -> None:
+        if self.background:
+            lower_thread_priority()
         with self.context:
             while (st := self.inbox.get()) is not None:
                 try:

@@ -29,8 +29,8 @@ from ..config import RunConfig
 from ..config_io import save_toml
 from .tensorboard import TensorBoardLog
 
-LANES = ("compute", "fwd", "bwd", "send", "recv", "sync")
-COMPUTE_LANES = ("compute", "fwd", "bwd")
+LANES = ("compute", "fwd", "bwd", "send", "recv", "sync", "wgt")
+COMPUTE_LANES = ("compute", "fwd", "bwd", "wgt")
 COMM_LANES = ("send", "recv")
 _LANE_IDS = {lane: tid for tid, lane in enumerate(LANES)}
 Interval = tuple[float, float]

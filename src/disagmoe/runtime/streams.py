@@ -1,8 +1,13 @@
 """The executor's lanes on accelerator streams: one stream per lane, events between them.
 
 On an accelerator (`device.stream_backend`) every lane thread of `runtime.executor` —
-"fwd", "bwd" and each receive lane — makes its own stream current for its whole life
-(`LaneStreams.on`), so the kernels a lane queues do not wait behind another lane's.
+"fwd", "bwd", "wgt" and each receive lane — makes its own stream current for its whole
+life (`LaneStreams.on`), so the kernels a lane queues do not wait behind another lane's.
+The "wgt" lane's stream (deferred weight gradients) has the lowest priority and the
+others the highest, so its kernels fill the device where the others leave it idle. Not
+yet for a W's own kernels, though: autograd queues those on the stream of their forward
+op (below), the "fwd" lane's, so on a device the W's priority reaches only what it
+queues itself until backwards get streams of their own (the GPU path).
 Hand-offs between lanes are made explicit:
 
 * a received payload is allocated and its receive posted on the receive lane; its
@@ -38,11 +43,13 @@ backend. It has not yet run on a GPU.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Container, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+
+from ..schedule.semantics import BACKGROUND_LANES
 
 Stamp = Any  # a host time in microseconds (no backend) or a recorded event
 
@@ -50,7 +57,10 @@ Stamp = Any  # a host time in microseconds (no backend) or a recorded event
 class StreamBackend(Protocol):
     """What `LaneStreams` asks of a device (`device.AcceleratorStreams`; tests: a fake)."""
 
-    def new_stream(self) -> Any: ...
+    def new_stream(self, background: bool = False) -> Any:
+        """A stream; a `background` one yields to the others (a lower priority)."""
+        ...
+
     def use(self, stream: Any) -> Any:
         """A context manager making `stream` current on the calling thread."""
         ...
@@ -82,10 +92,19 @@ def _now_us() -> float:
 class LaneStreams:
     """The streams of one executor's lanes (see the module doc); no-ops without a backend."""
 
-    def __init__(self, backend: StreamBackend | None, lanes: Iterable[str]) -> None:
+    def __init__(
+        self,
+        backend: StreamBackend | None,
+        lanes: Iterable[str],
+        background: Container[str] = BACKGROUND_LANES,
+    ) -> None:
+        """A stream per lane; those of `background` lanes at a low priority (their kernels
+        take the device while the others' do not: `schedule.semantics`)."""
         self.backend = backend
         self.streams: dict[str, Any] = (
-            {lane: backend.new_stream() for lane in lanes} if backend is not None else {}
+            {lane: backend.new_stream(lane in background) for lane in lanes}
+            if backend is not None
+            else {}
         )
         self._origin: tuple[Any, float] | None = None  # (event, its host time) of this step
 

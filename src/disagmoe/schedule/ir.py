@@ -34,7 +34,8 @@ ep-overlap splits each expert compute and the all-to-alls around it.
 
 Every message kind declares itself in `MESSAGE_KINDS`: its channel, the compute
 that produces it, the compute that consumes it, and what it carries. Each
-instruction runs on a lane: compute on "fwd" or "bwd", messages on the channel
+instruction runs on a lane: compute on "fwd", "bwd" or — a W, the weight gradients a
+split backward deferred — "wgt", messages on the channel
 of their kind ("fwd" for activations, "bwd" for gradients), SYNC and STEP on
 "sync". Per (sender, receiver, channel) messages are FIFO: the order of SENDs
 in the sender's list equals the order of RECVs in the receiver's.
@@ -176,8 +177,10 @@ class Instr:
     def lane(self) -> str:
         if self.op == Op.FWD:
             return "fwd"
-        if self.op in (Op.BWD, Op.WGT):
+        if self.op == Op.BWD:
             return "bwd"
+        if self.op == Op.WGT:
+            return "wgt"
         if self.op == Op.A2A:
             return MESSAGE_KINDS[self.comp].channel
         if self.msg is not None:

@@ -7,10 +7,12 @@ ask it the same questions, so they cannot disagree about when an instruction may
 
 Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
 
-* **Lanes.** A rank runs its FWD instructions in list order on the "fwd" lane and
-  its BWD instructions in list order on the "bwd" lane, concurrently. SYNC and
-  STEP run in list order on the "sync" lane once every compute and message of the
-  rank is done.
+* **Lanes.** A rank runs its FWD instructions in list order on the "fwd" lane, its
+  BWD instructions in list order on the "bwd" lane and its W instructions (deferred
+  weight gradients, below) in list order on the "wgt" lane, concurrently. The "wgt"
+  lane is a background lane: its computes take the device only while neither other
+  lane computes (a low-priority stream; `runtime.streams`). SYNC and STEP run in list
+  order on the "sync" lane once every compute and message of the rank is done.
 * **Messages.** Each message kind's producer and consumer are declared in
   `schedule.ir.MESSAGE_KINDS`. A SEND is posted by its producing compute right
   after that compute ends (in list order among the SENDs of that compute). A RECV
@@ -33,7 +35,7 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
 * **Deferred weight gradients.** A BWD whose task also has a W (`Op.WGT`, same comp,
   layer, slot and chunk) on the rank computes what its outgoing messages carry — the
   input gradients (kind "I", `compute_kind`) — and keeps the rest of its backward for
-  the W, which runs on the "bwd" lane where the list puts it and produces no message
+  the W, which runs on the "wgt" lane in list order and produces no message
   (`afpipe.build_afpipe(split_backward=True)`; `runtime.stages`). A BWD without a W is
   the whole backward.
 * **Exchange chunks.** With `meta["exchange_chunks"]` = c > 1 (`schedule.ir`) a
@@ -56,7 +58,7 @@ Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs the
   when the compute or A2A before it ends and does not block. A2A blocks until every
   member of its group reached the same (phase, layer, slot) all-to-all.
 * **Overlapped pairs.** The instructions of one pair (`Instr.pair`, DualPipeV's F&B)
-  run their forward half on the "fwd" lane and their backward half on the "bwd" lane
+  run their forward half on the "fwd" lane and their backward half (a W too) on the "bwd" lane
   from the same start; the pair's SENDs leave, and the list continues, when both
   halves are done.
 * **Chunked all-to-all.** With `meta["a2a_chunks"]` = c > 1 (ep-overlap) an A2A, the
@@ -82,7 +84,9 @@ from .ir import MESSAGE_KINDS, Endpoint, Instr, Msg, Op, Schedule
 
 TaskKey = tuple[str, str, int, int, int]  # (op value, comp, layer, slot, chunk): `Instr.task`
 EXECUTIONS = ("lanes", "in-order")
-COMPUTE_LANES = ("fwd", "bwd")
+COMPUTE_LANES = ("fwd", "bwd", "wgt")
+BACKGROUND_LANES = ("wgt",)  # computes that yield the device to the other lanes' (module doc)
+PAIR_LANES = ("fwd", "bwd")  # the halves of an in-order overlapped pair
 
 
 def _task(end: Endpoint, layer: int, slot: int, chunk: int = -1) -> TaskKey:
@@ -107,7 +111,8 @@ def consumer(msg: Msg) -> TaskKey:
 
 
 def consumer_lane(msg: Msg) -> str:
-    """The compute lane ("fwd" / "bwd") whose instruction consumes `msg`."""
+    """The compute lane ("fwd" / "bwd") whose instruction consumes `msg` (a W consumes
+    none)."""
     return Instr(MESSAGE_KINDS[msg.kind].consumer.op).lane
 
 
@@ -117,7 +122,7 @@ class RankProgram:
 
     rank: int
     cap: int  # max_in_flight
-    lanes: dict[str, list[tuple[int, Instr]]]  # "fwd"/"bwd" -> (list index, compute) in order
+    lanes: dict[str, list[tuple[int, Instr]]]  # COMPUTE_LANES -> (list index, compute) in order
     inputs: dict[TaskKey, list[Msg]]  # messages each compute consumes
     outputs: dict[TaskKey, list[Msg]]  # messages each compute produces, in posting order
     streams: dict[tuple[int, str], list[Msg]]  # (src, channel) -> incoming messages, FIFO
@@ -174,7 +179,7 @@ class RankProgram:
             finals=finals,
             first_layer=min(forwards) if forwards else -1,
             forward_only=bool(forwards) and not lanes["bwd"],
-            split={(i.comp, i.layer, i.slot) for _, i in lanes["bwd"] if i.op == Op.WGT},
+            split={(i.comp, i.layer, i.slot) for _, i in lanes["wgt"]},
         )
         prog.local = prog._local_dependencies()
         return prog
@@ -207,6 +212,12 @@ class RankProgram:
                 local[ins.task] = deps
         return local
 
+    @property
+    def running_lanes(self) -> tuple[str, ...]:
+        """The compute lanes an executor runs: "fwd" and "bwd" always, "wgt" when the list
+        has a W."""
+        return tuple(lane for lane, items in self.lanes.items() if items or lane in PAIR_LANES)
+
     def holds_until(self, instr: Instr) -> bool:
         """Whether `instr` is the compute after which the rank keeps nothing more of its slot
         at its first layer (in-flight accounting): that layer's BWD, or its W where the list
@@ -218,7 +229,9 @@ class RankProgram:
 
     def computes(self) -> list[tuple[int, Instr]]:
         """Every compute of the rank, in list order."""
-        return sorted(self.lanes["fwd"] + self.lanes["bwd"], key=lambda item: item[0])
+        return sorted(
+            (item for lane in self.lanes.values() for item in lane), key=lambda item: item[0]
+        )
 
     def waiting_for(
         self, instr: Instr, done: Container[TaskKey], arrived: Callable[[Msg], bool]
@@ -322,9 +335,9 @@ class InOrderProgram:
                 seg = Segment([("compute", [])])
                 poster = prog._tasks(run, seg.lanes[0][1], chunks, split, waits, poster)
             else:
-                seg = Segment([(lane, []) for lane in COMPUTE_LANES])
+                seg = Segment([(lane, []) for lane in PAIR_LANES])
                 for lane, tasks in seg.lanes:
-                    half = [i for i in run if i.lane == lane]
+                    half = [i for i in run if (i.lane if i.op is not Op.WGT else "bwd") == lane]
                     prog._tasks(half, tasks, chunks, split, waits, seg, pair=True)
                 poster = seg
             prog.segments.append(seg)

@@ -11,9 +11,11 @@ layer 0 with the embedding), instead of one flat all-reduce at SYNC:
   to become final on a rank.
 * **Issue point.** Bucket k (in that order) is issued right after the BWD, in the rank's
   "bwd" lane order, after which bucket k and every earlier bucket are final: the last
-  BWD of any of their layers (the last W where backwards defer their weight gradients,
-  `schedule.semantics`). A parameter two layers touch (a tied embedding and LM head)
-  belongs to the bucket issued later of those two layers' buckets.
+  BWD of any of their layers. Where backwards defer their weight gradients
+  (`schedule.semantics`), the W computes them: the point is the last W, in "wgt" lane
+  order, and then every A backward of the list must be split (else two lanes' orders
+  would have to be compared). A parameter two layers touch (a tied embedding and LM
+  head) belongs to the bucket issued later of those two layers' buckets.
 * **SYNC** waits for the buckets in flight and reduces what no bucket holds; STEP
   follows. A forward-only list (evaluation) has no BWD and no bucket.
 
@@ -26,7 +28,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Op
 from .semantics import RankProgram, TaskKey
 
 
@@ -41,15 +42,17 @@ class SyncBucket:
 def sync_buckets(program: RankProgram) -> list[SyncBucket]:
     """The rank's buckets in issue order (see the module doc): one per layer its BWDs (or
     Ws) touch, descending; none for a list without a BWD or for an expert rank."""
-    backward = [
-        ins
-        for _, ins in program.lanes["bwd"]
-        if ins.comp == "A"
-        and ins.op == (Op.WGT if (ins.comp, ins.layer, ins.slot) in program.split else Op.BWD)
-    ]
+    whole = [ins for _, ins in program.lanes["bwd"] if ins.comp == "A"]
+    weights = [ins for _, ins in program.lanes["wgt"] if ins.comp == "A"]
+    if weights and len(weights) != len(whole):
+        raise ValueError(
+            f"rank {program.rank}: {len(weights)} of its {len(whole)} attention backwards "
+            "defer their weight gradients; overlapped gradient sync needs all or none"
+        )
+    backward = weights or whole
     if not backward:
         return []
-    last: dict[int, int] = {}  # layer -> position of its last BWD in the bwd lane
+    last: dict[int, int] = {}  # layer -> position of its last BWD (W) in its lane
     for pos, ins in enumerate(backward):
         last[ins.layer] = pos
     buckets, final = [], -1

@@ -7,7 +7,10 @@ A `Program` is what every front end (AF-Pipe replay, EP baselines) lowers to:
   half rate), unless `share_compute=False` (measured tables already contain the
   contention of their own run). With `cores=C` (a CPU host calibrated from a
   real run) the compute ops of *all* ranks share one pool of C processors
-  instead: each runs at `min(1, C / active)`.
+  instead: each runs at `min(1, C / active)`. A *background* compute
+  (`Program.background`: a W on the "wgt" lane, `schedule.semantics`) gets its
+  GPU (pool) only while no other compute is active there: the others share it as if
+  it were idle, and it resumes where it stopped (a low-priority stream).
 * `A2A` — a collective of `work` seconds when alone; the A2As of one rank share
   its network by processor sharing (two lanes exchanging at once each get half).
 * `XFER` — a point-to-point message. It loads ports (NIC or NVLink, out and in,
@@ -26,6 +29,7 @@ that never becomes ready (a dependency cycle) raises `DeadlockError`.
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +71,7 @@ class Program:
     latency_s: float = 0.0
     # Fan-out: how many real workers each simulated rank stands for (symmetry reduction).
     multiplicity: list[int] = field(default_factory=list)
+    background: set[int] = field(default_factory=set)  # COMPUTE ops that yield (module doc)
 
     def add(
         self,
@@ -129,35 +134,55 @@ class Timeline:
 
 
 class _Sharing:
-    """Processor sharing of `capacity` processors among the ops active on it (each <= 1)."""
+    """Processor sharing of `capacity` processors among the ops active on it (each <= 1).
 
-    __slots__ = ("active", "capacity", "last")
+    Ops in `background` run only while no other op is active (then they share it among
+    themselves); a paused one keeps its remaining work."""
 
-    def __init__(self, capacity: float = 1.0) -> None:
+    __slots__ = ("active", "background", "capacity", "last", "waiting")
+
+    def __init__(self, capacity: float = 1.0, background: frozenset[int] = frozenset()) -> None:
         self.active: dict[int, float] = {}  # op -> remaining work
+        self.background = background
+        self.waiting = 0  # active ops in `background`
         self.capacity = capacity
         self.last = 0.0
 
-    def _rate(self) -> float:
-        return min(1.0, self.capacity / len(self.active)) if self.active else 1.0
+    def _running(self) -> tuple[int, bool]:
+        """(how many ops share the processors now, whether those are the background ones)."""
+        front = len(self.active) - self.waiting
+        return (front, False) if front else (self.waiting, True)
+
+    def _rate(self, sharing: int) -> float:
+        return min(1.0, self.capacity / sharing) if sharing else 1.0
 
     def _advance(self, now: float) -> None:
         if self.active:
-            done = (now - self.last) * self._rate()
+            sharing, back = self._running()
+            done = (now - self.last) * self._rate(sharing)
             for op in self.active:
-                self.active[op] -= done
+                if (op in self.background) == back:
+                    self.active[op] -= done
         self.last = now
 
     def change(self, now: float, add: int = -1, work: float = 0.0, remove: int = -1) -> None:
         self._advance(now)
         if remove >= 0:
             del self.active[remove]
+            self.waiting -= remove in self.background
         if add >= 0:
             self.active[add] = work
+            self.waiting += add in self.background
 
     def finishes(self, now: float) -> list[tuple[float, int]]:
-        rate = self._rate()
-        return [(now + max(rem, 0.0) / rate, op) for op, rem in self.active.items()]
+        """When each active op ends at the current rates (a paused one: never, until the
+        next change reschedules it)."""
+        sharing, back = self._running()
+        rate = self._rate(sharing)
+        return [
+            (now + max(rem, 0.0) / rate if (op in self.background) == back else math.inf, op)
+            for op, rem in self.active.items()
+        ]
 
 
 def run_program(
@@ -180,12 +205,13 @@ def run_program(
     version = [0] * n
     heap: list[tuple[float, int, int, int]] = []  # (time, seq, op, version)
     seq = 0
+    background = frozenset(program.background)
     if cores > 0:
-        pool = _Sharing(float(cores))
+        pool = _Sharing(float(cores), background)
         gpus = [pool] * program.num_ranks
         share_compute = True
     else:
-        gpus = [_Sharing() for _ in range(program.num_ranks)]
+        gpus = [_Sharing(background=background) for _ in range(program.num_ranks)]
     nets = [_Sharing() for _ in range(program.num_ranks)]
     if link_model not in LINK_MODELS:
         raise ValueError(f"link model {link_model!r}: use one of {', '.join(LINK_MODELS)}")
@@ -199,9 +225,10 @@ def run_program(
     def push(events: list[tuple[float, int]]) -> None:
         nonlocal seq
         for t, op in events:
-            version[op] += 1
-            seq += 1
-            heapq.heappush(heap, (t, seq, op, version[op]))
+            version[op] += 1  # (a paused op, t = inf: its earlier finish no longer holds)
+            if t < math.inf:
+                seq += 1
+                heapq.heappush(heap, (t, seq, op, version[op]))
 
     def reschedule(res: _Sharing, now: float) -> None:
         push(res.finishes(now))

@@ -4,9 +4,10 @@ What an instruction means comes from `schedule.semantics` (`RankProgram`,
 `InOrderProgram`); this module only turns each rank's compiled list into timed
 operations, through one path for both executions:
 
-* computes on their lanes, in list order ("fwd"/"bwd" on lanes; "compute", or a
-  pair's "fwd"/"bwd", in order), costing `Pricing.compute_s(instr, kind)`; lanes
-  programs add their local dependencies (own forward, hand-overs, in-flight cap);
+* computes on their lanes, in list order ("fwd"/"bwd"/"wgt" on lanes; "compute", or
+  a pair's "fwd"/"bwd", in order), costing `Pricing.compute_s(instr, kind)`; lanes
+  programs add their local dependencies (own forward, hand-overs, in-flight cap), and
+  their "wgt" computes run in the background (`Program.background`);
 * all-to-alls cost `Pricing.a2a_s`; when several members of the group are simulated
   they meet first (a barrier), a representative standing for its group does not;
   chunked groups run as the semantics split them;
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from ..runtime.observe import message_event_name, message_label
 from ..schedule.ir import Instr, Msg, Op, Schedule, compute_event_name
 from ..schedule.semantics import (
+    BACKGROUND_LANES,
     Chunked,
     InOrderProgram,
     RankProgram,
@@ -136,6 +138,8 @@ class _Lowering:
                 args,
             )
             task_op[ins.task] = op
+            if ins.lane in BACKGROUND_LANES:
+                prog.background.add(op)
             for msg in rp.inputs.get(ins.task, ()):
                 self.needs[msg] = op
             sends = rp.outputs.get(ins.task, [])
