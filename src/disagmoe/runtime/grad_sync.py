@@ -2,8 +2,8 @@
 
 `OverlappedSync` stands in for the rank's `AttnWorker` before the executor (same
 `forward` / `backward` / `weight_grads` / `kept`): after the worker's backward of (layer,
-slot) — its W where the list defers weight gradients — it issues, on the bwd lane, every
-bucket whose issue point that compute is — an asynchronous
+slot) — its W where the list defers weight gradients — it issues, on the lane that ran
+it ("bwd", or "wgt" for a W), every bucket whose issue point that compute is — an asynchronous
 `all_reduce` over the group's m replicas of a flat copy of the bucket's gradients (a
 parameter without a gradient is final with none: it joins as zeros, as
 `objective.fill_missing_grads` would make it at SYNC). Every replica issues the same
