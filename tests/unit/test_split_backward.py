@@ -161,6 +161,21 @@ def test_auto_tries_both_and_the_simulator_takes_none_as_auto() -> None:
     )
 
 
+def test_the_simulator_splits_no_backward_the_runtime_cannot() -> None:
+    """Under recompute a run keeps its backwards whole: the replay refuses `on` and `auto`
+    tries whole backwards only (so the planner never credits a split it cannot run)."""
+    model = dataclasses.replace(MODEL_PRESETS["tiny"], num_layers=4, num_dense_layers=0)
+    kw = dict(
+        groups=1, attn_workers=2, expert_workers=2, seq_len=128, micro_batch_size=2,
+        num_micro_batches=8, max_in_flight=2, recompute="full",
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="cannot run with recompute full"):
+        simulate_disagg(model, SLOW, split_backward=True, **kw)  # type: ignore[arg-type]
+    auto = simulate_disagg(model, SLOW, split_backward=None, **kw)  # type: ignore[arg-type]
+    assert not auto.config["split_backward"]
+    assert not any(step[4] for step in auto.config["auto_steps"])
+
+
 def test_config_refuses_a_split_it_cannot_run_and_auto_keeps_it_whole() -> None:
     on = ScheduleConfig(split_backward="on")
     with pytest.raises(ValueError, match="split_backward = on cannot run with train.recompute"):

@@ -104,7 +104,12 @@ class SimulatorProfile:
                 recompute=plan.recompute,
                 order=pl.options.order,
                 exchange_chunks=pl.options.exchange_chunks,
-                split_backward=split_backward_flag(pl.options.split_backward),
+                # a recomputing run keeps its backwards whole (the runtime's rule)
+                split_backward=(
+                    split_backward_flag(pl.options.split_backward)
+                    if plan.recompute == "none"
+                    else False
+                ),
             )
         except ScheduleRejected:
             return None

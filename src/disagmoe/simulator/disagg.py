@@ -104,7 +104,9 @@ def simulate_disagg(
     chunks (`schedule.ir`, priced by `replay.afpipe_pricing`); 0: `choose` picks 1, 2, 4 or 8
     (with an explicit order, among that order alone). `split_backward`
     (`schedule.split_backward`): every backward defers its weight gradients to a W
-    (`schedule.semantics`); None: `choose` tries both.
+    (`schedule.semantics`); None: `choose` tries both — whole backwards only under
+    recompute, which the runtime cannot split (`RunConfig.split_backward_blocker`), and
+    True with recompute is a `ValueError`.
     """
 
     parallel = ParallelConfig(
@@ -118,6 +120,11 @@ def simulate_disagg(
             "workers per group without a micro-batch; give at least one per replica"
         )
     slots = layout.slots_of_replica(0, num_micro_batches)
+    if recompute != "none" and split_backward:
+        raise ValueError(
+            f"deferred weight gradients cannot run with recompute {recompute} (the runtime "
+            "refuses it): split backwards without recompute, or keep them whole"
+        )
     if exchange_chunks < 0:
         raise ValueError(f"exchange chunks must be >= 0 (0: auto picks), got {exchange_chunks}")
     if reduce is None:
@@ -141,7 +148,11 @@ def simulate_disagg(
     if order == "auto" or exchange_chunks == 0 or split_backward is None:
         candidates = CANDIDATES if order == "auto" else ((order, costed),)
         chunks = (exchange_chunks,) if exchange_chunks else CHUNK_CANDIDATES
-        splits = (False, True) if split_backward is None else (split_backward,)
+        splits = (
+            (False, True)
+            if split_backward is None and recompute == "none"
+            else ((bool(split_backward),))
+        )
         choice, priced = choose_order(
             layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
             candidates=candidates, chunks=chunks, link_model=link_model, reduce=reduce,
