@@ -176,7 +176,7 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
     assert len(lines[0]["busy_s"]) == 2 and all(b > 0 for b in lines[0]["busy_s"])
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     lanes = {e["args"]["name"] for e in trace if e["name"] == "thread_name"}
-    assert lanes == {"compute", "fwd", "bwd", "send", "recv", "sync"}
+    assert lanes == {"compute", "fwd", "bwd", "send", "recv", "sync", "wgt"}  # every lane named
     cats = {e["cat"] for e in trace if e["ph"] == "X"}
     assert {"fwd", "bwd", "send", "sync"} <= cats
     assert any(e["name"].startswith("a2a dispatch") for e in trace if e["ph"] == "X")
