@@ -216,7 +216,9 @@ class RankProgram:
     def running_lanes(self) -> tuple[str, ...]:
         """The compute lanes an executor runs: "fwd" and "bwd" always, "wgt" when the list
         has a W."""
-        return tuple(lane for lane, items in self.lanes.items() if items or lane in PAIR_LANES)
+        return tuple(
+            lane for lane, items in self.lanes.items() if items or lane not in BACKGROUND_LANES
+        )
 
     def holds_until(self, instr: Instr) -> bool:
         """Whether `instr` is the compute after which the rank keeps nothing more of its slot
