@@ -13,7 +13,7 @@ from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
-from disagmoe.schedule.semantics import consumer, producer
+from disagmoe.schedule.semantics import RankProgram, consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
 
 
@@ -148,6 +148,33 @@ def test_in_flight_cap_bounds_peak() -> None:
     uncapped = validate(build_afpipe(lay, 6))
     capped = validate(build_afpipe(lay, 6, max_in_flight=2))
     assert capped <= 2 < uncapped
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_in_flight_cap_pairs_each_layer_with_the_older_slots_mirror_layer(split: bool) -> None:
+    """`schedule.semantics`, "in-flight cap, layer by layer": on every rank (A with the head,
+    F with 2 exchange chunks, p = 2) the forward of the k-th lowest layer of slot s waits
+    for the release (BWD, or W where split) of the (k+1)-th highest (or the lowest) of
+    slot s - cap, chunk by chunk; and the generator's lists let a new slot start before
+    the older one's backward reached its lowest layer."""
+    lay = layout(2, 1, 2, layers=6)
+    cap = 1
+    sched = build_afpipe(lay, 3, cap, "steady", exchange_chunks=2, split_backward=split)
+    assert validate(sched) <= cap
+    held = "W" if split else "B"
+    for rank in range(lay.world_size):
+        prog = RankProgram.build(sched, rank)
+        layers = lay.layers_of(rank)
+        assert list(prog.layers) == layers
+        for _, ins in prog.lanes["fwd"]:
+            gate = layers[max(0, len(layers) - 2 - layers.index(ins.layer))]
+            assert prog.cap_gate(ins.layer) == gate
+            caps = [t for t in prog.local[ins.task] if t[3] != ins.slot]
+            want = [(held, ins.comp, gate, ins.slot - cap, ins.chunk)] if ins.slot >= cap else []
+            assert caps == want, (rank, ins, caps)
+    a0 = lay.attn_rank(0, 0)  # layers 0, 2, 4 and the head (6)
+    order = [str(i) for i in sched.ranks[a0] if i.is_compute]
+    assert order.index("FA l0 s1") < order.index(f"{held}A l0 s0")
 
 
 def test_text_and_csv_dumps() -> None:

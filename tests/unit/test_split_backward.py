@@ -71,9 +71,11 @@ def test_a_slot_is_held_until_its_w_and_buckets_wait_for_the_ws() -> None:
     lay = layout(1, 1, 1, 2)
     sched = build_afpipe(lay, 3, 1, "steady", split_backward=True)
     prog = RankProgram.build(sched, lay.attn_rank(0, 0))
-    # the cap: the first layer's forward of slot 1 waits for slot 0's W, not its BWD
-    assert ("W", "A", 0, 0, -1) in prog.local[("F", "A", 0, 1, -1)]
-    assert ("B", "A", 0, 0, -1) not in prog.local[("F", "A", 0, 1, -1)]
+    # the cap, layer by layer: the forward of the rank's k-th lowest layer (0, 1, 2 = head)
+    # of slot 1 waits for slot 0's W of its (k+1)-th highest (or its lowest), not the BWD
+    for layer, gate in ((0, 1), (1, 0), (2, 0)):
+        deps = prog.local[("F", "A", layer, 1, -1)]
+        assert ("W", "A", gate, 0, -1) in deps and ("B", "A", gate, 0, -1) not in deps
     assert all(b.after[0] == "W" for b in sync_buckets(prog))
     bwd = next(ins for _, ins in prog.lanes["bwd"] if ins.op == Op.BWD)
     assert compute_kind(bwd, prog.split) == "I"

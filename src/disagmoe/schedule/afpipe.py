@@ -12,10 +12,10 @@ is run only by replicas 0 .. M - s*m - 1 (`Layout.replicas_of_slot`): the other
 replicas have no instruction of that slot, and the F shards expect its dispatches
 (and send its combines) only from and to the replicas that have it.
 
-`max_in_flight` caps how many slots a rank holds activations for: the forward
-of a rank's first stage for slot s waits for that stage's backward of slot
-s - max_in_flight (the rule of `schedule.semantics`, which the generator's task
-graph mirrors so that the order it emits can run).
+`max_in_flight` caps how many slots' worth of layers a rank holds activations for: the
+forward of a rank's k-th lowest layer for slot s waits for the backward (W where split)
+of its (k+1)-th highest of slot s - max_in_flight (the rule of `schedule.semantics`,
+which the generator's task graph mirrors so that the order it emits can run).
 
 `exchange_chunks` = c > 1 splits each micro-batch's exchange with each shard into c
 chunks (`schedule.ir`): the shard's FWD and BWD of (layer, slot) become c computes, one
@@ -28,7 +28,7 @@ gradients"): every backward is a BWD that computes what the next stage waits for
 gradients) and a W after it that computes the weights' gradients, with no message; a W
 runs when nothing else is ready on its lane (`orders.weight_priority`), so the weight
 GEMMs fill the gaps a slot's chain leaves (the forward-to-backward turn, the LM head's
-block), and the in-flight cap holds a slot until its W ran. The generator prices a W at
+block), and the in-flight cap holds a slot's layer until its W ran. The generator prices a W at
 `costs.compute_s(Op.WGT, ...)` and its BWD at the rest of the backward.
 
 `forward_only=True` gives the forward-only schedule of evaluation: the same forwards and
@@ -173,24 +173,27 @@ def build_afpipe_graph(
                     for j in range(n):
                         g.local_deps[bf(l, s, j, k)].append(ff(l, s, j, k))
 
-    # In-flight cap: a rank's first stage of slot s waits for its backward of slot s - cap.
+    # In-flight cap, layer by layer (`schedule.semantics`, `RankProgram.cap_gate`): the
+    # forward of a rank's k-th lowest layer of slot s waits for the release of its (k+1)-th
+    # highest (the two highest: its lowest) of slot s - cap.
+    held = Op.WGT if split else Op.BWD  # what a layer's activations are kept until
     for rank in range(layout.world_size):
         layers = layout.layers_of(rank)
         if not layers or cap >= num_slots:
             continue
         role = layout.role(rank)
-        first = layers[0]
-        held = Op.WGT if split else Op.BWD  # what the slot's activations are kept until
-        for s in range(cap, num_slots):
-            if role.comp == "A" and role.index < replicas[s]:
-                g.local_deps[fa(first, s, role.index)].append(
-                    replace(ba(first, s - cap, role.index), op=held)
-                )
-            elif role.comp == "F":
-                for k in chunks:
-                    g.local_deps[ff(first, s, role.index, k)].append(
-                        replace(bf(first, s - cap, role.index, k), op=held)
+        gates = [*reversed(layers[:-1]), layers[0]]  # the k-th lowest: the (k+1)-th highest
+        for layer, gate in zip(layers, gates, strict=True):
+            for s in range(cap, num_slots):
+                if role.comp == "A" and role.index < replicas[s]:
+                    g.local_deps[fa(layer, s, role.index)].append(
+                        replace(ba(gate, s - cap, role.index), op=held)
                     )
+                elif role.comp == "F":
+                    for k in chunks:
+                        g.local_deps[ff(layer, s, role.index, k)].append(
+                            replace(bf(gate, s - cap, role.index, k), op=held)
+                        )
     for msgs in g.outputs.values():
         for msg in msgs:
             loads = costs.message_ports(msg.kind, msg.layer, msg.src, msg.dst)

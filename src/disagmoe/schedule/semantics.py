@@ -25,12 +25,22 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
     (no SEND/RECV): the consumer waits for that producer (e.g. the residual
     `act` from A(l) to A(l+1) when p = 1);
   - a W waits for the BWD of its own task;
-  - in-flight cap: the forward of the rank's first layer for slot s waits for that
-    layer's backward of slot s - `max_in_flight` (of the same exchange chunk) — its W
-    where the list has one: a slot's activations are kept until its weight gradients are
-    computed. A rank's slots are 0 .. S_r - 1
-    (an attention replica without the last, partial slot of an uneven step has one
-    fewer than the others), so slot s - `max_in_flight` is always one of its own.
+  - in-flight cap, layer by layer: with the rank's layers l_0 < ... < l_{K-1}, the
+    forward of l_k for slot s waits for the release of l_{max(0, K-2-k)} of slot
+    s - `max_in_flight` (`RankProgram.cap_gate`; of the same exchange chunk), where a
+    layer's release is its backward — its W where the list has one: a slot's
+    activations of a layer are kept until that layer's weight gradients are computed.
+    Slot s takes its k+1 lowest layers only once the older slot has let go of its k+2
+    highest (releases run top-down: the backward chain, and Ws in that order, as the
+    generator lists them), so while both hold layers they hold at most K-1 between them,
+    one layer less than a slot — the slack for a first layer larger than the others
+    (embedding, dense FFN) and a head whose logits the memory model counts apart — and
+    the rank at most `max_in_flight` slots' worth ("In-flight cap, layer by layer" in
+    docs/design-notes.md). The new slot's forward starts once the old one's backward has
+    passed two layers, not when it has ended. With K <= 2 this is the rule per slot: the
+    forward of the lowest layer waits for the release of the lowest. A rank's slots are
+    0 .. S_r - 1 (an attention replica without the last, partial slot of an uneven step
+    has one fewer than the others), so slot s - `max_in_flight` is always one of its own.
 
 * **Deferred weight gradients.** A BWD whose task also has a W (`Op.WGT`, same comp,
   layer, slot and chunk) on the rank computes what its outgoing messages carry — the
@@ -127,7 +137,7 @@ class RankProgram:
     outputs: dict[TaskKey, list[Msg]]  # messages each compute produces, in posting order
     streams: dict[tuple[int, str], list[Msg]]  # (src, channel) -> incoming messages, FIFO
     finals: list[tuple[int, Instr]]  # SYNC / STEP in list order
-    first_layer: int  # lowest layer of the rank's forwards (-1 without any)
+    layers: tuple[int, ...]  # the layers of the rank's forwards, ascending
     forward_only: bool = False  # forwards and no backward: see "Forward-only lists"
     local: dict[TaskKey, list[TaskKey]] = field(default_factory=dict)  # local dependencies
     # (comp, layer, slot) of the backwards whose weight gradients a W computes
@@ -168,7 +178,7 @@ class RankProgram:
                 finals.append((index, ins))
             else:
                 raise ValueError(f"rank {rank}: {ins} has no meaning on lanes")
-        forwards = [ins.layer for _, ins in lanes["fwd"]]
+        forwards = sorted({ins.layer for _, ins in lanes["fwd"]})
         prog = cls(
             rank=rank,
             cap=max_in_flight,
@@ -177,7 +187,7 @@ class RankProgram:
             outputs=outputs,
             streams=streams,
             finals=finals,
-            first_layer=min(forwards) if forwards else -1,
+            layers=tuple(forwards),
             forward_only=bool(forwards) and not lanes["bwd"],
             split={(i.comp, i.layer, i.slot) for _, i in lanes["wgt"]},
         )
@@ -192,6 +202,7 @@ class RankProgram:
             if kind.producer.comp == kind.consumer.comp
         ]
         local: dict[TaskKey, list[TaskKey]] = {}
+        gates = {layer: self.cap_gate(layer) for layer in self.layers}
         for lane in self.lanes.values():
             for _, ins in lane:
                 op, comp, layer, slot, chunk = ins.task
@@ -200,10 +211,10 @@ class RankProgram:
                     deps.append((Op.FWD.value, comp, layer, slot, chunk))
                 elif ins.op == Op.WGT:
                     deps.append((Op.BWD.value, comp, layer, slot, chunk))
-                elif not self.forward_only and layer == self.first_layer and slot >= self.cap:
-                    old = slot - self.cap
-                    held = Op.WGT if (comp, layer, old) in self.split else Op.BWD
-                    deps.append((held.value, comp, layer, old, chunk))
+                elif not self.forward_only and slot >= self.cap:
+                    old, gate = slot - self.cap, gates[layer]
+                    held = Op.WGT if (comp, gate, old) in self.split else Op.BWD
+                    deps.append((held.value, comp, gate, old, chunk))
                 for prod, cons in handovers:
                     if (cons.op.value, cons.comp) == (op, comp):
                         source = _task(prod, layer - cons.layer_offset, slot)
@@ -220,11 +231,17 @@ class RankProgram:
             lane for lane, items in self.lanes.items() if items or lane not in BACKGROUND_LANES
         )
 
-    def holds_until(self, instr: Instr) -> bool:
+    def cap_gate(self, layer: int) -> int:
+        """The layer whose release (of slot s - cap) the forward of `layer` (of slot s) waits
+        for under the in-flight cap: the rank's k-th lowest layer waits for its (k+1)-th
+        highest, the two highest for the lowest (module doc)."""
+        return self.layers[max(0, len(self.layers) - 2 - self.layers.index(layer))]
+
+    def releases(self, instr: Instr) -> bool:
         """Whether `instr` is the compute after which the rank keeps nothing more of its slot
-        at its first layer (in-flight accounting): that layer's BWD, or its W where the list
-        has one."""
-        if instr.layer != self.first_layer or self.forward_only:
+        at its layer (in-flight accounting): that layer's BWD, or its W where the list has
+        one."""
+        if self.forward_only or instr.op == Op.FWD:
             return False
         split = (instr.comp, instr.layer, instr.slot) in self.split
         return instr.op == (Op.WGT if split else Op.BWD)

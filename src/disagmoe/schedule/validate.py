@@ -129,7 +129,9 @@ def check_forward_before_backward(schedule: Schedule) -> None:
 
 def simulate(schedule: Schedule) -> int:
     """Run the lists under `schedule.semantics` with blocking sends; return the peak in-flight
-    slots of any rank. Raises `ScheduleError` naming the stuck instructions on a deadlock."""
+    slots of any rank: the most (layer, slot, chunk) forwards it held at once (run, not yet
+    released), in slots' worth (divided by one slot's forwards on the rank, rounded up).
+    Raises `ScheduleError` naming the stuck instructions on a deadlock."""
     programs = compile_ranks(schedule)
     lanes: dict[tuple[int, str], deque[Instr]] = {}
     recv_lanes: dict[tuple[int, int, str], deque[Msg]] = {}
@@ -141,7 +143,10 @@ def simulate(schedule: Schedule) -> int:
     delivered: set[Msg] = set()
     done: dict[int, set[TaskKey]] = defaultdict(set)
     pending_sends: dict[tuple[int, str], deque[Msg]] = defaultdict(deque)
-    in_flight: dict[int, set[int]] = defaultdict(set)
+    held: dict[int, set[tuple[int, int, int]]] = defaultdict(set)  # (layer, slot, chunk)
+    per_slot = {  # one slot's forwards on the rank (slot 0: every rank has it)
+        prog.rank: sum(1 for _, ins in prog.lanes["fwd"] if ins.slot == 0) for prog in programs
+    }
     peak = 0
     progress = True
     while progress:
@@ -164,13 +169,13 @@ def simulate(schedule: Schedule) -> int:
             instr = queue[0]
             if not prog.ready(instr, done[rank], delivered.__contains__):
                 continue
-            if instr.layer == prog.first_layer and not prog.forward_only:
-                slots = in_flight[rank]
+            if not prog.forward_only:
+                units = held[rank]
                 if instr.op == Op.FWD:
-                    slots.add(instr.slot)
-                elif prog.holds_until(instr):
-                    slots.discard(instr.slot)
-                peak = max(peak, len(slots))
+                    units.add((instr.layer, instr.slot, instr.chunk))
+                    peak = max(peak, -(-len(units) // per_slot[rank]))
+                elif prog.releases(instr):
+                    units.discard((instr.layer, instr.slot, instr.chunk))
             queue.popleft()
             done[rank].add(instr.task)
             sends.extend(prog.outputs.get(instr.task, ()))
