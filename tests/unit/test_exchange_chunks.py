@@ -100,7 +100,7 @@ def test_chunked_messages_meet_the_f_compute_of_their_chunk_and_the_one_a_comput
     sched = build_afpipe(lay, 2, 1, "steady", exchange_chunks=2)
     prog = RankProgram.build(sched, lay.expert_rank(0, 0))
     # chunk 1's forward of slot 1 waits (in-flight cap 1) for chunk 1's backward of slot 0,
-    # the lowest layer for the second highest (layers 0-3: `RankProgram.cap_gate`)
+    # the lowest layer for the second highest (layers 0-3: `semantics.cap_gates`)
     assert prog.local[("F", "F", 0, 1, 1)] == [("B", "F", 2, 0, 1)]
     assert prog.local[("B", "F", 0, 1, 0)] == [("F", "F", 0, 1, 0)]
     assert [m.chunk for m in prog.inputs[("F", "F", 0, 0, 1)]] == [1]

@@ -13,7 +13,7 @@ from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import Instr, Msg, Op, Schedule
-from disagmoe.schedule.semantics import RankProgram, consumer, producer
+from disagmoe.schedule.semantics import RankProgram, cap_gates, consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
 
 
@@ -168,7 +168,7 @@ def test_in_flight_cap_pairs_each_layer_with_the_older_slots_mirror_layer(split:
         assert list(prog.layers) == layers
         for _, ins in prog.lanes["fwd"]:
             gate = layers[max(0, len(layers) - 2 - layers.index(ins.layer))]
-            assert prog.cap_gate(ins.layer) == gate
+            assert cap_gates(prog.layers)[ins.layer] == gate
             caps = [t for t in prog.local[ins.task] if t[3] != ins.slot]
             want = [(held, ins.comp, gate, ins.slot - cap, ins.chunk)] if ins.slot >= cap else []
             assert caps == want, (rank, ins, caps)

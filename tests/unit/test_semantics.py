@@ -102,7 +102,7 @@ def _execute(schedule: Schedule) -> list[str]:
 
 def test_out_of_order_slots_rejected_by_both() -> None:
     # Slot 1 enters first with a cap of 1: its first forward waits for the backward of
-    # slot 0 (slot - cap; with two layers, of the lowest: `RankProgram.cap_gate`), whose
+    # slot 0 (slot - cap; with two layers, of the lowest: `semantics.cap_gates`), whose
     # forward sits behind it on the same lane.
     sched = _one_rank(cap=1, slots_fwd=[1, 0], slots_bwd=[1, 0])
     with pytest.raises(ScheduleError, match=r"deadlock: .*FA l0 s1 waits for BA l0 s0"):

@@ -60,6 +60,7 @@ from .orders import (
     priority,
     weight_priority,
 )
+from .semantics import cap_gates
 
 
 def micro_batch_count(layout: Layout, num_slots: int, num_micro_batches: int = 0) -> int:
@@ -173,17 +174,15 @@ def build_afpipe_graph(
                     for j in range(n):
                         g.local_deps[bf(l, s, j, k)].append(ff(l, s, j, k))
 
-    # In-flight cap, layer by layer (`schedule.semantics`, `RankProgram.cap_gate`): the
-    # forward of a rank's k-th lowest layer of slot s waits for the release of its (k+1)-th
-    # highest (the two highest: its lowest) of slot s - cap.
+    # In-flight cap, layer by layer (`semantics.cap_gates`): the forward of a rank's layer of
+    # slot s waits for the release of its gate layer of slot s - cap.
     held = Op.WGT if split else Op.BWD  # what a layer's activations are kept until
     for rank in range(layout.world_size):
         layers = layout.layers_of(rank)
         if not layers or cap >= num_slots:
             continue
         role = layout.role(rank)
-        gates = [*reversed(layers[:-1]), layers[0]]  # the k-th lowest: the (k+1)-th highest
-        for layer, gate in zip(layers, gates, strict=True):
+        for layer, gate in cap_gates(layers).items():
             for s in range(cap, num_slots):
                 if role.comp == "A" and role.index < replicas[s]:
                     g.local_deps[fa(layer, s, role.index)].append(

@@ -27,7 +27,7 @@ Execution "lanes" (AF-Pipe; `Schedule.execution == "lanes"`):
   - a W waits for the BWD of its own task;
   - in-flight cap, layer by layer: with the rank's layers l_0 < ... < l_{K-1}, the
     forward of l_k for slot s waits for the release of l_{max(0, K-2-k)} of slot
-    s - `max_in_flight` (`RankProgram.cap_gate`; of the same exchange chunk), where a
+    s - `max_in_flight` (`cap_gates`; of the same exchange chunk), where a
     layer's release is its backward — its W where the list has one: a slot's
     activations of a layer are kept until that layer's weight gradients are computed.
     Slot s takes its k+1 lowest layers only once the older slot has let go of its k+2
@@ -126,6 +126,14 @@ def consumer_lane(msg: Msg) -> str:
     return Instr(MESSAGE_KINDS[msg.kind].consumer.op).lane
 
 
+def cap_gates(layers: Sequence[int]) -> dict[int, int]:
+    """Per layer of a rank (`layers` ascending), the layer whose release of slot s - cap its
+    forward of slot s waits for under the in-flight cap: the k-th lowest waits for the
+    (k+1)-th highest, the two highest for the lowest (module doc). The generator's task
+    graph (`afpipe.build_afpipe_graph`) and `RankProgram` both take it from here."""
+    return {layer: layers[max(0, len(layers) - 2 - k)] for k, layer in enumerate(layers)}
+
+
 @dataclass
 class RankProgram:
     """One rank's instruction list compiled for "lanes" execution (see the module doc)."""
@@ -202,7 +210,7 @@ class RankProgram:
             if kind.producer.comp == kind.consumer.comp
         ]
         local: dict[TaskKey, list[TaskKey]] = {}
-        gates = {layer: self.cap_gate(layer) for layer in self.layers}
+        gates = cap_gates(self.layers)
         for lane in self.lanes.values():
             for _, ins in lane:
                 op, comp, layer, slot, chunk = ins.task
@@ -230,12 +238,6 @@ class RankProgram:
         return tuple(
             lane for lane, items in self.lanes.items() if items or lane not in BACKGROUND_LANES
         )
-
-    def cap_gate(self, layer: int) -> int:
-        """The layer whose release (of slot s - cap) the forward of `layer` (of slot s) waits
-        for under the in-flight cap: the rank's k-th lowest layer waits for its (k+1)-th
-        highest, the two highest for the lowest (module doc)."""
-        return self.layers[max(0, len(self.layers) - 2 - self.layers.index(layer))]
 
     def releases(self, instr: Instr) -> bool:
         """Whether `instr` is the compute after which the rank keeps nothing more of its slot
