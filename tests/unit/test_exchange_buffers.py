@@ -59,3 +59,24 @@ def test_receive_buffers_keep_at_most_their_budget_and_no_small_ones() -> None:
     assert [t.data_ptr() for t in again[:2]] == kept
     small = buffers.empty((16,), torch.uint8)
     assert buffers.kept == 2 * REUSE_MIN_BYTES and small.numel() == 16
+
+
+def test_a_held_receive_buffer_does_not_stand_in_front_of_the_free_ones() -> None:
+    """A buffer held long (an activation kept for its backward) goes to the back of the
+    queue: the requests behind it get the free buffers, none of them a fresh one, and the
+    held one only once it is free."""
+    buffers = ReceiveBuffers(keep_bytes=8 * REUSE_MIN_BYTES)
+    shape = (2, REUSE_MIN_BYTES // 16)
+    first = [buffers.empty(shape, torch.float64) for _ in range(6)]
+    ptrs = [t.data_ptr() for t in first]
+    held = first[0]
+    first.clear()
+    for _ in range(3):  # three rounds of five messages, each consumed before the next round
+        again = [buffers.empty(shape, torch.float64) for _ in range(5)]
+        assert sorted(t.data_ptr() for t in again) == sorted(ptrs[1:])
+        assert all(t.shape == shape and t.is_contiguous() for t in again)
+        again.clear()
+    assert held.data_ptr() == ptrs[0]
+    del held
+    got = [buffers.empty(shape, torch.float64) for _ in range(6)]
+    assert sorted(t.data_ptr() for t in got) == sorted(ptrs)  # the held one too, now free

@@ -284,23 +284,36 @@ class ReceiveBuffers:
     (up to `keep_bytes` in all, per exact byte size, so that what the activation meter counts
     is what a fresh buffer would be) and hands one out again when its use count says that
     only this cache still holds it: the consumer and autograd dropped every tensor on it.
+
+    The storages of a size are a queue in the order they were handed out, and a request
+    looks at its oldest few (`SCAN`): messages are mostly consumed in the order they came,
+    so the oldest is the one most likely free, and a request costs the same with 4 kept
+    buffers as with 128 (a scan of every kept buffer cost 15-25 us per 1 MiB message with
+    128 kept). One still held goes to the back, behind those handed out since, so that an
+    activation held until its backward does not stand in front of the rest.
     Used by one receive lane (not thread-safe); on an accelerator the device's caching
     allocator does this instead.
     """
 
+    SCAN = 4  # kept storages looked at per request, oldest first
+
     def __init__(self, keep_bytes: int = REUSE_MAX_BYTES) -> None:
         self.keep_bytes = keep_bytes
         self.kept = 0
-        self._by_size: dict[int, list[torch.UntypedStorage]] = {}
+        self._by_size: dict[int, deque[torch.UntypedStorage]] = {}
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < REUSE_MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
-        kept = self._by_size.setdefault(nbytes, [])
-        for storage in kept:
+        kept = self._by_size.get(nbytes)
+        if kept is None:
+            kept = self._by_size[nbytes] = deque()
+        for _ in range(min(self.SCAN, len(kept))):
+            storage = kept[0]
+            kept.rotate(-1)  # to the back: handed out now, or still held
             if torch._C._storage_Use_Count(storage._cdata) == 1:  # only `kept` holds it
-                return torch.empty(0, dtype=dtype).set_(storage).view(shape)
+                return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
         t = torch.empty(shape, dtype=dtype)
         if self.kept + nbytes <= self.keep_bytes:
             kept.append(t.untyped_storage())
