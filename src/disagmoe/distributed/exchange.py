@@ -313,7 +313,7 @@ class ReceiveBuffers:
             storage = kept[0]
             kept.rotate(-1)  # to the back: handed out now, or still held
             if torch._C._storage_Use_Count(storage._cdata) == 1:  # only `kept` holds it
-                return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+                return torch.empty(0, dtype=dtype).set_(storage, 0, shape, ())  # contiguous
         t = torch.empty(shape, dtype=dtype)
         if self.kept + nbytes <= self.keep_bytes:
             kept.append(t.untyped_storage())
