@@ -17,7 +17,8 @@ and receive lane runs on its own stream, `runtime.streams`):
            takes that stream's next headers itself when it waits for them: a small message
            then crosses no thread (`lanes.Turn`); a payload hands the turn back;
 * "send" — sends are posted (`isend`) by the compute lane right after the producing
-           compute, from the producer's thread (and stream); one thread sees them complete;
+           compute, from the producer's thread (and stream); one thread sees them complete
+           (`runtime.outbox`);
 * "sync" — SYNC and STEP, through the trainer's `StepHooks`, once the rest is done.
 
 So an F worker can send the backward result of micro-batch i, compute the forward of
@@ -35,7 +36,6 @@ import functools
 import math
 import sys
 import time
-from collections import deque
 from collections.abc import Callable
 from threading import Condition
 from typing import Any
@@ -43,21 +43,14 @@ from typing import Any
 import torch
 
 from ..device import stream_backend
-from ..distributed.exchange import (
-    CommTimeout,
-    HeaderBuffer,
-    HeaderPool,
-    Incoming,
-    ProtocolError,
-    Receiver,
-    send_message,
-)
+from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receiver
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import BACKGROUND_LANES, RankProgram, TaskKey, consumer_lane
-from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, dropped, recv_lane_name
+from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, recv_lane_name
 from .memory import ActivationMeter
 from .observe import Tracer, message_event_name, message_label
+from .outbox import Outbox
 from .streams import LaneStreams
 from .work import Payload, StageWorker, StepHooks, run_compute
 
@@ -74,17 +67,10 @@ _ANOTHER_LANE = "another lane failed"
 # early receive timeout on one rank would make its peer report a closed connection instead
 # of what it was waiting for.
 _BACKSTOP = 2.0
-# Send completion is only traced (and checked for errors), so its thread need not wake for
-# every message: once its queue is empty it sleeps this long (or until the step's last send
-# is posted) and then takes what came.
-_SEND_POLL_S = 1e-3
 
 
 class HangError(RuntimeError):
     """A wait on communication exceeded the configured timeout."""
-
-
-_Send = tuple[Output, list[Any], HeaderBuffer, Payload, float, int]
 
 
 class Executor:
@@ -137,9 +123,9 @@ class Executor:
         }
         lanes = [*self.compute_lanes, *(recv_lane_name(*key) for key in program.streams)]
         self.streams = streams or LaneStreams(stream_backend(topo.device), lanes)
-        self.sends: deque[_Send] = deque()  # posted, completion not yet seen
-        self.sends_any = any(program.outputs.values())  # (`_send_waiter`)
-        self.headers = HeaderPool()
+        self.outbox = Outbox(
+            topo, role, tracer, sends_any=any(program.outputs.values()), drop=self.drop
+        )
         self.lanes: list[Lane] = []  # started on the first step
 
     def _compute(self, index: int, instr: Instr) -> Compute:
@@ -178,7 +164,7 @@ class Executor:
             background = lane in BACKGROUND_LANES
             compute = self._bind_compute(lane)
             self.lanes.append(Lane(lane, compute, self.streams.on(lane), background=background))
-        self.lanes.append(Lane("send", self._send_waiter))
+        self.lanes.append(Lane("send", self.outbox.complete))
 
     def _bind_recv(self, key: tuple[int, str]) -> Callable[[StepState], None]:
         return lambda st: self._recv_lane(st, st.turns[key])
@@ -246,45 +232,6 @@ class Executor:
             waited_us=round(incoming.waited_us, 1),
             bytes=incoming.nbytes,
         )
-
-    def _send_waiter(self, st: StepState) -> None:
-        """Completion of the step's sends, in posting order: traced, checked for errors, the
-        header buffer back to the pool. Sends are posted by the compute lanes without waking
-        this thread: it takes what came, and sleeps when nothing did. A rank that sends
-        nothing in the step has nothing to wait for, and does not poll (a wake-up costs tens
-        of microseconds of CPU on a loaded host)."""
-        sends = self.sends
-        if not self.sends_any:
-            return
-        while True:
-            try:
-                out, works, header, _payload, t0, step = sends.popleft()
-            except IndexError:
-                if st.sends_closed.is_set() and not sends:
-                    return
-                st.sends_closed.wait(_SEND_POLL_S)
-                continue
-            msg = out.msg
-            for work in works:
-                try:
-                    work.wait()
-                except RuntimeError as err:
-                    reason = str(err).splitlines()[0][:200]
-                    raise CommTimeout(
-                        f"rank {self.rank} {self.role}: sending {msg} to rank {msg.dst}: {reason}"
-                    ) from err
-            self.headers.give(header)
-            self.tracer.add(
-                out.event,
-                "send",
-                t0,
-                Tracer.now_us(),
-                dst=msg.dst,
-                layer=msg.layer,
-                slot=msg.slot,
-                step=step,
-                bytes=sum(t.nbytes for t in _payload),
-            )
 
     def _wait_ready(self, st: StepState, work: Compute, lane: str) -> dict[Msg, Payload]:
         """Block until `work` may run; its input messages. On timeout, the error names the
@@ -416,7 +363,7 @@ class Executor:
             self._run_lane(st, lane)
 
     def _run_lane(self, st: StepState, lane: str) -> None:
-        step, streams, topo, sends = st.step, self.streams, self.topo, self.sends
+        step, streams, post = st.step, self.streams, self.outbox.post
         for work in self.computes[lane]:
             received = self._wait_ready(st, work, lane)
             instr = work.instr
@@ -429,16 +376,8 @@ class Executor:
             if instr.chunk >= 0:
                 args["chunk"] = instr.chunk  # as the simulator's trace has it
             st.spans.append((work.name, lane, t0, t1, args))  # traced when the step ends
-            for o in work.outputs:
-                msg = o.msg
-                if self.drop is not None and dropped(self.drop, o, step):
-                    continue  # fault injection: this message is lost
-                payload = out[msg]
-                header = self.headers.take()
-                channel = topo.stream(self.rank, msg.dst, msg.channel)
-                ident = (o.kind, msg.layer, msg.slot, msg.chunk, step)  # the receiver checks it
-                works = send_message(payload, msg.dst, channel, ident, header)
-                sends.append((o, works, header, payload, Tracer.now_us(), step))
+            for o in work.outputs:  # posted from this lane's thread (and stream)
+                post(o, out[o.msg], step)
             with st.lock:
                 st.done.add(work.task)
                 if streams.active:
