@@ -80,3 +80,18 @@ def test_a_held_receive_buffer_does_not_stand_in_front_of_the_free_ones() -> Non
     del held
     got = [buffers.empty(shape, torch.float64) for _ in range(6)]
     assert sorted(t.data_ptr() for t in got) == sorted(ptrs)  # the held one too, now free
+
+
+def test_a_free_receive_buffer_behind_many_held_ones_is_found() -> None:
+    """Many activations held at once (a slot's forward messages until its backward): the
+    free buffers behind them are still reused, not replaced by fresh ones."""
+    buffers = ReceiveBuffers(keep_bytes=8 * REUSE_MIN_BYTES)
+    shape = (REUSE_MIN_BYTES // 8,)
+    first = [buffers.empty(shape, torch.float64) for _ in range(8)]
+    ptrs = [t.data_ptr() for t in first]
+    held = first[:6]
+    first.clear()
+    again = [buffers.empty(shape, torch.float64) for _ in range(2)]
+    assert sorted(t.data_ptr() for t in again) == sorted(ptrs[6:])
+    fresh = buffers.empty(shape, torch.float64)  # every kept one is held now
+    assert fresh.data_ptr() not in ptrs and len(held) == 6
