@@ -22,14 +22,16 @@ Two local gloo ranks (one thread each), in one run:
 Per message = the receiver's wall time for the whole batch / count (median of repeats;
 messages stream back to back, so this is the cost per message, not one message's latency).
 Prints a table; `--json PATH` writes `{"rows": [{bytes, count, runtime_us, gloo_us,
-gloo_alloc_us, protocol_us, ratio, protocol_ratio, ratio_min, ratio_median, ratio_max}]}`
-(ratio = runtime / gloo of the medians, protocol_ratio = protocol / gloo; the other three of
-the per-repeat runtime / gloo ratios, each repeat running both back to back; and, read from
-the receiver's trace of its last runtime step, `header_gap_us`, `compute_gap_us` and
-`consumer_lag_us`, which `--hand-over` prints: see `_hand_over`).
+gloo_alloc_us, protocol_us, ratio, protocol_ratio, ratio_min, ratio_median, ratio_max,
+cpu_us, cpu_ratio}]}` (ratio = runtime / gloo of the medians, protocol_ratio = protocol /
+gloo; the next three of the per-repeat runtime / gloo ratios, each repeat running both back
+to back; `cpu_us` per variant {send, recv}: the CPU time per message of each rank's process,
+all its threads, and `cpu_ratio` runtime / gloo of their sums — a second table: see
+`_with_cpu`; and, read from the receiver's trace of its last runtime step, `header_gap_us`,
+`compute_gap_us` and `consumer_lag_us`, which `--hand-over` prints: see `_hand_over`).
 With `--runs R` > 1 it measures R times, each in a fresh pair of processes, and also prints
-per size the median, min and max of the runs' ratios (JSON: `runs`, `over_runs`; `rows` is
-the first run's).
+per size the median, min and max of the runs' ratios, CPU ratio included (JSON: `runs`,
+`over_runs`; `rows` is the first run's).
 """
 
 from __future__ import annotations
@@ -100,11 +102,13 @@ class _Worker:
         pass
 
 
-def _timed(fn: Any) -> float:
+def _timed(fn: Any) -> tuple[float, float]:
+    """Wall-clock and CPU seconds of `fn` on this rank (CPU: every thread of the process,
+    gloo's loop threads that copy the data included)."""
     dist.barrier()
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _protocol(
@@ -171,6 +175,7 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
 
         times: dict[str, list[float]] = {"runtime": [], "gloo": [], "gloo_alloc": [],
                                          "protocol": []}  # fmt: skip
+        cpu: dict[str, list[float]] = {key: [] for key in times}
         for step in range(repeats + 1):  # the first of each is a warm-up
             r = _timed(functools.partial(executor.run_step, step))
             g = _timed(functools.partial(gloo, False))
@@ -178,9 +183,11 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
             p = _timed(functools.partial(_protocol, header, payloads, landing, bodies_in,
                                          (heads, bodies)))  # fmt: skip
             if step:
-                for key, t in zip(times, (r, g, a, p), strict=True):
-                    times[key].append(t)
+                for key, (wall, used) in zip(times, (r, g, a, p), strict=True):
+                    times[key].append(wall)
+                    cpu[key].append(used)
         us = {key: statistics.median(t) / count * 1e6 for key, t in times.items()}
+        cpu_us = {key: round(statistics.median(c) / count * 1e6, 1) for key, c in cpu.items()}
         # runtime / gloo of each repeat (they run back to back, so a slow phase of the
         # machine hits both): the spread says how far to trust the median's ratio
         paired = sorted(r / g for r, g in zip(times["runtime"], times["gloo"], strict=True))
@@ -197,6 +204,7 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 "ratio_min": round(paired[0], 2),
                 "ratio_median": round(statistics.median(paired), 2),
                 "ratio_max": round(paired[-1], 2),
+                "cpu_us": cpu_us,  # this rank's; `_with_cpu` adds the sender's
                 **_hand_over(tracer.step_events(repeats)),
             }
         )
@@ -228,6 +236,33 @@ def _print_hand_over(rows: list[dict[str, float]]) -> None:
         if "header_gap_us" in r:
             print(f"{r['bytes']:9d}  header gap {r['header_gap_us']:8.1f}  compute gap "
                   f"{r['compute_gap_us']:8.1f}  lag {r['consumer_lag_us']:9.1f}")  # fmt: skip
+
+
+def _with_cpu(sender: list[dict[str, Any]], receiver: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The receiver's rows, each with `cpu_us` = per variant {"send", "recv"}: the CPU time
+    per message of the sender's and the receiver's process (median of the repeats), and
+    `cpu_ratio` = runtime / gloo of their sums. On a host whose cores the two ranks keep
+    busy (2 cores here: each rank's gloo thread copies the data while its lanes run), a
+    message's wall time follows the CPU both sides spend on it, and CPU time varies less
+    with the machine's phase than wall time."""
+    rows = []
+    for send, recv in zip(sender, receiver, strict=True):
+        both = {key: {"send": send["cpu_us"][key], "recv": recv["cpu_us"][key]}
+                for key in recv["cpu_us"]}  # fmt: skip
+        total = {key: sides["send"] + sides["recv"] for key, sides in both.items()}
+        rows.append({**recv, "cpu_us": both,
+                     "cpu_ratio": round(total["runtime"] / total["gloo"], 2)})  # fmt: skip
+    return rows
+
+
+def _print_cpu(rows: list[dict[str, Any]]) -> None:
+    print("CPU us per message, sender + receiver (every thread of each process):")
+    print(f"{'bytes':>9s} {'runtime':>17s} {'gloo':>17s} {'protocol':>17s} {'ratio':>6s}")
+    for r in rows:
+        cells = [f"{c['send']:7.1f} +{c['recv']:8.1f}"
+                 for c in (r["cpu_us"][k] for k in ("runtime", "gloo", "protocol"))]  # fmt: skip
+        print(f"{r['bytes']:9d} {cells[0]:>17s} {cells[1]:>17s} {cells[2]:>17s} "
+              f"{r['cpu_ratio']:6.2f}")  # fmt: skip
 
 
 def _print_rows(rows: list[dict[str, float]]) -> None:
@@ -273,11 +308,13 @@ def main() -> int:
         parser.error("--runs must be >= 1")
     runs = []
     for run in range(args.runs):
-        rows = run_ranks(_measure, 2, sizes, args.repeats)[1]  # the receiver's timings
+        sender, receiver = run_ranks(_measure, 2, sizes, args.repeats)
+        rows = _with_cpu(sender, receiver)  # the receiver's timings, both sides' CPU
         runs.append(rows)
         if args.runs > 1:
             print(f"run {run + 1} of {args.runs}:")
         _print_rows(rows)
+        _print_cpu(rows)
         if args.hand_over:
             _print_hand_over(rows)
     out: dict[str, Any] = {"rows": runs[0]}
@@ -285,21 +322,24 @@ def main() -> int:
         # each run starts its own pair of processes: the machine's phase differs between
         # runs more than between the repeats of one, so the median over runs is the figure
         print(f"over {args.runs} runs: median (min - max) of the runtime / gloo ratio, of the "
-              "protocol / gloo floor and of runtime / protocol")  # fmt: skip
+              "protocol / gloo floor, of runtime / protocol and of the CPU ratio")  # fmt: skip
         summary = []
         for i, (nbytes, _count) in enumerate(sizes):
             ratios = sorted(rows[i]["ratio"] for rows in runs)
             floors = sorted(rows[i]["protocol_ratio"] for rows in runs)
             over = sorted(rows[i]["runtime_us"] / rows[i]["protocol_us"] for rows in runs)
+            cpus = sorted(rows[i]["cpu_ratio"] for rows in runs)
             summary.append({"bytes": nbytes, "ratio_median": statistics.median(ratios),
                             "ratio_min": ratios[0], "ratio_max": ratios[-1],
                             "ratios": ratios, "protocol_ratio_median": statistics.median(floors),
                             "protocol_ratios": floors,
-                            "runtime_over_protocol_median": round(statistics.median(over), 2)})  # fmt: skip
+                            "runtime_over_protocol_median": round(statistics.median(over), 2),
+                            "cpu_ratio_median": statistics.median(cpus), "cpu_ratios": cpus})  # fmt: skip
             print(f"{nbytes:9d}  {statistics.median(ratios):.2f} ({ratios[0]:.2f} - "
                   f"{ratios[-1]:.2f})   floor {statistics.median(floors):.2f} ({floors[0]:.2f} - "
                   f"{floors[-1]:.2f})   over the floor {statistics.median(over):.2f} "
-                  f"({over[0]:.2f} - {over[-1]:.2f})")  # fmt: skip
+                  f"({over[0]:.2f} - {over[-1]:.2f})   CPU {statistics.median(cpus):.2f} "
+                  f"({cpus[0]:.2f} - {cpus[-1]:.2f})")  # fmt: skip
         out = {"rows": runs[0], "runs": runs, "over_runs": summary}
     if args.json:
         write_json(args.json, out)
