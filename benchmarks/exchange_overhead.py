@@ -243,8 +243,8 @@ def _with_cpu(sender: list[dict[str, Any]], receiver: list[dict[str, Any]]) -> l
     per message of the sender's and the receiver's process (median of the repeats), and
     `cpu_ratio` = runtime / gloo of their sums. On a host whose cores the two ranks keep
     busy (2 cores here: each rank's gloo thread copies the data while its lanes run), a
-    message's wall time follows the CPU both sides spend on it, and CPU time varies less
-    with the machine's phase than wall time."""
+    message's wall time follows the CPU both sides spend on it; the CPU columns say which
+    side spends it."""
     rows = []
     for send, recv in zip(sender, receiver, strict=True):
         both = {key: {"send": send["cpu_us"][key], "recv": recv["cpu_us"][key]}
