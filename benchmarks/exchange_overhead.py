@@ -329,12 +329,14 @@ def main() -> int:
             floors = sorted(rows[i]["protocol_ratio"] for rows in runs)
             over = sorted(rows[i]["runtime_us"] / rows[i]["protocol_us"] for rows in runs)
             cpus = sorted(rows[i]["cpu_ratio"] for rows in runs)
-            summary.append({"bytes": nbytes, "ratio_median": round(statistics.median(ratios), 2),
-                            "ratio_min": ratios[0], "ratio_max": ratios[-1],
-                            "ratios": ratios, "protocol_ratio_median": round(statistics.median(floors), 2),
+            summary.append({"bytes": nbytes,
+                            "ratio_median": round(statistics.median(ratios), 2),
+                            "ratio_min": ratios[0], "ratio_max": ratios[-1], "ratios": ratios,
+                            "protocol_ratio_median": round(statistics.median(floors), 2),
                             "protocol_ratios": floors,
                             "runtime_over_protocol_median": round(statistics.median(over), 2),
-                            "cpu_ratio_median": round(statistics.median(cpus), 2), "cpu_ratios": cpus})  # fmt: skip
+                            "cpu_ratio_median": round(statistics.median(cpus), 2),
+                            "cpu_ratios": cpus})  # fmt: skip
             print(f"{nbytes:9d}  {statistics.median(ratios):.2f} ({ratios[0]:.2f} - "
                   f"{ratios[-1]:.2f})   floor {statistics.median(floors):.2f} ({floors[0]:.2f} - "
                   f"{floors[-1]:.2f})   over the floor {statistics.median(over):.2f} "
