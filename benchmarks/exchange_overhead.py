@@ -1,6 +1,6 @@
 """Per-message cost of the runtime's exchange path against raw gloo isend/irecv, side by side.
 
-    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6] [--hand-over]
+    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6] [--hand-over] [--threads]
 
 Two local gloo ranks (one thread each), in one run:
 
@@ -27,8 +27,11 @@ cpu_us, cpu_ratio}]}` (ratio = runtime / gloo of the medians, protocol_ratio = p
 gloo; the next three of the per-repeat runtime / gloo ratios, each repeat running both back
 to back; `cpu_us` per variant {send, recv}: the CPU time per message of each rank's process,
 all its threads, and `cpu_ratio` runtime / gloo of their sums — a second table: see
-`_with_cpu`; and, read from the receiver's trace of its last runtime step, `header_gap_us`,
-`compute_gap_us` and `consumer_lag_us`, which `--hand-over` prints: see `_hand_over`).
+`_with_cpu`; `threads_us` per variant {send, recv}: that CPU time split by thread, the
+executor's lanes by name, the rank's own thread and the threads without a Python name
+(gloo's loop threads), which `--threads` prints: see `_thread_group`; and, read from the
+receiver's trace of its last runtime step, `header_gap_us`, `compute_gap_us` and
+`consumer_lag_us`, which `--hand-over` prints: see `_hand_over`).
 With `--runs R` > 1 it measures R times, each in a fresh pair of processes, and also prints
 per size the median, min and max of the runs' ratios, CPU ratio included (JSON: `runs`,
 `over_runs`; `rows` is the first run's).
@@ -39,7 +42,9 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import os
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -102,13 +107,62 @@ class _Worker:
         pass
 
 
-def _timed(fn: Any) -> tuple[float, float]:
+def _thread_cpu_ns() -> dict[int, int]:
+    """CPU time so far of each thread of this process, ns, by thread id: the first field of
+    Linux's `/proc/self/task/TID/schedstat` (empty where there is none). Python threads
+    and native ones alike: gloo's loop threads, which copy the data, have no Python name."""
+    out = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended meanwhile
+    return out
+
+
+def _thread_group(name: str | None) -> str:
+    """Which column of the per-thread table a thread counts in: the executor's lanes by
+    their thread names ("recv*": every receive lane), "main" the rank's own thread (it
+    posts and waits in the gloo and protocol variants), "native" every thread without a
+    Python name (gloo's loop threads and torch's)."""
+    if name is None:
+        return "native"
+    if name == "MainThread":
+        return "main"
+    if name.startswith("recv"):
+        return "recv*"
+    return name if name in THREAD_GROUPS else "other"
+
+
+# the columns of `--threads`, in order
+THREAD_GROUPS = ("main", "fwd", "bwd", "wgt", "send", "recv*", "native", "other")
+
+
+def _by_group(before: dict[int, int], after: dict[int, int]) -> dict[str, float]:
+    """CPU seconds each thread group spent between two `_thread_cpu_ns` snapshots."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    spent: dict[str, float] = {}
+    for tid, ns in after.items():
+        group = _thread_group(names.get(tid))
+        spent[group] = spent.get(group, 0.0) + (ns - before.get(tid, 0)) / 1e9
+    return spent
+
+
+def _timed(fn: Any) -> tuple[float, float, dict[str, float]]:
     """Wall-clock and CPU seconds of `fn` on this rank (CPU: every thread of the process,
-    gloo's loop threads that copy the data included)."""
+    gloo's loop threads that copy the data included), and the CPU seconds per thread group
+    (`_thread_group`)."""
     dist.barrier()
+    threads = _thread_cpu_ns()
     c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, used = time.perf_counter() - t0, time.process_time() - c0
+    return wall, used, _by_group(threads, _thread_cpu_ns())
 
 
 def _protocol(
@@ -176,6 +230,7 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
         times: dict[str, list[float]] = {"runtime": [], "gloo": [], "gloo_alloc": [],
                                          "protocol": []}  # fmt: skip
         cpu: dict[str, list[float]] = {key: [] for key in times}
+        per_thread: dict[str, dict[str, list[float]]] = {key: {} for key in times}
         for step in range(repeats + 1):  # the first of each is a warm-up
             r = _timed(functools.partial(executor.run_step, step))
             g = _timed(functools.partial(gloo, False))
@@ -183,11 +238,16 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
             p = _timed(functools.partial(_protocol, header, payloads, landing, bodies_in,
                                          (heads, bodies)))  # fmt: skip
             if step:
-                for key, (wall, used) in zip(times, (r, g, a, p), strict=True):
+                for key, (wall, used, groups) in zip(times, (r, g, a, p), strict=True):
                     times[key].append(wall)
                     cpu[key].append(used)
+                    for group, seconds in groups.items():
+                        per_thread[key].setdefault(group, []).append(seconds)
         us = {key: statistics.median(t) / count * 1e6 for key, t in times.items()}
         cpu_us = {key: round(statistics.median(c) / count * 1e6, 1) for key, c in cpu.items()}
+        threads_us = {key: {group: round(statistics.median(c) / count * 1e6, 1)
+                            for group, c in groups.items()}
+                      for key, groups in per_thread.items()}  # fmt: skip
         # runtime / gloo of each repeat (they run back to back, so a slow phase of the
         # machine hits both): the spread says how far to trust the median's ratio
         paired = sorted(r / g for r, g in zip(times["runtime"], times["gloo"], strict=True))
@@ -205,6 +265,7 @@ def _measure(sizes: tuple[tuple[int, int], ...], repeats: int) -> list[dict[str,
                 "ratio_median": round(statistics.median(paired), 2),
                 "ratio_max": round(paired[-1], 2),
                 "cpu_us": cpu_us,  # this rank's; `_with_cpu` adds the sender's
+                "threads_us": threads_us,  # likewise
                 **_hand_over(tracer.step_events(repeats)),
             }
         )
@@ -250,9 +311,26 @@ def _with_cpu(sender: list[dict[str, Any]], receiver: list[dict[str, Any]]) -> l
         both = {key: {"send": send["cpu_us"][key], "recv": recv["cpu_us"][key]}
                 for key in recv["cpu_us"]}  # fmt: skip
         total = {key: sides["send"] + sides["recv"] for key, sides in both.items()}
-        rows.append({**recv, "cpu_us": both,
+        threads = {key: {"send": send["threads_us"][key], "recv": recv["threads_us"][key]}
+                   for key in recv["threads_us"]}  # fmt: skip
+        rows.append({**recv, "cpu_us": both, "threads_us": threads,
                      "cpu_ratio": round(total["runtime"] / total["gloo"], 2)})  # fmt: skip
     return rows
+
+
+def _print_threads(rows: list[dict[str, Any]]) -> None:
+    """`threads_us` of the runtime and raw gloo, per side: where each message's CPU goes."""
+    print("CPU us per message by thread (lanes by name; main: the rank's own thread; native: "
+          "threads without a Python name, gloo's loop threads among them)")  # fmt: skip
+    print(f"{'bytes':>9s} {'variant':>8s} {'side':>4s} "
+          + " ".join(f"{g:>7s}" for g in THREAD_GROUPS))  # fmt: skip
+    for r in rows:
+        for key in ("runtime", "gloo"):
+            for side in ("send", "recv"):
+                spent = r["threads_us"][key][side]
+                cells = " ".join(f"{spent[g]:7.1f}" if g in spent else f"{'-':>7s}"
+                                 for g in THREAD_GROUPS)  # fmt: skip
+                print(f"{r['bytes']:9d} {key:>8s} {side:>4s} {cells}")
 
 
 def _print_cpu(rows: list[dict[str, Any]]) -> None:
@@ -286,6 +364,9 @@ def main() -> int:
     parser.add_argument("--hand-over", action="store_true",
                         help="also print how the receiver's lanes handed messages over in its "
                         "last step (from its trace)")  # fmt: skip
+    parser.add_argument("--threads", action="store_true",
+                        help="also print the CPU time per message of each side's threads, "
+                        "runtime and raw gloo (Linux: /proc/self/task)")  # fmt: skip
     parser.add_argument(
         "--sizes",
         default="",
@@ -317,6 +398,8 @@ def main() -> int:
         _print_cpu(rows)
         if args.hand_over:
             _print_hand_over(rows)
+        if args.threads:
+            _print_threads(rows)
     out: dict[str, Any] = {"rows": runs[0]}
     if args.runs > 1:
         # each run starts its own pair of processes: the machine's phase differs between

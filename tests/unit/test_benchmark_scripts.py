@@ -12,6 +12,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,40 @@ def test_benchmark_script_imports_and_parses_help(
         module.main(["--help"]) if takes_argv else module.main()
     assert exit_info.value.code == 0
     assert "usage:" in capsys.readouterr().out
+
+
+def test_exchange_overhead_counts_each_threads_cpu_under_its_lane(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`benchmarks/exchange_overhead.py --threads`: a thread's CPU time is counted under
+    its lane's name, and nowhere else."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bench = importlib.import_module("exchange_overhead")
+    assert bench._thread_group(None) == "native"  # gloo's loop threads have no Python name
+    assert bench._thread_group("MainThread") == "main"
+    assert bench._thread_group("recv3bwd") == "recv*"
+    assert bench._thread_group("fwd") == "fwd"
+    assert bench._thread_group("Thread-7") == "other"
+    before = bench._thread_cpu_ns()
+    if not before:
+        pytest.skip("no /proc/self/task/TID/schedstat on this system")
+    spun, release = threading.Event(), threading.Event()
+
+    def spin() -> None:
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.05:
+            pass
+        spun.set()
+        release.wait()
+
+    lane = threading.Thread(target=spin, name="send")
+    lane.start()
+    try:
+        assert spun.wait(30)
+        spent = bench._by_group(before, bench._thread_cpu_ns())
+    finally:
+        release.set()
+        lane.join()
+    assert spent["send"] >= 0.045
+    assert "fwd" not in spent
+    assert spent.get("main", 0.0) < 0.02  # it only waited while the lane spun
