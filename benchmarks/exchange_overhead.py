@@ -1,6 +1,7 @@
 """Per-message cost of the runtime's exchange path against raw gloo isend/irecv, side by side.
 
-    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6] [--hand-over] [--threads]
+    .venv/bin/python benchmarks/exchange_overhead.py [--json PATH] [--repeats 7] [--runs 6]
+        [--hand-over] [--threads]
 
 Two local gloo ranks (one thread each), in one run:
 
