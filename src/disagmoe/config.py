@@ -352,6 +352,12 @@ class TrainConfig:
         default=0, metadata=flag("save a checkpoint every N steps and at the end")
     )
     keep_checkpoints: int = 2
+    gc_every: int = field(  # runtime/collector.py
+        default=50,
+        metadata=flag(
+            "collect Python's garbage every N steps on every rank at once (0: automatic)"
+        ),
+    )
     resume: str = field(  # "", "latest" (this run dir) or a checkpoint path
         default="",
         metadata=flag(
@@ -438,6 +444,9 @@ class TrainConfig:
                 "evaluate on",
             )
         _require(self.keep_checkpoints >= 1, "train.keep_checkpoints must be >= 1")
+        _require(
+            self.gc_every >= 0, f"train.gc_every (--gc-every) must be >= 0, got {self.gc_every}"
+        )
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
         _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")
         parts = self.drop_message.split(":")

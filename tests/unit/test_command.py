@@ -56,6 +56,7 @@ CONFIG_FLAGS = {
     "--log-expert-tokens": "train.log_expert_tokens",
     "--tensorboard": "train.tensorboard",
     "--checkpoint-every": "train.checkpoint_every",
+    "--gc-every": "train.gc_every",
     "--resume": "train.resume",
     "--max-restarts": "train.max_restarts",
     "--fail-at-step": "train.fail_at_step",
@@ -80,7 +81,7 @@ def test_each_flag_sets_its_field() -> None:
         *("--global-batch-size", "4", "--micro-batch-size", "1", "--lr", "0.5", "--data", "d"),
         *("--run-dir", "r", "--comm-timeout", "9.5", "--no-progress", "--checkpoint-every", "2"),
         *("--resume", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2"),
-        *("--log-expert-tokens", "--tensorboard", "--no-overlap-grad-sync"),
+        *("--log-expert-tokens", "--tensorboard", "--no-overlap-grad-sync", "--gc-every", "0"),
     )
     par, train = cfg.parallel, cfg.train
     assert (par.runtime, par.groups, par.attn_workers, par.expert_workers) == ("ep-1f1b", 2, 1, 1)
@@ -95,7 +96,7 @@ def test_each_flag_sets_its_field() -> None:
         False,
     )
     assert (train.checkpoint_every, train.resume, train.max_restarts) == (2, "latest", 1)
-    assert (train.fail_at_step, train.fail_rank) == (3, 2)
+    assert (train.fail_at_step, train.fail_rank, train.gc_every) == (3, 2, 0)
     assert train.log_expert_tokens and train.tensorboard and not par.overlap_grad_sync
     assert resolve().parallel.overlap_grad_sync  # on unless the flag says otherwise
     assert resolve("--resume", "runs/x").train.resume == "runs/x"

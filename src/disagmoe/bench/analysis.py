@@ -39,6 +39,7 @@ from ..runtime.grad_sync import BUCKET_EVENT
 from ..runtime.observe import (
     COMM_LANES,
     COMPUTE_LANES,
+    HOST_WORK,
     Interval,
     event_spans,
     overlap_length,
@@ -75,13 +76,15 @@ def rank_breakdown(
     compute = event_spans(
         e
         for e in events
-        if e["cat"] in COMPUTE_LANES or (e["cat"] == "sync" and e["name"] == "STEP")
+        if e["cat"] in COMPUTE_LANES or (e["cat"] == "sync" and e["name"] in HOST_WORK)
     )
     compute = subtract_intervals(
         compute, event_spans(e for e in events if e["args"].get("blocking"))
     )
     comm = event_spans(
-        e for e in events if e["cat"] in COMM_LANES or (e["cat"] == "sync" and e["name"] != "STEP")
+        e
+        for e in events
+        if e["cat"] in COMM_LANES or (e["cat"] == "sync" and e["name"] not in HOST_WORK)
     )
     if inbound:
         comm = union_intervals([*comm, *inbound])

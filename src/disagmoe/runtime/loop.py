@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .collector import StepCollector
 from .evaluate import Evaluates, evaluate, should_evaluate
 from .memory import MEMORY_FIELDS
 from .model_stats import StepStats
@@ -164,10 +165,13 @@ def run_training(
     model_stats = StepStats(cfg, trainer.local_modules())
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
+    collector = StepCollector(train.gc_every, trainer.tracer)  # garbage collection
     try:
+        collector.start()
         for step in range(start_step, train.steps):
             if step == train.fail_at_step and rank == train.fail_rank and restart == 0:
                 os.kill(os.getpid(), signal.SIGKILL)  # fault injection: a worker dies
+            collector.step = step
             t0 = time.perf_counter()
             with model_stats.recording():
                 result = trainer.step(step)
@@ -179,17 +183,20 @@ def run_training(
                     f"{step + 1} (loss={result.loss}, grad_norm={result.grad_norm}); non-finite "
                     f"gradients on rank(s) {bad or 'none'}; last checkpoint left untouched"
                 )
-            # One all-reduce per step: busy seconds and, where the runtime measures it,
-            # each rank's memory (runtime.memory.MEMORY_FIELDS, exact in float64), one row
-            # per rank; then the routing sums of all ranks (runtime.model_stats).
+            collector.after(step)  # on every rank at once, or on none
+            # One all-reduce per step: busy seconds, garbage-collection seconds and, where
+            # the runtime measures it, each rank's memory (runtime.memory.MEMORY_FIELDS,
+            # exact in float64), one row per rank; then the routing sums of all ranks
+            # (runtime.model_stats).
             memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
             memory_record = getattr(trainer, "memory_record", None)
-            cols = 1 + (len(MEMORY_FIELDS) if memory else 0)
+            cols = 2 + (len(MEMORY_FIELDS) if memory else 0)
             flat = torch.zeros(world * cols + model_stats.size, dtype=torch.float64)
             stats, routing = flat[: world * cols].view(world, cols), flat[world * cols :]
             stats[rank, 0] = trainer.busy_seconds(step)
+            stats[rank, 1] = collector.take()
             if memory is not None:
-                stats[rank, 1:] = torch.tensor(memory(), dtype=torch.float64)
+                stats[rank, 2:] = torch.tensor(memory(), dtype=torch.float64)
             model_stats.fill(routing)
             if _dist():
                 dist.all_reduce(flat)
@@ -206,10 +213,11 @@ def run_training(
                 "elapsed_s": time.perf_counter() - start,
                 "busy_s": [round(b, 6) for b in busy.tolist()],
                 "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
+                "gc_s": round(float(stats[:, 1].max()), 6),  # the slowest rank's
                 **model_stats.record(routing, dt, world),
             }
             if memory_record is not None:
-                record["memory_mib"] = memory_record(stats[:, 1:].tolist())
+                record["memory_mib"] = memory_record(stats[:, 2:].tolist())
             if should_evaluate(train, step + 1):  # forward only (runtime/evaluate.py)
                 record.update(evaluate(trainer, step))
             records.append(record)
@@ -236,6 +244,7 @@ def run_training(
                     keep=train.keep_checkpoints,
                 )
     finally:
+        collector.stop()
         if log is not None:
             log.close()
     _write_trace(trainer, run_dir, rank, world)

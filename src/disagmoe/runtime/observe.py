@@ -32,6 +32,7 @@ from .tensorboard import TensorBoardLog
 LANES = ("compute", "fwd", "bwd", "send", "recv", "sync", "wgt")
 COMPUTE_LANES = ("compute", "fwd", "bwd", "wgt")
 COMM_LANES = ("send", "recv")
+HOST_WORK = ("STEP", "GC")  # "sync"-lane events that are the rank's own work, not communication
 _LANE_IDS = {lane: tid for tid, lane in enumerate(LANES)}
 Interval = tuple[float, float]
 _Raw = tuple[str, str, float, float, dict[str, Any]]  # name, lane, start, end, args
