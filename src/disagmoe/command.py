@@ -2,7 +2,7 @@
 are one line, the exit codes, and the `train` flags with the RunConfig they resolve to.
 
 The `train` flags are not listed here: a config field declares its own flag in its
-metadata (`config.flag`), and `config_flags` reads them. The flags below choose where
+metadata (`flags.flag`), and `config_flags` reads them. The flags below choose where
 the config starts instead, in this order of precedence: built-in defaults < `--model`
 preset / `--init-from-hf` < `--config FILE.toml` < explicit flags < `--set a.b=v`.
 
@@ -60,7 +60,7 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
 
 @dataclass(frozen=True)
 class ConfigFlag:
-    """A `disagmoe train` flag that sets `section.field` (declared by `config.flag`)."""
+    """A `disagmoe train` flag that sets `section.field` (declared by `flags.flag`)."""
 
     section: str
     field: str
