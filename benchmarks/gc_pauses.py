@@ -19,29 +19,17 @@ every run's figures.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from results_io import write_json
+from results_io import train_records, write_json
 
 
 def run_once(every: int, steps: int, extra: list[str], run_dir: Path) -> list[dict[str, Any]]:
     """One `disagmoe train --gc-every EVERY`; its metrics records."""
-    cmd = [sys.executable, "-m", "disagmoe.cli", "train", "--steps", str(steps), "--no-progress"]
-    cmd += ["--gc-every", str(every), "--run-dir", str(run_dir), *extra]
-    src = str(Path(__file__).resolve().parent.parent / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return train_records(["--steps", str(steps), "--gc-every", str(every), *extra], run_dir)
 
 
 def summarize(records: list[dict[str, Any]], warmup: int) -> dict[str, float]:

@@ -18,16 +18,12 @@ run's model and micro-batch at each `--memory-seq-len`); `memory` in the JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from results_io import write_json
+from results_io import train_records, write_json
 
 from disagmoe.config import RECOMPUTE, RunConfig, replace_section
 from disagmoe.testing.memory import stage_saved_bytes
@@ -62,15 +58,7 @@ def memory_rows(seq_lens: list[int]) -> list[dict[str, Any]]:
 
 def run_once(mode: str, steps: int, extra: list[str], run_dir: Path) -> list[dict[str, Any]]:
     """One `disagmoe train` with `--recompute mode`; its metrics records."""
-    cmd = [sys.executable, "-m", "disagmoe.cli", "train", "--steps", str(steps), "--no-progress"]
-    cmd += ["--recompute", mode, "--run-dir", str(run_dir), *extra]
-    src = str(Path(__file__).resolve().parent.parent / "src")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
+    return train_records(["--steps", str(steps), "--recompute", mode, *extra], run_dir)
 
 
 def main() -> None:
