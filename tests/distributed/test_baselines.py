@@ -28,6 +28,7 @@ from disagmoe.testing.spawn import run_ranks
 from tests.unit.test_evaluate import eval_file
 
 from .equivalence import assert_same_routing, recomputing, recorded_step, without_recompute
+from .traffic import capture_routings, expected_sends, routed_per_peer, traced_sends
 
 STEPS = 2
 RTOL = 1e-10
@@ -69,11 +70,17 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
     for cfg, chunks in cases:
         trainer = TRAINERS[cfg.parallel.runtime](cfg, overlap_chunks=chunks)
         steps, evals = [], []
+        routings, unhook = capture_routings(trainer.local_modules())
         for s in range(STEPS):
+            routings.clear()
             r, routing = recorded_step(trainer, cfg, s)
             steps.append((r.loss, r.grad_norm, r.grads, routing))
             if s == 0 and cfg.train.eval_data:  # between the steps: must change nothing
                 evals.append(evaluate(trainer, s)["eval_loss"])
+        unhook()
+        grad_bytes = {True: 0, False: 0}
+        for param, is_expert in zip(trainer.params, trainer.is_expert, strict=True):
+            grad_bytes[is_expert] += param.numel() * param.element_size()
         expected = [a for _ in range(STEPS) for a in pytorch_order(trainer.layout)[trainer.pp_rank]]
         out.append(
             {
@@ -84,6 +91,12 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
                 "order": trainer.order[:8],
                 "busy": trainer.busy_seconds(0),
                 "evals": evals,
+                # the last step: routed tokens per EP peer, and the bytes the trace says it sent
+                "routed": routed_per_peer(routings, cfg.model.num_experts, trainer.layout.ep),
+                "routings": len(routings),
+                "dense_bytes": grad_bytes[False],
+                "expert_bytes": grad_bytes[True],
+                "sent": traced_sends(trainer.tracer.step_events(STEPS - 1), trainer.rank),
             }
         )
     if run_dir:  # the runner with the outputs a user sees
@@ -96,11 +109,18 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
 
 
 def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]]]) -> None:
-    for k, (cfg, _) in enumerate(cases):
+    for k, (cfg, chunks) in enumerate(cases):
         what = (
             f"{cfg.parallel.runtime} pp={cfg.parallel.pp} ep={cfg.parallel.ep} "
             f"recompute={cfg.train.recompute} model={cfg.model.name}"
         )
+        if cfg.train.recompute == "none":  # a recomputed forward routes again: not counted here
+            ranks = {rank: res[k] for rank, res in enumerate(results)}
+            want = expected_sends(cfg, len(results), ranks, chunks)
+            for rank, res in ranks.items():
+                assert res["sent"] == pytest.approx(want[rank], rel=1e-12), (
+                    f"{what}: rank {rank}'s traced sends differ from its layout and routing"
+                )
         ref = ReferenceTrainer(without_recompute(cfg))
         for s in range(STEPS):
             rr, ref_routing = recorded_step(ref, cfg, s)

@@ -9,6 +9,8 @@ micro-batch, then:
   all-to-all, then the payloads: one float all-to-all (token rows and combine
   weights, differentiable) and one int64 all-to-all (rows, expert ids).
   Dropless: every routed token is sent, however uneven the counts (zero too).
+  Every exchange (counts and ints too) is traced with its peers and the bytes sent to
+  each (`peer_bytes`), so the bench's bound counts every byte a rank sends.
 * compute  — the received rows of all peers are concatenated and run through
   the same `Experts` module (grouped GEMM) as the single-process model.
 * combine  — the weighted expert outputs go back with a float all-to-all
@@ -84,7 +86,8 @@ def _traced_exchange(
     step: int,
     mb: int,
 ) -> torch.Tensor:
-    """`exchange` over the EP group, traced as a blocking all-to-all on the send lane."""
+    """`exchange` over the EP group, traced as a blocking all-to-all on the send lane with
+    the bytes sent to each member (`in_splits`: what this rank sends to each)."""
     assert comm.group is not None
     t0 = Tracer.now_us()
     out = exchange(x, out_splits, in_splits, comm.group)
@@ -102,6 +105,20 @@ def _traced_exchange(
         peer_bytes=[n * x.element_size() for n in in_splits],
     )
     return out
+
+
+def traced_exchange(
+    x: torch.Tensor,
+    out_splits: list[int],
+    in_splits: list[int],
+    comm: EPComm,
+    name: str,
+    layer: int,
+) -> torch.Tensor:
+    """A non-differentiable exchange (counts, assignment ints) of the current micro-batch."""
+    return _traced_exchange(
+        x, out_splits, in_splits, comm, name, layer, comm.step, comm.micro_batch
+    )
 
 
 class AllToAll(torch.autograd.Function):
@@ -139,7 +156,7 @@ class DispatchPlan:
     recv_asg: list[int]
 
 
-def plan_dispatch(routing: Routing, comm: EPComm) -> DispatchPlan:
+def plan_dispatch(routing: Routing, comm: EPComm, layer: int) -> DispatchPlan:
     """Split the routing per EP peer and exchange the counts (rows, assignments) first."""
     plans = split_by_owner(routing, split_experts(routing.probs_TE.shape[-1], comm.ep))
     send_rows = [p.token_ids.numel() for p in plans]
@@ -148,7 +165,9 @@ def plan_dispatch(routing: Routing, comm: EPComm) -> DispatchPlan:
         [[r, a] for r, a in zip(send_rows, send_asg, strict=True)], dtype=torch.int64
     )
     assert comm.group is not None
-    recv = exchange(counts.reshape(-1), [2] * comm.ep, [2] * comm.ep, comm.group).view(comm.ep, 2)
+    ep = comm.ep
+    recv = traced_exchange(counts.reshape(-1), [2] * ep, [2] * ep, comm, "counts", layer)
+    recv = recv.view(ep, 2)
     return DispatchPlan(plans, send_rows, send_asg, recv[:, 0].tolist(), recv[:, 1].tolist())
 
 
@@ -179,7 +198,7 @@ def ep_moe(
     if comm.overlap_group is not None:
         return overlapped_moe(experts, u_TH, routing, comm, layer)
     H = u_TH.shape[-1]
-    d = plan_dispatch(routing, comm)
+    d = plan_dispatch(routing, comm, layer)
     send_f = torch.cat([torch.cat([u_TH[p.token_ids].reshape(-1), p.weights_A]) for p in d.plans])
     send_i = torch.cat([torch.cat([p.rows_A, p.experts_A]) for p in d.plans])
     recv_f = AllToAll.apply(
@@ -190,7 +209,9 @@ def ep_moe(
         "dispatch",
         layer,
     )
-    recv_i = exchange(send_i, [2 * a for a in d.recv_asg], [2 * a for a in d.send_asg], comm.group)
+    recv_i = traced_exchange(
+        send_i, [2 * a for a in d.recv_asg], [2 * a for a in d.send_asg], comm, "ints", layer
+    )
     xs, ws, pos = [], [], 0
     for r, a in zip(d.recv_rows, d.recv_asg, strict=True):
         xs.append(recv_f[pos : pos + r * H].view(r, H))
@@ -265,9 +286,9 @@ def overlapped_moe(
         ],
         dtype=torch.int64,
     )
-    recv_counts = exchange(send_counts.reshape(-1), [2 * C] * ep, [2 * C] * ep, comm.group).view(
-        ep, C, 2
-    )
+    recv_counts = traced_exchange(
+        send_counts.reshape(-1), [2 * C] * ep, [2 * C] * ep, comm, "counts", layer
+    ).view(ep, C, 2)
     send_ints = torch.cat(
         [
             torch.cat([pieces[j][c].rows_A, pieces[j][c].experts_A])
@@ -275,11 +296,13 @@ def overlapped_moe(
             for c in range(C)
         ]
     )
-    recv_ints = exchange(
+    recv_ints = traced_exchange(
         send_ints,
         [2 * int(recv_counts[j, :, 1].sum()) for j in range(ep)],
         [2 * sum(pieces[j][c].rows_A.numel() for c in range(C)) for j in range(ep)],
-        comm.group,
+        comm,
+        "ints",
+        layer,
     )
     # Differentiable send buffer laid out [chunk][peer][rows*H | weights].
     send_f = torch.cat(
@@ -297,25 +320,45 @@ def overlapped_moe(
     return u_TH.new_zeros(u_TH.shape).index_add(0, token_ids, y_flat.view(-1, H))
 
 
+@dataclass
+class _Posted:
+    """An asynchronous all_to_all_single in flight: its receive buffer, when it was posted,
+    its work handle and the bytes this rank sends to each member of the group."""
+
+    buf: torch.Tensor
+    t_post: float
+    work: Any
+    peer_bytes: list[int]
+
+
+def _post(
+    out: torch.Tensor,
+    x: torch.Tensor,
+    out_sizes: list[int],
+    in_sizes: list[int],
+    group: dist.ProcessGroup | None,
+) -> _Posted:
+    """Post one async all_to_all_single of `x` (split by `in_sizes`) into `out`."""
+    t_post = Tracer.now_us()
+    work = dist.all_to_all_single(out, x, out_sizes, in_sizes, group=group, async_op=True)
+    return _Posted(out, t_post, work, [n * x.element_size() for n in in_sizes])
+
+
 def _post_chunks(
     flat: torch.Tensor,
     out_sizes: list[list[int]],
     in_sizes: list[list[int]],
     group: dist.ProcessGroup | None,
-) -> list[tuple[torch.Tensor, float, Any]]:
+) -> list[_Posted]:
     """One async all_to_all_single per chunk c of `flat` (laid out chunk after chunk, chunk c
-    split by `in_sizes[c]`); (receive buffer, post time, work) per chunk, all posted at once
-    so that they complete in order on `group`."""
+    split by `in_sizes[c]`), all posted at once so that they complete in order on `group`."""
     pieces = flat.split([sum(s) for s in in_sizes])
-    posted = []
-    for c, piece in enumerate(pieces):
-        buf = flat.new_empty(sum(out_sizes[c]))
-        t_post = Tracer.now_us()
-        work = dist.all_to_all_single(
-            buf, piece.contiguous(), out_sizes[c], in_sizes[c], group=group, async_op=True
+    return [
+        _post(
+            flat.new_empty(sum(out_sizes[c])), piece.contiguous(), out_sizes[c], in_sizes[c], group
         )
-        posted.append((buf, t_post, work))
-    return posted
+        for c, piece in enumerate(pieces)
+    ]
 
 
 class OverlappedExperts(torch.autograd.Function):
@@ -352,9 +395,8 @@ class OverlappedExperts(torch.autograd.Function):
                 pos += 2 * a
         leaves, outs, combines = [], [], []
         for c in range(C):
-            buf, t_post, work = posted[c]
-            _wait(work, comm, f"a2a dispatch {tag} c{c}", t_post, where)
-            leaf = buf.detach().requires_grad_(True)
+            _wait(posted[c], comm, f"a2a dispatch {tag} c{c}", where)
+            leaf = posted[c].buf.detach().requires_grad_(True)
             t0 = Tracer.now_us()
             with torch.enable_grad():  # the chunk's own graph, backpropagated in `backward`
                 xs, ws, ints, off = [], [], [], 0
@@ -382,25 +424,19 @@ class OverlappedExperts(torch.autograd.Function):
             )
             leaves.append(leaf)
             outs.append(y)
-            back = y.new_empty(sum(sc[j][c][0] for j in range(ep)) * H)
             combines.append(
-                (
-                    back,
-                    Tracer.now_us(),
-                    dist.all_to_all_single(
-                        back,
-                        y.detach().reshape(-1),
-                        [sc[j][c][0] * H for j in range(ep)],
-                        [rc[j][c][0] * H for j in range(ep)],
-                        group=group,
-                        async_op=True,
-                    ),
+                _post(
+                    y.new_empty(sum(sc[j][c][0] for j in range(ep)) * H),
+                    y.detach().reshape(-1),
+                    [sc[j][c][0] * H for j in range(ep)],
+                    [rc[j][c][0] * H for j in range(ep)],
+                    group,
                 )
             )
-        for c, (_, t_post, work) in enumerate(combines):
-            _wait(work, comm, f"a2a combine {tag} c{c}", t_post, where)
+        for c, posted_c in enumerate(combines):
+            _wait(posted_c, comm, f"a2a combine {tag} c{c}", where)
         ctx.state = (leaves, outs, comm, where, sc, rc, H, tag)
-        return torch.cat([b for b, _, _ in combines])
+        return torch.cat([p.buf for p in combines])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
@@ -411,11 +447,10 @@ class OverlappedExperts(torch.autograd.Function):
         posted = _post_chunks(grad.contiguous(), theirs, mine, group)
         returns = []
         for c in range(C):
-            buf, t_post, work = posted[c]
-            _wait(work, comm, f"a2a combine.bwd {tag} c{c}", t_post, where)
+            _wait(posted[c], comm, f"a2a combine.bwd {tag} c{c}", where)
             t0 = Tracer.now_us()
             if outs[c].requires_grad:
-                torch.autograd.backward(outs[c], buf.view_as(outs[c]))
+                torch.autograd.backward(outs[c], posted[c].buf.view_as(outs[c]))
             g = leaves[c].grad if leaves[c].grad is not None else torch.zeros_like(leaves[c])
             comm.tracer.add(
                 f"experts.bwd {tag} c{c}",
@@ -426,35 +461,39 @@ class OverlappedExperts(torch.autograd.Function):
                 micro_batch=where[2],
                 step=where[1],
             )
-            out = grad.new_empty(sum(sc[j][c][0] * H + sc[j][c][1] for j in range(ep)))
             returns.append(
-                (
-                    out,
-                    Tracer.now_us(),
-                    dist.all_to_all_single(
-                        out,
-                        g,
-                        [sc[j][c][0] * H + sc[j][c][1] for j in range(ep)],
-                        [rc[j][c][0] * H + rc[j][c][1] for j in range(ep)],
-                        group=group,
-                        async_op=True,
-                    ),
+                _post(
+                    grad.new_empty(sum(sc[j][c][0] * H + sc[j][c][1] for j in range(ep))),
+                    g,
+                    [sc[j][c][0] * H + sc[j][c][1] for j in range(ep)],
+                    [rc[j][c][0] * H + rc[j][c][1] for j in range(ep)],
+                    group,
                 )
             )
-        for c, (_, t_post, work) in enumerate(returns):
-            _wait(work, comm, f"a2a dispatch.bwd {tag} c{c}", t_post, where)
-        return torch.cat([o for o, _, _ in returns]), None, None, None, None, None, None, None
+        for c, posted_c in enumerate(returns):
+            _wait(posted_c, comm, f"a2a dispatch.bwd {tag} c{c}", where)
+        return torch.cat([p.buf for p in returns]), None, None, None, None, None, None, None
 
 
-def _wait(
-    work: dist.Work, comm: EPComm, name: str, t_post: float, where: tuple[int, int, int]
-) -> None:
-    """Wait for an async all-to-all; trace its in-flight span ("send") and the blocking wait ("recv")."""
+def _wait(posted: _Posted, comm: EPComm, name: str, where: tuple[int, int, int]) -> None:
+    """Wait for an async all-to-all; trace its in-flight span ("send", with its peers and
+    the bytes sent to each) and the blocking wait ("recv")."""
     layer, step, mb = where
     t0 = Tracer.now_us()
-    work.wait()
+    posted.work.wait()
     t1 = Tracer.now_us()
-    comm.tracer.add(name, "send", t_post, t1, layer=layer, micro_batch=mb, step=step)
+    comm.tracer.add(
+        name,
+        "send",
+        posted.t_post,
+        t1,
+        layer=layer,
+        micro_batch=mb,
+        step=step,
+        bytes=sum(posted.peer_bytes),
+        peers=dist.get_process_group_ranks(comm.overlap_group or comm.group),
+        peer_bytes=posted.peer_bytes,
+    )
     comm.tracer.add(
         f"wait {name}", "recv", t0, t1, layer=layer, micro_batch=mb, step=step, blocking=True
     )

@@ -133,7 +133,7 @@ def _flights(events: list[Event]) -> dict[tuple[int, int], list[Interval]]:
     return flights
 
 
-def _send_bytes(e: Event) -> list[tuple[int, float]]:
+def send_bytes(e: Event) -> list[tuple[int, float]]:
     """(destination rank, bytes) of one traced send: a message, a pipeline p2p, an
     all-to-all (bytes per member), or a gradient all-reduce (ring in member order: each
     member sends 2 (g - 1) / g of the buffer to the next one)."""
@@ -181,7 +181,7 @@ def trace_bound(
         into: dict[int, float] = defaultdict(float)
         for e in evs:
             by_rank[e["pid"]].append(e)
-            for dst, nbytes in _send_bytes(e):
+            for dst, nbytes in send_bytes(e):
                 src_node, dst_node = node_of(e["pid"]), node_of(dst)
                 if src_node != dst_node:
                     out[src_node] += nbytes
@@ -435,6 +435,7 @@ __all__ = [
     "Replay",
     "emulated_network",
     "predict",
+    "send_bytes",
     "trace_bound",
     "trace_breakdown",
 ]

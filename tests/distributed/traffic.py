@@ -1,0 +1,113 @@
+"""What each rank of an expert-parallel run must send in one step, from the layout and the
+routing alone, against what its trace says it sent (`bench.analysis.send_bytes`, the
+rule the bench's bound counts bytes with).
+
+Per MoE layer and micro-batch, rank r sends EP peer j (r != j), with R[r][j] the tokens of
+r routed to any of j's experts and A[r][j] their (token, expert) assignments, H the model
+dim, e the bytes of an activation element and C the exchange chunks (ep-overlap):
+
+* forward: counts (2 int64 per chunk), dispatch (rows and combine weights: (R H + A) e),
+  assignment ints (2 int64 each), combine (the rows j sent r, back: R[j][r] H e);
+* backward: combine's gradient (R[r][j] H e) and dispatch's ((R[j][r] H + A[j][r]) e).
+
+Pipeline p2p: one activation (micro-batch x seq x H, parameter dtype) per micro-batch and
+stage boundary between two pipeline ranks, its gradient back. Gradient all-reduce: dense
+parameters over the DP group, expert shards over the EDP group, each a ring (every member
+sends 2 (g-1)/g of the buffer to the next).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from disagmoe.bench.analysis import send_bytes
+from disagmoe.config import RunConfig
+from disagmoe.distributed.ep_layout import EPLayout
+from disagmoe.models.moe import Router, Routing, split_experts
+
+
+def capture_routings(
+    modules: list[torch.nn.Module],
+) -> tuple[list[torch.Tensor], Callable[[], None]]:
+    """Record the top-k expert ids of every router call under `modules`; (the list, a
+    function that removes the hooks)."""
+    seen: list[torch.Tensor] = []
+
+    def hook(_m: torch.nn.Module, _args: Any, out: Routing) -> None:
+        seen.append(out.indices_TK.detach().clone())
+
+    handles = [
+        m.register_forward_hook(hook)
+        for module in modules
+        for m in module.modules()
+        if isinstance(m, Router)
+    ]
+    return seen, lambda: [h.remove() for h in handles]  # type: ignore[func-returns-value]
+
+
+def routed_per_peer(indices: list[torch.Tensor], num_experts: int, ep: int) -> list[list[int]]:
+    """[[rows, assignments] per EP peer] summed over the routings `indices`."""
+    out = [[0, 0] for _ in range(ep)]
+    for idx in indices:
+        for j, experts in enumerate(split_experts(num_experts, ep)):
+            mask = (idx >= experts.start) & (idx < experts.stop)
+            out[j][0] += int(mask.any(dim=-1).sum())
+            out[j][1] += int(mask.sum())
+    return out
+
+
+def traced_sends(events: list[dict[str, Any]], rank: int) -> dict[int, float]:
+    """Bytes `rank` sent to each other rank in `events` (one step of its trace)."""
+    out: dict[int, float] = defaultdict(float)
+    for e in events:
+        for dst, nbytes in send_bytes(e):
+            if dst != rank:
+                out[dst] += nbytes
+    return dict(out)
+
+
+def expected_sends(
+    cfg: RunConfig, world: int, ranks: dict[int, dict[str, Any]], chunks: int
+) -> dict[int, dict[int, float]]:
+    """{src: {dst: bytes}} of one step; `ranks[r]` holds rank r's `routed` (routed_per_peer),
+    `routings` (how many router calls), `dense_bytes` and `expert_bytes` (its gradients)."""
+    lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
+    H, e = cfg.model.dim, torch.finfo(getattr(torch, cfg.train.dtype)).bits // 8
+    out: dict[int, dict[int, float]] = {r: defaultdict(float) for r in range(world)}
+    for r in range(world):
+        p, d, ep_rank, edp_rank = lay.coords(r)
+        peers = lay.ep_group_ranks(p, edp_rank)
+        mine = ranks[r]
+        for j, peer in enumerate(peers):
+            if peer == r:
+                continue
+            rows, asg = mine["routed"][j]
+            back_rows, back_asg = ranks[peer]["routed"][ep_rank]
+            out[r][peer] += 16 * chunks * mine["routings"]  # counts
+            out[r][peer] += (
+                (rows * H + asg) * e + 16 * asg + rows * H * e
+            )  # dispatch, ints, combine.bwd
+            out[r][peer] += (
+                back_rows * H * e + (back_rows * H + back_asg) * e
+            )  # combine, dispatch.bwd
+        for group, key in (
+            (lay.dp_group_ranks(p), "dense_bytes"),
+            (lay.edp_group_ranks(p, ep_rank), "expert_bytes"),
+        ):
+            g = len(group)
+            if g > 1:
+                out[r][group[(group.index(r) + 1) % g]] += 2 * (g - 1) / g * mine[key]
+    owner = lay.stage_to_pp_rank()
+    act = cfg.train.micro_batch_size * cfg.train.seq_len * H * e
+    for s in range(lay.num_stages - 1):
+        if owner[s] == owner[s + 1]:
+            continue
+        for d in range(lay.dp):
+            a, b = lay.rank_of(owner[s], d), lay.rank_of(owner[s + 1], d)
+            out[a][b] += act * lay.num_local_micro_batches
+            out[b][a] += act * lay.num_local_micro_batches
+    return {r: {dst: v for dst, v in sends.items() if v} for r, sends in out.items()}
