@@ -31,6 +31,7 @@ def _exchange() -> list[str]:
     from disagmoe.config import ParallelConfig
     from disagmoe.device import HOST_BACKEND, payload_backend, resolve_device
     from disagmoe.distributed.exchange import (
+        META_WORDS,
         CommTimeout,
         ProtocolError,
         Receiver,
@@ -51,9 +52,13 @@ def _exchange() -> list[str]:
     messages = _messages()
     if dist.get_rank() == 0:
         works = [
-            w for k, m in enumerate(messages) for w in send_message(m, 1, channel, (k, 0, 0, 0, 0))
+            w
+            for k, m in enumerate(messages)
+            for w in send_message(m, 1, channel, (k, 0, 0, 0, 0))[0]
         ]
-        works += send_message([torch.ones(2)], 1, channel, (9, 9, 9, 9, 9))
+        small, nbytes = send_message([torch.ones(2)], 1, channel, (9, 9, 9, 9, 9))
+        assert nbytes == META_WORDS * 8 + 8  # what travels: the fields, then the inline tensor
+        works += small
         header, payloads = encode_header(messages[1], (7, 0, 0, 0, 0))  # its payload never follows
         assert payloads
         works.append(channel.header.send([header], 1, 0))

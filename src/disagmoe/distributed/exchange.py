@@ -201,16 +201,18 @@ def send_message(
     channel: Channel,
     ident: tuple[int, ...] = (0,) * IDENT_LEN,
     header: HeaderBuffer | None = None,
-) -> list[dist.Work]:
+) -> tuple[list[dist.Work], int]:
     """Post the header's and the payloads' sends; the caller waits on the returned works
     (the first is the header's: `header`, from a `HeaderPool`, may be reused once it ends).
+    Also returns the bytes that travel: the header's used bytes (its fields and the inline
+    tensors) and the payloads'.
 
     On an accelerator a payload's send is queued on the posting thread's current stream
     (NCCL): post it from the lane whose stream produced the payload."""
     buf, payloads = encode_header(tensors, ident, header)
     works = [_isend(buf, dst, channel.header)]
     works += [_isend(t, dst, channel.payload) for t in payloads if t.numel() > 0]
-    return works
+    return works, buf.numel() + sum(t.nbytes for t in payloads)
 
 
 @functools.cache

@@ -29,7 +29,7 @@ from .work import Payload
 # is posted) and then takes what came.
 SEND_POLL_S = 1e-3
 
-_Send = tuple[Output, list[Any], HeaderBuffer, Payload, float, int]
+_Send = tuple[Output, list[Any], HeaderBuffer, int, float, int]  # ..., bytes on the wire, ...
 
 
 class Outbox:
@@ -63,8 +63,8 @@ class Outbox:
         header = self.headers.take()
         channel = self.topo.stream(self.rank, msg.dst, msg.channel)
         ident = (out.kind, msg.layer, msg.slot, msg.chunk, step)  # the receiver checks it
-        works = send_message(payload, msg.dst, channel, ident, header)
-        self.sends.append((out, works, header, payload, Tracer.now_us(), step))
+        works, nbytes = send_message(payload, msg.dst, channel, ident, header)
+        self.sends.append((out, works, header, nbytes, Tracer.now_us(), step))
 
     def complete(self, st: StepState) -> None:
         """The step's sends seen complete, in posting order, until `st.sends_closed` is set
@@ -75,7 +75,7 @@ class Outbox:
             return
         while True:
             try:
-                out, works, header, payload, t0, step = sends.popleft()
+                out, works, header, nbytes, t0, step = sends.popleft()
             except IndexError:
                 if st.sends_closed.is_set() and not sends:
                     return
@@ -100,5 +100,5 @@ class Outbox:
                 layer=msg.layer,
                 slot=msg.slot,
                 step=step,
-                bytes=sum(t.nbytes for t in payload),
+                bytes=nbytes,  # on the wire: header (fields, inline tensors) + payloads
             )
