@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from disagmoe.models import (
     split_experts,
 )
 from disagmoe.presets import model_preset
+from disagmoe.runtime.observe import take_device_wait_us
 from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.runtime.setup import set_threads
 
@@ -43,6 +45,28 @@ def test_wait_sleeps_in_forward_and_in_backward() -> None:
     t2 = time.perf_counter()
     assert t1 - t0 >= 0.05 and t2 - t1 >= 0.08
     assert torch.equal(y, x) and torch.equal(x.grad, torch.full_like(x, 2.0))  # type: ignore[arg-type]
+
+
+def test_two_lanes_take_turns_on_the_workers_one_device() -> None:
+    """Two threads of one worker inside emulated computations at once: the second waits
+    for the device (one GPU cannot run two kernels' worth of compute in the time of one),
+    and that wait is its thread's device wait, which the executor traces."""
+    waited: dict[str, float] = {}
+
+    def lane(name: str) -> None:
+        take_device_wait_us()
+        wait(torch.ones(2, requires_grad=True), 0.2, 0.0)
+        waited[name] = take_device_wait_us()
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=lane, args=(n,)) for n in ("fwd", "bwd")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert time.perf_counter() - t0 >= 0.4  # the two waits did not overlap
+    first, second = sorted(waited.values())
+    assert first < 0.1e6 and second >= 0.15e6, waited
 
 
 def test_emulated_layer_keeps_shapes_routing_and_gradient_paths() -> None:

@@ -43,6 +43,7 @@ from ..runtime.observe import (
     Interval,
     event_spans,
     overlap_length,
+    own_seconds,
     parse_event_name,
     subtract_intervals,
     total_length,
@@ -280,7 +281,7 @@ def predict_disagg(
             name = parse_event_name(e["name"])
             layer = e["args"]["layer"]
             of = (e["pid"], e["args"].get("step"), name.slot) if name.chunk is not None else index
-            whole[(name.op, name.comp, layer, of)] += e["dur"] / 1e6
+            whole[(name.op, name.comp, layer, of)] += own_seconds(e)
     groups: dict[tuple[str, str, str], list[float]] = defaultdict(list)
     for (op, comp, layer, _), seconds in whole.items():
         groups[(op, comp, workload.layer_kind(comp, layer))].append(seconds)
@@ -291,8 +292,12 @@ def predict_disagg(
     )
     schedule = run_schedule(cfg, layout)
     own = replay == "own"
+    # Emulated compute: computations are priced net of their waits for the worker's one
+    # device, so the replay shares it between lanes; real compute's spans already hold the
+    # contention of their run (the host's cores).
     sim = simulate_schedule(
-        schedule, layout, TableCosts(workload, table), workload, net, share_compute=False,
+        schedule, layout, TableCosts(workload, table), workload, net,
+        share_compute=bool(cfg.train.emulate_compute),
         sync=False, link_model=link_model,
         overheads=fit_message_overheads(events) if overheads else None,
         rank_compute_s=_instruction_medians(events) if own else None,
@@ -303,11 +308,11 @@ def predict_disagg(
 
 def _instruction_medians(events: list[Event]) -> Callable[[int, Instr], float | None]:
     """A compute's median seconds over the measured steps, per rank and instruction (an
-    exchange chunk's own span: its event is the chunk's)."""
+    exchange chunk's own span: its event is the chunk's), less its waits for the device."""
     spans: dict[tuple[int, str], list[float]] = defaultdict(list)
     for e in events:
         if e["cat"] in ("fwd", "bwd", "wgt"):
-            spans[(e["pid"], e["name"])].append(e["dur"] / 1e6)
+            spans[(e["pid"], e["name"])].append(own_seconds(e))
     medians = {key: statistics.median(v) for key, v in spans.items()}
 
     def seconds(rank: int, ins: Instr) -> float | None:

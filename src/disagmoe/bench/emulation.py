@@ -10,6 +10,13 @@ no CPU and releases the GIL, as a GPU kernel would, so many workers fit on a few
 cores and what is measured is the runtime's overlap of compute and communication,
 not the CPU's arithmetic. Losses and gradients are meaningless.
 
+One device per worker: a worker process has one `DEVICE`, and its waits take turns on it
+(a lock), as kernels of one GPU share its compute units; communication overlaps freely.
+An AF-Pipe worker's forward and backward lanes may both be inside a computation, but
+never both inside a calibrated wait. The time a lane waits for the device is added to its
+thread's device waits (`runtime.observe.add_device_wait`): the executor traces it with
+the computation (`device_wait_us`), whose own seconds are its span less that wait.
+
 Durations are `fixed + per_row * rows` seconds (rows: tokens for attention,
 (token, expert) assignments for experts), usually measured on this machine with
 `calibrate` and multiplied by a time scale (see `disagmoe bench --compute emulated`).
@@ -20,8 +27,10 @@ names a costs file (`runtime.setup.apply_variants`).
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,21 +46,46 @@ from ..models import (
     Routing,
     flatten_routing,
 )
+from ..runtime.observe import add_device_wait
 from ..simulator.measured import ComputeCosts, Linear
 
 
+@dataclass
+class Device:
+    """The one accelerator of a worker process: emulated computations hold it in turn."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def occupy(self, seconds: float) -> None:
+        """Hold the device for `seconds` (sleeping: no CPU, the GIL released); the time
+        spent waiting for it first is this thread's device wait."""
+        if seconds <= 0.0:
+            return
+        if not self.lock.acquire(blocking=False):
+            t0 = time.perf_counter()
+            self.lock.acquire()
+            add_device_wait((time.perf_counter() - t0) * 1e6)
+        try:
+            time.sleep(seconds)
+        finally:
+            self.lock.release()
+
+
+DEVICE = Device()  # this process's worker (one worker per process, as torchrun starts them)
+
+
 class _Wait(torch.autograd.Function):
-    """Identity that sleeps `fwd_s` in forward and `bwd_s` in backward."""
+    """Identity that holds the device `fwd_s` in forward and `bwd_s` in backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, fwd_s: float, bwd_s: float) -> torch.Tensor:  # type: ignore[override]
         ctx.bwd_s = bwd_s
-        time.sleep(fwd_s)
+        DEVICE.occupy(fwd_s)
         return x.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        time.sleep(ctx.bwd_s)
+        DEVICE.occupy(ctx.bwd_s)
         return grad, None, None
 
 

@@ -49,7 +49,7 @@ from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import BACKGROUND_LANES, RankProgram, TaskKey, consumer_lane
 from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, recv_lane_name
 from .memory import ActivationMeter
-from .observe import Tracer, message_event_name, message_label
+from .observe import Tracer, message_event_name, message_label, take_device_wait_us
 from .outbox import Outbox
 from .streams import LaneStreams
 from .work import Payload, StageWorker, StepHooks, run_compute
@@ -372,9 +372,17 @@ class Executor:
             t0 = streams.stamp(lane)
             out = run_compute(self.worker, self.meter, self.program, instr, received, work.outgoing)
             t1 = streams.stamp(lane)
-            args = {"layer": instr.layer, "slot": instr.slot, "step": step, "index": work.index}
+            args: dict[str, Any] = {
+                "layer": instr.layer,
+                "slot": instr.slot,
+                "step": step,
+                "index": work.index,
+            }
             if instr.chunk >= 0:
                 args["chunk"] = instr.chunk  # as the simulator's trace has it
+            waited = take_device_wait_us()
+            if waited:  # another lane held the worker's device (emulated compute)
+                args["device_wait_us"] = waited
             st.spans.append((work.name, lane, t0, t1, args))  # traced when the step ends
             for o in work.outputs:  # posted from this lane's thread (and stream)
                 post(o, out[o.msg], step)

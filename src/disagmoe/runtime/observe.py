@@ -113,6 +113,32 @@ def parse_event_name(name: str) -> EventName:
     )
 
 
+# ------------------------------------------------------------------ device waits
+# A computation's span on its lane includes any time it waited for its worker's one device
+# while another lane held it (emulated compute, `bench.emulation.Device`). The waiting
+# thread adds that time here; the executor takes it when it traces the computation
+# (`device_wait_us` in the event's args), so a computation's own seconds are its span less
+# that wait (`own_seconds`).
+_waits = threading.local()
+
+
+def add_device_wait(us: float) -> None:
+    """This thread waited `us` microseconds for its worker's device."""
+    _waits.us = getattr(_waits, "us", 0.0) + us
+
+
+def take_device_wait_us() -> float:
+    """This thread's device waits since the last call (and reset)."""
+    us = getattr(_waits, "us", 0.0)
+    _waits.us = 0.0
+    return float(us)
+
+
+def own_seconds(e: dict[str, Any]) -> float:
+    """A computation event's seconds less its waits for the device."""
+    return (float(e.get("dur", 0.0)) - float(e["args"].get("device_wait_us", 0.0))) / 1e6
+
+
 def new_run_dir(base: str = "runs") -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     root = Path(base)
