@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import pytest
@@ -133,3 +134,27 @@ def test_ep_runtimes_run_at_scale(runtime: str) -> None:
     assert r.num_workers == 128 and r.step_time_s > 0
     total = sum(r.breakdown[k] for k in ("attn", "ffn", "other", "comm_exposed", "bubble"))
     assert total == pytest.approx(r.step_time_s, rel=1e-9)
+
+
+def test_simulated_all_to_all_sends_what_the_runtime_sends() -> None:
+    """The simulator's per-peer all-to-all bytes are the ep-* runtimes' (one copy of a token
+    per peer, `tests/distributed/traffic.py`'s rule), averaged over a layer's dispatch,
+    combine and their gradients, for uniformly random top-k routing."""
+    import torch
+
+    from disagmoe.simulator import Workload
+    from tests.distributed.traffic import routed_per_peer
+
+    model = dataclasses.replace(MODEL_PRESETS["small"], num_experts=8, top_k=2)
+    workload = Workload(model, 128, 4, act_bytes=4, index_bytes=8)
+    ep, H, e, T = 4, model.dim, 4, workload.tokens
+    gen = torch.Generator().manual_seed(0)
+    draws = 50
+    indices = [torch.rand(T, 8, generator=gen).topk(2, dim=-1).indices for _ in range(draws)]
+    routed = routed_per_peer(indices, 8, ep)
+    per_peer = []
+    for rows, asg in routed:  # per micro-batch, the peers' sends alike (symmetric routing)
+        rows, asg = rows / draws, asg / draws
+        four = (rows * H + asg) * e + 16 * asg + 2 * rows * H * e + (rows * H + asg) * e
+        per_peer.append(four / 4)
+    assert workload.a2a_bytes_per_peer(ep) == pytest.approx(sum(per_peer) / ep, rel=0.01)

@@ -120,12 +120,15 @@ class Workload:
         raise ValueError(f"unknown message kind {kind!r}")
 
     def a2a_bytes_per_peer(self, ep: int) -> float:
-        """EP all-to-all (dispatch or combine): bytes one rank sends each of its ep peers.
-
-        Token copies are not deduplicated (Megatron's all-to-all dispatcher sends one
-        copy per (token, expert) pair): `N*k/ep` rows of `H` values per peer.
+        """EP all-to-all: bytes one rank sends each of its ep peers, as the ep-* runtimes
+        send them (`baselines.moe`): one copy of a token per peer that holds any of its
+        experts. The mean of a layer's four exchanges — dispatch (rows, combine weights,
+        the assignment ints), combine, and their gradients (rows; rows and weights) — since
+        the simulator prices every all-to-all of a layer alike.
         """
-        return flops.routed_bytes(self.model, self.tokens, self.act_bytes) / ep
+        h, a, i = self.model.dim, self.act_bytes, self.index_bytes
+        u, pairs = self.tokens_per_shard(ep), self.pairs_per_shard(ep)
+        return u * h * a + pairs * (2 * a + 2 * i) / 4
 
     def attn_param_count(self, layer: int) -> int:
         """Parameters of the A component of `layer` (layer L: final norm + LM head; layer 0
