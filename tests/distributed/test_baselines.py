@@ -24,6 +24,7 @@ from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from disagmoe.presets import model_preset
 from disagmoe.runtime.evaluate import evaluate
 from disagmoe.runtime.reference import ReferenceTrainer
+from disagmoe.schedule.pipelines import FB_OVERLAP_RUNTIMES
 from disagmoe.testing.spawn import run_ranks
 from tests.unit.test_evaluate import eval_file
 
@@ -97,6 +98,7 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
                 "dense_bytes": grad_bytes[False],
                 "expert_bytes": grad_bytes[True],
                 "sent": traced_sends(trainer.tracer.step_events(STEPS - 1), trainer.rank),
+                "fb_overlapped": _forward_beside_backward(trainer.tracer.step_events(STEPS - 1)),
             }
         )
     if run_dir:  # the runner with the outputs a user sees
@@ -108,12 +110,29 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
     return out
 
 
+def _forward_beside_backward(events: list[dict[str, Any]]) -> bool:
+    """Whether a stage forward and a stage backward of this rank ran at the same time."""
+    spans = {
+        lane: [
+            (e["ts"], e["ts"] + e["dur"])
+            for e in events
+            if e["cat"] == lane and "stage" in e["args"]
+        ]
+        for lane in ("fwd", "bwd")
+    }
+    return any(f0 < b1 and b0 < f1 for f0, f1 in spans["fwd"] for b0, b1 in spans["bwd"])
+
+
 def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]]]) -> None:
     for k, (cfg, chunks) in enumerate(cases):
         what = (
             f"{cfg.parallel.runtime} pp={cfg.parallel.pp} ep={cfg.parallel.ep} "
             f"recompute={cfg.train.recompute} model={cfg.model.name}"
         )
+        # F&B overlap: pairs run their forward and backward at once on every rank, and only there
+        overlapped = [res[k]["fb_overlapped"] for res in results]
+        want_overlap = cfg.parallel.runtime in FB_OVERLAP_RUNTIMES
+        assert overlapped == [want_overlap] * len(results), f"{what}: F and B at once {overlapped}"
         if cfg.train.recompute == "none":  # a recomputed forward routes again: not counted here
             ranks = {rank: res[k] for rank, res in enumerate(results)}
             want = expected_sends(cfg, len(results), ranks, chunks)

@@ -2,7 +2,8 @@
 
 Per rank (`distributed.ep_layout` for the rank order): its pipeline (p2p of the
 pipeline schedule), its data-parallel replicas (dense gradients), its EP group
-(dispatch/combine all-to-all) and its expert-data-parallel group (expert gradients).
+(dispatch/combine all-to-all; a second one for the backward lane where a forward and a
+backward run at once) and its expert-data-parallel group (expert gradients).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..distributed.ep_layout import EPLayout
+from ..schedule.pipelines import FB_OVERLAP_RUNTIMES
 
 
 @dataclass
@@ -23,6 +25,7 @@ class EPGroups:
     ep: dist.ProcessGroup | None  # EP group (dispatch/combine all-to-all); None if ep == 1
     edp: dist.ProcessGroup | None  # same expert shard on other EP groups (expert grads)
     a2a: dist.ProcessGroup | None  # second EP group for ep-overlap's async all-to-all
+    bwd: dist.ProcessGroup | None = None  # EP group of the backward lane (F&B overlap)
     created: int = 0  # process groups the run created (the world group excluded)
 
     @classmethod
@@ -34,7 +37,9 @@ class EPGroups:
             "ep": None,
             "edp": None,
             "a2a": None,
+            "bwd": None,
         }
+        fb_overlap = layout.runtime in FB_OVERLAP_RUNTIMES
 
         created = 0
 
@@ -53,8 +58,12 @@ class EPGroups:
                 make("ep", layout.ep_group_ranks(p, b), layout.ep > 1)
                 if layout.runtime == "ep-overlap":
                     make("a2a", layout.ep_group_ranks(p, b), layout.ep > 1)
+                if fb_overlap:
+                    make("bwd", layout.ep_group_ranks(p, b), layout.ep > 1)
             for j in range(layout.ep):
                 ranks = layout.edp_group_ranks(p, j)
                 make("edp", ranks, len(ranks) > 1)
         assert found["pp"] is not None, (rank, pp_rank, dp_rank, ep_rank, edp_rank)
-        return cls(found["pp"], found["dp"], found["ep"], found["edp"], found["a2a"], created)
+        return cls(
+            found["pp"], found["dp"], found["ep"], found["edp"], found["a2a"], found["bwd"], created
+        )

@@ -33,7 +33,10 @@ sends/receives, A assignments.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -52,7 +55,15 @@ from ..runtime.observe import Tracer
 
 @dataclass
 class EPComm:
-    """What an MoE layer needs to talk to its EP group; `where` is set by the stage per chunk."""
+    """What an MoE layer needs to talk to its EP group.
+
+    Lanes: a stage's forward runs on the "fwd" lane, its backward (I, B, W, and a
+    recomputed forward inside it) on the "bwd" lane (`use_lane`, set by the stage per
+    computation and thread). Where a forward and a backward of two micro-batches run at
+    once (`baselines.fb_overlap`), the backward lane's exchanges go on `bwd_group`, a
+    second process group over the same ranks, so that each group sees its collectives in
+    one order on every member; otherwise every exchange goes on `group`. The micro-batch
+    is the current lane's (per thread)."""
 
     group: dist.ProcessGroup | None  # None when ep == 1 (no exchange)
     ep: int
@@ -60,7 +71,33 @@ class EPComm:
     overlap_group: dist.ProcessGroup | None = None
     chunks: int = 1
     step: int = 0
-    micro_batch: int = 0
+    bwd_group: dist.ProcessGroup | None = None
+    local: threading.local = field(default_factory=threading.local, repr=False)
+
+    @property
+    def micro_batch(self) -> int:
+        return int(getattr(self.local, "micro_batch", 0))
+
+    @micro_batch.setter
+    def micro_batch(self, mb: int) -> None:
+        self.local.micro_batch = mb
+
+    @contextmanager
+    def use_lane(self, lane: str, micro_batch: int) -> Iterator[None]:
+        """Run the calling thread's exchanges as `lane`'s ("fwd" / "bwd") for `micro_batch`."""
+        before = (getattr(self.local, "lane", "fwd"), self.micro_batch)
+        self.local.lane, self.micro_batch = lane, micro_batch
+        try:
+            yield
+        finally:
+            self.local.lane, self.micro_batch = before
+
+    def lane_group(self) -> dist.ProcessGroup:
+        """The process group of the calling thread's lane (module doc)."""
+        if self.bwd_group is not None and getattr(self.local, "lane", "fwd") == "bwd":
+            return self.bwd_group
+        assert self.group is not None
+        return self.group
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -88,9 +125,9 @@ def _traced_exchange(
 ) -> torch.Tensor:
     """`exchange` over the EP group, traced as a blocking all-to-all on the send lane with
     the bytes sent to each member (`in_splits`: what this rank sends to each)."""
-    assert comm.group is not None
+    group = comm.lane_group()
     t0 = Tracer.now_us()
-    out = exchange(x, out_splits, in_splits, comm.group)
+    out = exchange(x, out_splits, in_splits, group)
     comm.tracer.add(
         f"a2a {name} l{layer} mb{mb}",
         "send",
@@ -101,7 +138,7 @@ def _traced_exchange(
         step=step,
         bytes=_nbytes(x),
         blocking=True,
-        peers=dist.get_process_group_ranks(comm.group),
+        peers=dist.get_process_group_ranks(group),
         peer_bytes=[n * x.element_size() for n in in_splits],
     )
     return out

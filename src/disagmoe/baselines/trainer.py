@@ -53,6 +53,7 @@ from ..runtime.setup import apply_variants, build_data, set_threads
 from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
+from .fb_overlap import enable_fb_overlap
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
 from .stage import StageModule, TracedStage, build_stage_modules
@@ -77,6 +78,7 @@ class EPTrainer:
             self.tracer,
             overlap_group=self.groups.a2a,
             chunks=overlap_chunks if overlap_chunks is not None else cfg.parallel.overlap_chunks,
+            bwd_group=self.groups.bwd,
         )
         self.stage_ids = self.layout.stages_of(self.pp_rank)
         self.modules = build_stage_modules(
@@ -134,7 +136,9 @@ class EPTrainer:
             return Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
         if runtime == "ep-interleaved":
             return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
-        return ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
+        schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
+        enable_fb_overlap(schedule)  # its F&B pairs run at once (baselines.fb_overlap)
+        return schedule
 
     def _local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of this replica's micro-batches of a global batch, in order."""

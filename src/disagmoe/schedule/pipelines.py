@@ -40,6 +40,10 @@ STAGE_STYLE: dict[str, tuple[int | None, str]] = {
 }
 
 
+# runtimes whose orders pair a forward with a backward (`Overlap`) and run the two at once
+FB_OVERLAP_RUNTIMES = ("ep-dualpipev",)
+
+
 @dataclass(frozen=True, slots=True)
 class Action:
     kind: str  # "F", "B", "I" or "W"

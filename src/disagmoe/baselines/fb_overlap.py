@@ -1,0 +1,103 @@
+"""F&B overlap: the forward of one micro-batch and the backward of another, run at once.
+
+DualPipe's point (DeepSeek-V3, and Megatron-LM's combined 1F1B): while one micro-batch's
+all-to-all is on the wire, the other micro-batch computes, so each one's communication
+hides under the other's compute. PyTorch's pipelining runtime emits such pairs as
+`OVERLAP_F_B` actions but runs their two halves one after the other; `run_overlapped`,
+registered for `OVERLAP_F_B`, runs the forward on a thread of its own (named "fwd")
+while the calling thread runs the backward, and returns when both are done.
+
+What makes two concurrent halves safe:
+
+* each half's all-to-alls go on its lane's process group (`EPComm.use_lane`, set by the
+  stage per computation: forward on the EP group, backward on a second group over the same
+  ranks), and every member of an EP group runs the same action list, so each group sees
+  its collectives in one order on every member;
+* the halves touch disjoint state: the forward writes its own micro-batch's cache and
+  (on the last stage) appends the next loss, the backward pops another micro-batch's cache
+  and reads an earlier loss; autograd runs the backward's graph on the calling thread while
+  the forward builds a new one; parameters do not change within a step;
+* one device per worker: the two halves' compute shares it (a GPU's streams share its
+  compute units; emulated compute takes turns, `bench.emulation`).
+
+The two halves mirror what PyTorch's runtime does for a FORWARD and a FULL_BACKWARD action
+(wait for the pipeline receive, compute, hand a V turn's output to the neighbouring stage
+on this rank); the pipeline sends stay separate actions of the list, after the pair.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
+    _Action,
+    _PipelineContext,
+    _PipelineScheduleRuntime,
+    _wait_batch_p2p,
+)
+
+from .stage import TracedStage
+
+
+def _forward(sched: _PipelineScheduleRuntime, action: _Action, ctx: _PipelineContext) -> None:
+    stages: dict[int, TracedStage] = {s.stage_index: s for s in sched._stages}  # type: ignore[misc]
+    stage, mb = stages[action.stage_index], action.microbatch_index
+    assert mb is not None and ctx.arg_mbs is not None and ctx.kwarg_mbs is not None
+    if not stage.is_first and action.stage_index - 1 not in stages:
+        _wait_batch_p2p(sched.fwd_recv_ops.pop((action.stage_index, mb)))
+    output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], False)
+    sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+    if action.stage_index + 1 in stages:  # the V turn: the next stage is on this rank
+        stages[action.stage_index + 1].set_local_fwd_input(output, mb)
+
+
+def _backward(sched: _PipelineScheduleRuntime, action: _Action) -> None:
+    stages: dict[int, TracedStage] = {s.stage_index: s for s in sched._stages}  # type: ignore[misc]
+    stage, mb = stages[action.stage_index], action.microbatch_index
+    assert mb is not None
+    if not stage.is_last and action.stage_index + 1 not in stages:
+        _wait_batch_p2p(sched.bwd_recv_ops.pop((action.stage_index, mb)))
+    loss = sched._maybe_get_loss(stage, mb)
+    sched.backward_counter[action.stage_index] += 1
+    last = sched.backward_counter[action.stage_index] == sched._n_microbatches
+    stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
+    if action.stage_index - 1 in stages:
+        stages[action.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+
+def run_overlapped(action: _Action, ctx: _PipelineContext) -> None:
+    """An `OVERLAP_F_B` action: its forward on a thread of its own, its backward here."""
+    sched = ctx.schedule_ref
+    assert isinstance(sched, _PipelineScheduleRuntime) and action.sub_actions is not None
+    fwd, bwd = action.sub_actions
+    assert fwd.computation_type == FORWARD and bwd.computation_type == FULL_BACKWARD, action
+    for sub in (fwd, bwd):  # the executed order records the pair as the list has it
+        stage = next(s for s in sched._stages if s.stage_index == sub.stage_index)
+        assert isinstance(stage, TracedStage) and sub.microbatch_index is not None
+        stage.record(sub.computation_type.value, sub.microbatch_index)
+    failed: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            _forward(sched, fwd, ctx)
+        except BaseException as err:  # re-raised on the calling thread
+            failed.append(err)
+
+    thread = threading.Thread(target=forward, name="fwd", daemon=True)
+    thread.start()
+    try:
+        _backward(sched, bwd)
+    finally:
+        thread.join()
+    if failed:
+        raise failed[0]
+
+
+def enable_fb_overlap(schedule: Any) -> None:
+    """Run `schedule`'s OVERLAP_F_B actions with their halves at once (module doc)."""
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B
+
+    schedule.register_custom_function(OVERLAP_F_B, run_overlapped)
