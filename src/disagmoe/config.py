@@ -42,7 +42,13 @@ __all__ = [
     "flag",
 ]
 
-EP_RUNTIMES = ("ep-1f1b", "ep-interleaved", "ep-dualpipev", "ep-overlap")  # disagmoe.baselines
+EP_RUNTIMES = (  # disagmoe.baselines
+    "ep-1f1b",
+    "ep-combined",
+    "ep-interleaved",
+    "ep-dualpipev",
+    "ep-overlap",
+)
 MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` compare
 RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)

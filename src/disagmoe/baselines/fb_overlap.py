@@ -33,12 +33,14 @@ from typing import Any
 from torch.distributed.pipelining.schedules import (
     FORWARD,
     FULL_BACKWARD,
+    OVERLAP_F_B,
     _Action,
     _PipelineContext,
     _PipelineScheduleRuntime,
     _wait_batch_p2p,
 )
 
+from ..schedule.pipelines import Overlap, Step, combined_1f1b
 from .stage import TracedStage
 
 
@@ -96,8 +98,32 @@ def run_overlapped(action: _Action, ctx: _PipelineContext) -> None:
         raise failed[0]
 
 
-def enable_fb_overlap(schedule: Any) -> None:
+def enable_fb_overlap(schedule: _PipelineScheduleRuntime) -> None:
     """Run `schedule`'s OVERLAP_F_B actions with their halves at once (module doc)."""
-    from torch.distributed.pipelining.schedules import OVERLAP_F_B
-
     schedule.register_custom_function(OVERLAP_F_B, run_overlapped)
+
+
+def _torch_action(step: Step) -> _Action:
+    if isinstance(step, Overlap):
+        return _Action(
+            -1, OVERLAP_F_B, None, (_torch_action(step.forward), _torch_action(step.backward))
+        )
+    kind = {"F": FORWARD, "B": FULL_BACKWARD}[step.kind]
+    return _Action(step.stage, kind, step.mb)
+
+
+class ScheduleCombined1F1B(_PipelineScheduleRuntime):
+    """`ep-combined`: one stage per rank, run in `schedule.pipelines.combined_1f1b`'s order
+    (the order as data, lowered to PyTorch's runtime with its pipeline sends and
+    receives), with its F&B pairs at once."""
+
+    def __init__(
+        self, stage: TracedStage, n_microbatches: int, loss_fn: Any, scale_grads: bool = False
+    ) -> None:
+        super().__init__([stage], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        order = combined_1f1b(stage.group_size, n_microbatches)
+        self.pipeline_order: dict[int, list[_Action | None]] = {
+            rank: [_torch_action(step) for step in steps] for rank, steps in enumerate(order)
+        }
+        self._prepare_schedule_with_comms(self.pipeline_order)
+        enable_fb_overlap(self)

@@ -1,5 +1,6 @@
-"""Expert-parallel pipeline baselines as trainers and runner: `ep-1f1b`, `ep-interleaved`, `ep-dualpipev`,
-`ep-overlap` (one `EPTrainer` per rank, inside an initialised process group).
+"""Expert-parallel pipeline baselines as trainers and runner: `ep-1f1b`, `ep-combined`,
+`ep-interleaved`, `ep-dualpipev`, `ep-overlap` (one `EPTrainer` per rank, inside an
+initialised process group).
 
 Per optimizer step, on every rank:
 1. replica `dp_rank` takes global micro-batches `s*dp + dp_rank` (the
@@ -53,7 +54,7 @@ from ..runtime.setup import apply_variants, build_data, set_threads
 from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
-from .fb_overlap import enable_fb_overlap
+from .fb_overlap import ScheduleCombined1F1B, enable_fb_overlap
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
 from .stage import StageModule, TracedStage, build_stage_modules
@@ -134,6 +135,8 @@ class EPTrainer:
         stages: list[_PipelineStageBase] = list(self.stages)
         if runtime in ("ep-1f1b", "ep-overlap"):
             return Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        if runtime == "ep-combined":
+            return ScheduleCombined1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
         if runtime == "ep-interleaved":
             return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
         schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)

@@ -80,7 +80,7 @@ class EPLayout:
             )
         local = num_micro // dp
         stages = pp * v
-        if runtime in ("ep-1f1b", "ep-overlap") and local < pp:
+        if runtime in ("ep-1f1b", "ep-overlap", "ep-combined") and local < pp:
             raise ValueError(f"1F1B needs >= pp={pp} micro-batches per replica, got {local}")
         if runtime == "ep-dualpipev" and local < stages:
             raise ValueError(

@@ -16,6 +16,8 @@ the backward of another; PyTorch's `OVERLAP_F_B`).
 Published bubbles, per rank, with uniform chunk costs (checked by the simulator's tests):
 
 * 1F1B, p ranks, M micro-batches: step `(M + p - 1)(F + B)`;
+* combined 1F1B: the same order with the steady state's F and B paired (`Overlap`), so
+  a pair costs about max(F, B) plus what of their communication the other hides;
 * interleaved 1F1B, v chunks per rank (F, B per chunk): step
   `v*M*(F + B) + (p - 1)(F + B)` — the bubble shrinks v-fold against the whole
   per-rank stage time `v(F + B)`;
@@ -34,6 +36,7 @@ from ..config import EP_RUNTIMES
 # runtime -> (stages per pipeline rank, stage placement style); None = virtual_stages
 STAGE_STYLE: dict[str, tuple[int | None, str]] = {
     "ep-1f1b": (1, "loop"),
+    "ep-combined": (1, "loop"),
     "ep-overlap": (1, "loop"),
     "ep-interleaved": (None, "loop"),
     "ep-dualpipev": (2, "v"),
@@ -41,7 +44,7 @@ STAGE_STYLE: dict[str, tuple[int | None, str]] = {
 
 
 # runtimes whose orders pair a forward with a backward (`Overlap`) and run the two at once
-FB_OVERLAP_RUNTIMES = ("ep-dualpipev",)
+FB_OVERLAP_RUNTIMES = ("ep-dualpipev", "ep-combined")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +80,8 @@ def pipeline_order(runtime: str, pp: int, num_mb: int, virtual_stages: int) -> l
     """Per-rank steps of an EP runtime with `num_mb` micro-batches per pipeline."""
     if runtime in ("ep-1f1b", "ep-overlap"):
         return one_f_one_b(pp, num_mb)
+    if runtime == "ep-combined":
+        return combined_1f1b(pp, num_mb)
     if runtime == "ep-interleaved":
         return interleaved_1f1b(pp, num_mb, virtual_stages)
     if runtime == "ep-dualpipev":
@@ -92,6 +97,26 @@ def one_f_one_b(num_ranks: int, num_mb: int) -> list[list[Step]]:
         steps: list[Step] = [Action("F", rank, i) for i in range(warmup)]
         for i in range(num_mb - warmup):
             steps += [Action("F", rank, warmup + i), Action("B", rank, i)]
+        steps += [Action("B", rank, i) for i in range(num_mb - warmup, num_mb)]
+        orders.append(steps)
+    return orders
+
+
+def combined_1f1b(num_ranks: int, num_mb: int) -> list[list[Step]]:
+    """1F1B whose steady state runs a forward and a backward at once (Megatron-LM's combined
+    1F1B, `--overlap-moe-expert-parallel-comm`; DeepSeek-V3's two-micro-batch overlap):
+    rank r warms up with one forward more than 1F1B (p - r), then pairs the forward of
+    micro-batch `warmup + i` with the backward of micro-batch i (`Overlap`), then drains.
+    Each pair's all-to-alls hide under the other half's compute; one more micro-batch is
+    in flight than under 1F1B."""
+    orders: list[list[Step]] = []
+    for rank in range(num_ranks):
+        warmup = min(num_ranks - rank, num_mb)
+        steps: list[Step] = [Action("F", rank, i) for i in range(warmup)]
+        steps += [
+            Overlap(Action("F", rank, warmup + i), Action("B", rank, i))
+            for i in range(num_mb - warmup)
+        ]
         steps += [Action("B", rank, i) for i in range(num_mb - warmup, num_mb)]
         orders.append(steps)
     return orders
