@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.presets import model_preset
 from disagmoe.runtime.evaluate import evaluate
 from disagmoe.runtime.reference import ReferenceTrainer
@@ -99,6 +100,7 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
                 "expert_bytes": grad_bytes[True],
                 "sent": traced_sends(trainer.tracer.step_events(STEPS - 1), trainer.rank),
                 "fb_overlapped": _forward_beside_backward(trainer.tracer.step_events(STEPS - 1)),
+                "early_buckets": _buckets_in_backward(trainer.tracer.step_events(STEPS - 1)),
             }
         )
     if run_dir:  # the runner with the outputs a user sees
@@ -123,6 +125,15 @@ def _forward_beside_backward(events: list[dict[str, Any]]) -> bool:
     return any(f0 < b1 and b0 < f1 for f0, f1 in spans["fwd"] for b0, b1 in spans["bwd"])
 
 
+def _buckets_in_backward(events: list[dict[str, Any]]) -> bool:
+    """Whether this rank's first dense gradient bucket started before its last backward
+    all-to-all (the backward's way out of the first layer): during the backward, not
+    after it."""
+    starts = [e["ts"] for e in events if e["cat"] == "sync" and e["name"].startswith("allreduce")]
+    a2a = [e["ts"] for e in events if e["name"].startswith("a2a ") and ".bwd" in e["name"]]
+    return bool(starts and a2a) and min(starts) < max(a2a)
+
+
 def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]]]) -> None:
     for k, (cfg, chunks) in enumerate(cases):
         what = (
@@ -134,6 +145,11 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
         overlapped = [res[k]["fb_overlapped"] for res in results]
         want_overlap = cfg.parallel.runtime in FB_OVERLAP_RUNTIMES
         assert any(overlapped) == want_overlap, f"{what}: F and B at once {overlapped}"
+        lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, len(results))
+        if lay.dp > 1 and lay.ep > 1:  # dense gradients reduced per bucket, from the backward
+            early = [res[k]["early_buckets"] for res in results]
+            # (a rank whose stages' only buckets sit behind their last all-to-all shows none)
+            assert any(early), f"{what}: buckets started in the backward {early}"
         if cfg.train.recompute == "none":  # a recomputed forward routes again: not counted here
             ranks = {rank: res[k] for rank, res in enumerate(results)}
             want = expected_sends(cfg, len(results), ranks, chunks)
@@ -177,6 +193,7 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
     val = eval_file(tmp_path / "val.npy", num_tokens=17 * 8 * 2)
     cases = [
         (_cfg("ep-1f1b", pp=1, ep=2, eval_data=val), 1),
+        (_cfg("ep-1f1b", pp=1, ep=2, model=tied), 1),  # the tied weight's bucket: the last
         (_cfg("ep-overlap", pp=1, ep=2, eval_data=val), 3),
         (_cfg("ep-interleaved", pp=2, ep=1, eval_data=val), 1),
         (_cfg("ep-dualpipev", pp=2, ep=1, model=tied, eval_data=val), 1),

@@ -15,6 +15,7 @@ gradients equal the reference objective's without the schedule knowing.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from ..runtime.observe import Tracer, message_event_name, stage_event_name
 from ..runtime.precision import Precision
 from ..runtime.setup import materialize_initial_weights
 from ..runtime.stages import NamedParts
+from .grad_buckets import HEAD, StageBuckets
 from .layout import EPLayout
 from .moe import EPComm, ep_moe
 
@@ -74,6 +76,7 @@ class StageModule(NamedParts):
         self.scale = scale
         self.comm = comm
         self.aux_sum: torch.Tensor | float = 0.0  # a device tensor once a term was added
+        self.grad_buckets: StageBuckets | None = None  # overlapped dense gradient reduction
         if self.is_first:
             self.add("embed", model.embed)
         for l in self.layer_ids:
@@ -97,7 +100,10 @@ class StageModule(NamedParts):
         c = self.cfg
         cos, sin = rope_tables(x.shape[1], c.head_dim_resolved, c.rope_theta, x.dtype, x.device)
         auxes = []
+        marks = self.grad_buckets
         for l in self.layer_ids:
+            if marks is not None:  # the backward's way out of layer l: its bucket may start
+                x = marks.mark(x, l)
             out = self[f"layers.{l}.attn_block"](x, cos, sin)
             if out.routing is None:
                 x = out.residual_BSH
@@ -109,6 +115,8 @@ class StageModule(NamedParts):
             x = out.residual_BSH + y_TH.view_as(out.residual_BSH)
             auxes.append(out.aux)
         if self.is_last:
+            if marks is not None:
+                x = marks.mark(x, HEAD)
             x = self["lm_head"](self["norm"](x))
         aux = self.scale.aux(auxes)
         if aux is None:
@@ -217,8 +225,12 @@ class TracedStage(PipelineStage):
         else:
             self.order.append((self.stage_index, kind, mb))
         lane = "fwd" if kind == "F" else "bwd"
+        buckets = self.module.grad_buckets
         t0 = Tracer.now_us()
-        with self.module.comm.use_lane(lane, mb):
+        with (
+            self.module.comm.use_lane(lane, mb),
+            buckets.backward(kind) if buckets is not None and kind != "F" else nullcontext(),
+        ):
             out = fn()
         self.tracer.add(
             stage_event_name(kind, self.stage_index, mb),

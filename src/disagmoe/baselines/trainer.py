@@ -10,8 +10,10 @@ Per optimizer step, on every rank:
    `ScheduleDualPipeV`; `scale_grads=False` because `LossScale` already
    weights every micro-batch) runs forward/backward of this rank's stages,
    with the EP all-to-alls inside each MoE layer;
-3. gradients: dense parameters all-reduced over the DP group, expert shards
-   over the expert-data-parallel group (one flat all-reduce each);
+3. gradients: dense parameters all-reduced over the DP group — per layer bucket during
+   the stage's last backward (`baselines.grad_buckets`, `parallel.overlap_grad_sync`),
+   else one flat all-reduce after the pipeline — and expert shards over the
+   expert-data-parallel group (one flat all-reduce after the pipeline);
 4. global gradient norm (each parameter counted on one rank), clipping,
    AdamW on this rank's parameters; losses reduced over the world.
 
@@ -55,6 +57,7 @@ from ..runtime.stages import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
 from .fb_overlap import ScheduleCombined1F1B, enable_fb_overlap
+from .grad_buckets import DenseGradBuckets
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
 from .stage import StageModule, TracedStage, build_stage_modules
@@ -96,6 +99,17 @@ class EPTrainer:
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
         self.counted = [(self.edp_rank == 0) if e else (self.dp_rank == 0) for e in self.is_expert]
         self.optimizer = build_optimizer(self.named_params, cfg.train)
+        self.dense_sync: DenseGradBuckets | None = None  # dense grads reduced in the backward
+        if cfg.parallel.overlap_grad_sync and self.groups.dp is not None:
+            self.dense_sync = DenseGradBuckets(
+                self.modules,
+                self.groups.dp,
+                self.layout.dp_group_ranks(self.pp_rank),
+                self.tracer,
+                self.layout.num_local_micro_batches,
+            )
+            for m in self.modules:
+                m.grad_buckets = self.dense_sync.stages[m.stage]
         self.has_first = 0 in self.stage_ids
         self.has_last = self.layout.num_stages - 1 in self.stage_ids
         self.batches = build_data(cfg) if self.has_first or self.has_last else None
@@ -177,6 +191,8 @@ class EPTrainer:
             st.step_index = step
         for m in self.modules:
             m.aux_sum = 0.0
+        if self.dense_sync is not None:
+            self.dense_sync.reset()
         args: tuple[torch.Tensor, ...] = ()
         target = None
         if self.batches is not None:
@@ -187,12 +203,15 @@ class EPTrainer:
         self.pipeline.step(*args, target=target, losses=losses, return_outputs=False)
         for st in self.stages:
             st._close_p2p()
+        if self.dense_sync is not None:  # started during the backward: wait for them
+            self.dense_sync.finish(step)
         fill_missing_grads(self.params)
-        self._all_reduce(
-            [p for p, e in zip(self.params, self.is_expert, strict=True) if not e],
-            self.groups.dp,
-            "dense",
-        )
+        if self.dense_sync is None:
+            self._all_reduce(
+                [p for p, e in zip(self.params, self.is_expert, strict=True) if not e],
+                self.groups.dp,
+                "dense",
+            )
         self._all_reduce(
             [p for p, e in zip(self.params, self.is_expert, strict=True) if e],
             self.groups.edp,

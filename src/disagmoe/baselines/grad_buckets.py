@@ -1,0 +1,203 @@
+"""Dense gradients of an `ep-*` rank all-reduced in buckets during its last backward.
+
+DDP-style overlap for the expert-parallel baselines (`parallel.overlap_grad_sync`, as
+AF-Pipe's attention replicas do it in `runtime.grad_sync`): the dense parameters
+(attention, router, shared / dense MLPs, embedding, final norm, LM head) of each stage
+are cut into buckets in the order the backward finishes them — the final norm and LM head,
+then layer by layer from the last, then the embedding — and each bucket's all-reduce over
+the data-parallel group starts, asynchronously, as soon as the stage's last backward of
+the step (its `n`-th, for `n` local micro-batches) has left the bucket's layer:
+
+* a `_Mark` (identity forward) on the input of each layer and of the final norm; its
+  backward runs once the gradient of that input is complete, that is once every operation
+  of the layer behind it has run backward (the layer's weight-gradient accumulations
+  included: autograd runs a leaf's accumulation as soon as its gradient is ready);
+* a stage whose last backward is split (I then W: DualPipeV's zero-bubble tail) gets its
+  weight gradients in its W, so its buckets start when that W ends; so do any buckets a
+  mark did not start (the stage end starts every bucket of the stage still waiting).
+
+A parameter shared by two buckets (tied embedding and LM head) belongs to the later one.
+Every replica starts the same buckets in the same order (a strict order: a bucket starts
+only after every one before it), since all replicas run the same action list. `finish`
+(before the optimizer step) waits for them in that order, copies the sums back and traces
+each bucket on the "sync" lane ("allreduce s<stage> l<layer>"): its bytes and peers count
+in the bench's bound. Expert shards are reduced over their expert-data-parallel group after
+the pipeline, as before (their gradients may come from any micro-batch's routing).
+
+A forward-only pass (evaluation) and every backward but a stage's last start nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.grad_sync import BUCKET_EVENT
+from ..runtime.observe import Tracer
+
+HEAD = -1  # bucket key of the final norm and LM head; the embedding's is EMBED
+EMBED = -2
+
+
+class _Mark(torch.autograd.Function):
+    """Identity; its backward tells `buckets` that `key`'s gradients are complete."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, buckets: StageBuckets, key: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.buckets, ctx.key = buckets, key
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        ctx.buckets.reached(ctx.key)
+        return grad, None, None
+
+
+@dataclass
+class _Bucket:
+    stage: int
+    key: int  # a layer, HEAD or EMBED
+    params: list[nn.Parameter] = field(default_factory=list)
+    work: Any = None  # the all-reduce in flight
+    flat: torch.Tensor | None = None
+    grads: list[torch.Tensor] = field(default_factory=list)
+    start_us: float = 0.0
+    end_us: list[float] = field(default_factory=list)
+
+
+class StageBuckets:
+    """The buckets of one stage, in the order its backward finishes them; marks within."""
+
+    def __init__(self, owner: DenseGradBuckets, stage: int, num_mb: int) -> None:
+        self.owner, self.stage, self.num_mb = owner, stage, num_mb
+        self.backwards = 0  # B / I actions of this stage this step
+        self.live = False  # inside the stage's last full backward: marks start buckets
+
+    def mark(self, x: torch.Tensor, key: int) -> torch.Tensor:
+        """`x`, marked: when the backward reaches it, bucket `key` of this stage may start."""
+        if not torch.is_grad_enabled() or not x.requires_grad:
+            return x
+        return _Mark.apply(x, self, key)  # type: ignore[no-any-return]
+
+    def reached(self, key: int) -> None:
+        if self.live:
+            self.owner.start_through(self.stage, key)
+
+    @contextmanager
+    def backward(self, kind: str) -> Iterator[None]:
+        """Around a backward action of this stage (B, I or W): marks are live in its last
+        full backward; when its last backward's weights are done, every bucket may start."""
+        last = False
+        if kind in ("B", "I"):
+            self.backwards += 1
+            last = self.backwards == self.num_mb
+            self.live = last and kind == "B"
+        try:
+            yield
+        finally:
+            self.live = False
+        if (last and kind == "B") or (kind == "W" and self.backwards == self.num_mb):
+            self.owner.start_through(self.stage, EMBED)
+
+
+class DenseGradBuckets:
+    """Every stage's dense buckets of one rank, started in one order (module doc)."""
+
+    def __init__(
+        self,
+        modules: list[Any],  # StageModule: its `stage`, `layer_ids`, named parts
+        group: dist.ProcessGroup,
+        peers: list[int],
+        tracer: Tracer,
+        num_mb: int,
+    ) -> None:
+        self.group, self.peers, self.tracer = group, peers, tracer
+        self.buckets: list[_Bucket] = []
+        home: dict[int, int] = {}  # id(param) -> its bucket (the later one when shared)
+        params: dict[int, nn.Parameter] = {}
+        for module in sorted(modules, key=lambda m: -m.stage):  # later stages finish first
+            keys = [HEAD] if module.is_last else []
+            keys += sorted(module.layer_ids, reverse=True)
+            keys += [EMBED] if module.is_first else []
+            for key in keys:
+                self.buckets.append(_Bucket(module.stage, key))
+                for p in self._params_of(module, key):
+                    home[id(p)] = len(self.buckets) - 1
+                    params[id(p)] = p
+        for pid, k in home.items():
+            self.buckets[k].params.append(params[pid])
+        self.stages = {m.stage: StageBuckets(self, m.stage, num_mb) for m in modules}
+        self.position = {(b.stage, b.key): k for k, b in enumerate(self.buckets)}
+        self.stage_end = {b.stage: k for k, b in enumerate(self.buckets)}  # its last bucket
+        self.started = 0  # buckets started this step, a prefix of `buckets`
+
+    @staticmethod
+    def _params_of(module: Any, key: int) -> list[nn.Parameter]:
+        if key == HEAD:
+            parts = ["norm", "lm_head"]
+        elif key == EMBED:
+            parts = ["embed"]
+        else:
+            parts = [f"layers.{key}.attn_block"]
+        return [p for part in parts for p in module[part].parameters()]
+
+    def start_through(self, stage: int, key: int) -> None:
+        """Start, in order, every bucket up to and including (stage, key); with key EMBED,
+        through the stage's last bucket (the stage's backward is done)."""
+        position = self.position[(stage, key)] if key != EMBED else self.stage_end[stage]
+        while self.started <= position:
+            self._start(self.buckets[self.started])
+            self.started += 1
+
+    def _start(self, bucket: _Bucket) -> None:
+        if not bucket.params:
+            return
+        grads = []
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        bucket.grads, bucket.flat = grads, torch.cat([g.reshape(-1) for g in grads])
+        bucket.start_us, bucket.end_us = Tracer.now_us(), []
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
+        done = bucket.end_us
+        bucket.work.get_future().then(lambda _: done.append(Tracer.now_us()))
+
+    def reset(self) -> None:
+        """At the start of a step."""
+        self.started = 0
+        for st in self.stages.values():
+            st.backwards, st.live = 0, False
+
+    def finish(self, step: int) -> None:
+        """Before the optimizer step: start what has not started, wait for every bucket in
+        order, the sums into the gradients, one trace event per bucket."""
+        while self.started < len(self.buckets):
+            self._start(self.buckets[self.started])
+            self.started += 1
+        for b in self.buckets:
+            if b.work is None:
+                continue
+            b.work.wait()
+            assert b.flat is not None
+            pos = 0
+            for g in b.grads:
+                g.copy_(b.flat[pos : pos + g.numel()].view_as(g))
+                pos += g.numel()
+            key = {HEAD: "head", EMBED: "embed"}.get(b.key, f"l{b.key}")
+            self.tracer.add(
+                f"{BUCKET_EVENT} s{b.stage} {key}",
+                "sync",
+                b.start_us,
+                b.end_us[0] if b.end_us else Tracer.now_us(),
+                step=step,
+                bytes=b.flat.numel() * b.flat.element_size(),
+                peers=self.peers,
+            )
+            b.work, b.flat, b.grads = None, None, []
