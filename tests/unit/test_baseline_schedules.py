@@ -27,6 +27,7 @@ from disagmoe.schedule.pipelines import (
     Overlap,
     Step,
     actions,
+    combined_1f1b,
     dualpipev,
     interleaved_1f1b,
     one_f_one_b,
@@ -140,6 +141,9 @@ def test_orders_are_pytorchs_pipeline_order(runtime: str, pp: int, n: int, v: in
     ("runtime", "pp", "n"),
     [
         ("ep-1f1b", 2, 4),
+        ("ep-combined", 1, 4),
+        ("ep-combined", 2, 4),
+        ("ep-combined", 4, 9),
         ("ep-interleaved", 2, 4),
         ("ep-interleaved", 4, 8),
         ("ep-dualpipev", 2, 4),
@@ -234,3 +238,26 @@ def test_split_layers_and_layout_checks() -> None:
         _layout("ep-1f1b", 2, 2, 1, 4, ModelConfig(tie_embeddings=True))
     with pytest.raises(ValueError, match="exceed model.num_layers"):
         _layout("ep-interleaved", 4, 4, 1, 8, ModelConfig(num_layers=4))
+
+
+@pytest.mark.parametrize(("pp", "n"), [(1, 1), (1, 4), (2, 2), (3, 7)])
+def test_combined_1f1b_pairs_1f1bs_steady_state(pp: int, n: int) -> None:
+    """Combined 1F1B: per rank, 1F1B's forwards and backwards in their order, one forward
+    more before the first backward, then the steady state as F&B pairs (the forward of
+    micro-batch w + i beside the backward of micro-batch i), then the drain."""
+    for rank, steps in enumerate(combined_1f1b(pp, n)):
+        warmup = min(pp - rank, n)
+        flat = [a for step in steps for a in actions(step)]
+        assert [a.mb for a in flat if a.kind == "F"] == list(range(n))
+        assert [a.mb for a in flat if a.kind == "B"] == list(range(n))
+        assert steps[:warmup] == [Action("F", rank, i) for i in range(warmup)]
+        pairs = [s for s in steps if isinstance(s, Overlap)]
+        assert pairs == [
+            Overlap(Action("F", rank, warmup + i), Action("B", rank, i)) for i in range(n - warmup)
+        ]
+        in_flight = max(
+            sum(1 for a in flat[: k + 1] if a.kind == "F")
+            - sum(1 for a in flat[:k] if a.kind == "B")
+            for k in range(len(flat))
+        )
+        assert in_flight == warmup + (1 if n > warmup else 0)  # 1F1B's + 1 at most

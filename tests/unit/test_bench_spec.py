@@ -215,3 +215,36 @@ def test_exchange_chunk_counts_are_disagg_rows_of_one_run() -> None:
             spec_from_args(
                 parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", bad])
             )
+
+
+def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
+    """Without --pp, every EP row gets the simulator's best of the layouts its runtime
+    accepts (the same checks a run makes; refused ones say why), and runs it."""
+    from disagmoe.bench.cli import emulated_cluster
+    from disagmoe.bench.ep_layouts import search
+    from disagmoe.simulator.measured import ComputeCosts, Linear
+
+    costs = ComputeCosts(
+        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
+    )
+    spec = dataclasses.replace(
+        SPEC, runtimes=("ep-1f1b", "ep-interleaved", "ep-dualpipev"), global_batch_size=64
+    )
+    for runtime in spec.runtimes:
+        ranked = search(spec, runtime, costs, emulated_cluster(spec))
+        fits = [c for c in ranked if not c.refused]
+        assert fits and all(c.refused for c in ranked[len(fits) :])
+        assert [c.step_s for c in fits] == sorted(c.step_s for c in fits)
+        for c in ranked[len(fits) :]:  # e.g. DualPipeV with too few micro-batches per replica
+            assert c.step_s == float("inf") and c.refused
+        assert {c.pp for c in fits} > {1}  # pipelines are candidates, not only pp 1
+    assert any(
+        c.runtime == "ep-dualpipev" and c.refused
+        for c in search(spec, "ep-dualpipev", costs, emulated_cluster(spec))
+    )
+    chosen = dataclasses.replace(spec, pp=0, ep_layouts=(("ep-interleaved", 2, 2, 3),))
+    flags = chosen.train_flags("ep-interleaved", Path("r"))
+    assert flags[flags.index("--pp") + 1] == "2" and flags[flags.index("--ep") + 1] == "2"
+    assert flags[flags.index("--virtual-stages") + 1] == "3"
+    flags = chosen.train_flags("ep-1f1b", Path("r"))  # not searched: pp 1, ep = world
+    assert flags[flags.index("--pp") + 1] == "1" and flags[flags.index("--ep") + 1] == "8"

@@ -78,7 +78,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups", type=int, default=0, help="disagg p (0: planner)")
     p.add_argument("--attn-workers", type=int, default=0, help="disagg m (0: planner)")
     p.add_argument("--expert-workers", type=int, default=0, help="disagg n (0: planner)")
-    p.add_argument("--pp", type=int, default=1, help="ep-*: pipeline ranks")
+    p.add_argument("--pp", type=int, default=0,
+                   help="ep-*: pipeline ranks for every EP row (0: with emulated compute each "
+                   "runtime's best layout by the simulator, else 1)")  # fmt: skip
     p.add_argument("--ep", type=int, default=0, help="ep-*: expert-parallel ranks (0: W/pp)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every runtime (repeatable)")  # fmt: skip
@@ -334,6 +336,27 @@ def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
     return dataclasses.replace(spec, costs_path=str(path))
 
 
+def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
+    """Every EP row's layout: the fastest the simulator finds (`bench.ep_layouts`)."""
+    from ..simulator.measured import ComputeCosts
+    from .ep_layouts import search
+
+    costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
+    chosen = []
+    for runtime in spec.runtimes:
+        if runtime == "disagg":
+            continue
+        ranked = search(spec, runtime, costs, emulated_cluster(spec))
+        best = ranked[0]
+        if best.refused:
+            raise ValueError(f"{runtime}: no layout fits this bench: {best.refused}")
+        chosen.append((runtime, best.pp, best.ep, best.virtual_stages))
+        if log:
+            tried = ", ".join(f"{c.label} {c.step_s:.3f}" for c in ranked if not c.refused)
+            log(f"bench: {runtime} layout — simulated s/step: {tried}; runs {best.label}")
+    return dataclasses.replace(spec, ep_layouts=tuple(chosen))
+
+
 def run_bench(args: argparse.Namespace) -> int:
     if args.plots:  # before the runs, not after them
         require_extra("matplotlib", "plots", "--plots")
@@ -368,6 +391,8 @@ def run_bench(args: argparse.Namespace) -> int:
         log(f"bench: disagg split — {spec.split_note}")
     if spec.compute == "emulated":
         spec = prepare_emulation(spec, log)
+        if not spec.pp:
+            spec = choose_ep_layouts(spec, log)
     with cluster:
         outcomes = run_all(spec, cluster, log)
     results = summarize(spec, outcomes)

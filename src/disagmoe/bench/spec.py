@@ -103,6 +103,9 @@ class BenchSpec:
     splits: tuple[str, ...] = ("planner",)  # disagg: one run per split (SPLITS)
     recomputes: tuple[str, ...] = ()  # every runtime once per mode; () = the config's
     exchange_chunks: tuple[int, ...] = ()  # disagg: one run per count (0: auto); () = config's
+    # ep-* rows: (runtime, pp, ep, virtual stages) each runs (`bench.ep_layouts`: the
+    # simulator's best); a runtime not listed runs `pp` / `ep`
+    ep_layouts: tuple[tuple[str, int, int, int], ...] = ()
 
     @property
     def world(self) -> int:
@@ -193,8 +196,13 @@ class BenchSpec:
             return ["--groups", str(p), "--attn-workers", str(m), "--expert-workers", str(n),
                     "--placement", e.placement,
                     "--ranks-per-node", str(self.ranks_per_node)]  # fmt: skip
-        ep = self.ep or self.world // self.pp
-        return ["--pp", str(self.pp), "--ep", str(ep), "--world-size", str(self.world)]
+        for runtime, pp, ep, v in self.ep_layouts:
+            if runtime == e.runtime:
+                extra = ["--virtual-stages", str(v)] if runtime == "ep-interleaved" else []
+                return ["--pp", str(pp), "--ep", str(ep), *extra, "--world-size", str(self.world)]
+        pp = self.pp or 1
+        ep = self.ep or self.world // pp
+        return ["--pp", str(pp), "--ep", str(ep), "--world-size", str(self.world)]
 
     def train_flags(self, entry: str, run_dir: Path) -> list[str]:
         e = Entry.parse(entry)

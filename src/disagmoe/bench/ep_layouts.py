@@ -1,0 +1,79 @@
+"""The layout each `ep-*` row of an emulated bench runs: the simulator's best.
+
+`disagmoe bench --compute emulated` without `--pp` gives every EP runtime the same search
+effort AF-Pipe's planner gets: each layout the runtime accepts on the bench's world and
+batch (`simulator.ep_search`) is simulated on the emulated cluster (one NIC per node at
+the bench's rate, loopback inside a node) with the calibrated compute costs
+(`EmulatedEPCosts`), and the fastest runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ClusterConfig, TrainConfig
+from ..distributed.ep_layout import EPLayout
+from ..flops import GEMM_BACKWARD
+from ..presets import model_preset
+from ..simulator import Workload
+from ..simulator.ep import EPCosts
+from ..simulator.ep_search import EPCandidate, search_ep_layouts
+from ..simulator.measured import ComputeCosts
+from .analysis import emulated_network
+from .spec import BenchSpec
+
+
+@dataclass(frozen=True)
+class EmulatedEPCosts:
+    """An `EPCostModel` of emulated compute: what the waits last (`bench.emulation`), per
+    layer and micro-batch on one worker; a split backward (I, W) divided as the FLOPs
+    divide it. The final norm and LM head compute for real and are not priced."""
+
+    costs: ComputeCosts
+    workload: Workload  # one micro-batch
+    a2a_s: list[float]
+
+    def attn(self, layer: int, kind: str) -> float:
+        tokens = self.workload.tokens
+        if layer >= self.workload.model.num_layers:
+            return 0.0
+        if kind == "F":
+            return self.costs.attn_fwd(tokens)
+        # the attention block's GEMMs and core in the FLOP model's backward proportions
+        flops = EPCosts(self.workload, 1.0, [0.0])
+        share = flops.attn(layer, kind) / flops.attn(layer, "B")
+        return self.costs.attn_bwd(tokens) * share
+
+    def experts(self, kind: str) -> float:
+        pairs = self.workload.tokens * self.workload.model.top_k  # routing balanced
+        if kind == "F":
+            return self.costs.expert_fwd(pairs)
+        share = {"B": 1.0, "I": 1.0 / GEMM_BACKWARD, "W": 1.0 - 1.0 / GEMM_BACKWARD}[kind]
+        return self.costs.expert_bwd(pairs) * share
+
+
+def search(
+    spec: BenchSpec, runtime: str, costs: ComputeCosts, cluster: ClusterConfig
+) -> list[EPCandidate]:
+    """Every layout of `runtime` on the bench's cluster (`cluster`: as the planner sees it),
+    simulated with `costs` (unscaled), fastest first."""
+    model = model_preset(spec.model)
+    net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
+    workload = Workload(model, spec.seq_len, spec.micro_batch_size)
+
+    def costs_for(lay: EPLayout) -> EmulatedEPCosts:
+        per_peer = workload.a2a_bytes_per_peer(lay.ep)
+        a2a = [
+            net.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), per_peer) for r in range(lay.pp)
+        ]
+        return EmulatedEPCosts(costs, workload, a2a)
+
+    train = TrainConfig(
+        seq_len=spec.seq_len,
+        global_batch_size=spec.global_batch_size,
+        micro_batch_size=spec.micro_batch_size,
+        steps=spec.steps,
+    )
+    return search_ep_layouts(
+        runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster
+    )

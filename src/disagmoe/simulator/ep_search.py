@@ -1,0 +1,90 @@
+"""The best layout of an expert-parallel runtime: every (pp, ep, virtual stages) that the
+runtime accepts for a world and a batch, each simulated, fastest first.
+
+The baselines get the same search effort as AF-Pipe's planner, whose stage 3 scores its
+candidates with the simulator: `search_ep_layouts` scores every layout `EPLayout.build`
+accepts (the same checks a run makes) with `simulate_ep` and the caller's cost model
+(`costs_for(layout)`: compute per layer and one all-to-all per pipeline rank, priced for
+that layout's EP groups). Layouts the runtime refuses are listed with the reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..config import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig
+from ..distributed.ep_layout import EPLayout
+from .ep import EPCostModel, simulate_ep
+from .network import Network
+
+VIRTUAL_STAGES = (2, 3, 4)  # ep-interleaved: stages per pipeline rank tried
+
+
+@dataclass(frozen=True)
+class EPCandidate:
+    """One layout of an EP runtime and its simulated step (seconds; inf when refused)."""
+
+    runtime: str
+    pp: int
+    ep: int
+    virtual_stages: int
+    step_s: float
+    refused: str = ""
+
+    @property
+    def label(self) -> str:
+        v = f" virtual-stages {self.virtual_stages}" if self.runtime == "ep-interleaved" else ""
+        return f"pp {self.pp} ep {self.ep}{v}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(
+    runtime: str, model: ModelConfig, train: TrainConfig, world: int
+) -> list[tuple[ParallelConfig, EPLayout | str]]:
+    """Every (pp, ep, v) of `runtime` on `world` workers: its layout, or why it is refused."""
+    out: list[tuple[ParallelConfig, EPLayout | str]] = []
+    vs = VIRTUAL_STAGES if runtime == "ep-interleaved" else (2,)
+    for pp in _divisors(world):
+        for ep in _divisors(world // pp):
+            for v in vs:
+                parallel = ParallelConfig(runtime=runtime, pp=pp, ep=ep, virtual_stages=v)
+                try:
+                    out.append((parallel, EPLayout.build(model, parallel, train, world)))
+                except ValueError as err:
+                    out.append((parallel, str(err)))
+    return out
+
+
+def search_ep_layouts(
+    runtime: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    world: int,
+    *,
+    costs_for: Callable[[EPLayout], EPCostModel],
+    net: Network,
+    cluster: ClusterConfig,
+    overlap_chunks: int = 2,
+) -> list[EPCandidate]:
+    """Every candidate layout of `runtime`, simulated with its gradient all-reduce after
+    the pipeline (the runtimes overlap the dense part with the backward: a layout's
+    reduction is charged in full, the same way for every layout), fastest first; refused
+    ones last."""
+    found: list[EPCandidate] = []
+    for parallel, lay in candidate_layouts(runtime, model, train, world):
+        v = parallel.virtual_stages
+        if isinstance(lay, str):
+            found.append(EPCandidate(runtime, parallel.pp, parallel.ep, v, float("inf"), lay))
+            continue
+        sim = simulate_ep(
+            runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
+            seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+            num_micro_batches=train.num_micro_batches, chunks=v, overlap_chunks=overlap_chunks,
+            sync=True, costs=costs_for(lay), net=net,
+        )  # fmt: skip
+        found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s))
+    return sorted(found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages))
