@@ -80,3 +80,17 @@ def test_exchange_overhead_counts_each_threads_cpu_under_its_lane(
     assert spent["send"] >= 0.045
     assert "fwd" not in spent
     assert spent.get("main", 0.0) < 0.02  # it only waited while the lane spun
+
+
+def test_docs_show_the_saved_bench_reports_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every saved bench report's table (benchmarks/bench_table.py) stands verbatim in
+    docs/bench.md: the page cannot drift from the JSON."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import json
+
+    bench_table = importlib.import_module("bench_table")
+    page = (BENCHMARKS.parent / "docs" / "bench.md").read_text()
+    reports = sorted((BENCHMARKS / "results").glob("bench8_*.json"))
+    assert reports
+    for path in reports:
+        assert bench_table.table(json.loads(path.read_text())) in page, path.name
