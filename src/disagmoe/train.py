@@ -320,7 +320,12 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                 world_size_for(cfg)
                 # rank 0 resolves the memory budget once; config.toml and every rank get it
                 resolved = resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-                resolved = resolve_resume(resolved)  # verified once, here
+                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+                    # an elastic restart continues this run dir; rank 0 of the ranks
+                    # chooses and verifies its latest checkpoint (runtime.loop.resume_path)
+                    resolved = replace_section(resolved, "train", resume="auto")
+                else:
+                    resolved = resolve_resume(resolved)  # verified once, here
                 check_inputs(resolved)
                 run_dir = str(prepare_run_dir(resolved))
                 decision = [(run_dir, resolved.train.memory_gib, resolved.train.resume)]
@@ -342,7 +347,8 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(err)
-        sys.stderr.write(f"disagmoe: error: rank {os.environ['RANK']} failed: {err}\n")
+        reason = f"{type(err).__name__}: {err}"  # as the local launcher's line says it
+        sys.stderr.write(f"disagmoe: error: rank {os.environ['RANK']} failed: {reason}\n")
         sys.stderr.flush()
         os._exit(1)
     dist.destroy_process_group()
