@@ -1,5 +1,5 @@
-"""`disagmoe train | schedule | placement | prepare-data | export | plan | simulate | bench` —
-the command-line interface.
+"""`disagmoe train | schedule | placement | prepare-data | export | checkpoint | plan | simulate |
+bench` — the command-line interface.
 
 `train` and `schedule` take the same flags (`disagmoe.command`: generated from the
 config dataclasses). User mistakes print one line `disagmoe: error: ...` and exit with
@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from .bench.cli import add_bench_arguments, run_bench
+from .checkpoint_cli import add_checkpoint_arguments, run_checkpoint
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
 from .config import RunConfig
 from .data_prep import add_prepare_arguments, run_prepare
@@ -143,6 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_export = sub.add_parser("export", help="write a run's checkpoint as a HF checkpoint")
     add_export_arguments(p_export)
     p_export.set_defaults(func=run_export)
+    p_ckpt = sub.add_parser("checkpoint", help="verify a run's checkpoints against their manifests")
+    add_checkpoint_arguments(p_ckpt)
+    p_ckpt.set_defaults(func=run_checkpoint)
     p_plan = sub.add_parser("plan", help="choose the A/F split")
     add_plan_arguments(p_plan)
     p_plan.set_defaults(func=run_plan)

@@ -1,9 +1,10 @@
 """`disagmoe export RUN_DIR [--step N] --format hf --out DIR`: a run's checkpoint as a
 Hugging Face checkpoint (`config.json` + `model.safetensors`, experts per expert key).
 
-The checkpoint is read whole on this process (`runtime.checkpoint.load_model`: every
-layout writes the same logical keys, so any runtime's checkpoint exports the same way)
-and written in the dtype it was trained in; `models.hf_export` maps names and config.
+The checkpoint is verified against its manifest (`runtime.manifest`), read whole on this
+process (`runtime.checkpoint.load_model`: every layout writes the same logical keys, so any
+runtime's checkpoint exports the same way) and written in the dtype it was trained in;
+`models.hf_export` maps names and config.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from safetensors.torch import save_file
 
 from .models.hf_export import hf_config_dict, hf_model_type, hf_state_dict
 from .runtime.checkpoint import load_model, resolve_checkpoint
+from .runtime.manifest import verify
 
 FORMATS = ("hf",)
 
@@ -67,6 +69,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     step_dir = find_step(args.run_dir, args.step)
+    verify(step_dir)  # a damaged checkpoint is named (CheckpointError), never exported
     model_type = export_hf(step_dir, Path(args.out))
     step = json.loads((step_dir / "meta.json").read_text())["step"]
     print(f"export: {step_dir} (step {step}) -> {args.out} ({model_type}, config.json + "

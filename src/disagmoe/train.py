@@ -33,9 +33,14 @@ def world_size_for(cfg: RunConfig) -> int:
     any spawn."""
     check_device(cfg.parallel.device)
     world = _world_size(cfg)
-    if cfg.train.fail_at_step >= 0 and cfg.train.fail_rank >= world:
+    train = cfg.train
+    if (train.fail_at_step >= 0 or train.fail_in_save) and train.fail_rank >= world:
+        raise ValueError(f"train.fail_rank ({train.fail_rank}) must be < the world size ({world})")
+    point = train.fail_in_save.partition(":")[0]
+    if point not in ("", "shards") and train.fail_rank != 0:
         raise ValueError(
-            f"train.fail_rank ({cfg.train.fail_rank}) must be < the world size ({world})"
+            f"train.fail_in_save: only rank 0 reaches the point {point!r} of a save; "
+            "give --fail-rank 0 (or the point 'shards', which every rank reaches)"
         )
     return world
 
@@ -184,11 +189,33 @@ def check_inputs(cfg: RunConfig) -> None:
         check_compatible(read_meta(cfg.train.resume), cfg.model, cfg.train.resume)
 
 
+def resolve_resume(cfg: RunConfig) -> RunConfig:
+    """`cfg` with `train.resume` naming the verified step dir to continue
+    (`runtime.checkpoint.choose_checkpoint`: every file checked against its manifest, in
+    this process, before any rank starts); a warning line when newer ones were skipped.
+    A checkpoint that does not verify, or none that does, is a `CheckpointError` (exit 2).
+    `latest`/`auto` without a checkpoint in the run dir are left to `prepare_run_dir`."""
+    resume = cfg.train.resume
+    if resume in ("latest", "auto"):
+        root = Path(cfg.train.run_dir) / "checkpoints"
+        if not cfg.train.run_dir or not (root / "latest").is_file():
+            return cfg
+        resume = str(root)
+    if not resume:
+        return cfg
+    from .runtime.checkpoint import choose_checkpoint
+
+    choice = choose_checkpoint(resume)
+    if note := choice.note():
+        print(f"disagmoe: warning: {note}", file=sys.stderr, flush=True)
+    return replace_section(cfg, "train", resume=str(choice.step_dir))
+
+
 def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
     """Train as configured from a plain process (the CLI); returns the run dir and rank-0 records."""
     nprocs = world_size_for(cfg)
     check_device(cfg.parallel.device, nprocs)
-    cfg = resolve_memory(cfg, nprocs)
+    cfg = resolve_resume(resolve_memory(cfg, nprocs))
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
     if cfg.parallel.runtime == "reference":
@@ -293,8 +320,15 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                 world_size_for(cfg)
                 # rank 0 resolves the memory budget once; config.toml and every rank get it
                 resolved = resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+                    # an elastic restart continues this run dir; rank 0 of the ranks
+                    # chooses and verifies its latest checkpoint (runtime.loop.resume_path)
+                    resolved = replace_section(resolved, "train", resume="auto")
+                else:
+                    resolved = resolve_resume(resolved)  # verified once, here
                 check_inputs(resolved)
-                decision = [(str(prepare_run_dir(resolved)), resolved.train.memory_gib)]
+                run_dir = str(prepare_run_dir(resolved))
+                decision = [(run_dir, resolved.train.memory_gib, resolved.train.resume)]
             except ValueError as err:
                 decision = [ValueError(str(err))]
         dist.broadcast_object_list(decision, src=0)
@@ -303,8 +337,9 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"disagmoe: error: {decision[0]}\n")
             dist.destroy_process_group()
             return 2
-        run_dir, memory_gib = decision[0]
-        run_rank(replace_section(cfg, "train", memory_gib=memory_gib), Path(run_dir))
+        run_dir, memory_gib, resume = decision[0]
+        cfg = replace_section(cfg, "train", memory_gib=memory_gib, resume=resume)
+        run_rank(cfg, Path(run_dir))
     except ValueError as err:  # configuration errors: the same line on every rank
         sys.stderr.write(f"disagmoe: error: {err}\n")
         return 2
@@ -312,7 +347,8 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         ErrorHandler().record_exception(err)
-        sys.stderr.write(f"disagmoe: error: rank {os.environ['RANK']} failed: {err}\n")
+        reason = f"{type(err).__name__}: {err}"  # as the local launcher's line says it
+        sys.stderr.write(f"disagmoe: error: rank {os.environ['RANK']} failed: {reason}\n")
         sys.stderr.flush()
         os._exit(1)
     dist.destroy_process_group()

@@ -19,6 +19,10 @@ DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine", "wsd")  # runtime.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
+# Points of a checkpoint save where `train.fail_in_save` kills a rank (runtime.checkpoint):
+# after its shards are written; rank 0 after meta.json, after the manifest, after the
+# rename to step-N, after `latest` moved.
+SAVE_KILL_POINTS = ("shards", "meta", "manifest", "renamed", "latest")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,6 +169,9 @@ class TrainConfig:
     fail_rank: int = field(
         default=0, metadata=flag("fault injection: the rank to kill (default 0)")
     )
+    # fault injection: "POINT:STEP" kills `fail_rank` (SIGKILL) at POINT (SAVE_KILL_POINTS)
+    # of the checkpoint save after step STEP, first attempt only
+    fail_in_save: str = ""
     # fault injection (hang test): "KIND:LAYER:SLOT:STEP[:CHUNK]" is never sent (every
     # exchange chunk of it without CHUNK)
     drop_message: str = ""
@@ -237,6 +244,12 @@ class TrainConfig:
         )
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
         _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")
+        point, _, at = self.fail_in_save.partition(":")
+        _require(
+            not self.fail_in_save or (point in SAVE_KILL_POINTS and at.isdigit()),
+            "train.fail_in_save must look like POINT:STEP with POINT one of "
+            f"{', '.join(SAVE_KILL_POINTS)}, e.g. manifest:4",
+        )
         parts = self.drop_message.split(":")
         _require(
             not self.drop_message

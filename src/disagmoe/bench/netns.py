@@ -188,6 +188,12 @@ class EmulatedCluster:
             _run("tc", "-n", self.hub, "qdisc", "change", "dev", f"v{k}", "root", *tbf)
         self.node_mbit = list(node_mbit)
 
+    def set_link(self, k: int, up: bool) -> None:
+        """Take node k's link down (its hub port: nothing in or out of the node) or up
+        again; the qdiscs and addresses stay (fault tests: a cable pulled, a switch port
+        lost)."""
+        _run("ip", "-n", self.hub, "link", "set", f"v{k}", "up" if up else "down")
+
     def _add_ns(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._created.append(name)

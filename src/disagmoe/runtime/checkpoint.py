@@ -16,8 +16,13 @@ seed and step), the optimizer step count and the model config, which must
 match on resume.
 
 Atomicity: a save goes to `step-N.tmp-*`; after every rank finished, rank 0
-renames it to `step-N` and then atomically replaces the `latest` pointer. A
-crash during a save leaves the previous checkpoint and pointer untouched.
+writes the manifest (`manifest.py`: every file's size and CRC-32) last, renames the dir
+to `step-N` and then atomically replaces the `latest` pointer, each step durable (fsync)
+before the next. A crash during a save leaves the previous checkpoint and pointer
+untouched.
+
+Resume (`choose_checkpoint`) verifies before any rank loads: the checkpoint `latest`
+names, or if that one does not verify the newest older one that does.
 """
 
 from __future__ import annotations
@@ -26,8 +31,11 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import uuid
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,18 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..config import ModelConfig
 from ..device import HOST
 from ..models.model import MoETransformer, build_meta_model
+from ..train_config import SAVE_KILL_POINTS
+from .manifest import (
+    MANIFEST,
+    CheckpointError,
+    Verified,
+    digest_files,
+    files_of_rank,
+    fsync_dir,
+    verify,
+    write_durable,
+    write_manifest,
+)
 
 EXPERT_SUFFIXES = ("experts.gate_up", "experts.down")
 STATE_KINDS = ("exp_avg", "exp_avg_sq")
@@ -126,8 +146,16 @@ def save_checkpoint(
     model: ModelConfig,
     extra: dict[str, Any] | None = None,
     keep: int = 2,
+    kill_at: str = "",
 ) -> Path:
-    """Collective: every rank calls it after optimizer step `step` (1-based count of steps done)."""
+    """Collective: every rank calls it after optimizer step `step` (1-based count of steps done).
+
+    In order: every rank writes its shards (DCP, fsynced) and checksums them; rank 0 writes
+    meta.json and then the manifest, renames `step-N.tmp-*` to `step-N` and moves `latest`.
+    `kill_at` (fault injection, `train.fail_in_save`): this rank kills itself with SIGKILL
+    at that point (`SAVE_KILL_POINTS`; rank 0 alone reaches the ones after "shards").
+    """
+    assert kill_at in ("", *SAVE_KILL_POINTS), kill_at
     root.mkdir(parents=True, exist_ok=True)
     token = [uuid.uuid4().hex[:8]]
     if _is_dist():
@@ -142,24 +170,47 @@ def save_checkpoint(
     with warnings.catch_warnings():  # single-process saves are intended
         warnings.simplefilter("ignore", UserWarning)
         dcp.save(state, checkpoint_id=str(tmp), no_dist=not _is_dist())
-    _barrier()
-    if _rank() == 0:
+    _die_if(kill_at == "shards")
+    rank, world = _rank(), (dist.get_world_size() if _is_dist() else 1)
+    _barrier()  # every rank's shards are on disk (DCP fsyncs them)
+    files = digest_files(tmp, files_of_rank(tmp, rank, world))
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    if _is_dist():
+        dist.gather_object(files, gathered if rank == 0 else None, dst=0)
+    else:
+        gathered = [files]
+    if rank == 0:
         meta = {
             "step": step,
             "optimizer_steps": _optimizer_steps(optimizer),
             "model": dataclasses.asdict(model),
             **(extra or {}),
         }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_durable(tmp / "meta.json", json.dumps(meta, indent=1))
+        _die_if(kill_at == "meta")
+        listed = {name: entry for part in gathered for name, entry in part.items()}
+        listed.update(digest_files(tmp, ["meta.json"]))
+        write_manifest(tmp, listed)  # last: the step dir is complete
+        _die_if(kill_at == "manifest")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fsync_dir(root)
+        _die_if(kill_at == "renamed")
         pointer = root / f"latest.tmp-{token[0]}"
-        pointer.write_text(final.name + "\n")
+        write_durable(pointer, final.name + "\n")
         os.replace(pointer, root / "latest")
+        fsync_dir(root)
+        _die_if(kill_at == "latest")
         _prune(root, keep, step)
     _barrier()
     return final
+
+
+def _die_if(condition: bool) -> None:
+    """Fault injection: this process dies at once, as a killed or crashed rank does."""
+    if condition:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _prune(root: Path, keep: int, current: int) -> None:
@@ -181,15 +232,85 @@ def _prune(root: Path, keep: int, current: int) -> None:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step directory, or a checkpoint root / run dir whose `latest` pointer names one."""
     p = Path(path)
-    for root in (p, p / "checkpoints"):
-        if (root / "latest").is_file():
-            p = root / (root / "latest").read_text().strip()
-            break
+    root = checkpoint_root(p)
+    if root is not None:
+        p = root / (root / "latest").read_text().strip()
     if not (p / "meta.json").is_file():
         raise ValueError(
             f"no checkpoint at {str(path)!r} (expected a step-N dir or a dir with 'latest')"
         )
     return p
+
+
+def checkpoint_root(path: Path) -> Path | None:
+    """`path` or `path/checkpoints` if it holds a `latest` pointer (a checkpoint root)."""
+    return next((r for r in (path, path / "checkpoints") if (r / "latest").is_file()), None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The checkpoint to resume from, and why each newer one was passed over."""
+
+    step_dir: Path
+    skipped: list[str] = field(default_factory=list)
+
+    def note(self) -> str:
+        """One line for the user when a newer checkpoint was skipped, else ""."""
+        if not self.skipped:
+            return ""
+        return (
+            f"checkpoint skipped, it does not verify: {'; '.join(self.skipped)}; resuming from "
+            f"{self.step_dir}, the newest checkpoint that verifies"
+        )
+
+
+def require_step_dir(path: str | Path) -> Path:
+    """`path` if it looks like a step dir (a meta.json or manifest), else a ValueError."""
+    p = Path(path)
+    if not p.is_dir() or not any((p / n).exists() for n in ("meta.json", MANIFEST)):
+        raise ValueError(
+            f"no checkpoint at {str(path)!r} (expected a step-N dir or a dir with 'latest')"
+        )
+    return p
+
+
+def _step_number(name: str) -> int | None:
+    head, _, number = name.partition("-")
+    return int(number) if head == "step" and number.isdigit() else None
+
+
+def choose_checkpoint(path: str | Path, check: Callable[[Path], Verified] = verify) -> Choice:
+    """The verified checkpoint `--resume PATH` continues (one process reads every file).
+
+    PATH a step dir: that one, or `CheckpointError` naming its bad file. PATH a checkpoint
+    root or run dir: the step dir `latest` names if it verifies, else the newest older one
+    that does (dirs after the one `latest` names belong to an abandoned continuation);
+    `CheckpointError` with every candidate's bad file when none does. `check` verifies one
+    step dir (`manifest.verify`; a caller that verified them already passes its results).
+    """
+    p = Path(path)
+    root = checkpoint_root(p)
+    if root is None:
+        return Choice(check(require_step_dir(path)).step_dir)
+    named = (root / "latest").read_text().strip()
+    newest = _step_number(named)
+    skipped = []
+    if not (root / named).is_dir():
+        skipped.append(f"{root / 'latest'}: expected it to name a step dir, found {named!r}")
+    steps = {_step_number(d.name): d for d in root.iterdir() if d.is_dir()}
+    candidates = [
+        steps[s]
+        for s in sorted((s for s in steps if s is not None), reverse=True)
+        if newest is None or s <= newest
+    ]
+    for step_dir in candidates:
+        try:
+            return Choice(check(step_dir).step_dir, skipped)
+        except CheckpointError as err:
+            skipped.append(str(err))
+    if not candidates:
+        skipped.append(f"{root}: expected step-N dirs, found none")
+    raise CheckpointError(f"no checkpoint in {root} verifies: {'; '.join(skipped)}")
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

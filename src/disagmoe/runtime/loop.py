@@ -28,10 +28,11 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig
-from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from ..config import RunConfig, TrainConfig
+from .checkpoint import checkpoint_root, choose_checkpoint, load_checkpoint, save_checkpoint
 from .collector import StepCollector
 from .evaluate import Evaluates, evaluate, should_evaluate
+from .manifest import CheckpointError
 from .memory import MEMORY_FIELDS
 from .model_stats import StepStats
 from .objective import StepResult, lr_at
@@ -113,6 +114,30 @@ def resume_path(cfg: RunConfig, run_dir: Path) -> str:
     return cfg.train.resume
 
 
+def _chosen_checkpoint(resume: str, rank: int) -> Path:
+    """The step dir to load. A checkpoint root (`latest`, an elastic restart's run dir) is
+    verified here, by rank 0 before any rank loads (`checkpoint.choose_checkpoint`: the
+    newest checkpoint that verifies); a step dir was chosen and verified by the launching
+    process (`disagmoe.train.resolve_resume`) and is loaded as given."""
+    if checkpoint_root(Path(resume)) is None:
+        return Path(resume)
+    decision: list[Any] = [None]
+    if rank == 0:
+        try:
+            choice = choose_checkpoint(resume)
+            decision = [(str(choice.step_dir), "")]
+            if note := choice.note():
+                print(f"disagmoe: warning: {note}", file=sys.stderr, flush=True)
+        except ValueError as err:
+            decision = [("", str(err))]
+    if _dist():
+        dist.broadcast_object_list(decision, src=0)
+    step_dir, error = decision[0]
+    if error:
+        raise CheckpointError(error)
+    return Path(step_dir)
+
+
 def run_training(
     trainer: Trainer,
     cfg: RunConfig,
@@ -134,11 +159,12 @@ def run_training(
         )
     resume = resume_path(cfg, run_dir)
     if resume:
+        step_dir = _chosen_checkpoint(resume, rank)
         start_step = load_checkpoint(
-            resume, trainer.named_params, trainer.optimizer, trainer.expert_shard(), cfg.model
+            step_dir, trainer.named_params, trainer.optimizer, trainer.expert_shard(), cfg.model
         )
         if rank == 0:
-            print(f"resumed from {resolve_checkpoint(resume)} at step {start_step}", flush=True)
+            print(f"resumed from {step_dir} at step {start_step}", flush=True)
     if rank == 0:
         _truncate_metrics(run_dir / "metrics.jsonl", start_step)
         run_info = {
@@ -242,6 +268,7 @@ def run_training(
                     cfg.model,
                     extra={"runtime": cfg.parallel.runtime, "world_size": world},
                     keep=train.keep_checkpoints,
+                    kill_at=_save_kill_point(train, done, rank, restart),
                 )
     finally:
         collector.stop()
@@ -251,6 +278,15 @@ def run_training(
     if rank == 0 and extra_files is not None:
         extra_files(run_dir)
     return records
+
+
+def _save_kill_point(train: TrainConfig, done: int, rank: int, restart: int) -> str:
+    """Fault injection: where this rank dies in the save after step `done` (first attempt
+    only, `train.fail_in_save`), or ""."""
+    point, _, at = train.fail_in_save.partition(":")
+    if point and int(at) == done and rank == train.fail_rank and restart == 0:
+        return point
+    return ""
 
 
 def _write_trace(trainer: Trainer, run_dir: Path, rank: int, world: int) -> None:

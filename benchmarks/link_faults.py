@@ -1,0 +1,362 @@
+"""A link that dies or stalls under a running step, on the emulated cluster (bench.netns).
+
+    sudo PYTHONPATH=src .venv/bin/python benchmarks/link_faults.py [--comm-timeout 10]
+        [--stall-s 3] [--scenarios clean,stall,down,restart] [--json PATH]
+
+Two nodes (network namespaces on a bridge, `bench.netns.EmulatedCluster`), two ranks each,
+started as a multi-node job is (one `torchrun` agent per node, as `disagmoe bench` does):
+the default disagg layout, node-aware (node 0: A r0, F j0; node 1: A r1, F j1), float64,
+`--steps 8 --checkpoint-every 4`. A fault starts once `latest` names step 4 and step 5's
+record is in metrics.jsonl, so within step 6 or 7 (after the last checkpoint, before the
+next save):
+
+* `clean`: no fault; the losses every other scenario is compared with;
+* `stall`: node 1's NIC throttled to 10 kbit/s both ways for `--stall-s` seconds (shorter
+  than the timeout), then back to full rate: the run must finish, no rank reporting;
+* `down`: node 1's link down (its bridge port) and left down, `torchrun --max-restarts 0`:
+  every rank's report, when it came (seconds after the fault), whether it names a peer on
+  the other node and an instruction, and when the job ended;
+* `restart`: the same fault with `--max-restarts 1`; the link comes back once every rank
+  reported or was stopped (a flapping link), the agents restart their workers, and the
+  job resumes from the last checkpoint: its losses must be `clean`'s.
+
+Prints one row per scenario and writes `{"rows": [...]}` to `--json` (default
+benchmarks/results/link_faults.json). Needs root (network namespaces and tc), like
+`disagmoe bench`; cleans up its namespaces on every exit path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from disagmoe.bench.netns import EmulatedCluster, available, kill_all
+
+NODES, RANKS_PER_NODE = 2, 2
+FULL_MBIT = 10_000.0
+STALL_MBIT = 0.01  # 10 kbit/s: a stalled link, not a dead one
+RDZV_PORT = 29500
+CHECKPOINT_EVERY = 4
+GRACE_S = 15.0  # after node 0's agent exits, the others' time to follow before they are stopped
+SCENARIOS = ("clean", "stall", "down", "restart")
+REPORT = re.compile(r"disagmoe: error: rank (\d+) failed: (?:(\w+): )?(.*)")
+PEER = re.compile(r"(?:from|to) rank (\d+)|(\d+)->(\d+)")
+INSTRUCTION = re.compile(r"instruction \d+")
+SRC = str(Path(__file__).resolve().parent.parent / "src")
+
+
+@dataclass
+class Report:
+    rank: int
+    after_s: float  # seconds after the fault
+    error: str  # the exception's type
+    peers: list[int]  # the other ranks it names (senders, receivers of missing messages)
+    across_link: bool  # one of them on the other node
+    names_instruction: bool
+    line: str
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    exit_codes: list[int]
+    wall_s: float
+    fault_at_step: int | None = None  # the step in progress when the fault came
+    detected_s: float | None = None  # first report, after the fault
+    ended_s: float | None = None  # node 0's agent (the rendezvous host) exited, after the fault
+    node_ended_s: list[float | None] = field(default_factory=list)  # each agent's exit
+    reports: list[Report] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    max_step_s: float = 0.0
+    resumed: str = ""
+    losses_equal_clean: bool | None = None
+    error: str = ""  # the scenario did not end by itself
+
+    @property
+    def ok(self) -> bool:
+        return not self.error and all(c == 0 for c in self.exit_codes)
+
+
+def _flags(run_dir: Path, steps: int, comm_timeout: float) -> list[str]:
+    return [
+        "--dtype", "float64", "--no-progress", "--steps", str(steps), "--checkpoint-every",
+        str(CHECKPOINT_EVERY), "--comm-timeout", f"{comm_timeout:g}", "--run-dir", str(run_dir),
+        "--seq-len", "32",
+    ]  # fmt: skip
+
+
+def launch(
+    cluster: EmulatedCluster, run_dir: Path, flags: list[str], max_restarts: int
+) -> list[subprocess.Popen[Any]]:
+    """One torchrun agent per node, as `bench.runner.launch` starts them."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": cluster.iface,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
+    }
+    rdzv_id = f"faults-{uuid.uuid4().hex[:8]}"
+    procs = []
+    for k in range(NODES):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
+            "--node-rank", str(k), "--nproc-per-node", str(RANKS_PER_NODE),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{RDZV_PORT}",
+            "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60",
+            "--local-addr", cluster.addr(k), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.2", "-m", "disagmoe.train", *flags,
+        ]  # fmt: skip
+        log = (run_dir / f"node{k}.log").open("w")
+        proc = subprocess.Popen(
+            cluster.wrap(k, argv), stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        cluster.track(proc)
+        procs.append(proc)
+    return procs
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:  # a line being written
+            break
+    return out
+
+
+def _latest(run_dir: Path) -> str:
+    path = run_dir / "checkpoints" / "latest"
+    return path.read_text().strip() if path.exists() else ""
+
+
+def _scan_reports(run_dir: Path, seen: dict[int, Report], fault_t: float) -> None:
+    for log in sorted(run_dir.glob("node*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            match = REPORT.search(line)
+            if match is None or int(match.group(1)) in seen:
+                continue
+            rank, error, text = int(match.group(1)), match.group(2) or "", match.group(3)
+            named = {int(g) for m in PEER.finditer(text) for g in m.groups() if g} - {rank}
+            seen[rank] = Report(
+                rank,
+                round(time.monotonic() - fault_t, 2),
+                error,
+                sorted(named),
+                any(r // RANKS_PER_NODE != rank // RANKS_PER_NODE for r in named),
+                bool(INSTRUCTION.search(text)),
+                line.strip()[:400],
+            )
+
+
+def run_scenario(
+    cluster: EmulatedCluster,
+    scenario: str,
+    out_dir: Path,
+    *,
+    steps: int,
+    comm_timeout: float,
+    stall_s: float,
+    timeout_s: float,
+    grace_s: float = GRACE_S,
+) -> Outcome:
+    run_dir = out_dir / scenario
+    restarts = 1 if scenario == "restart" else 0
+    t0 = time.monotonic()
+    procs = launch(cluster, run_dir, _flags(run_dir, steps, comm_timeout), restarts)
+    fault_t: float | None = None
+    restored = False
+    reports: dict[int, Report] = {}
+    outcome = Outcome(scenario, [], 0.0)
+    try:
+        ended: list[float | None] = [None] * NODES
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            for k, proc in enumerate(procs):
+                if ended[k] is None and proc.poll() is not None and fault_t is not None:
+                    ended[k] = round(now - fault_t, 2)
+            if ended[0] is not None and now - fault_t - ended[0] > grace_s:  # type: ignore[operator]
+                break  # an agent cut off from the rendezvous host waits for it: stop it
+            if now - t0 > timeout_s:
+                outcome.error = f"still running after {timeout_s:.0f} s: stopped"
+                break
+            if scenario != "clean" and fault_t is None:
+                records = _records(run_dir)
+                if (
+                    _latest(run_dir) == f"step-{CHECKPOINT_EVERY:08d}"
+                    and len(records) > CHECKPOINT_EVERY
+                ):
+                    fault_t = time.monotonic()
+                    outcome.fault_at_step = len(records) + 1
+                    if scenario == "stall":
+                        cluster.set_rates([FULL_MBIT, STALL_MBIT])
+                    else:
+                        cluster.set_link(1, up=False)
+            if fault_t is not None:
+                _scan_reports(run_dir, reports, fault_t)
+                if outcome.detected_s is None and reports:
+                    outcome.detected_s = min(r.after_s for r in reports.values())
+                if scenario == "stall" and not restored and now - fault_t >= stall_s:
+                    cluster.set_rates([FULL_MBIT] * NODES)
+                    restored = True
+                if scenario == "restart" and not restored and _workers_gone(run_dir, reports):
+                    cluster.set_link(1, up=True)
+                    restored = True
+            time.sleep(0.05)
+        if fault_t is not None:
+            for k, proc in enumerate(procs):
+                if ended[k] is None and proc.poll() is not None:
+                    ended[k] = round(time.monotonic() - fault_t, 2)
+            outcome.ended_s, outcome.node_ended_s = ended[0], ended
+            _scan_reports(run_dir, reports, fault_t)
+    finally:
+        kill_all(list(procs))  # (it empties the list it is given)
+        if scenario in ("down", "restart") and fault_t is not None:
+            cluster.set_link(1, up=True)
+        if scenario == "stall":
+            cluster.set_rates([FULL_MBIT] * NODES)
+    outcome.exit_codes = [p.returncode for p in procs]  # -15 / -9: stopped after GRACE_S
+    outcome.wall_s = round(time.monotonic() - t0, 2)
+    outcome.reports = sorted(reports.values(), key=lambda r: r.rank)
+    records = _records(run_dir)
+    outcome.losses = [r["loss"] for r in records]
+    outcome.max_step_s = round(max((r["step_time_s"] for r in records), default=0.0), 3)
+    logs = "".join(p.read_text(errors="replace") for p in sorted(run_dir.glob("node*.log")))
+    resumed = re.search(r"resumed from (\S+) at step (\d+)", logs)
+    outcome.resumed = f"{Path(resumed.group(1)).name} at step {resumed.group(2)}" if resumed else ""
+    return outcome
+
+
+def _workers_gone(run_dir: Path, reports: dict[int, Report]) -> bool:
+    """Every rank reported, or its node's agent stopped its workers to restart them."""
+    if len(reports) == NODES * RANKS_PER_NODE:
+        return True
+    logs = [p.read_text(errors="replace") for p in sorted(run_dir.glob("node*.log"))]
+    stopping = [("Stopping worker group" in text or "[1/1] Restarting" in text) for text in logs]
+    return len(logs) == NODES and all(stopping)
+
+
+def _same(a: list[float], b: list[float]) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= 1e-10 * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def run(
+    scenarios: list[str],
+    *,
+    steps: int,
+    comm_timeout: float,
+    stall_s: float,
+    timeout_s: float,
+    out: str = "",
+    grace_s: float = GRACE_S,
+) -> list[Outcome]:
+    """The scenarios on one emulated cluster, `clean` first whenever another needs it."""
+    if reason := available():
+        raise SystemExit(f"link_faults.py needs network namespaces: {reason}")
+    wanted = list(scenarios)
+    if "clean" not in wanted and any(s in wanted for s in ("stall", "restart")):
+        wanted.insert(0, "clean")
+    outcomes: list[Outcome] = []
+    with (
+        EmulatedCluster([FULL_MBIT] * NODES) as cluster,
+        tempfile.TemporaryDirectory(prefix="link-faults-") as tmp,
+    ):
+        if out:
+            tmp = out
+        for scenario in wanted:
+            print(f"link_faults: {scenario} ...", file=sys.stderr, flush=True)
+            outcomes.append(
+                run_scenario(
+                    cluster,
+                    scenario,
+                    Path(tmp),
+                    steps=steps,
+                    comm_timeout=comm_timeout,
+                    stall_s=stall_s,
+                    timeout_s=timeout_s,
+                    grace_s=grace_s,
+                )
+            )
+    clean = next((o for o in outcomes if o.scenario == "clean"), None)
+    for o in outcomes:
+        if clean is not None and o is not clean and o.ok and o.scenario != "down":
+            o.losses_equal_clean = _same(o.losses, clean.losses)
+    return [o for o in outcomes if o.scenario in scenarios]
+
+
+def _row(o: Outcome) -> str:
+    def num(x: float | None) -> str:
+        return "-" if x is None else f"{x:.1f}"
+
+    reported = len(o.reports)
+    peers = sum(1 for r in o.reports if r.across_link)
+    same = {None: "-", True: "yes", False: "NO"}[o.losses_equal_clean]
+    return (
+        f"{o.scenario:8s} {','.join(map(str, o.exit_codes)):>6s} {num(o.detected_s):>9s} "
+        f"{num(o.ended_s):>7s} {reported:>7d} {peers:>10d} {o.max_step_s:>9.2f} "
+        f"{o.resumed or '-':>21s} {same:>6s}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--comm-timeout", type=float, default=10.0)
+    p.add_argument("--stall-s", type=float, default=3.0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--timeout", type=float, default=240.0, help="seconds per scenario")
+    p.add_argument("--json", default="benchmarks/results/link_faults.json")
+    p.add_argument("--out", default="", help="keep the run dirs here (default: a temp dir)")
+    args = p.parse_args(argv)
+    scenarios = [s for s in args.scenarios.split(",") if s]
+    if unknown := set(scenarios) - set(SCENARIOS):
+        p.error(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+    outcomes = run(
+        scenarios, steps=args.steps, comm_timeout=args.comm_timeout, stall_s=args.stall_s,
+        timeout_s=args.timeout, out=args.out,
+    )  # fmt: skip
+    print(
+        f"2 nodes x 2 ranks (disagg, node-aware), --comm-timeout {args.comm_timeout:g}, "
+        f"stall {args.stall_s:g} s at {STALL_MBIT * 1000:g} kbit/s; seconds after the fault"
+    )
+    print(
+        "scenario  exits  detected  ended  reports across link max step   resumed from        "
+        "losses=clean"
+    )
+    for o in outcomes:
+        print(_row(o))
+    if args.json:
+        from results_io import write_json
+
+        write_json(
+            args.json,
+            {
+                "comm_timeout_s": args.comm_timeout,
+                "stall_s": args.stall_s,
+                "stall_kbit_s": STALL_MBIT * 1000,
+                "steps": args.steps,
+                "rows": [{**asdict(o), "ok": o.ok} for o in outcomes],
+            },
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
