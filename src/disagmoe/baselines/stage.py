@@ -33,6 +33,7 @@ from ..runtime.stages import NamedParts
 from .grad_buckets import HEAD, StageBuckets
 from .layout import EPLayout
 from .moe import EPComm, ep_moe
+from .moe_overlap import overlapped_moe
 
 
 class AuxLossScaler(torch.autograd.Function):
@@ -75,6 +76,8 @@ class StageModule(NamedParts):
         self.is_last = stage == layout.num_stages - 1
         self.scale = scale
         self.comm = comm
+        # ep-overlap's chunked layer where it has its async group, else the plain one
+        self.moe = overlapped_moe if comm.overlap_group is not None else ep_moe
         self.aux_sum: torch.Tensor | float = 0.0  # a device tensor once a term was added
         self.grad_buckets: StageBuckets | None = None  # overlapped dense gradient reduction
         if self.is_first:
@@ -111,7 +114,7 @@ class StageModule(NamedParts):
             assert out.u_TH is not None and out.aux is not None
             experts = self[f"layers.{l}.experts"]
             assert isinstance(experts, Experts)
-            y_TH = ep_moe(experts, out.u_TH, out.routing, self.comm, l)
+            y_TH = self.moe(experts, out.u_TH, out.routing, self.comm, l)
             x = out.residual_BSH + y_TH.view_as(out.residual_BSH)
             auxes.append(out.aux)
         if self.is_last:
