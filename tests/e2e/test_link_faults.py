@@ -30,8 +30,11 @@ def test_a_link_down_mid_step_is_reported_within_the_timeout(
         out=str(tmp_path), grace_s=2.0,
     )  # fmt: skip
     assert down.fault_at_step is not None and down.exit_codes[0] == 1, down
-    first = min(down.reports, key=lambda r: r.after_s)
-    assert first.error == "HangError" and first.across_link and first.names_instruction, first
+    # a rank whose local peer gave up first may see that peer's connection close before
+    # its own wait times out: the hang reports are those of ranks waiting across the link
+    hangs = [r for r in down.reports if r.error == "HangError"]
+    assert hangs and all(r.across_link and r.names_instruction for r in hangs), down.reports
+    first = min(hangs, key=lambda r: r.after_s)
     assert "nothing arrived within 3 s" in first.line
     assert down.detected_s is not None and down.detected_s <= TIMEOUT_S + 2.0, down
     for report in down.reports:  # the others: the same, or a local peer that failed first
