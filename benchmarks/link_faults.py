@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe.bench.netns import EmulatedCluster, available, kill_all
+from disagmoe.bench.runner import start_agents
 
 NODES, RANKS_PER_NODE = 2, 2
 FULL_MBIT = 10_000.0
@@ -108,25 +109,10 @@ def launch(
         "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")]),
     }
     rdzv_id = f"faults-{uuid.uuid4().hex[:8]}"
-    procs = []
-    for k in range(NODES):
-        argv = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(NODES),
-            "--node-rank", str(k), "--nproc-per-node", str(RANKS_PER_NODE),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{cluster.addr(0)}:{RDZV_PORT}",
-            "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60",
-            "--local-addr", cluster.addr(k), "--max-restarts", str(max_restarts),
-            "--monitor-interval", "0.2", "-m", "disagmoe.train", *flags,
-        ]  # fmt: skip
-        log = (run_dir / f"node{k}.log").open("w")
-        proc = subprocess.Popen(
-            cluster.wrap(k, argv), stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        log.close()
-        cluster.track(proc)
-        procs.append(proc)
-    return procs
+    rdzv = f"{cluster.addr(0)}:{RDZV_PORT}"
+    return start_agents(
+        cluster, NODES, RANKS_PER_NODE, rdzv, rdzv_id, flags, run_dir, env, max_restarts
+    )
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:

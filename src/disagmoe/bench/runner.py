@@ -64,6 +64,40 @@ class RunOutcome:
 Cluster = EmulatedCluster | LoopbackCluster
 
 
+def start_agents(
+    cluster: Cluster,
+    nodes: int,
+    per_node: int,
+    rdzv: str,
+    rdzv_id: str,
+    train_flags: list[str],
+    run_dir: Path,
+    env: dict[str, str],
+    max_restarts: int = 0,
+) -> list[subprocess.Popen[bytes]]:
+    """One torchrun agent per node (`disagmoe.train` with `train_flags`), each inside its
+    node's namespace, logging to `run_dir/node<k>.log`, tracked by the cluster."""
+    started = []
+    for k in range(nodes):
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
+            "--node-rank", str(k), "--nproc-per-node", str(per_node),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv,
+            "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60",
+            "--local-addr", cluster.addr(k), "--max-restarts", str(max_restarts),
+            "--monitor-interval", "0.2", "-m", "disagmoe.train", *train_flags,
+        ]  # fmt: skip
+        log = (run_dir / f"node{k}.log").open("w")
+        proc = subprocess.Popen(
+            cluster.wrap(k, argv), stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        log.close()
+        cluster.track(proc)
+        started.append(proc)
+    return started
+
+
 def launch(cluster: Cluster, spec: BenchSpec, entry: str, run_dir: Path) -> tuple[bool, str]:
     """Start one torchrun agent per node, wait for all; (ok, error line)."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,24 +116,9 @@ def launch(cluster: Cluster, spec: BenchSpec, entry: str, run_dir: Path) -> tupl
         rdzv = f"127.0.0.1:{free_port()}"
         nodes, per_node = 1, spec.world
     rdzv_id = f"bench-{uuid.uuid4().hex[:8]}"
-    started = []
-    for k in range(nodes):
-        argv = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes),
-            "--node-rank", str(k), "--nproc-per-node", str(per_node),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv,
-            "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)},join_timeout=60",
-            "--local-addr", cluster.addr(k), "--max-restarts", "0", "--monitor-interval", "0.2",
-            "-m", "disagmoe.train", *spec.train_flags(entry, run_dir),
-        ]  # fmt: skip
-        log = (run_dir / f"node{k}.log").open("w")
-        proc = subprocess.Popen(
-            cluster.wrap(k, argv), stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True,
-        )  # fmt: skip
-        log.close()
-        cluster.track(proc)
-        started.append(proc)
+    started = start_agents(
+        cluster, nodes, per_node, rdzv, rdzv_id, spec.train_flags(entry, run_dir), run_dir, env
+    )
     deadline = time.monotonic() + spec.timeout_s
     failed = ""
     while any(p.poll() is None for p in started):
