@@ -30,10 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from disagmoe import flops
 from disagmoe.config import ModelConfig
+from disagmoe.costs import costmodel as cm
+from disagmoe.costs import flops
 from disagmoe.planner import Plan, Planner, PlanOptions, plan_for
-from disagmoe.planner import costmodel as cm
 from disagmoe.planner.sim_profile import SimulatorProfile
 from disagmoe.planner.split import memory_in_flight
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS

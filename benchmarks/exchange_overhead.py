@@ -58,11 +58,11 @@ from disagmoe.distributed.exchange import HEADER_BYTES, encode_header
 from disagmoe.distributed.layout import Layout
 from disagmoe.distributed.topology import Topology
 from disagmoe.runtime.executor import Executor, Payload
-from disagmoe.runtime.observe import Tracer
 from disagmoe.schedule.ir import Msg
 from disagmoe.schedule.semantics import RankProgram
 from disagmoe.testing.spawn import run_ranks
 from disagmoe.testing.streams import one_stream_schedule
+from disagmoe.trace import Tracer
 
 # (bytes, count): a step of the large sizes lasts 50-100 ms, long enough that the VM's
 # scheduling noise (a few ms per step) does not set the ratio

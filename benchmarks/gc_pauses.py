@@ -1,5 +1,5 @@
 """Garbage-collection pauses in training: Python's automatic collector against collections
-every N steps on every rank at once (`train.gc_every`, `runtime.collector`), side by side.
+every N steps on every rank at once (`train.gc_every`, `training.collector`), side by side.
 
     PYTHONPATH=src .venv/bin/python benchmarks/gc_pauses.py [--steps 200] [--rounds 3]
         [--every 50] [--json PATH] [-- more `disagmoe train` arguments]

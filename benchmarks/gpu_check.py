@@ -41,8 +41,8 @@ from disagmoe.config import DEVICES, ModelConfig, ParallelConfig, RunConfig, Tra
 from disagmoe.device import HOST, device_name, resolve_device, synchronize
 from disagmoe.models import build_model, flatten_routing
 from disagmoe.presets import model_preset
-from disagmoe.runtime.precision import Precision
-from disagmoe.runtime.reference import ReferenceTrainer
+from disagmoe.training.precision import Precision
+from disagmoe.training.reference import ReferenceTrainer
 
 FP32_TOL = 1e-4  # device vs CPU float32: different GEMM kernels, same math
 

@@ -3,7 +3,7 @@
 Trains a few steps of each configuration (tiny model, `disagmoe train` flags) and prints,
 per role, the peak activation bytes kept for backward and the parameter + gradient +
 optimizer-state bytes that metrics.jsonl reports (largest rank of the role, last step)
-beside the runtime memory model's prediction (planner.runtime_memory), with the in-flight
+beside the runtime memory model's prediction (costs.runtime_memory), with the in-flight
 cap the budget allowed.
 
     PYTHONPATH=src python benchmarks/memory_model.py --json benchmarks/results/memory_model.json

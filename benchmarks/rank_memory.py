@@ -30,9 +30,9 @@ from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.models import build_meta_model
 from disagmoe.presets import model_preset
-from disagmoe.runtime.objective import LossScale
-from disagmoe.runtime.setup import build_initial_model
 from disagmoe.runtime.stages import AttnWorker, ExpertWorker, build_worker
+from disagmoe.training.objective import LossScale
+from disagmoe.training.setup import build_initial_model
 
 ROLES = {  # role -> (label, expert shards n; 0: not an AF-Pipe rank)
     "imports": ("imports + meta model", 0),

@@ -28,8 +28,8 @@ import matplotlib.ticker
 from disagmoe.config import MULTI_WORKER_RUNTIMES, ModelConfig
 from disagmoe.planner.split import planned_split, runnable_in_flight
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
+from disagmoe.simulate_cli import default_disagg_split
 from disagmoe.simulator import SimResult, simulate_disagg, simulate_ep
-from disagmoe.simulator.cli import default_disagg_split
 
 PRESETS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 H800 = CLUSTER_PRESETS["h800"]
@@ -49,7 +49,7 @@ def peak_memory_gib(
     model: ModelConfig, groups: int, m: int, n: int, seq_len: int, peak: int, recompute: str
 ) -> float:
     """Worst worker's memory (planner's model) with `peak` micro-batches in flight."""
-    from disagmoe.planner import costmodel as cm
+    from disagmoe.costs import costmodel as cm
 
     kw = dict(
         groups=groups, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute=recompute

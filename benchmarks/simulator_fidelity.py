@@ -46,7 +46,6 @@ from disagmoe.config_io import load_toml
 from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.layout import Layout
 from disagmoe.runtime.disagg import run_schedule
-from disagmoe.runtime.observe import parse_event_name
 from disagmoe.schedule.baselines import build_baseline_schedule
 from disagmoe.schedule.ir import Instr, Msg, Op, compute_event_name
 from disagmoe.schedule.semantics import consumer, producer
@@ -59,7 +58,9 @@ from disagmoe.simulator import (
     simulate_baseline_schedule,
     simulate_schedule,
 )
+from disagmoe.simulator.choose import run_order
 from disagmoe.simulator.costs import AnalyticCosts
+from disagmoe.trace import parse_event_name
 
 Event = dict[str, Any]
 COMMON = ["--model", "small", "--set", "model.num_layers=4", "--dtype", "float32"]
@@ -305,7 +306,7 @@ def predict_disagg(cfg: RunConfig, fit: dict[str, Any], cores: int) -> SimResult
     costs = TableCosts(workload, {}, {(o, c, l): v for (o, c, l), v in fit["table"].items()})
     net = Network.single_node(1e15, fit["latency_s"], layout.world_size)  # bytes: in recv time
     sim = simulate_schedule(
-        run_schedule(cfg, layout),
+        run_schedule(cfg, layout, choose=run_order),
         layout,
         costs,
         workload,

@@ -1,7 +1,7 @@
 """`disagmoe checkpoint verify PATH`: check checkpoints against their manifests, for operators.
 
 PATH is a run dir, its `checkpoints/` or one `step-N/`. Every step dir is read whole and
-compared with its manifest (`runtime.manifest`: sizes and CRC-32), newest first, one line
+compared with its manifest (`training.manifest`: sizes and CRC-32), newest first, one line
 each; for a run dir also the unfinished saves left behind (`*.tmp-*`, which `--resume`
 never reads) and the checkpoint `--resume` would continue from. Exit code 0 when every
 checkpoint verifies, 1 when one does not, 2 when PATH holds no checkpoint.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .runtime.checkpoint import checkpoint_root, choose_checkpoint, require_step_dir
-from .runtime.manifest import CHECKSUM, CheckpointError, Verified, verify
+from .training.checkpoint import checkpoint_root, choose_checkpoint, require_step_dir
+from .training.manifest import CHECKSUM, CheckpointError, Verified, verify
 
 
 def add_checkpoint_arguments(p: argparse.ArgumentParser) -> None:

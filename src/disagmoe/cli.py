@@ -16,15 +16,16 @@ from .checkpoint_cli import add_checkpoint_arguments, run_checkpoint
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
 from .config import RunConfig
 from .data_prep import add_prepare_arguments, run_prepare
-from .distributed.layout import Layout
+from .distributed.layout import Layout, num_slots, run_layout
 from .export import add_export_arguments, run_export
 from .planner.cli import add_plan_arguments, run_plan
-from .runtime.disagg import num_slots, run_cap, run_layout, run_schedule, run_schedule_of_rank
+from .runtime.disagg import run_schedule, run_schedule_of_rank
 from .schedule.ir import lists_csv, lists_text
 from .schedule.validate import validate
-from .simulator.choose import run_choice
-from .simulator.cli import add_simulate_arguments, run_simulate
+from .simulate_cli import add_simulate_arguments, run_simulate
+from .simulator.choose import run_choice, run_order
 from .train import resolve_memory, train_command
+from .training.budget import run_cap
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
@@ -35,7 +36,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     cfg = resolve_memory(cfg, layout.world_size)  # the cap `disagmoe train` would run here
     fwd = args.forward_only
     if args.rank is None:
-        schedule = run_schedule(cfg, layout, forward_only=fwd)
+        schedule = run_schedule(cfg, layout, forward_only=fwd, choose=run_order)
         peak = validate(schedule)
         if args.format == "csv":
             sys.stdout.write(schedule.to_csv())
@@ -49,7 +50,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         return 0
     if not 0 <= args.rank < layout.world_size:
         raise ValueError(f"--rank must be in 0..{layout.world_size - 1}, got {args.rank}")
-    instrs = run_schedule_of_rank(cfg, layout, args.rank, forward_only=fwd)
+    instrs = run_schedule_of_rank(cfg, layout, args.rank, forward_only=fwd, choose=run_order)
     entries = [(args.rank, str(layout.role(args.rank)), instrs)]
     if args.format == "csv":
         sys.stdout.write(lists_csv(entries))
@@ -58,7 +59,7 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         header = f"# schedule {name}: rank {args.rank} of {layout.world_size}, built alone"
         sys.stdout.write(lists_text(header, entries))
     if args.validate:
-        schedule = run_schedule(cfg, layout, forward_only=fwd)
+        schedule = run_schedule(cfg, layout, forward_only=fwd, choose=run_order)
         peak = validate(schedule)
         if schedule.ranks[args.rank] != instrs:
             raise AssertionError(f"rank {args.rank}'s list differs from the global schedule's")

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .flags import flag
-from .schedule.orders import MAX_EXCHANGE_CHUNKS
 from .shapes import ClusterConfig, ModelConfig
 from .shapes import require as _require
 from .train_config import DATA_DTYPES, DTYPES, LR_SCHEDULES, RECOMPUTE, TrainConfig
+
+MAX_EXCHANGE_CHUNKS = 16  # schedule.exchange_chunks: 1 .. this, or 0 (auto)
 
 # defined beside: part of a RunConfig, or what its fields are built with
 __all__ = [

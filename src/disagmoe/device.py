@@ -18,6 +18,7 @@ Every other module asks this one; none names an accelerator type itself.
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import torch
@@ -176,3 +177,10 @@ def stream_backend(device: torch.device) -> AcceleratorStreams | None:
     """The streams the executor's lanes run on for `device`: None on the CPU (no-op lanes,
     `runtime.streams`)."""
     return AcceleratorStreams(device) if device.type == _ACCELERATOR else None
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a single-machine rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

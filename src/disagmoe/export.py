@@ -1,8 +1,8 @@
 """`disagmoe export RUN_DIR [--step N] --format hf --out DIR`: a run's checkpoint as a
 Hugging Face checkpoint (`config.json` + `model.safetensors`, experts per expert key).
 
-The checkpoint is verified against its manifest (`runtime.manifest`), read whole on this
-process (`runtime.checkpoint.load_model`: every layout writes the same logical keys, so any
+The checkpoint is verified against its manifest (`training.manifest`), read whole on this
+process (`training.checkpoint.load_model`: every layout writes the same logical keys, so any
 runtime's checkpoint exports the same way) and written in the dtype it was trained in;
 `models.hf_export` maps names and config.
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from .models.hf_export import hf_config_dict, hf_model_type, hf_state_dict
-from .runtime.checkpoint import load_model, resolve_checkpoint
-from .runtime.manifest import verify
+from .training.checkpoint import load_model, resolve_checkpoint
+from .training.manifest import verify
 
 FORMATS = ("hf",)
 

@@ -25,7 +25,7 @@ from .command import CommandFailed, resolve_train_config, run_command, train_par
 from .config import RunConfig, replace_section
 from .config_io import from_dict, to_dict
 from .device import bind_device, check_device, default_backend, init_kwargs, resolve_device
-from .runtime.observe import prepare_run_dir
+from .training.observe import prepare_run_dir
 
 
 def world_size_for(cfg: RunConfig) -> int:
@@ -50,7 +50,7 @@ def _world_size(cfg: RunConfig) -> int:
     if par.runtime == "reference":
         return 1
     if par.runtime == "disagg":
-        from .runtime.disagg import num_slots, run_layout
+        from .distributed.layout import num_slots, run_layout
 
         layout = run_layout(cfg, par.world_size or None)
         num_slots(cfg, layout)
@@ -67,8 +67,8 @@ def resolve_memory(cfg: RunConfig, local_ranks: int) -> RunConfig:
     (a run that cannot fit even one micro-batch in flight is a ValueError: exit 2)."""
     if cfg.parallel.runtime != "disagg":
         return cfg
-    from .runtime.budget import in_flight_cap, resolve_memory_budget
-    from .runtime.disagg import num_slots, run_layout
+    from .distributed.layout import num_slots, run_layout
+    from .training.budget import in_flight_cap, resolve_memory_budget
 
     cfg = resolve_memory_budget(cfg, local_ranks)
     layout = run_layout(cfg, cfg.parallel.world_size or None)
@@ -81,8 +81,9 @@ def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
     runtime = cfg.parallel.runtime
     if runtime == "disagg":
         from .runtime.disagg import run_disagg
+        from .simulator.choose import run_order
 
-        return run_disagg(cfg, run_dir)
+        return run_disagg(cfg, run_dir, choose=run_order)
     from .baselines import RUNNERS
 
     return list(RUNNERS[runtime](cfg, run_dir))
@@ -143,7 +144,7 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
     """Start `nprocs` ranks on this machine and return rank 0's step records."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .testing.spawn import free_port
+    from .device import free_port
 
     # A failed rank is reported once, in one line, by the CLI (full report in the run dir),
     # not by the elastic agent's log of every rank's traceback.
@@ -169,14 +170,14 @@ def launch_local(cfg: RunConfig, run_dir: Path, nprocs: int) -> list[dict[str, A
 def check_inputs(cfg: RunConfig) -> None:
     """Load data and initial weights once in the launching process, so that bad input is
     reported as one clear error before any rank starts."""
-    from .runtime.evaluate import check_eval_data
-    from .runtime.setup import build_data, load_emulation
+    from .training.evaluate import check_eval_data
+    from .training.setup import build_data, load_emulation
 
     build_data(cfg)
     check_eval_data(cfg)
     load_emulation(cfg)
     if cfg.train.tensorboard:
-        from .runtime.tensorboard import require_tensorboard
+        from .training.tensorboard import require_tensorboard
 
         require_tensorboard()
     if cfg.train.init_from_hf:  # the whole checkpoint, from its headers: no tensor is read
@@ -184,14 +185,14 @@ def check_inputs(cfg: RunConfig) -> None:
 
         check_hf_weights(cfg.train.init_from_hf, cfg.model)
     if cfg.train.resume and cfg.train.resume not in ("latest", "auto"):
-        from .runtime.checkpoint import check_compatible, read_meta
+        from .training.checkpoint import check_compatible, read_meta
 
         check_compatible(read_meta(cfg.train.resume), cfg.model, cfg.train.resume)
 
 
 def resolve_resume(cfg: RunConfig) -> RunConfig:
     """`cfg` with `train.resume` naming the verified step dir to continue
-    (`runtime.checkpoint.choose_checkpoint`: every file checked against its manifest, in
+    (`training.checkpoint.choose_checkpoint`: every file checked against its manifest, in
     this process, before any rank starts); a warning line when newer ones were skipped.
     A checkpoint that does not verify, or none that does, is a `CheckpointError` (exit 2).
     `latest`/`auto` without a checkpoint in the run dir are left to `prepare_run_dir`."""
@@ -203,7 +204,7 @@ def resolve_resume(cfg: RunConfig) -> RunConfig:
         resume = str(root)
     if not resume:
         return cfg
-    from .runtime.checkpoint import choose_checkpoint
+    from .training.checkpoint import choose_checkpoint
 
     choice = choose_checkpoint(resume)
     if note := choice.note():
@@ -219,7 +220,7 @@ def train(cfg: RunConfig) -> tuple[Path, list[dict[str, Any]]]:
     check_inputs(cfg)
     run_dir = prepare_run_dir(cfg)
     if cfg.parallel.runtime == "reference":
-        from .runtime.reference import run_reference
+        from .training.reference import run_reference
 
         return run_dir, run_reference(cfg, run_dir)
     try:
@@ -322,7 +323,7 @@ def torchrun_main(argv: list[str] | None = None) -> int:
                 resolved = resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
                 if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
                     # an elastic restart continues this run dir; rank 0 of the ranks
-                    # chooses and verifies its latest checkpoint (runtime.loop.resume_path)
+                    # chooses and verifies its latest checkpoint (training.loop.resume_path)
                     resolved = replace_section(resolved, "train", resume="auto")
                 else:
                     resolved = resolve_resume(resolved)  # verified once, here

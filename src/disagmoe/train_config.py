@@ -12,14 +12,17 @@ import math
 from dataclasses import dataclass, field
 
 from .flags import flag
-from .schedule.ir import BACKWARD_KINDS, FORWARD_KINDS
 from .shapes import require as _require
+
+# The message kinds of the AF-Pipe IR (`schedule.ir.MESSAGE_KINDS`, which checks that the
+# two agree): what `train.drop_message` may name.
+MESSAGE_KIND_NAMES = ("act", "dispatch", "combine", "grad_act", "grad_combine", "grad_dispatch")
 
 DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
-LR_SCHEDULES = ("constant", "cosine", "wsd")  # runtime.objective.lr_at
+LR_SCHEDULES = ("constant", "cosine", "wsd")  # training.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
-# Points of a checkpoint save where `train.fail_in_save` kills a rank (runtime.checkpoint):
+# Points of a checkpoint save where `train.fail_in_save` kills a rank (training.checkpoint):
 # after its shards are written; rank 0 after meta.json, after the manifest, after the
 # rename to step-N, after `latest` moved.
 SAVE_KILL_POINTS = ("shards", "meta", "manifest", "renamed", "latest")
@@ -31,7 +34,7 @@ class TrainConfig:
 
     steps: int = field(default=100, metadata=flag())
     seed: int = field(default=0, metadata=flag())
-    dtype: str = field(  # runtime/precision.py: compute vs parameter dtype
+    dtype: str = field(  # training/precision.py: compute vs parameter dtype
         default="float32",
         metadata=flag(
             "compute dtype; bfloat16 is mixed precision (autocast, float32 master weights and "
@@ -91,7 +94,7 @@ class TrainConfig:
         ),
     )
     data_dtype: str = "uint16"  # raw .bin without PREFIX.json beside it
-    eval_data: str = field(  # runtime/evaluate.py: which batches, when, what is measured
+    eval_data: str = field(  # training/evaluate.py: which batches, when, what is measured
         default="",
         metadata=flag(
             "validation data in --data's formats: loss and perplexity every --eval-every "
@@ -144,7 +147,7 @@ class TrainConfig:
         default=0, metadata=flag("save a checkpoint every N steps and at the end")
     )
     keep_checkpoints: int = 2
-    gc_every: int = field(  # runtime/collector.py
+    gc_every: int = field(  # training/collector.py
         default=50,
         metadata=flag(
             "collect Python's garbage every N steps on every rank at once (0: automatic)"
@@ -255,11 +258,11 @@ class TrainConfig:
             not self.drop_message
             or (
                 len(parts) in (4, 5)
-                and parts[0] in FORWARD_KINDS + BACKWARD_KINDS
+                and parts[0] in MESSAGE_KIND_NAMES
                 and all(p.isdigit() for p in parts[1:])
             ),
             "train.drop_message must look like KIND:LAYER:SLOT:STEP[:CHUNK] with KIND one of "
-            f"{', '.join(FORWARD_KINDS + BACKWARD_KINDS)}, e.g. combine:0:0:1",
+            f"{', '.join(MESSAGE_KIND_NAMES)}, e.g. combine:0:0:1",
         )
 
     @property

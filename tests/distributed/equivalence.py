@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from disagmoe.config import RunConfig, ScheduleConfig, replace_section
-from disagmoe.runtime.model_stats import StepStats
-from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
+from disagmoe.training.model_stats import StepStats
+from disagmoe.training.reference import ReferenceTrainer
 
 
 def collapse_routing(named_params: Any) -> None:
@@ -28,7 +28,7 @@ def collapse_routing(named_params: Any) -> None:
 
 
 def recorded_step(trainer: Any, cfg: RunConfig, step: int) -> tuple[Any, dict[str, Any]]:
-    """One step of `trainer` with its routers recording, as `runtime.loop` runs it; the
+    """One step of `trainer` with its routers recording, as `training.loop` runs it; the
     routing fields of the step's record (`expert_tokens` included), reduced over the world."""
     import torch.distributed as dist
 
@@ -62,8 +62,13 @@ def trainer_steps(
     """Runs inside each rank: `steps` steps of the trainer class at `module:Class`."""
     import importlib
 
+    from disagmoe.runtime.disagg import DisaggTrainer
+    from disagmoe.simulator.choose import run_order
+
     module, name = trainer_path.split(":")
-    trainer = getattr(importlib.import_module(module), name)(cfg)
+    cls = getattr(importlib.import_module(module), name)
+    # AF-Pipe: `schedule.order = auto` chosen as `disagmoe train` chooses it
+    trainer = cls(cfg, run_order) if issubclass(cls, DisaggTrainer) else cls(cfg)
     if prepare:
         collapse_routing(trainer.named_params)
     out = _steps(trainer, cfg, steps)
@@ -120,7 +125,7 @@ def _steps(trainer: Any, cfg: RunConfig, steps: int) -> list[dict[str, Any]]:
     """`steps` steps with their losses and gradients; with eval data, the first step's
     record also holds the `eval_loss` of an evaluation right after it (forward only: the
     later steps must not notice)."""
-    from disagmoe.runtime.evaluate import evaluate
+    from disagmoe.training.evaluate import evaluate
 
     out = []
     for step in range(steps):

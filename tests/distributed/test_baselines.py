@@ -7,7 +7,7 @@ matching slice of the reference gradient) must match the reference; the order
 in which PyTorch's schedule ran the stage computations must equal the
 exported schedule (`schedule.baselines.pytorch_order`); the routing statistics of
 metrics.jsonl (tokens per expert, router entropy) must equal the reference's. Cases with
-eval data evaluate after the first step (forward only, runtime/evaluate.py): the eval
+eval data evaluate after the first step (forward only, training/evaluate.py): the eval
 loss must be the reference's, and the second step (after it) still match.
 """
 
@@ -23,10 +23,10 @@ import pytest
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
 from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.presets import model_preset
-from disagmoe.runtime.evaluate import evaluate
-from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.schedule.pipelines import FB_OVERLAP_RUNTIMES
 from disagmoe.testing.spawn import run_ranks
+from disagmoe.training.evaluate import evaluate
+from disagmoe.training.reference import ReferenceTrainer
 from tests.unit.test_evaluate import eval_file
 
 from .equivalence import assert_same_routing, recomputing, recorded_step, without_recompute

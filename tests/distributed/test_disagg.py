@@ -3,7 +3,7 @@
 float64, 3 optimizer steps per case: per-step losses and every parameter's
 gradient (expert gradients against the matching slice of the reference's)
 agree to 1e-10 relative; cases with eval data also evaluate after the first step (the
-forward-only AF-Pipe schedule, runtime/evaluate.py) and match the reference's eval loss.
+forward-only AF-Pipe schedule, training/evaluate.py) and match the reference's eval loss.
 Several cases share one spawn of the ranks (every 4-rank test's: `four_ranks`); `chunked`
 cases run the exchange in exchange chunks (`schedule.exchange_chunks`), whose every chunk
 must have run (`equivalence`).
@@ -316,7 +316,7 @@ def test_six_ranks_node_aware_two_ranks_per_node() -> None:
     base = case(2, 2, 1)
     aware = placed(base, "node-aware", 2)
     cfgs = [aware, placed(base, "packed", 2), placed(case(2, 2, 1, top_k=1), "node-aware", 2)]
-    from disagmoe.runtime.disagg import run_layout
+    from disagmoe.distributed.layout import run_layout
 
     roles = [str(run_layout(aware).role(r)) for r in range(6)]
     assert roles == ["A(g0,r0)", "F(g0,j0)", "A(g0,r1)", "A(g1,r0)", "F(g1,j0)", "A(g1,r1)"]

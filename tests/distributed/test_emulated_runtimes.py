@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from disagmoe.bench.emulation import ComputeCosts, Linear
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.costs.compute import ComputeCosts, Linear
 from disagmoe.testing.spawn import run_ranks
 
 
@@ -29,11 +29,12 @@ def _cfg(parallel: ParallelConfig, costs: str) -> RunConfig:
 def _one_step(cfgs: list[RunConfig]) -> list[dict[str, Any]]:
     from disagmoe.baselines import TRAINERS
     from disagmoe.runtime.disagg import DisaggTrainer
+    from disagmoe.simulator.choose import run_order
 
     out = []
     for cfg in cfgs:
         runtime = cfg.parallel.runtime
-        trainer = DisaggTrainer(cfg) if runtime == "disagg" else TRAINERS[runtime](cfg)
+        trainer = DisaggTrainer(cfg, run_order) if runtime == "disagg" else TRAINERS[runtime](cfg)
         trainer.step(0)
         grads: dict[str, float] = {}
         for name, p in trainer.named_params:

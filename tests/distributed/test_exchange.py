@@ -107,9 +107,9 @@ def _turns() -> list[tuple[int, int, str]]:
     from disagmoe.distributed.layout import Layout
     from disagmoe.distributed.topology import Topology
     from disagmoe.runtime.executor import Executor
-    from disagmoe.runtime.observe import Tracer
     from disagmoe.schedule.semantics import RankProgram
     from disagmoe.testing.streams import one_stream_schedule
+    from disagmoe.trace import Tracer
 
     def payload(layer: int, step: int) -> list[torch.Tensor]:
         n = TURN_SIZES[layer]

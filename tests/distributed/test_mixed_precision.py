@@ -1,4 +1,4 @@
-"""Mixed precision (`--dtype bfloat16`, runtime/precision.py): distributed runtimes against
+"""Mixed precision (`--dtype bfloat16`, training/precision.py): distributed runtimes against
 the reference under the same autocast, on CPU (CPU autocast supports bf16).
 
 bf16 rounds differently where the runtimes split work differently (disagg sends the
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig, replace_section
-from disagmoe.runtime.reference import ReferenceTrainer
 from disagmoe.testing.spawn import run_ranks
+from disagmoe.training.reference import ReferenceTrainer
 
 STEPS = 20
 RTOL = 1.5e-2  # bf16 has 8 significant bits (~4e-3 per rounding); 20 steps of drift
@@ -76,10 +76,13 @@ def _train(cfgs: list[RunConfig]) -> list[dict[str, Any]]:
 
     from disagmoe.baselines.trainer import EPTrainer
     from disagmoe.runtime.disagg import DisaggTrainer
+    from disagmoe.simulator.choose import run_order
 
     out = []
     for cfg in cfgs:
-        trainer: Any = DisaggTrainer(cfg) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
+        trainer: Any = (
+            DisaggTrainer(cfg, run_order) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
+        )
         outputs = _record_outputs(trainer.local_modules())
         losses = [trainer.step(step).loss for step in range(STEPS)]
         out.append({"losses": losses, "dtypes": _dtypes(trainer), "outputs": outputs})

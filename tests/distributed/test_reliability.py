@@ -31,12 +31,15 @@ def _train_disagg(cfgs: list[RunConfig]) -> list[list[float]]:
 
     from disagmoe.baselines import EPTrainer
     from disagmoe.runtime.disagg import DisaggTrainer
-    from disagmoe.runtime.loop import run_training
+    from disagmoe.simulator.choose import run_order
+    from disagmoe.training.loop import run_training
 
     out = []
     for cfg in cfgs:
         Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
-        trainer = DisaggTrainer(cfg) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
+        trainer = (
+            DisaggTrainer(cfg, run_order) if cfg.parallel.runtime == "disagg" else EPTrainer(cfg)
+        )
         records = run_training(trainer, cfg, Path(cfg.train.run_dir))
         out.append([r["loss"] for r in records])
         dist.barrier()
@@ -44,8 +47,8 @@ def _train_disagg(cfgs: list[RunConfig]) -> list[list[float]]:
 
 
 def _reference(cfg: RunConfig) -> list[float]:
-    from disagmoe.runtime.loop import run_training
-    from disagmoe.runtime.reference import ReferenceTrainer
+    from disagmoe.training.loop import run_training
+    from disagmoe.training.reference import ReferenceTrainer
 
     Path(cfg.train.run_dir).mkdir(parents=True, exist_ok=True)
     return [r["loss"] for r in run_training(ReferenceTrainer(cfg), cfg, Path(cfg.train.run_dir))]
@@ -224,9 +227,10 @@ def _dead_peer(timeout_s: float) -> str:
     import torch.distributed as dist
 
     from disagmoe.runtime.disagg import DisaggTrainer
+    from disagmoe.simulator.choose import run_order
 
     cfg = dataclasses.replace(_cfg(Path("unused"), comm_timeout_s=timeout_s))
-    trainer = DisaggTrainer(cfg)
+    trainer = DisaggTrainer(cfg, run_order)
     trainer.step(0)
     if dist.get_rank() == 3:
         os._exit(0)  # an expert worker dies between steps

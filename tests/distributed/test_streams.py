@@ -136,9 +136,9 @@ def _run() -> dict[str, Any]:
     from disagmoe.distributed.layout import Layout
     from disagmoe.distributed.topology import Topology
     from disagmoe.runtime.executor import Executor
-    from disagmoe.runtime.observe import Tracer
     from disagmoe.runtime.streams import LaneStreams
     from disagmoe.schedule.semantics import RankProgram
+    from disagmoe.trace import Tracer
 
     rank = dist.get_rank()
     schedule = _schedule()

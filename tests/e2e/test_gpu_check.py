@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagmoe.bench.emulation import ComputeCosts
+from disagmoe.costs.compute import ComputeCosts
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 TINY = ("--seq-len", "16", "--micro-batch-size", "2", "--steps", "3", "--repeats", "2")

@@ -1,8 +1,8 @@
 """Memory as a user meets it: the memory-safe default cap, the one-line error of a run that
 cannot fit, and measured activation / state bytes against the runtime's memory model.
 
-Prediction vs measurement (runtime.memory counts saved tensors and held stage inputs and
-outputs as unique storages; planner.runtime_memory predicts them): with one micro-batch in
+Prediction vs measurement (training.memory counts saved tensors and held stage inputs and
+outputs as unique storages; costs.runtime_memory predicts them): with one micro-batch in
 flight the two agree within 2%; with K > 1 the prediction is an upper bound at most 15%
 high (the first slot's loss head is released before the last slot's forward ends). One
 expert shard (n = 1) keeps routing balanced by construction; an untrained router on a tiny

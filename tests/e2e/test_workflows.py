@@ -23,10 +23,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from disagmoe.runtime.checkpoint import load_model
 from disagmoe.testing.cli import run_cli
 from disagmoe.testing.cli import run_cli_in_process as in_process
 from disagmoe.testing.tokenizer import WORDS, build_tiny_tokenizer
+from disagmoe.training.checkpoint import load_model
 from tests.unit.test_hf_import import FLOAT64_ATOL, build_hf, patch_hf_for_float64
 
 

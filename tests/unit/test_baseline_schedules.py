@@ -18,7 +18,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
 from disagmoe.config import EP_RUNTIMES, ModelConfig, ParallelConfig, TrainConfig
-from disagmoe.distributed.ep_layout import EPLayout
+from disagmoe.distributed.ep_layout import EPLayout, split_layers
 from disagmoe.presets import model_preset
 from disagmoe.schedule.baselines import build_baseline_schedule, pytorch_order
 from disagmoe.schedule.ir import Instr, Op, Schedule
@@ -31,7 +31,6 @@ from disagmoe.schedule.pipelines import (
     dualpipev,
     interleaved_1f1b,
     one_f_one_b,
-    split_layers,
 )
 from disagmoe.simulator import SimResult, simulate_baseline_schedule
 

@@ -222,7 +222,7 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
     accepts (the same checks a run makes; refused ones say why), and runs it."""
     from disagmoe.bench.cli import emulated_cluster
     from disagmoe.bench.ep_layouts import search
-    from disagmoe.simulator.measured import ComputeCosts, Linear
+    from disagmoe.costs.compute import ComputeCosts, Linear
 
     costs = ComputeCosts(
         Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)

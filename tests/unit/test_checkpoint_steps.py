@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from disagmoe.runtime.checkpoint import _set_optimizer_steps, logical_state
+from disagmoe.training.checkpoint import _set_optimizer_steps, logical_state
 
 
 def _fake_optimizer(params: list[torch.Tensor], **group: bool) -> SimpleNamespace:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe.runtime.manifest import MANIFEST, CheckpointError, file_digest, verify
 from disagmoe.testing.cli import run_cli_in_process
 from disagmoe.train_config import SAVE_KILL_POINTS
+from disagmoe.training.manifest import MANIFEST, CheckpointError, file_digest, verify
 
 FLAGS = ["--runtime", "reference", "--dtype", "float64", "--no-progress", "--seq-len", "32"]
 SHARD = "__0_0.distcp"

@@ -1,4 +1,4 @@
-"""Garbage collection at fixed steps (`runtime.collector`): Python's automatic collector is
+"""Garbage collection at fixed steps (`training.collector`): Python's automatic collector is
 off between the chosen steps, a collection runs after each of them and on no other, the
 collector is left as it was found; in automatic mode its collections are watched; the loop
 reports every collection."""
@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.runtime.collector import StepCollector
-from disagmoe.runtime.observe import Tracer, prepare_run_dir
-from disagmoe.runtime.reference import run_reference
+from disagmoe.trace import Tracer
+from disagmoe.training.collector import StepCollector
+from disagmoe.training.observe import prepare_run_dir
+from disagmoe.training.reference import run_reference
 
 
 class _Node:

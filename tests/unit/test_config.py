@@ -103,7 +103,7 @@ def test_toml_preset_key_and_errors(tmp_path: Path) -> None:
 
 
 def test_param_dtype_resolves_mixed_or_pure_precision() -> None:
-    from disagmoe.runtime.precision import Precision, param_dtype_name
+    from disagmoe.training.precision import Precision, param_dtype_name
 
     host = torch.device("cpu")
     mixed = Precision.for_run(TrainConfig(dtype="bfloat16"), host)

@@ -13,8 +13,8 @@ from disagmoe.command import resolve_train_config, train_parser
 from disagmoe.config import RunConfig, replace_section
 from disagmoe.data import _vocab_fits, build_batches, find_prepared, load_tokens
 from disagmoe.data_prep import prepare_data, read_offsets
-from disagmoe.runtime.setup import build_data
 from disagmoe.testing.tokenizer import build_tiny_tokenizer
+from disagmoe.training.setup import build_data
 
 DOCS = ["the router sends a token", "an expert computes its output", "the attention layer waits"]
 

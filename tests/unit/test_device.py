@@ -81,7 +81,7 @@ def test_no_device_type_or_host_copy_outside_the_device_module() -> None:
 
 def test_adamw_is_fused_on_an_accelerator_and_a_per_tensor_loop_on_the_cpu() -> None:
     from disagmoe.config import TrainConfig
-    from disagmoe.runtime.objective import build_optimizer
+    from disagmoe.training.objective import build_optimizer
 
     assert dev.adamw_kwargs(torch.device("cuda", 0)) == {"fused": True}
     assert dev.adamw_kwargs(dev.HOST) == {"foreach": False}

@@ -10,16 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from disagmoe.bench.emulation import (
-    ComputeCosts,
-    EmulatedAttentionBlock,
-    EmulatedExperts,
-    Linear,
-    calibrate,
-    emulate_compute,
-    wait,
-)
+from disagmoe.bench.emulation import calibrate
 from disagmoe.config import RunConfig, replace_section
+from disagmoe.costs.compute import ComputeCosts, Linear
 from disagmoe.models import (
     AttentionBlock,
     Experts,
@@ -28,10 +21,11 @@ from disagmoe.models import (
     split_by_owner,
     split_experts,
 )
+from disagmoe.models.emulated import EmulatedAttentionBlock, EmulatedExperts, emulate_compute, wait
 from disagmoe.presets import model_preset
-from disagmoe.runtime.observe import take_device_wait_us
-from disagmoe.runtime.reference import ReferenceTrainer
-from disagmoe.runtime.setup import set_threads
+from disagmoe.trace import take_device_wait_us
+from disagmoe.training.reference import ReferenceTrainer
+from disagmoe.training.setup import set_threads
 
 ZERO = Linear(0.0, 0.0)
 

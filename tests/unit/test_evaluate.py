@@ -1,4 +1,4 @@
-"""Evaluation (runtime/evaluate.py) without spawning: flags, which batches, when, what is
+"""Evaluation (training/evaluate.py) without spawning: flags, which batches, when, what is
 measured, and that it changes nothing about training (reference trainer, float64)."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from disagmoe.cli import main
 from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
 from disagmoe.data import TokenBatches
-from disagmoe.runtime.evaluate import EvalSet, eval_batch_count, evaluate, should_evaluate
-from disagmoe.runtime.reference import ReferenceTrainer, run_reference
+from disagmoe.training.evaluate import EvalSet, eval_batch_count, evaluate, should_evaluate
+from disagmoe.training.reference import ReferenceTrainer, run_reference
 
 
 def eval_file(path: Path, num_tokens: int = 17 * 4 * 3 + 5, seed: int = 1) -> str:

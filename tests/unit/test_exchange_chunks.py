@@ -13,11 +13,11 @@ import pytest
 from disagmoe.config import ParallelConfig, ScheduleConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
-from disagmoe.runtime.observe import message_label, parse_event_name
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_rank
 from disagmoe.schedule.ir import EXCHANGE_KINDS, Instr, Msg, Op, chunk_rows
 from disagmoe.schedule.semantics import RankProgram, consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
+from disagmoe.trace import message_label, parse_event_name
 
 
 def layout(p: int, m: int, n: int, layers: int = 4, dense: int = 0) -> Layout:

@@ -15,9 +15,9 @@ import pytest
 
 from disagmoe.cli import main
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.runtime.observe import prepare_run_dir
-from disagmoe.runtime.reference import run_reference
-from disagmoe.runtime.tensorboard import TensorBoardLog
+from disagmoe.training.observe import prepare_run_dir
+from disagmoe.training.reference import run_reference
+from disagmoe.training.tensorboard import TensorBoardLog
 
 TRAIN = ["train", "--runtime", "reference", "--steps", "1", "--seq-len", "16", "--no-progress"]
 

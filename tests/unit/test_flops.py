@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from disagmoe import flops
 from disagmoe.config import ModelConfig
+from disagmoe.costs import flops
 
 # dim 8 = 4 heads of 2 (q = H), 2 kv heads (g = 2, kv = H/g), 4 experts, top-2, width 16
 TINY = ModelConfig(name="t", dim=8, num_layers=4, num_heads=4, num_kv_heads=2, num_experts=4,

@@ -133,9 +133,9 @@ def test_every_parameter_of_an_attention_rank_is_in_exactly_one_bucket(tied: boo
     from disagmoe.config import RunConfig, TrainConfig
     from disagmoe.presets import model_preset
     from disagmoe.runtime.grad_sync import OverlappedSync
-    from disagmoe.runtime.objective import LossScale
-    from disagmoe.runtime.observe import Tracer
     from disagmoe.runtime.stages import AttnWorker, build_worker
+    from disagmoe.trace import Tracer
+    from disagmoe.training.objective import LossScale
 
     model = dataclasses.replace(model_preset("tiny"), tie_embeddings=tied)
     cfg = RunConfig(

@@ -16,8 +16,8 @@ from disagmoe.config import ModelConfig, TrainConfig
 from disagmoe.export import export_hf, find_step
 from disagmoe.models.hf_config import read_hf_config
 from disagmoe.models.hf_export import hf_model_type
-from disagmoe.runtime.checkpoint import load_model, save_checkpoint
-from disagmoe.runtime.objective import build_optimizer
+from disagmoe.training.checkpoint import load_model, save_checkpoint
+from disagmoe.training.objective import build_optimizer
 from tests.unit.test_hf_import import (
     ARCHS,
     FLOAT64_ATOL,

@@ -11,7 +11,7 @@ import pytest
 from disagmoe.command import resolve_train_config, train_parser
 from disagmoe.config import RunConfig, TrainConfig, replace_section
 from disagmoe.config_io import from_dict, load_toml
-from disagmoe.runtime.objective import lr_at
+from disagmoe.training.objective import lr_at
 
 
 def schedule(**train: object) -> list[float]:
@@ -83,7 +83,7 @@ def test_clipping_runs_on_the_device_and_only_above_the_limit() -> None:
     the norm exceeds the limit; a NaN norm leaves the gradients as they are."""
     import torch
 
-    from disagmoe.runtime.objective import clip_gradients
+    from disagmoe.training.objective import clip_gradients
 
     def params(*grads: list[float]) -> list[torch.nn.Parameter]:
         out = []

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from disagmoe.config import RunConfig, ScheduleConfig, TrainConfig, replace_section
-from disagmoe.planner import costmodel as cm
-from disagmoe.planner import runtime_memory as rm
+from disagmoe.costs import costmodel as cm
+from disagmoe.costs import runtime_memory as rm
 from disagmoe.presets import MODEL_PRESETS
-from disagmoe.runtime import budget
-from disagmoe.runtime.memory import ActivationMeter
+from disagmoe.training import budget
+from disagmoe.training.memory import ActivationMeter
 
 TINY = MODEL_PRESETS["tiny"]
 F32 = cm.runtime_precision("float32")

@@ -21,7 +21,7 @@ from disagmoe.models import (
     split_by_owner,
     split_experts,
 )
-from disagmoe.runtime.objective import LossScale
+from disagmoe.training.objective import LossScale
 
 TINY = ModelConfig(
     vocab_size=53,

@@ -1,5 +1,5 @@
 """Routing statistics and FLOP/s of metrics.jsonl (`models.moe.RoutingStats`,
-`runtime.model_stats`): what a router records, when it records, and the step record.
+`training.model_stats`): what a router records, when it records, and the step record.
 
 The equality of these statistics across runtimes is checked in the spawned equivalence
 runs (tests/distributed/equivalence.py, test_baselines.py).
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.flops import train_step_flops
+from disagmoe.costs.flops import train_step_flops
 from disagmoe.models import Router, build_model
-from disagmoe.runtime.model_stats import StepStats
-from disagmoe.runtime.observe import prepare_run_dir
-from disagmoe.runtime.reference import ReferenceTrainer, run_reference
+from disagmoe.training.model_stats import StepStats
+from disagmoe.training.observe import prepare_run_dir
+from disagmoe.training.reference import ReferenceTrainer, run_reference
 
 
 def _cfg(**train: Any) -> RunConfig:

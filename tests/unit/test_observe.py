@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from disagmoe.runtime.observe import (
+from disagmoe.schedule.ir import compute_event_name
+from disagmoe.trace import (
     EventName,
     Tracer,
     busy_us,
@@ -20,7 +21,6 @@ from disagmoe.runtime.observe import (
     total_length,
     union_intervals,
 )
-from disagmoe.schedule.ir import compute_event_name
 
 
 def _event(lane: str, ts: float, dur: float, **args: Any) -> dict[str, Any]:

@@ -10,10 +10,9 @@ import pytest
 
 from disagmoe.cli import main
 from disagmoe.config import ParallelConfig, RunConfig, TrainConfig
-from disagmoe.distributed.layout import Layout, Role
+from disagmoe.distributed.layout import Layout, Role, run_layout
 from disagmoe.distributed.placement import block_roles, node_mix, resolve_ranks_per_node
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
-from disagmoe.runtime.disagg import run_layout
 from disagmoe.simulator.disagg import simulate_disagg
 from disagmoe.simulator.network import Network
 

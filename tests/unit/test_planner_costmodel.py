@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from disagmoe.config import ClusterConfig, ModelConfig
-from disagmoe.planner import costmodel as cm
+from disagmoe.costs import costmodel as cm
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 # dim 8, 4 heads of 2, 2 kv heads (g = 2), 4 experts, top-2, expert width 16

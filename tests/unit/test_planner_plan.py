@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
+from disagmoe.costs import costmodel as cm
 from disagmoe.planner import Planner, PlanOptions, plan_for, seed_plan
-from disagmoe.planner import costmodel as cm
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 H800 = CLUSTER_PRESETS["h800"]

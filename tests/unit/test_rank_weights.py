@@ -28,11 +28,12 @@ from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.layout import Layout
 from disagmoe.models import Experts, build_meta_model, initial_value
 from disagmoe.models.hf_import import load_hf_state_dict, read_hf_config
+from disagmoe.models.parts import unique_named_parameters
 from disagmoe.presets import model_preset
-from disagmoe.runtime.objective import LossScale
-from disagmoe.runtime.observe import Tracer
-from disagmoe.runtime.setup import build_initial_model
-from disagmoe.runtime.stages import ExpertWorker, build_worker, unique_named_parameters
+from disagmoe.runtime.stages import ExpertWorker, build_worker
+from disagmoe.trace import Tracer
+from disagmoe.training.objective import LossScale
+from disagmoe.training.setup import build_initial_model
 
 TIED = dataclasses.replace(model_preset("tiny"), tie_embeddings=True)
 SHARED = model_preset("tiny-shared")

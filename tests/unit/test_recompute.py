@@ -13,9 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-from disagmoe.bench.emulation import ComputeCosts, EmulatedAttentionBlock, EmulatedExperts, Linear
 from disagmoe.config import RunConfig, replace_section
+from disagmoe.costs.compute import ComputeCosts, Linear
 from disagmoe.models import AttentionBlock, Experts, build_meta_model
+from disagmoe.models.emulated import EmulatedAttentionBlock, EmulatedExperts
 from disagmoe.models.layers import Attention
 from disagmoe.models.recompute import (
     CoreRecomputedAttention,
@@ -23,9 +24,9 @@ from disagmoe.models.recompute import (
     RecomputedExperts,
     apply_recompute,
 )
-from disagmoe.runtime.reference import ReferenceTrainer
-from disagmoe.runtime.setup import apply_variants
 from disagmoe.testing.memory import stage_saved_bytes
+from disagmoe.training.reference import ReferenceTrainer
+from disagmoe.training.setup import apply_variants
 
 MODES = ("none", "attn", "full")
 B, S = 2, 32  # one micro-batch
@@ -99,7 +100,7 @@ def test_emulated_full_recompute_waits_the_forward_again(
     mode: str, extra: float, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Emulated compute prices full recompute as one more forward inside each backward."""
-    from disagmoe.bench import emulation
+    from disagmoe.models import emulated as emulation
 
     waits: list[tuple[float, float]] = []
 

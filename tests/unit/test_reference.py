@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from disagmoe.config import RunConfig, replace_section
-from disagmoe.runtime.objective import lr_at
-from disagmoe.runtime.observe import prepare_run_dir
-from disagmoe.runtime.reference import ReferenceTrainer, run_reference
+from disagmoe.training.objective import lr_at
+from disagmoe.training.observe import prepare_run_dir
+from disagmoe.training.reference import ReferenceTrainer, run_reference
 
 
 def test_loss_decreases_and_run_dir_is_complete(tmp_path: Path) -> None:
@@ -29,7 +29,7 @@ def test_loss_decreases_and_run_dir_is_complete(tmp_path: Path) -> None:
 
 
 def test_micro_batching_does_not_change_the_gradient() -> None:
-    # CE only: the balance loss is per micro-batch by definition (see runtime/objective.py).
+    # CE only: the balance loss is per micro-batch by definition (see training/objective.py).
     cfg = replace_section(RunConfig(), "model", aux_loss_coef=0.0)
     base = replace_section(cfg, "train", dtype="float64", global_batch_size=4, micro_batch_size=4)
     split = replace_section(base, "train", micro_batch_size=1)

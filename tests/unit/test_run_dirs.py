@@ -11,9 +11,9 @@ import torch
 from disagmoe.config import ParallelConfig, RunConfig, replace_section
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import MODEL_PRESETS
-from disagmoe.runtime.checkpoint import resolve_checkpoint, save_checkpoint
-from disagmoe.runtime.observe import prepare_run_dir
 from disagmoe.train import mean_tokens_per_s
+from disagmoe.training.checkpoint import resolve_checkpoint, save_checkpoint
+from disagmoe.training.observe import prepare_run_dir
 
 
 def test_fresh_run_refuses_a_used_run_dir(tmp_path: Path) -> None:

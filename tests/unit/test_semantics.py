@@ -10,11 +10,11 @@ import pytest
 
 from disagmoe.device import HOST
 from disagmoe.runtime.executor import Executor, HangError, Payload
-from disagmoe.runtime.observe import Tracer
 from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, Schedule
 from disagmoe.schedule.semantics import RankProgram, compile_ranks, consumer, producer
 from disagmoe.schedule.validate import ScheduleError, validate
+from disagmoe.trace import Tracer
 
 from .test_schedule import layout
 

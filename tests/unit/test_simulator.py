@@ -11,10 +11,10 @@ import pytest
 from disagmoe.config import ModelConfig, ParallelConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
-from disagmoe.runtime.observe import LANES
 from disagmoe.schedule.afpipe import build_afpipe, build_afpipe_graph
 from disagmoe.schedule.graph import list_schedule
 from disagmoe.schedule.ir import Op, Schedule
+from disagmoe.simulate_cli import add_simulate_arguments, simulate_from_args
 from disagmoe.simulator import (
     BREAKDOWN_KEYS,
     Network,
@@ -23,7 +23,7 @@ from disagmoe.simulator import (
     simulate_disagg,
     simulate_schedule,
 )
-from disagmoe.simulator.cli import add_simulate_arguments, simulate_from_args
+from disagmoe.trace import LANES
 
 TINY = ModelConfig(num_layers=4)
 

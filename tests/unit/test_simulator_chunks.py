@@ -11,15 +11,16 @@ from dataclasses import dataclass
 import pytest
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, ScheduleConfig, TrainConfig
+from disagmoe.costs.compute import ComputeCosts, Linear
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.schedule.afpipe import build_afpipe
 from disagmoe.schedule.ir import Op
+from disagmoe.simulate_cli import add_simulate_arguments, simulate_from_args
 from disagmoe.simulator import Network, Workload, simulate_disagg, simulate_schedule
 from disagmoe.simulator.choose import CHUNK_CANDIDATES, run_choice, run_order
-from disagmoe.simulator.cli import add_simulate_arguments, simulate_from_args
 from disagmoe.simulator.costs import MessageOverheads
-from disagmoe.simulator.measured import ComputeCosts, Linear, MeasuredCosts
+from disagmoe.simulator.measured import MeasuredCosts
 
 ONE_MOE = ModelConfig(num_layers=1)  # layer 0 (MoE) and the head, layer 1
 

@@ -9,13 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from disagmoe import flops
+from disagmoe.costs import flops
+from disagmoe.costs.compute import ComputeCosts, Linear
 from disagmoe.planner.cli import add_plan_arguments, run_plan
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.schedule.ir import Op
+from disagmoe.simulate_cli import main as simulate_main
 from disagmoe.simulator import Workload, simulate_disagg
-from disagmoe.simulator.cli import main as simulate_main
-from disagmoe.simulator.measured import ComputeCosts, Linear, MeasuredCosts
+from disagmoe.simulator.measured import MeasuredCosts
 
 UNITS = ComputeCosts(
     attn_fwd=Linear(1e-3, 2e-6),

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from disagmoe.models.moe import Routing, split_by_owner
+from disagmoe.models.parts import NamedParts, unique_named_parameters
 from disagmoe.runtime.dispatch_chunks import split_rows
-from disagmoe.runtime.stages import NamedParts, unique_named_parameters
 from disagmoe.schedule.ir import chunk_rows
 
 

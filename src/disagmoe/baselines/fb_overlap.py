@@ -18,7 +18,7 @@ What makes two concurrent halves safe:
   and reads an earlier loss; autograd runs the backward's graph on the calling thread while
   the forward builds a new one; parameters do not change within a step;
 * one device per worker: the two halves' compute shares it (a GPU's streams share its
-  compute units; emulated compute takes turns, `bench.emulation`).
+  compute units; emulated compute takes turns, `models.emulated`).
 
 The two halves mirror what PyTorch's runtime does for a FORWARD and a FULL_BACKWARD action
 (wait for the pipeline receive, compute, hand a V turn's output to the neighbouring stage

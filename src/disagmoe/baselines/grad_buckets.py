@@ -38,8 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.grad_sync import BUCKET_EVENT
-from ..runtime.observe import Tracer
+from ..trace import BUCKET_EVENT, Tracer
 
 HEAD = -1  # bucket key of the final norm and LM head; the embedding's is EMBED
 EMBED = -2

@@ -45,7 +45,7 @@ from ..models import (
     split_by_owner,
     split_experts,
 )
-from ..runtime.observe import Tracer
+from ..trace import Tracer
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..models import Assignments, Experts, Routing, split_by_owner, split_experts
-from ..runtime.observe import Tracer
+from ..trace import Tracer
 from .moe import EPComm, receiver_plan, traced_exchange
 
 

@@ -25,11 +25,11 @@ from ..config import RunConfig
 from ..device import HOST
 from ..models import DecoderLayer, Experts, MoETransformer, build_meta_model
 from ..models.layers import rope_tables
-from ..runtime.objective import LossScale
-from ..runtime.observe import Tracer, message_event_name, stage_event_name
-from ..runtime.precision import Precision
-from ..runtime.setup import materialize_initial_weights
-from ..runtime.stages import NamedParts
+from ..models.parts import NamedParts
+from ..trace import Tracer, message_event_name, stage_event_name
+from ..training.objective import LossScale
+from ..training.precision import Precision
+from ..training.setup import materialize_initial_weights
 from .grad_buckets import HEAD, StageBuckets
 from .layout import EPLayout
 from .moe import EPComm, ep_moe

@@ -17,7 +17,7 @@ Per optimizer step, on every rank:
 4. global gradient norm (each parameter counted on one rank), clipping,
    AdamW on this rank's parameters; losses reduced over the world.
 
-Evaluation (`runtime.evaluate`) runs the same stage modules forward only, stage by stage
+Evaluation (`training.evaluate`) runs the same stage modules forward only, stage by stage
 (`EPTrainer.eval_ce`), not through PyTorch's schedules: torch 2.13's
 `ScheduleDualPipeV.eval()` fails on the V's local hand-over between the two stages of the
 last rank, and its schedule validator refuses a forward-only action list (docs/baselines.md,
@@ -40,8 +40,12 @@ from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..device import resolve_device
 from ..distributed.topology import allreduce_grads, world_sum
-from ..runtime.evaluate import EvalSet
-from ..runtime.objective import (
+from ..models.parts import unique_named_parameters
+from ..schedule.baselines import build_baseline_schedule
+from ..schedule.ir import Schedule
+from ..trace import Tracer
+from ..training.evaluate import EvalSet
+from ..training.objective import (
     LossScale,
     StepResult,
     build_optimizer,
@@ -50,12 +54,8 @@ from ..runtime.objective import (
     loss_total,
     torch_dtype,
 )
-from ..runtime.observe import Tracer
-from ..runtime.precision import param_dtype_name
-from ..runtime.setup import apply_variants, build_data, set_threads
-from ..runtime.stages import unique_named_parameters
-from ..schedule.baselines import build_baseline_schedule
-from ..schedule.ir import Schedule
+from ..training.precision import param_dtype_name
+from ..training.setup import apply_variants, build_data, set_threads
 from .fb_overlap import ScheduleCombined1F1B, enable_fb_overlap
 from .grad_buckets import DenseGradBuckets
 from .layout import EPGroups, EPLayout
@@ -310,12 +310,12 @@ def run_ep(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
 
     Call on every rank inside an initialised process group. Rank 0 writes what
     `run_disagg` writes: `metrics.jsonl` (same fields, incl. per-rank
-    `busy_s`/`idle_s`), checkpoints, `trace.json` (lanes of `runtime.observe.LANES`:
+    `busy_s`/`idle_s`), checkpoints, `trace.json` (lanes of `trace.LANES`:
     stage computations on fwd/bwd, ep-overlap's chunked expert GEMMs on compute,
     all-to-alls and pipeline sends on send, pipeline receives and blocking waits
     on recv, gradient sync and optimizer step on sync) and `schedule.txt` (the IR).
     """
-    from ..runtime.loop import run_training
+    from ..training.loop import run_training
 
     set_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     trainer = EPTrainer(cfg)

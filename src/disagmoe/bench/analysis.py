@@ -1,7 +1,7 @@
 """What a measured run's trace says: compute, exposed communication, bubble; and what the
 simulator predicts for the same run from a cost table built out of that trace.
 
-Per rank and measured step (trace lanes of `runtime.observe`):
+Per rank and measured step (trace lanes of `trace`):
 
 * compute  = union of the fwd / bwd / compute lanes and the optimizer STEP, minus the
   blocking waits on all-to-alls inside them (the ep-* stages block in collectives; an
@@ -35,8 +35,13 @@ from typing import Any, Literal
 
 from ..config import ClusterConfig, RunConfig
 from ..distributed.layout import Layout
-from ..runtime.grad_sync import BUCKET_EVENT
-from ..runtime.observe import (
+from ..schedule.ir import Instr, Msg, compute_event_name
+from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
+from ..simulator.bound import Bound, worker_bound
+from ..simulator.ep import EPCosts
+from ..simulator.links import LinkModel
+from ..trace import (
+    BUCKET_EVENT,
     COMM_LANES,
     COMPUTE_LANES,
     HOST_WORK,
@@ -49,11 +54,6 @@ from ..runtime.observe import (
     total_length,
     union_intervals,
 )
-from ..schedule.ir import Instr, Msg, compute_event_name
-from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
-from ..simulator.bound import Bound, worker_bound
-from ..simulator.ep import EPCosts
-from ..simulator.links import LinkModel
 from .overheads import fit_message_overheads
 
 Event = dict[str, Any]
@@ -270,6 +270,7 @@ def predict_disagg(
 
     `overheads`: with the run's per-message host costs too (`bench.overheads`)."""
     from ..runtime.disagg import run_schedule
+    from ..simulator.choose import run_order
 
     workload = _workload(cfg)
     # seconds of each whole compute: an exchange-chunked expert compute ("FF l3 s1 c0",
@@ -290,7 +291,7 @@ def predict_disagg(
     layout = Layout.build(
         cfg.model, cfg.parallel, world, ranks_per_node=cfg.parallel.ranks_per_node or world
     )
-    schedule = run_schedule(cfg, layout)
+    schedule = run_schedule(cfg, layout, choose=run_order)
     own = replay == "own"
     # Emulated compute: computations are priced net of their waits for the worker's one
     # device, so the replay shares it between lanes; real compute's spans already hold the

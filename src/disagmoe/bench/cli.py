@@ -19,7 +19,7 @@ mode. Each is a row of the table with its simulator prediction and bound:
 
 Compute is real, one thread per rank, so the number of ranks may not exceed the cores;
 `--compute emulated` replaces attention and expert math by waits of their durations
-measured on this machine (`bench.emulation`), so that 16-32 workers fit on a few cores:
+measured on this machine (`models.emulated`), so that 16-32 workers fit on a few cores:
 
     disagmoe bench --compute emulated --nodes 8 --ranks-per-node 2 --global-batch-size 64
 """
@@ -36,10 +36,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..config import MULTI_WORKER_RUNTIMES, PLACEMENTS, RECOMPUTE, ClusterConfig
+from ..config import (
+    MAX_EXCHANGE_CHUNKS,
+    MULTI_WORKER_RUNTIMES,
+    PLACEMENTS,
+    RECOMPUTE,
+    ClusterConfig,
+)
 from ..extras import require_extra
 from ..presets import model_preset
-from ..schedule.orders import MAX_EXCHANGE_CHUNKS
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import RuntimeResult, run_all, summarize
 from .spec import SPLITS, BenchSpec, even_split
@@ -338,7 +343,7 @@ def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
 
 def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
     """Every EP row's layout: the fastest the simulator finds (`bench.ep_layouts`)."""
-    from ..simulator.measured import ComputeCosts
+    from ..costs.compute import ComputeCosts
     from .ep_layouts import search
 
     costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)

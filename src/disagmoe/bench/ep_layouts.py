@@ -12,20 +12,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ClusterConfig, TrainConfig
+from ..costs.compute import ComputeCosts
+from ..costs.flops import GEMM_BACKWARD
 from ..distributed.ep_layout import EPLayout
-from ..flops import GEMM_BACKWARD
 from ..presets import model_preset
 from ..simulator import Workload
 from ..simulator.ep import EPCosts
 from ..simulator.ep_search import EPCandidate, search_ep_layouts
-from ..simulator.measured import ComputeCosts
 from .analysis import emulated_network
 from .spec import BenchSpec
 
 
 @dataclass(frozen=True)
 class EmulatedEPCosts:
-    """An `EPCostModel` of emulated compute: what the waits last (`bench.emulation`), per
+    """An `EPCostModel` of emulated compute: what the waits last (`models.emulated`), per
     layer and micro-batch on one worker; a split backward (I, W) divided as the FLOPs
     divide it. The final norm and LM head compute for real and are not priced."""
 

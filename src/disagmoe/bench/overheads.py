@@ -27,10 +27,10 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from ..runtime.observe import parse_event_name
 from ..schedule.ir import Msg, compute_event_name
 from ..schedule.semantics import consumer, producer
 from ..simulator.costs import MessageOverheads
+from ..trace import parse_event_name
 
 Event = dict[str, Any]
 READY_US = 20.0  # a header that came at most this long after its lane asked was waiting

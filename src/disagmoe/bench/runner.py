@@ -111,7 +111,7 @@ def launch(cluster: Cluster, spec: BenchSpec, entry: str, run_dir: Path) -> tupl
     nodes = spec.nodes
     per_node = spec.ranks_per_node
     if isinstance(cluster, LoopbackCluster):  # one host: one agent with every rank
-        from ..testing.spawn import free_port
+        from ..device import free_port
 
         rdzv = f"127.0.0.1:{free_port()}"
         nodes, per_node = 1, spec.world

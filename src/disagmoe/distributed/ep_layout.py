@@ -22,8 +22,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ModelConfig, ParallelConfig, TrainConfig
-from ..schedule.pipelines import STAGE_STYLE, split_layers, stage_to_rank, stages_per_rank
+from ..config import EP_RUNTIMES, ModelConfig, ParallelConfig, TrainConfig
+
+# runtime -> (stages per pipeline rank, stage placement style); None = virtual_stages
+STAGE_STYLE: dict[str, tuple[int | None, str]] = {
+    "ep-1f1b": (1, "loop"),
+    "ep-combined": (1, "loop"),
+    "ep-overlap": (1, "loop"),
+    "ep-interleaved": (None, "loop"),
+    "ep-dualpipev": (2, "v"),
+}
+
+
+def stages_per_rank(runtime: str, virtual_stages: int) -> int:
+    """Stages per pipeline rank: 1 (1F1B, overlap), `virtual_stages` (interleaved), 2 (V)."""
+    if runtime not in STAGE_STYLE:
+        raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
+    v = STAGE_STYLE[runtime][0]
+    return virtual_stages if v is None else v
+
+
+def stage_to_rank(style: str, num_ranks: int, num_stages: int) -> list[int]:
+    """Pipeline rank of every stage: "loop" (1F1B, interleaved) or "v" (DualPipeV)."""
+    if style == "v":
+        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
+    return [s % num_ranks for s in range(num_stages)]
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[list[int]]:
+    """Contiguous layer ranges per stage; the first `L mod S` stages get one extra layer."""
+    if num_stages > num_layers:
+        raise ValueError(
+            f"{num_stages} pipeline stages for {num_layers} layers: use fewer stages (--pp) "
+            "or fewer chunks per rank"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    out, start = [], 0
+    for s in range(num_stages):
+        size = base + (1 if s < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out
 
 
 @dataclass(frozen=True)
@@ -134,7 +173,7 @@ class EPLayout:
         return self.num_experts // self.ep
 
     def stage_to_pp_rank(self) -> list[int]:
-        """Pipeline rank of every stage (`schedule.pipelines.stage_to_rank`)."""
+        """Pipeline rank of every stage (`distributed.ep_layout.stage_to_rank`)."""
         return stage_to_rank(self.style, self.pp, self.num_stages)
 
     def stages_of(self, pp_rank: int) -> list[int]:

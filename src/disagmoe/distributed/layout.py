@@ -21,11 +21,13 @@ i mod m's slot i // m), so only the last slot may be run by fewer than m replica
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass, field
 
-from ..config import ModelConfig, ParallelConfig
+from ..config import ModelConfig, ParallelConfig, RunConfig
 from ..models.moe import split_experts
-from .placement import block_roles
+from .placement import block_roles, resolve_ranks_per_node
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,3 +172,25 @@ class Layout:
 
     def expert_shards(self, group: int) -> list[int]:
         return [self.expert_rank(group, j) for j in range(self.expert_workers)]
+
+
+def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
+    """The layout of a run, with its ranks per node resolved (`parallel.ranks_per_node`,
+    else torchrun's LOCAL_WORLD_SIZE of this process, else one node)."""
+    layout = Layout.build(cfg.model, cfg.parallel, world_size)
+    ranks = resolve_ranks_per_node(
+        cfg.parallel.ranks_per_node, layout.world_size, os.environ.get("LOCAL_WORLD_SIZE")
+    )
+    return dataclasses.replace(layout, ranks_per_node=ranks)
+
+
+def num_slots(cfg: RunConfig, layout: Layout) -> int:
+    """Slots of the busiest replica: ceil(M / m) for M micro-batches per step."""
+    num_micro = cfg.train.num_micro_batches
+    if num_micro < layout.attn_workers:
+        raise ValueError(
+            f"global_batch_size/micro_batch_size = {num_micro} micro-batches leave some of the "
+            f"{layout.attn_workers} attention replicas (parallel.attn_workers) without one; "
+            f"use at most {num_micro} attention workers or a larger global batch"
+        )
+    return layout.slots_of_replica(0, num_micro)

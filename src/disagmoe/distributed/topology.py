@@ -107,7 +107,7 @@ def allreduce_grads(params: Sequence[torch.nn.Parameter], group: dist.ProcessGro
     """Sum the gradients of `params` over `group` in one flat all-reduce, in place.
 
     Every member passes its copies of the same parameters in the same order, each with
-    a gradient (`runtime.objective.fill_missing_grads`). Returns the bytes reduced.
+    a gradient (`training.objective.fill_missing_grads`). Returns the bytes reduced.
     """
     grads: list[torch.Tensor] = []
     for p in params:

@@ -1,7 +1,7 @@
 """Activation recompute as module variants (`train.recompute`, docs/design-notes.md).
 
 `apply_recompute(module, mode)` changes, in place, the class of the modules under `module`
-to a variant that saves less for backward and recomputes the rest; like `bench.emulation`
+to a variant that saves less for backward and recomputes the rest; like `models.emulated`
 and FSDP2's `fully_shard`, each module stays the same object with the same parameters,
 names and submodules, so the runtimes, optimizers and checkpoints never notice. The
 variants run `torch.utils.checkpoint` (non-reentrant) around one unit of compute:
@@ -25,7 +25,7 @@ numbers (there is no dropout), so no RNG state is kept; a variant that adds rand
 must draw from a generator of its own. The variants hold no state and have no side
 effects, so running a forward twice changes nothing but time; the rerun runs under
 `moe.recomputing`, in which routers record no statistics (`RoutingStats`). Only modules
-of exactly the base class are swapped: an emulated block (`bench.emulation`) stays
+of exactly the base class are swapped: an emulated block (`models.emulated`) stays
 emulated.
 """
 

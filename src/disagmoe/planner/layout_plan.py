@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..config import RunConfig
-from . import costmodel as cm
+from ..costs import costmodel as cm
 from .plan import Plan, Planner, PlanOptions, ring_length
 
 

@@ -19,10 +19,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import disagmoe.planner.costmodel as cm
-from disagmoe.config import SCHEDULE_ORDERS, SPLIT_BACKWARD, ClusterConfig, ModelConfig
+import disagmoe.costs.costmodel as cm
+from disagmoe.config import (
+    MAX_EXCHANGE_CHUNKS,
+    SCHEDULE_ORDERS,
+    SPLIT_BACKWARD,
+    ClusterConfig,
+    ModelConfig,
+)
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
-from disagmoe.schedule.orders import MAX_EXCHANGE_CHUNKS
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
 PROFILES = ("auto", "analytic", "simulator")

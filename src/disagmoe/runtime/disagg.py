@@ -15,7 +15,7 @@ Per optimizer step:
    AdamW on this rank's own parameters;
 5. losses and busy times are reduced to rank 0, which logs them.
 
-Evaluation (`runtime.evaluate`) runs the forward-only AF-Pipe schedule of the same layout
+Evaluation (`training.evaluate`) runs the forward-only AF-Pipe schedule of the same layout
 and slots (`run_schedule(forward_only=True)`, validated like the training one) on a second
 executor: eval batch k is loaded like a training batch and its loss comes back like the
 step's cross-entropy, with no gradient, SYNC or STEP.
@@ -23,7 +23,6 @@ step's cross-entropy, with no gradient, SYNC or STEP.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -35,21 +34,19 @@ from torch import nn
 from ..config import RunConfig, replace_section
 from ..data import inputs_targets, split_micro_batches
 from ..device import payload_backend, resolve_device
-from ..distributed.layout import Layout
-from ..distributed.placement import node_mix, resolve_ranks_per_node
+from ..distributed.layout import Layout, num_slots, run_layout
+from ..distributed.placement import node_mix
 from ..distributed.topology import Topology, allreduce_grads, world_sum
 from ..schedule.afpipe import build_afpipe, build_afpipe_rank
 from ..schedule.ir import Instr, Schedule, lists_text
-from ..schedule.orders import ScheduleCosts
+from ..schedule.orders import Chooser, Resolved, given_schedule
 from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
-from ..simulator.choose import run_order
-from .budget import in_flight_cap, predict_memory, resolve_memory_budget
-from .evaluate import EvalSet
-from .executor import Executor
-from .grad_sync import OverlappedSync
-from .memory import MEMORY_FIELDS, ActivationMeter, device_peak_bytes, state_bytes
-from .objective import (
+from ..trace import Tracer
+from ..training.budget import predict_memory, resolve_memory_budget, run_cap
+from ..training.evaluate import EvalSet
+from ..training.memory import MEMORY_FIELDS, ActivationMeter, device_peak_bytes, state_bytes
+from ..training.objective import (
     LossScale,
     StepResult,
     build_optimizer,
@@ -57,52 +54,18 @@ from .objective import (
     finish_step,
     loss_total,
 )
-from .observe import Tracer
-from .setup import apply_variants, build_data, set_threads
+from ..training.setup import apply_variants, build_data, set_threads
+from .executor import Executor
+from .grad_sync import OverlappedSync
 from .stages import AttnWorker, ExpertWorker, build_worker
 
 
-def num_slots(cfg: RunConfig, layout: Layout) -> int:
-    """Slots of the busiest replica: ceil(M / m) for M micro-batches per step."""
-    num_micro = cfg.train.num_micro_batches
-    if num_micro < layout.attn_workers:
-        raise ValueError(
-            f"global_batch_size/micro_batch_size = {num_micro} micro-batches leave some of the "
-            f"{layout.attn_workers} attention replicas (parallel.attn_workers) without one; "
-            f"use at most {num_micro} attention workers or a larger global batch"
-        )
-    return layout.slots_of_replica(0, num_micro)
-
-
-def run_cap(cfg: RunConfig, layout: Layout) -> int:
-    """The in-flight cap of a run of `cfg` (`runtime.budget.in_flight_cap`). Every entry
-    point resolves the budget first (`train.resolve_memory`, `DisaggTrainer`); a config
-    whose budget is still 0 (a schedule built by a test or a benchmark) runs uncapped."""
-    slots = num_slots(cfg, layout)
-    if cfg.train.memory_gib <= 0:
-        return cfg.schedule.max_in_flight if cfg.schedule.max_in_flight > 0 else slots
-    return in_flight_cap(cfg, slots)
-
-
-def run_layout(cfg: RunConfig, world_size: int | None = None) -> Layout:
-    """The layout of a run, with its ranks per node resolved (`parallel.ranks_per_node`,
-    else torchrun's LOCAL_WORLD_SIZE of this process, else one node)."""
-    layout = Layout.build(cfg.model, cfg.parallel, world_size)
-    ranks = resolve_ranks_per_node(
-        cfg.parallel.ranks_per_node, layout.world_size, os.environ.get("LOCAL_WORLD_SIZE")
-    )
-    return dataclasses.replace(layout, ranks_per_node=ranks)
-
-
-# (order, generator costs or None, exchange chunks, split backward):
-# `simulator.choose.run_order`'s answer
-Resolved = tuple[str, ScheduleCosts | None, int, bool]
-
-
-def resolve_schedule(cfg: RunConfig, layout: Layout) -> Resolved:
-    """`schedule.order = auto` and `schedule.exchange_chunks = 0` resolved for a run of
-    `cfg` on `layout` (`simulator.choose.run_order`: the same on every rank)."""
-    return run_order(cfg, layout, num_slots(cfg, layout), run_cap(cfg, layout))
+def resolve_schedule(cfg: RunConfig, layout: Layout, choose: Chooser = given_schedule) -> Resolved:
+    """(order, generator costs, exchange chunks, split backward) of a run of `cfg` on
+    `layout`: `choose(cfg, layout, slots, cap)`. What is automatic in `cfg` ("auto",
+    exchange_chunks 0) is chosen by the caller's `choose` (`simulator.choose.run_order`,
+    which `disagmoe train` passes); the default takes `cfg` as given."""
+    return choose(cfg, layout, num_slots(cfg, layout), run_cap(cfg, layout))
 
 
 def run_schedule(
@@ -111,13 +74,14 @@ def run_schedule(
     *,
     forward_only: bool = False,
     resolved: Resolved | None = None,
+    choose: Chooser = given_schedule,
 ) -> Schedule:
     """The AF-Pipe instruction lists a run of `cfg` on `layout` executes (per training step,
     or with `forward_only` per evaluation batch) with the order, generator costs and chunk
-    count `resolved` (default: `resolve_schedule`; an evaluation batch passes the training
-    step's)."""
+    count `resolved` (default: `resolve_schedule` with `choose`; an evaluation batch passes
+    the training step's)."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs, chunks, split = resolved or resolve_schedule(cfg, layout)
+    order, costs, chunks, split = resolved or resolve_schedule(cfg, layout, choose)
     return build_afpipe(
         layout,
         slots,
@@ -145,10 +109,11 @@ def run_schedule_of_rank(
     *,
     forward_only: bool = False,
     resolved: Resolved | None = None,
+    choose: Chooser = given_schedule,
 ) -> tuple[Instr, ...]:
     """`rank`'s list of `run_schedule(cfg, layout)`, built without the other ranks'."""
     slots, cap = num_slots(cfg, layout), run_cap(cfg, layout)
-    order, costs, chunks, split = resolved or resolve_schedule(cfg, layout)
+    order, costs, chunks, split = resolved or resolve_schedule(cfg, layout, choose)
     return build_afpipe_rank(
         layout,
         rank,
@@ -185,7 +150,8 @@ def rank_lists(
 class DisaggTrainer:
     whole_world_ranks = WHOLE_WORLD_RANKS
 
-    def __init__(self, cfg: RunConfig) -> None:
+    def __init__(self, cfg: RunConfig, choose: Chooser = given_schedule) -> None:
+        """`choose` picks what `cfg` leaves automatic in the schedule (`resolve_schedule`)."""
         self.rank = dist.get_rank()
         if cfg.train.memory_gib <= 0:  # one budget for all ranks: rank 0's, broadcast
             local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
@@ -197,7 +163,7 @@ class DisaggTrainer:
         self.cap = run_cap(cfg, self.layout)
         # above `whole_world_ranks` only this rank's list: time and memory follow its own
         self.whole_world = self.layout.world_size <= self.whole_world_ranks
-        self.resolved = resolve_schedule(cfg, self.layout)
+        self.resolved = resolve_schedule(cfg, self.layout, choose)
         self.schedule, self.instrs = rank_lists(
             cfg, self.layout, self.rank, whole_world=self.whole_world, resolved=self.resolved
         )
@@ -345,7 +311,7 @@ class DisaggTrainer:
         return [self.worker.modules]
 
     def memory_bytes(self) -> list[int]:
-        """This rank's `runtime.memory.MEMORY_FIELDS` for the step that just ran."""
+        """This rank's `training.memory.MEMORY_FIELDS` for the step that just ran."""
         if self._states is None:
             self._states = state_bytes(self.params, self.optimizer)
         return [self.meter.peak, *self._states, device_peak_bytes(self.params)]
@@ -404,12 +370,15 @@ class DisaggTrainer:
         return self.tracer.busy_us(step=step) / 1e6
 
 
-def run_disagg(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
-    """Train on this rank; rank 0 writes the run outputs. Call inside a process group."""
-    from .loop import run_training
+def run_disagg(
+    cfg: RunConfig, run_dir: Path, choose: Chooser = given_schedule
+) -> list[dict[str, Any]]:
+    """Train on this rank; rank 0 writes the run outputs. Call inside a process group.
+    `choose` picks what `cfg` leaves automatic in the schedule (`resolve_schedule`)."""
+    from ..training.loop import run_training
 
     set_threads(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    trainer = DisaggTrainer(cfg)
+    trainer = DisaggTrainer(cfg, choose)
 
     def schedule_dump(path: Path) -> None:
         if trainer.schedule is not None:

@@ -47,9 +47,9 @@ from ..distributed.exchange import CommTimeout, Incoming, ProtocolError, Receive
 from ..distributed.topology import Topology
 from ..schedule.ir import MESSAGE_KINDS, Instr, Msg, Op, compute_event_name
 from ..schedule.semantics import BACKGROUND_LANES, RankProgram, TaskKey, consumer_lane
+from ..trace import Tracer, message_event_name, message_label, take_device_wait_us
+from ..training.memory import ActivationMeter
 from .lanes import Compute, Lane, Output, StepState, Turn, drop_key, recv_lane_name
-from .memory import ActivationMeter
-from .observe import Tracer, message_event_name, message_label, take_device_wait_us
 from .outbox import Outbox
 from .streams import LaneStreams
 from .work import Payload, StageWorker, StepHooks, run_compute
@@ -101,7 +101,7 @@ class Executor:
         self.timeout_s = timeout_s
         self.drop = drop_key(drop_message)  # fault injection "KIND:LAYER:SLOT:STEP[:CHUNK]"
         self.program = program
-        self.meter = meter  # counts what a FWD keeps until its BWD (runtime.memory)
+        self.meter = meter  # counts what a FWD keeps until its BWD (training.memory)
         self._backstop = _BACKSTOP * timeout_s + 10.0
         incoming = [m for msgs in self.program.streams.values() for m in msgs]
         self.consumer_lane = {m: consumer_lane(m) for m in incoming}  # the lane it wakes

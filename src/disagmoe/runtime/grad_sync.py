@@ -30,10 +30,8 @@ from torch import nn
 from ..schedule.ir import Msg, Op
 from ..schedule.semantics import RankProgram, TaskKey
 from ..schedule.sync import sync_buckets
-from .observe import Tracer
+from ..trace import BUCKET_EVENT, Tracer
 from .stages import AttnWorker, Payload
-
-BUCKET_EVENT = "allreduce"  # trace name prefix of a bucket's all-reduce: "allreduce l<layer>"
 
 
 @dataclass

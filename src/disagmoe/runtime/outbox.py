@@ -20,8 +20,8 @@ from typing import Any
 
 from ..distributed.exchange import CommTimeout, HeaderBuffer, HeaderPool, send_message
 from ..distributed.topology import Topology
+from ..trace import Tracer
 from .lanes import DropKey, Output, StepState, dropped
-from .observe import Tracer
 from .work import Payload
 
 # Send completion is only traced (and checked for errors), so its thread need not wake for

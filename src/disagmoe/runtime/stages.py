@@ -38,55 +38,15 @@ from ..device import HOST
 from ..distributed.layout import Layout
 from ..models import Assignments, MoETransformer, build_meta_model, split_by_owner
 from ..models.layers import rope_tables
+from ..models.parts import NamedParts, unique_named_parameters
 from ..schedule.ir import Msg, chunk_rows
+from ..training.objective import LossScale, loss_total
+from ..training.precision import Precision
+from ..training.setup import materialize_initial_weights
 from .dispatch_chunks import split_rows
-from .objective import LossScale, loss_total
-from .precision import Precision
-from .setup import materialize_initial_weights
 from .wgrad import Deferred, backward_inputs, backward_weights
 
 Payload = list[torch.Tensor]
-
-
-class NamedParts(nn.Module):
-    """Holds some submodules of the full model under their full-model paths.
-
-    `add("layers.3.attn_block", block)` makes the block's parameters appear as
-    `layers.3.attn_block.*`, the reference model's names, so gradients and
-    checkpoints line up with the single-process model.
-    """
-
-    def add(self, path: str, module: nn.Module) -> None:
-        parent: nn.Module = self
-        *heads, last = path.split(".")
-        for head in heads:
-            if not hasattr(parent, head):
-                parent.add_module(head, nn.Module())
-            parent = getattr(parent, head)
-        parent.add_module(last, module)
-
-    def __getitem__(self, path: str) -> nn.Module:
-        return self.get_submodule(path)
-
-    def __contains__(self, path: object) -> bool:
-        try:
-            self.get_submodule(str(path))
-        except AttributeError:
-            return False
-        return True
-
-
-def unique_named_parameters(*modules: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Every distinct parameter of `modules` once, under the first name that reaches it
-    (tied embedding and LM head: one parameter, `embed.weight`), in module order."""
-    seen: set[int] = set()
-    out: list[tuple[str, nn.Parameter]] = []
-    for module in modules:
-        for name, param in module.named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                out.append((name, param))
-    return out
 
 
 def _leaf(t: torch.Tensor) -> torch.Tensor:

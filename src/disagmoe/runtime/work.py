@@ -10,7 +10,7 @@ import torch
 
 from ..schedule.ir import Instr, Msg, Op
 from ..schedule.semantics import RankProgram
-from .memory import ActivationMeter
+from ..training.memory import ActivationMeter
 
 Payload = list[torch.Tensor]
 

@@ -53,6 +53,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from ..train_config import MESSAGE_KIND_NAMES
+
 
 class Op(StrEnum):
     FWD = "F"
@@ -123,6 +125,7 @@ MESSAGE_KINDS: dict[str, MessageKind] = {
 }  # fmt: skip
 FORWARD_KINDS = tuple(k for k, v in MESSAGE_KINDS.items() if v.channel == "fwd")
 BACKWARD_KINDS = tuple(k for k, v in MESSAGE_KINDS.items() if v.channel == "bwd")
+assert FORWARD_KINDS + BACKWARD_KINDS == MESSAGE_KIND_NAMES, "train_config.MESSAGE_KIND_NAMES"
 A2A_PHASES = ("dispatch", "combine", "grad_combine", "grad_dispatch")  # `comp` of an A2A
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config import MAX_EXCHANGE_CHUNKS, RunConfig
+from ..distributed.layout import Layout
 from .ir import Op
 
 GENERATED_ORDERS = ("breadth", "depth", "steady")
@@ -76,9 +78,6 @@ def _no_ports(kind: str, layer: int, src: int, dst: int) -> PortLoads:
 NOMINAL = ScheduleCosts(_nominal_compute, _no_ports, 0.5, shared_compute=False, name="nominal")
 
 
-MAX_EXCHANGE_CHUNKS = 16
-
-
 def check_chunks(exchange_chunks: int) -> None:
     """Exchange chunks (`schedule.ir`): 1 (not chunked) .. `MAX_EXCHANGE_CHUNKS`."""
     if not 1 <= exchange_chunks <= MAX_EXCHANGE_CHUNKS:
@@ -112,3 +111,33 @@ def priority(order: str, op: Op, layer: int, slot: int) -> tuple[int, ...]:
         return (slot, 0, layer) if fwd else (slot, 1, -layer)
     assert order == "steady", order
     return (1, slot, layer) if fwd else (0, slot, -layer)
+
+
+# (order, generator costs or None, exchange chunks, split backward): what a run executes
+Resolved = tuple[str, ScheduleCosts | None, int, bool]
+# what picks the automatic parts of a run's schedule: (cfg, layout, slots, in-flight cap)
+Chooser = Callable[[RunConfig, Layout, int, int], Resolved]
+
+
+def given_choice(cfg: RunConfig) -> Resolved | None:
+    """`schedule.order`, `schedule.exchange_chunks` and `schedule.split_backward` as given,
+    or None when one of them is automatic ("auto", exchange_chunks 0, `schedule.costs`
+    "run"): then a simulated replay chooses (`simulator.choose.run_order`)."""
+    given = cfg.schedule
+    fixed = given.order != "auto" and given.costs == "nominal" and given.exchange_chunks > 0
+    if not fixed or given.split_backward == "auto":
+        return None
+    return given.order, None, given.exchange_chunks, given.split_backward == "on"
+
+
+def given_schedule(cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int) -> Resolved:
+    """A `Chooser` for a run whose schedule is fully given (`given_choice`); a ValueError
+    naming the fields when something is left to the simulator's choice."""
+    choice = given_choice(cfg)
+    if choice is None:
+        raise ValueError(
+            "schedule.order=auto, schedule.exchange_chunks=0, schedule.split_backward=auto and "
+            "schedule.costs=run are chosen by simulated replay: pass "
+            "choose=simulator.choose.run_order (as `disagmoe train` does), or give them"
+        )
+    return choice

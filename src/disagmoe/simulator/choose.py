@@ -26,7 +26,7 @@ from ..config import RunConfig, split_backward_flag
 from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe, reduced_layout, replica_classes
 from ..schedule.ir import Msg, Op
-from ..schedule.orders import GENERATED_ORDERS, PortLoads, ScheduleCosts
+from ..schedule.orders import GENERATED_ORDERS, PortLoads, Resolved, ScheduleCosts, given_choice
 from .costs import AnalyticCosts, InstrCosts, Workload
 from .engine import Program
 from .links import LinkModel
@@ -205,17 +205,15 @@ def run_chunk_candidates(cfg: RunConfig) -> tuple[int, ...]:
     return (given,) if given > 0 else CHUNK_CANDIDATES
 
 
-def run_order(
-    cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int
-) -> tuple[str, ScheduleCosts | None, int, bool]:
+def run_order(cfg: RunConfig, layout: Layout, num_slots: int, max_in_flight: int) -> Resolved:
     """(order, generator costs or None, exchange chunks, split backward) of a run:
     `schedule.order`, `schedule.costs`, `schedule.exchange_chunks` and
-    `schedule.split_backward` as given, or where one is automatic ("auto", exchange_chunks
-    0) `run_choice`'s pick — the same pure computation on every rank."""
-    given = cfg.schedule
-    fixed = given.order != "auto" and given.costs == "nominal" and given.exchange_chunks > 0
-    if fixed and given.split_backward != "auto":
-        return given.order, None, given.exchange_chunks, given.split_backward == "on"
+    `schedule.split_backward` as given (`schedule.orders.given_choice`), or where one is
+    automatic ("auto", exchange_chunks 0) `run_choice`'s pick — the same pure computation
+    on every rank. The `Chooser` the runtime takes for `schedule.order = auto`."""
+    given = given_choice(cfg)
+    if given is not None:
+        return given
     choice, priced = run_choice(cfg, layout, num_slots, max_in_flight)
     costs = priced if choice.costed else None
     return choice.order, costs, choice.exchange_chunks, choice.split_backward

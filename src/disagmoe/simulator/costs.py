@@ -3,7 +3,7 @@
 Shapes (one micro-batch = b sequences of S tokens, N = b*S tokens, H = model dim,
 q / kv = query / key-value widths, k = top-k, E experts, D_e expert width):
 
-* FLOPs: `disagmoe.flops` (the planner's formulas), per layer: the attention block
+* FLOPs: `disagmoe.costs.flops` (the planner's formulas), per layer: the attention block
   of a dense or MoE layer, the LM head (layer L), the embedding 0; routed experts
   per (token, expert) pair, a shard of n getting `N*k/n` pairs per attention
   replica (balanced routing); backward = 2x forward for GEMMs, 2.5x for the
@@ -35,8 +35,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .. import flops
 from ..config import ClusterConfig, ModelConfig, RunConfig
+from ..costs import flops
 from ..schedule.ir import Op
 
 LAYER_KINDS = ("embed", "dense", "moe", "head")

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
-from ..distributed.ep_layout import EPLayout
-from ..flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
+from ..costs.flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
+from ..distributed.ep_layout import EPLayout, split_layers
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Instr, Msg, Schedule
-from ..schedule.pipelines import split_layers
 from .costs import MessageOverheads, Workload
 from .engine import run_program
 from .links import LinkModel

@@ -35,7 +35,6 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..runtime.observe import message_event_name, message_label
 from ..schedule.ir import Instr, Msg, Op, Schedule, compute_event_name
 from ..schedule.semantics import (
     BACKGROUND_LANES,
@@ -48,6 +47,7 @@ from ..schedule.semantics import (
     compute_kind,
 )
 from ..schedule.sync import sync_buckets
+from ..trace import message_event_name, message_label
 from .costs import MessageOverheads
 from .engine import A2A, COMPUTE, DELAY, Program
 from .network import Network, Ports

@@ -4,13 +4,13 @@ The file (`compute_costs.json`, written by `disagmoe bench --compute emulated`'s
 calibration and by `benchmarks/gpu_check.py`) holds four linear models of one layer,
 `fixed + per_row * rows` seconds: the attention block forward and backward per token,
 the experts of one worker forward and backward per (token, expert) assignment
-(`ComputeCosts`). The runtime's emulated compute sleeps for them (`bench.emulation`);
+(`ComputeCosts`). The runtime's emulated compute sleeps for them (`models.emulated`);
 here `MeasuredCosts` turns them into the simulator's `InstrCosts` for a given layout:
 
 * A of a MoE layer: `attn_fwd(tokens)`, `attn_bwd(tokens)` for the micro-batch's tokens;
 * A of a dense layer, of layer 0 (embedding) and of layer L (final norm, LM head, loss):
   the MoE layer's time scaled by its forward FLOPs over a MoE layer's attention block
-  (`disagmoe.flops`; the file measures only the MoE layer's block);
+  (`disagmoe.costs.flops`; the file measures only the MoE layer's block);
 * F: `expert_fwd(pairs)`, `expert_bwd(pairs)` with `pairs` = the (token, expert)
   assignments one shard receives from the m replicas' micro-batch (`Workload`);
 * activation recompute adds one forward to each backward (`full`), or the attention
@@ -27,74 +27,13 @@ file serves every plan the planner scores (`disagmoe plan --costs`, `simulate --
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from .. import flops
+from ..costs import flops
+from ..costs.compute import ComputeCosts
 from ..schedule.ir import Op
 from .costs import Workload, weight_grad_s
-
-
-@dataclass(frozen=True)
-class Linear:
-    """`fixed + per_row * rows` seconds."""
-
-    fixed: float
-    per_row: float
-
-    def __call__(self, rows: int) -> float:
-        return max(self.fixed + self.per_row * rows, 0.0)
-
-    def scaled(self, factor: float) -> Linear:
-        return Linear(self.fixed * factor, self.per_row * factor)
-
-
-@dataclass(frozen=True)
-class ComputeCosts:
-    """Forward and backward durations of the two emulated units."""
-
-    attn_fwd: Linear  # one layer's A component, per token
-    attn_bwd: Linear
-    expert_fwd: Linear  # one layer's experts on one worker, per (token, expert) assignment
-    expert_bwd: Linear
-    note: str = ""  # where the numbers come from
-
-    def scaled(self, factor: float) -> ComputeCosts:
-        return ComputeCosts(
-            self.attn_fwd.scaled(factor),
-            self.attn_bwd.scaled(factor),
-            self.expert_fwd.scaled(factor),
-            self.expert_bwd.scaled(factor),
-            f"{self.note} x{factor:g}" if factor != 1 else self.note,
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @staticmethod
-    def load(path: str | Path) -> ComputeCosts:
-        """Read a costs file; a clear ValueError if it is missing or malformed."""
-        try:
-            raw = json.loads(Path(path).read_text())
-            units = {
-                k: Linear(float(raw[k]["fixed"]), float(raw[k]["per_row"]))
-                for k in ("attn_fwd", "attn_bwd", "expert_fwd", "expert_bwd")
-            }
-        except FileNotFoundError:
-            raise ValueError(f"compute costs file {str(path)!r} does not exist") from None
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise ValueError(
-                f"compute costs file {str(path)!r} is not a costs JSON "
-                f"(attn_fwd/attn_bwd/expert_fwd/expert_bwd with fixed and per_row): {err}"
-            ) from None
-        for name, unit in units.items():
-            if not all(math.isfinite(v) and v >= 0 for v in (unit.fixed, unit.per_row)):
-                raise ValueError(
-                    f"compute costs file {str(path)!r}: {name} must be finite and >= 0"
-                )
-        return ComputeCosts(**units, note=str(raw.get("note", "")))
 
 
 @dataclass(frozen=True, slots=True)

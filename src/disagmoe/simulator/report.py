@@ -10,7 +10,7 @@ Breakdown (seconds, averaged over real workers, so that
 * `comm_exposed` — time a message or collective is in flight and the GPU idles;
 * `bubble` — the rest: the worker waits with nothing in flight.
 
-`trace.json` uses the real runs' format (runtime/observe.py): one process per
+`trace.json` uses the real runs' format (trace.py): one process per
 worker, one thread per lane, one complete event per operation; a message
 appears as "send ..." on the sender's send lane and "recv ..." on the
 receiver's recv lane, from when its bytes start moving to its arrival.
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..runtime.observe import (
+from ..trace import (
     Interval,
     Tracer,
     message_event_name,

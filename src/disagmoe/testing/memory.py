@@ -15,10 +15,10 @@ import torch
 
 from ..config import RunConfig, replace_section
 from ..distributed.layout import Layout
-from ..runtime.objective import LossScale
-from ..runtime.setup import apply_variants
 from ..runtime.stages import AttnWorker, ExpertWorker, build_worker
 from ..schedule.ir import Msg
+from ..training.objective import LossScale
+from ..training.setup import apply_variants
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -22,13 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..device import bind_device, default_backend, init_kwargs, resolve_device
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ..device import bind_device, default_backend, free_port, init_kwargs, resolve_device
 
 
 def _entry(

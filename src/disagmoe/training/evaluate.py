@@ -1,7 +1,7 @@
 """Evaluation: validation loss and perplexity, computed by every runtime the same way.
 
 * **Data.** `train.eval_data` takes what `train.data` takes (a `prepare-data` PREFIX,
-  memory-mapped, `.bin`, `.npy`, `.txt`), with the same checks (`runtime.setup.build_data`).
+  memory-mapped, `.bin`, `.npy`, `.txt`), with the same checks (`training.setup.build_data`).
 * **Batches.** An evaluation runs the eval data's first `train.eval_batches` global batches
   (`train.global_batch_size` samples of `seq_len + 1` tokens) in file order, without
   shuffling (`data.TokenBatches.ordered_batch`): the same set every time. `eval_batches = 0`

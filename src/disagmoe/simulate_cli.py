@@ -11,7 +11,8 @@ import math
 import sys
 from typing import Any
 
-from ..config import (
+from .config import (
+    MAX_EXCHANGE_CHUNKS,
     MULTI_WORKER_RUNTIMES,
     PLACEMENTS,
     SCHEDULE_ORDERS,
@@ -19,16 +20,15 @@ from ..config import (
     ModelConfig,
     split_backward_flag,
 )
-from ..flops import expert_flops, train_factors
-from ..planner.split import planned_split
-from ..presets import cluster_preset, model_preset
-from ..schedule.orders import MAX_EXCHANGE_CHUNKS
-from .costs import Workload
-from .disagg import ScheduleRejected, simulate_disagg
-from .ep import simulate_ep
-from .links import LINK_MODELS
-from .measured import MeasuredCosts
-from .report import BREAKDOWN_KEYS, SimResult
+from .costs.flops import expert_flops, train_factors
+from .planner.split import planned_split
+from .presets import cluster_preset, model_preset
+from .simulator.costs import Workload
+from .simulator.disagg import ScheduleRejected, simulate_disagg
+from .simulator.ep import simulate_ep
+from .simulator.links import LINK_MODELS
+from .simulator.measured import MeasuredCosts
+from .simulator.report import BREAKDOWN_KEYS, SimResult
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from ..config import RunConfig
+from ..costs.flops import train_step_flops
 from ..device import is_accelerator
-from ..flops import train_step_flops
 from ..models import Router
 
 _ROUTER_NAME = re.compile(r"(?:.*\.)?layers\.(\d+)\.attn_block\.router")
@@ -101,7 +101,7 @@ class StepStats:
     def record(self, totals: torch.Tensor, step_time_s: float, world: int) -> dict[str, Any]:
         """The metrics.jsonl fields of a step from the world's sums of `fill` (`totals`).
 
-        A layer that recorded no token (emulated compute: `bench.emulation` routes without
+        A layer that recorded no token (emulated compute: `models.emulated` routes without
         the router) has null imbalance and entropy, and counts top_k per token for FLOPs.
         """
         train, model = self.cfg.train, self.cfg.model

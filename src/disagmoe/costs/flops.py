@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .config import RECOMPUTE, ModelConfig
+from ..config import RECOMPUTE, ModelConfig
 
 GEMM_BACKWARD = 2.0  # backward / forward FLOPs of a GEMM
 CORE_BACKWARD = 2.5  # backward / forward FLOPs of the attention core (recomputes QK^T)

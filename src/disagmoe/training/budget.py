@@ -10,7 +10,7 @@ that launches the ranks (`resolve_memory_budget`), and travels in the config.
 * Prediction (`predict_memory`): per role, states (weight, gradient, AdamW moments in
   the run's dtype) and the activations of K in-flight micro-batches of the worst replica
   (A) and the worst shard (F, ceil(E/n) experts, balanced routing), from
-  `planner.runtime_memory` with the run's dtype, seq_len, micro-batch, recompute and split.
+  `costs.runtime_memory` with the run's dtype, seq_len, micro-batch, recompute and split.
 * Cap (`in_flight_cap`): `schedule.max_in_flight` when > 0; -1: no cap (every slot);
   0 (default): the largest K <= slots whose prediction fits the budget on both roles.
   If even K = 1 does not fit, a ValueError names the binding term (exit 2 in the CLI).
@@ -22,9 +22,10 @@ import dataclasses
 import os
 
 from ..config import RunConfig
+from ..costs import costmodel as cm
+from ..costs import runtime_memory as rm
 from ..device import is_accelerator, resolve_device
-from ..planner import costmodel as cm
-from ..planner import runtime_memory as rm
+from ..distributed.layout import Layout, num_slots
 from .precision import param_dtype_name
 
 NO_CAP = -1  # schedule.max_in_flight: every slot in flight
@@ -144,3 +145,13 @@ def _check_fits(one: RunMemory, budget: float, gib: float) -> None:
         f"{what} {_gib(mem.states)} + activations of one micro-batch {_gib(mem.activations)}"
         f"{logits}{deferred} exceed train.memory_gib={gib:g}; use {fix}"
     )
+
+
+def run_cap(cfg: RunConfig, layout: Layout) -> int:
+    """The in-flight cap of a run of `cfg` (`in_flight_cap`). Every entry
+    point resolves the budget first (`train.resolve_memory`, `DisaggTrainer`); a config
+    whose budget is still 0 (a schedule built by a test or a benchmark) runs uncapped."""
+    slots = num_slots(cfg, layout)
+    if cfg.train.memory_gib <= 0:
+        return cfg.schedule.max_in_flight if cfg.schedule.max_in_flight > 0 else slots
+    return in_flight_cap(cfg, slots)

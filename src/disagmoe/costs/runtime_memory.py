@@ -3,9 +3,9 @@
 The planner's `costmodel` describes a fused GPU implementation; this module describes the
 modules of `disagmoe.models` as the disaggregated runtime runs them (`runtime.stages`): every
 tensor autograd saves during a stage's forward, plus the stage's inputs and outputs that it
-keeps until its backward, term by term (docstrings below). `runtime.budget` derives the
+keeps until its backward, term by term (docstrings below). `training.budget` derives the
 in-flight cap from it, and metrics.jsonl prints it beside the measured bytes
-(`runtime.memory`); tests/e2e/test_memory.py checks the two agree.
+(`training.memory`); tests/e2e/test_memory.py checks the two agree.
 
 Assumes balanced routing (each shard gets k/n of the token-expert pairs); an untrained
 router on a small model routes unevenly, so a shard's measured bytes can exceed it.
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 
-from .. import flops
 from ..config import ModelConfig
 from . import costmodel as cm
+from . import flops
 
 
 def shards_per_token(model: ModelConfig, shards: int) -> float:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 
-from .observe import Tracer
+from ..trace import Tracer
 
 
 class StepCollector:

@@ -7,7 +7,7 @@ A runtime provides a `Trainer` (one per rank); this loop drives it:
   first attempt only: the restarted worker must get past it),
 * numerical guard: a non-finite loss or gradient stops the run naming the step
   and the workers, before any checkpoint could store it,
-* evaluation (`eval_loss`, `eval_ppl`) on the steps `runtime.evaluate` says, forward only,
+* evaluation (`eval_loss`, `eval_ppl`) on the steps `training.evaluate` says, forward only,
 * metrics.jsonl + progress on rank 0 (routing and FLOP/s from `model_stats`, reduced in
   the step's one all-reduce), checkpoints every `checkpoint_every` steps and at the end,
   trace.json gathered to rank 0.
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import RunConfig, TrainConfig
+from ..trace import Tracer, write_trace
 from .checkpoint import checkpoint_root, choose_checkpoint, load_checkpoint, save_checkpoint
 from .collector import StepCollector
 from .evaluate import Evaluates, evaluate, should_evaluate
@@ -36,7 +37,7 @@ from .manifest import CheckpointError
 from .memory import MEMORY_FIELDS
 from .model_stats import StepStats
 from .objective import StepResult, lr_at
-from .observe import MetricsLog, Tracer, write_trace
+from .observe import MetricsLog
 from .tensorboard import open_tensorboard
 
 
@@ -211,9 +212,9 @@ def run_training(
                 )
             collector.after(step)  # on every rank at once, or on none
             # One all-reduce per step: busy seconds, garbage-collection seconds and, where
-            # the runtime measures it, each rank's memory (runtime.memory.MEMORY_FIELDS,
+            # the runtime measures it, each rank's memory (training.memory.MEMORY_FIELDS,
             # exact in float64), one row per rank; then the routing sums of all ranks
-            # (runtime.model_stats).
+            # (training.model_stats).
             memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
             memory_record = getattr(trainer, "memory_record", None)
             cols = 2 + (len(MEMORY_FIELDS) if memory else 0)
@@ -244,7 +245,7 @@ def run_training(
             }
             if memory_record is not None:
                 record["memory_mib"] = memory_record(stats[:, 2:].tolist())
-            if should_evaluate(train, step + 1):  # forward only (runtime/evaluate.py)
+            if should_evaluate(train, step + 1):  # forward only (training/evaluate.py)
                 record.update(evaluate(trainer, step))
             records.append(record)
             if log is not None:

@@ -8,17 +8,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from ..bench.emulation import ComputeCosts, emulate_compute
 from ..config import RunConfig
+from ..costs.compute import ComputeCosts
 from ..data import TokenBatches, build_batches
 from ..device import HOST
-from ..models import (
-    MoETransformer,
-    build_meta_model,
-    held_parameters,
-    materialize,
-    seeded_values,
-)
+from ..models import MoETransformer, build_meta_model, held_parameters, materialize, seeded_values
+from ..models.emulated import emulate_compute
 from ..models.recompute import apply_recompute
 from .objective import torch_dtype
 from .precision import param_dtype_name

@@ -11,6 +11,7 @@ from torch import nn
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..device import bind_device, resolve_device
+from ..trace import Tracer
 from .evaluate import EvalSet
 from .objective import (
     LossScale,
@@ -20,7 +21,6 @@ from .objective import (
     finish_step,
     loss_total,
 )
-from .observe import Tracer
 from .precision import Precision
 from .setup import apply_variants, build_data, build_initial_model, set_threads
 

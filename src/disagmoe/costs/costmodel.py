@@ -2,7 +2,7 @@
 
 Two cost models share one result type, `LayerCosts` (forward pass of one layer for one
 sequence of `S` tokens; bf16 activations on the wire); their FLOP and byte formulas are
-those of `disagmoe.flops`:
+those of `disagmoe.costs.flops`:
 
 * `paper_costs` — exactly the formulas of docs/design.md §2.4 (H = model dim, g = heads/kv_heads):
   `C_a = S*H^2*(2 + 2/g) + 4*S^2*H`, `C_f = 4*k*S*H*D_e`, `V = 2*S*k*H` bytes.
@@ -27,7 +27,7 @@ Memory (`attn_worker_memory`, `ffn_memory_terms`), for a `Precision` (default `M
 and bf16 activations): states, plus the activations a fused GPU implementation keeps for
 backward per in-flight micro-batch and layer, plus one micro-batch of logits on the A-group
 that holds the LM head. What this runtime's modules keep (more: it holds the dispatched rows
-and the combines, and saves norm and SwiGLU intermediates) is `planner.runtime_memory`, which
+and the combines, and saves norm and SwiGLU intermediates) is `costs.runtime_memory`, which
 sets the runtime's in-flight cap and is checked against measured memory.
 """
 
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagmoe import flops
 from disagmoe.config import RECOMPUTE, ClusterConfig, ModelConfig
+from disagmoe.costs import flops
 
 BYTES_ACT = 2  # bf16 activations / wire format
 GIB = 1024**3
@@ -220,7 +220,7 @@ def attn_act_bytes_per_token(
     model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
 ) -> int:
     """Bytes per token and layer a fused GPU implementation keeps for backward on an attention
-    worker (the planner's model; `planner.runtime_memory` has what this runtime keeps).
+    worker (the planner's model; `costs.runtime_memory` has what this runtime keeps).
 
     Without recompute: x, Norm(x), q, k, v, attention output, h, Norm2(h) (activation dtype),
     the FlashAttention log-sum-exp per head and router logits (fp32). `attn`: the attention
