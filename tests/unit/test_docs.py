@@ -14,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1[ \t]*$", re.S | re.M)
 INLINE = re.compile(r"(`+)(.+?)\1", re.S)
 RUN_DIR = re.compile(r"\bruns/[\w.-]+")
 COMMAND = re.compile(
