@@ -6,9 +6,9 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
+
+from results_io import write_json
 
 from disagmoe.planner import plan_for
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
@@ -50,11 +50,9 @@ def main() -> int:
             flag = "" if seconds < LIMIT_S else f"  SLOWER THAN {LIMIT_S} s"
             print(f"{name:18s} {gpus:5d} {seconds:8.3f} {row.get('groups', '-')!s:>3s} "
                   f"{split:>11s} {nics:>10s} {stage}  {row['status']}{flag}")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"limit_s": LIMIT_S, "rows": rows}, indent=1))
+    write_json(args.out, {"limit_s": LIMIT_S, "rows": rows})
     worst = max(float(r["solve_s"]) for r in rows)  # type: ignore[arg-type]
-    print(f"slowest solve: {worst:.3f} s (limit {LIMIT_S} s); wrote {out}")
+    print(f"slowest solve: {worst:.3f} s (limit {LIMIT_S} s)")
     return 0 if worst < LIMIT_S else 1
 
 

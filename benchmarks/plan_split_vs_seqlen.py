@@ -10,13 +10,13 @@ JSON and the figure.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from results_io import write_json
 
 from disagmoe.planner import plan_for
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
@@ -52,9 +52,7 @@ def main() -> int:
                       f"{full.attn_gpus:>3d}:{full.ffn_gpus:<3d} {full.attn_nics:>3d}:{full.ffn_nics:<3d} "
                       f"{full.binding:>17s} {full.recompute:>4s} | "
                       f"{paper.attn_gpus:>4d}:{paper.ffn_gpus:<4d} {paper.attn_nics:>3d}:{paper.ffn_nics:<3d}")  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1))
+    write_json(args.out, {"rows": rows})
     fig, axes = plt.subplots(1, len(MODELS), figsize=(12, 3.8), sharey=True)
     for ax, name in zip(axes, MODELS, strict=True):
         for gpus, style in zip(GPUS, ("o-", "s-"), strict=True):
@@ -78,7 +76,7 @@ def main() -> int:
     figure = Path(args.figure)
     figure.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(figure, dpi=120)
-    print(f"wrote {out} and {figure}")
+    print(f"wrote {figure}")
     return 0
 
 

@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
+import platform
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 
+def machine() -> str:
+    """This machine, as a results file's `meta.machine` says it."""
+    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+
+
 def write_json(path: str, payload: dict[str, Any]) -> None:
-    """Write `payload` to `path` (parent folders created) and say so."""
+    """Write `payload` to `path` (parent folders created) and say so. The file also gets
+    `meta`: the command that ran (this script and its arguments), the machine and the date,
+    which `benchmarks/report.py` prints above its table."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1))
+    command = shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+    meta = {"command": command, "machine": machine(), "date": datetime.date.today().isoformat()}
+    out.write_text(json.dumps({**payload, "meta": meta}, indent=1))
     print(f"wrote {out}")
 
 

@@ -24,12 +24,12 @@ goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import subprocess
 import sys
 import time
-from pathlib import Path
+
+from results_io import write_json
 
 from disagmoe.bench.analysis import TCP_EFFICIENCY
 from disagmoe.bench.netns import QUEUE_MS, EmulatedCluster, available
@@ -176,7 +176,7 @@ def main() -> int:
             )
             print(f"{name:12s} {count:5d} {ratio:15.3f} {drops:10d}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        write_json(args.json, {"rows": rows})
     return 0
 
 

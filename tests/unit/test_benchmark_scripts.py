@@ -4,7 +4,8 @@ The benchmarks measure (minutes each; docs/ quote their output) and CI does not 
 so an API they call can drift unseen. This imports each one as a module, as its own
 directory would on `python benchmarks/NAME.py`, and runs `main` with `--help`: the imports
 resolve and the argument parser builds. What each script measures is checked where a
-cheap run is possible (`tests/e2e/test_gpu_check.py`, `tests/e2e/test_bench.py`).
+cheap run is possible (`tests/e2e/test_gpu_check.py`, `tests/e2e/test_bench.py`); that the
+docs show what `benchmarks/results/` holds, in `tests/unit/test_report.py`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
-LIBRARIES = {"results_io", "ablation_plots"}  # imported by the scripts, no command line
+# imported by the scripts, no command line
+LIBRARIES = {"results_io", "ablation_plots", "report_tables"}
 
 
 def test_the_benchmark_folder_is_found() -> None:
@@ -80,17 +82,3 @@ def test_exchange_overhead_counts_each_threads_cpu_under_its_lane(
     assert spent["send"] >= 0.045
     assert "fwd" not in spent
     assert spent.get("main", 0.0) < 0.02  # it only waited while the lane spun
-
-
-def test_docs_show_the_saved_bench_reports_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every saved bench report's table (benchmarks/bench_table.py) stands verbatim in
-    docs/bench.md: the page cannot drift from the JSON."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import json
-
-    bench_table = importlib.import_module("bench_table")
-    page = (BENCHMARKS.parent / "docs" / "bench.md").read_text()
-    reports = sorted((BENCHMARKS / "results").glob("bench*_*.json"))
-    assert reports
-    for path in reports:
-        assert bench_table.table(json.loads(path.read_text())) in page, path.name
