@@ -14,8 +14,9 @@ script rewrites and `--check` compares:
     <!-- /report -->
 
 A results file carries `meta: {command, machine, date}`: `results_io.write_json` adds it
-to what the benchmark scripts write; a file written elsewhere (`disagmoe bench`'s
-bench.json) gets it from `--stamp` (date: today, machine: this one). The tables of
+to what the benchmark scripts write, and `disagmoe bench` writes it into its bench.json
+(`disagmoe.bench.meta`); an older file without it gets it from `--stamp` (date: today,
+machine: this one). The tables of
 `disagmoe bench` reports are `bench_table.table`'s; every other file's columns are listed
 in `report_tables.py`, and a file not listed gets every scalar field of its rows.
 """
@@ -31,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from report_tables import BENCH_ABOUT, BENCH_TITLES, ORDER, TABLES, is_bench_report, table
-from results_io import machine
+
+from disagmoe.bench.meta import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path("benchmarks/results")

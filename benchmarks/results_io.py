@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-
-def machine() -> str:
-    """This machine, as a results file's `meta.machine` says it."""
-    return f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs"
+from disagmoe.bench.meta import results_meta
 
 
 def write_json(path: str, payload: dict[str, Any]) -> None:
@@ -25,8 +20,7 @@ def write_json(path: str, payload: dict[str, Any]) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-    meta = {"command": command, "machine": machine(), "date": datetime.date.today().isoformat()}
-    out.write_text(json.dumps({**payload, "meta": meta}, indent=1))
+    out.write_text(json.dumps({**payload, "meta": results_meta(command)}, indent=1))
     print(f"wrote {out}")
 
 

@@ -31,6 +31,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from ..config import (
 )
 from ..extras import require_extra
 from ..presets import model_preset
+from .meta import results_meta
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
 from .runner import RuntimeResult, run_all, summarize
 from .spec import SPLITS, BenchSpec, even_split
@@ -407,6 +409,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "network": network, "emulated_compute": spec.compute == "emulated",
         "time_scale": spec.time_scale, "compute": compute_label(spec), "spec": _spec_dict(spec),
         "results": [r.to_dict() for r in results],
+        "meta": results_meta(shlex.join(["disagmoe", *sys.argv[1:]])),
     }, indent=2)  # fmt: skip
     table = format_table(spec, results, network)
     spec.out_dir.mkdir(parents=True, exist_ok=True)
