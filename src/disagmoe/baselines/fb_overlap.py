@@ -30,54 +30,58 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from torch.distributed.pipelining.schedules import (
+from ..schedule.pipelines import Overlap, Step, combined_1f1b
+from ..torch_private import (
     FORWARD,
     FULL_BACKWARD,
     OVERLAP_F_B,
-    _Action,
-    _PipelineContext,
-    _PipelineScheduleRuntime,
-    _wait_batch_p2p,
+    Action,
+    PipelineContext,
+    PipelineScheduleRuntime,
+    compute_loss,
+    get_loss,
+    prepare_schedule_with_comms,
+    schedule_num_microbatches,
+    schedule_stages,
+    wait_batch_p2p,
 )
-
-from ..schedule.pipelines import Overlap, Step, combined_1f1b
 from .stage import TracedStage
 
 
-def _forward(sched: _PipelineScheduleRuntime, action: _Action, ctx: _PipelineContext) -> None:
-    stages: dict[int, TracedStage] = {s.stage_index: s for s in sched._stages}  # type: ignore[misc]
+def _forward(sched: PipelineScheduleRuntime, action: Action, ctx: PipelineContext) -> None:
+    stages: dict[int, TracedStage] = {s.stage_index: s for s in schedule_stages(sched)}  # type: ignore[misc]
     stage, mb = stages[action.stage_index], action.microbatch_index
     assert mb is not None and ctx.arg_mbs is not None and ctx.kwarg_mbs is not None
     if not stage.is_first and action.stage_index - 1 not in stages:
-        _wait_batch_p2p(sched.fwd_recv_ops.pop((action.stage_index, mb)))
+        wait_batch_p2p(sched.fwd_recv_ops.pop((action.stage_index, mb)))
     output = stage.forward_one_chunk(mb, ctx.arg_mbs[mb], ctx.kwarg_mbs[mb], False)
-    sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+    compute_loss(sched, stage, output, ctx.target_mbs, mb)
     if action.stage_index + 1 in stages:  # the V turn: the next stage is on this rank
         stages[action.stage_index + 1].set_local_fwd_input(output, mb)
 
 
-def _backward(sched: _PipelineScheduleRuntime, action: _Action) -> None:
-    stages: dict[int, TracedStage] = {s.stage_index: s for s in sched._stages}  # type: ignore[misc]
+def _backward(sched: PipelineScheduleRuntime, action: Action) -> None:
+    stages: dict[int, TracedStage] = {s.stage_index: s for s in schedule_stages(sched)}  # type: ignore[misc]
     stage, mb = stages[action.stage_index], action.microbatch_index
     assert mb is not None
     if not stage.is_last and action.stage_index + 1 not in stages:
-        _wait_batch_p2p(sched.bwd_recv_ops.pop((action.stage_index, mb)))
-    loss = sched._maybe_get_loss(stage, mb)
+        wait_batch_p2p(sched.bwd_recv_ops.pop((action.stage_index, mb)))
+    loss = get_loss(sched, stage, mb)
     sched.backward_counter[action.stage_index] += 1
-    last = sched.backward_counter[action.stage_index] == sched._n_microbatches
+    last = sched.backward_counter[action.stage_index] == schedule_num_microbatches(sched)
     stage.backward_one_chunk(mb, loss=loss, full_backward=True, last_backward=last)
     if action.stage_index - 1 in stages:
         stages[action.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
 
-def run_overlapped(action: _Action, ctx: _PipelineContext) -> None:
+def run_overlapped(action: Action, ctx: PipelineContext) -> None:
     """An `OVERLAP_F_B` action: its forward on a thread of its own, its backward here."""
     sched = ctx.schedule_ref
-    assert isinstance(sched, _PipelineScheduleRuntime) and action.sub_actions is not None
+    assert isinstance(sched, PipelineScheduleRuntime) and action.sub_actions is not None
     fwd, bwd = action.sub_actions
     assert fwd.computation_type == FORWARD and bwd.computation_type == FULL_BACKWARD, action
     for sub in (fwd, bwd):  # the executed order records the pair as the list has it
-        stage = next(s for s in sched._stages if s.stage_index == sub.stage_index)
+        stage = next(s for s in schedule_stages(sched) if s.stage_index == sub.stage_index)
         assert isinstance(stage, TracedStage) and sub.microbatch_index is not None
         stage.record(sub.computation_type.value, sub.microbatch_index)
     failed: list[BaseException] = []
@@ -98,21 +102,21 @@ def run_overlapped(action: _Action, ctx: _PipelineContext) -> None:
         raise failed[0]
 
 
-def enable_fb_overlap(schedule: _PipelineScheduleRuntime) -> None:
+def enable_fb_overlap(schedule: PipelineScheduleRuntime) -> None:
     """Run `schedule`'s OVERLAP_F_B actions with their halves at once (module doc)."""
     schedule.register_custom_function(OVERLAP_F_B, run_overlapped)
 
 
-def _torch_action(step: Step) -> _Action:
+def _torch_action(step: Step) -> Action:
     if isinstance(step, Overlap):
-        return _Action(
+        return Action(
             -1, OVERLAP_F_B, None, (_torch_action(step.forward), _torch_action(step.backward))
         )
     kind = {"F": FORWARD, "B": FULL_BACKWARD}[step.kind]
-    return _Action(step.stage, kind, step.mb)
+    return Action(step.stage, kind, step.mb)
 
 
-class ScheduleCombined1F1B(_PipelineScheduleRuntime):
+class ScheduleCombined1F1B(PipelineScheduleRuntime):
     """`ep-combined`: one stage per rank, run in `schedule.pipelines.combined_1f1b`'s order
     (the order as data, lowered to PyTorch's runtime with its pipeline sends and
     receives), with its F&B pairs at once."""
@@ -122,8 +126,8 @@ class ScheduleCombined1F1B(_PipelineScheduleRuntime):
     ) -> None:
         super().__init__([stage], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
         order = combined_1f1b(stage.group_size, n_microbatches)
-        self.pipeline_order: dict[int, list[_Action | None]] = {
+        self.pipeline_order: dict[int, list[Action | None]] = {
             rank: [_torch_action(step) for step in steps] for rank, steps in enumerate(order)
         }
-        self._prepare_schedule_with_comms(self.pipeline_order)
+        prepare_schedule_with_comms(self, self.pipeline_order)
         enable_fb_overlap(self)

@@ -33,8 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
-from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
@@ -43,6 +41,7 @@ from ..distributed.topology import allreduce_grads, world_sum
 from ..models.parts import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
+from ..torch_private import PipelineSchedule, PipelineStageBase
 from ..trace import Tracer
 from ..training.evaluate import EvalSet
 from ..training.objective import (
@@ -142,11 +141,11 @@ class EPTrainer:
             order=self.order,
         )
 
-    def _build_pipeline(self) -> _PipelineSchedule:
+    def _build_pipeline(self) -> PipelineSchedule:
         n = self.layout.num_local_micro_batches
         runtime = self.layout.runtime
         loss_fn = self.scale.ce
-        stages: list[_PipelineStageBase] = list(self.stages)
+        stages: list[PipelineStageBase] = list(self.stages)
         if runtime in ("ep-1f1b", "ep-overlap"):
             return Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
         if runtime == "ep-combined":

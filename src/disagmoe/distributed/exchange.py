@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import HOST
+from ..torch_private import storage_use_count
 from .topology import Channel
 
 IDENT_LEN = 5  # a message names itself, e.g. (kind, layer, slot, exchange chunk, step)
@@ -314,7 +315,7 @@ class ReceiveBuffers:
         for _ in range(len(kept)):
             storage = kept[0]
             kept.rotate(-1)  # to the back: handed out now, or still held
-            if torch._C._storage_Use_Count(storage._cdata) == 1:  # only `kept` holds it
+            if storage_use_count(storage) == 1:  # only `kept` holds it
                 return torch.empty(0, dtype=dtype).set_(storage, 0, shape, ())  # contiguous
         t = torch.empty(shape, dtype=dtype)
         if self.kept + nbytes <= self.keep_bytes:

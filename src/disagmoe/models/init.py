@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..device import HOST
+from ..torch_private import module_parameters
 from .moe import Experts
 
 # (full-model name, meta parameter, global expert ids of dim 0 or None) -> initial value
@@ -101,7 +102,7 @@ def _slots(
                 if isinstance(owner, Experts)
                 else None
             )
-            for attr, param in owner._parameters.items():
+            for attr, param in module_parameters(owner).items():
                 if param is not None:
                     out.append(
                         (f"{prefix}.{attr}" if prefix else attr, experts, owner, attr, param)
@@ -142,4 +143,4 @@ def materialize(modules: Sequence[nn.Module], value: ValueFn, first_expert: int 
             new = nn.Parameter(tensor, requires_grad=param.requires_grad)
             made[id(param)] = (param, new)  # keeps the meta parameter alive: ids stay unique
             new_ids.add(id(new))
-        owner._parameters[attr] = made[id(param)][1]
+        module_parameters(owner)[attr] = made[id(param)][1]

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import torch_private
+
 
 @dataclass(frozen=True)
 class Routing:
@@ -219,7 +221,7 @@ def grouped_mm(x_AI: torch.Tensor, w_EIO: torch.Tensor, counts_E: torch.Tensor) 
     if dtype is not None and x_AI.shape[0] > 0:
         offs = counts_E.cumsum(0).to(torch.int32)
         with torch.autocast(x_AI.device.type, enabled=False):
-            y = torch._grouped_mm(x_AI.to(dtype), w_EIO.to(dtype), offs=offs)
+            y = torch_private.grouped_mm(x_AI.to(dtype), w_EIO.to(dtype), offs)
         if y.requires_grad:  # its backward needs a dense incoming gradient
             y.register_hook(lambda g: g.contiguous())
         return y
@@ -238,7 +240,7 @@ _KERNEL_ALIGN = 8  # bf16 elements in 16 bytes: the grouped kernel's stride alig
 
 def _grouped_kernel_dtype(x_AI: torch.Tensor, w_EIO: torch.Tensor) -> torch.dtype | None:
     """bf16 when `grouped_mm` may call `torch._grouped_mm`, else None."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not torch_private.has_grouped_mm():
         return None
     kind = x_AI.device.type
     dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x_AI.dtype

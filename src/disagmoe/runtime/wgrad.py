@@ -11,8 +11,8 @@ backward costs; the values are the whole backward's.
 
 The graph walk is PyTorch's own (`torch.distributed.pipelining._backward`: the reverse
 graph, the parameter groups with their intermediate nodes, and `stage_backward_weight`,
-which its zero-bubble schedules run); the pinned torch version (pyproject) is the one
-this module was checked with. A compute with no input to send a gradient for (the first
+which its zero-bubble schedules run), through `torch_private`, which checks it against the
+pinned torch version (pyproject). A compute with no input to send a gradient for (the first
 attention layer, whose input is the token ids) keeps its whole backward for the W.
 
 Not with activation recompute (a checkpointed region recomputes in the first part and
@@ -28,12 +28,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.pipelining._backward import (
-    _get_grad_fn_or_grad_acc,
+
+from ..torch_private import (
     construct_reverse_graph,
     get_param_groups,
+    grad_fn_or_grad_acc,
+    load_pipelining,
     stage_backward_weight,
 )
+
+load_pipelining()  # as when this module imported torch's directly: not in the first timed W
 
 
 @dataclass
@@ -74,13 +78,9 @@ def backward_inputs(
     outs, out_grads = [t for t, _ in pairs], [g for _, g in pairs]
     if not leaves:  # nothing to send: the whole backward is the W's
         return Deferred(params, whole=(outs, out_grads))
-    reverse = construct_reverse_graph([n for n in map(_get_grad_fn_or_grad_acc, outs) if n])
-    weights = [
-        n for n in map(_get_grad_fn_or_grad_acc, [p for p in params if p.requires_grad]) if n
-    ]
-    groups = get_param_groups(
-        [n for n in map(_get_grad_fn_or_grad_acc, leaves) if n], weights, reverse
-    )
+    reverse = construct_reverse_graph([n for n in map(grad_fn_or_grad_acc, outs) if n])
+    weights = [n for n in map(grad_fn_or_grad_acc, [p for p in params if p.requires_grad]) if n]
+    groups = get_param_groups([n for n in map(grad_fn_or_grad_acc, leaves) if n], weights, reverse)
     handles = []
     kept = []
     for group in groups:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..config import ModelConfig
 from ..device import HOST
 from ..models.model import MoETransformer, build_meta_model
+from ..torch_private import view_base
 from ..train_config import SAVE_KILL_POINTS
 from .manifest import (
     MANIFEST,
@@ -164,7 +165,7 @@ def save_checkpoint(
     tmp = root / f"{final.name}.tmp-{token[0]}"
     # Expert entries are views into fused tensors; save copies so only the slice is written.
     state = {
-        k: (v.detach().clone() if v._base is not None else v.detach())
+        k: (v.detach().clone() if view_base(v) is not None else v.detach())
         for k, v in logical_state(named_params, optimizer, expert_range).items()
     }
     with warnings.catch_warnings():  # single-process saves are intended

@@ -1,0 +1,532 @@
+"""Every private torch API the project touches, in one place, checked against the pinned torch.
+
+Private means an underscore name (`torch._grouped_mm`, `sched._stages`), a private module
+(`torch.distributed.pipelining._backward`), or a name a private class owns, even one without
+an underscore (`_PipelineScheduleRuntime.fwd_recv_ops`). No release promises to keep any
+of these. Outside this module the code calls the wrappers below and never names a private
+torch API itself (`tests/unit/test_torch_private.py` reads the source to make sure).
+
+Upgrading torch: run `check_private_apis()` (or that test file) on the new version. Each
+problem names the API, the new and the pinned version and the wrapper here that needs
+work. The check also looks at what our code relies on beyond the name: parameter names
+and order, the fields of a record, an attribute a constructor sets, one small call.
+
+This module imports only torch, so any module may import it. `torch.distributed.pipelining`
+(about 2 s to import) loads on first use: a wrapper of its internals imports it when called,
+and its classes are attributes of this module that load when first read (`__getattr__`).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import textwrap
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, fields, is_dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.autograd.graph import Node
+    from torch.distributed.pipelining.schedules import FORWARD as FORWARD
+    from torch.distributed.pipelining.schedules import FULL_BACKWARD as FULL_BACKWARD
+    from torch.distributed.pipelining.schedules import OVERLAP_F_B as OVERLAP_F_B
+    from torch.distributed.pipelining.schedules import _Action as Action
+    from torch.distributed.pipelining.schedules import _PipelineContext as PipelineContext
+    from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
+    from torch.distributed.pipelining.schedules import (
+        _PipelineScheduleRuntime as PipelineScheduleRuntime,
+    )
+    from torch.distributed.pipelining.stage import _PipelineStageBase as PipelineStageBase
+
+__all__ = [
+    "FORWARD",
+    "FULL_BACKWARD",
+    "OVERLAP_F_B",
+    "PRIVATE_APIS",
+    "STAGE_HOOKS",
+    "TORCH_PINNED",
+    "Action",
+    "PipelineContext",
+    "PipelineSchedule",
+    "PipelineScheduleRuntime",
+    "PipelineStageBase",
+    "PrivateApi",
+    "check_private_apis",
+    "compute_loss",
+    "construct_reverse_graph",
+    "get_loss",
+    "get_param_groups",
+    "grad_fn_or_grad_acc",
+    "grouped_mm",
+    "has_grouped_mm",
+    "load_pipelining",
+    "module_parameters",
+    "prepare_schedule_with_comms",
+    "schedule_num_microbatches",
+    "schedule_stages",
+    "stage_backward_weight",
+    "storage_use_count",
+    "view_base",
+    "wait_batch_p2p",
+]
+
+TORCH_PINNED = "2.13.0"  # pyproject.toml's torch pin: the version these wrappers were checked with
+SOURCE = "src/disagmoe/torch_private.py"
+
+_BACKWARD = "torch.distributed.pipelining._backward"
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+_STAGE = "torch.distributed.pipelining.stage"
+_RUNTIME = f"{_SCHEDULES}._PipelineScheduleRuntime"
+_PIPELINE_STAGE = "torch.distributed.pipelining.PipelineStage"
+
+# Classes and constants of the pipeline runtime, loaded when first read (module doc).
+_LAZY = {
+    "Action": (_SCHEDULES, "_Action"),
+    "PipelineContext": (_SCHEDULES, "_PipelineContext"),
+    "PipelineSchedule": (_SCHEDULES, "_PipelineSchedule"),
+    "PipelineScheduleRuntime": (_SCHEDULES, "_PipelineScheduleRuntime"),
+    "PipelineStageBase": (_STAGE, "_PipelineStageBase"),
+    "FORWARD": (_SCHEDULES, "FORWARD"),
+    "FULL_BACKWARD": (_SCHEDULES, "FULL_BACKWARD"),
+    "OVERLAP_F_B": (_SCHEDULES, "OVERLAP_F_B"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The pipeline runtime's private classes and constants under public names:
+
+    * `Action` (`_Action`): one entry of a rank's action list (stage, computation type,
+      micro-batch, sub-actions); `baselines.fb_overlap` builds `ep-combined`'s lists from it.
+    * `PipelineContext` (`_PipelineContext`): what the runtime passes a custom function
+      (the schedule, the micro-batches' args and targets); `run_overlapped` reads it.
+    * `PipelineScheduleRuntime` (`_PipelineScheduleRuntime`): the runtime that runs action
+      lists and custom functions; `ScheduleCombined1F1B` subclasses it, and `ep-combined`
+      and `ep-dualpipev` run their F&B pairs at once through it.
+    * `PipelineSchedule`, `PipelineStageBase`: the base classes, as `baselines.trainer`'s
+      type hints.
+    * `FORWARD`, `FULL_BACKWARD`, `OVERLAP_F_B`: computation types (values "F", "B", ...),
+      which `baselines.fb_overlap` builds actions of and records as our kind letters.
+
+    Gone or changed, the `ep-combined` and `ep-dualpipev` baselines fail to build or run.
+    """
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# --- kernels, storages, tensors, modules ---------------------------------------------
+
+
+def has_grouped_mm() -> bool:
+    """Whether this torch has `torch._grouped_mm`; without it `models.moe.grouped_mm` runs one
+    GEMM per expert (the same values, slower: no grouped kernel)."""
+    return hasattr(torch, "_grouped_mm")
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """`torch._grouped_mm(x, w, offs=offs)`: rows of `x` [A, I] by group, group e's rows
+    (up to the int32 cumulative count `offs[e]`) times `w[e]` [I, O]; [A, O].
+
+    The experts' bf16 GEMMs (`models.moe.grouped_mm`). Changed, expert compute in bf16
+    fails or computes wrong values; gone, it falls back (`has_grouped_mm`)."""
+    return torch._grouped_mm(x, w, offs=offs)
+
+
+def storage_use_count(storage: torch.UntypedStorage) -> int:
+    """How many references hold `storage` (`torch._C._storage_Use_Count` of its `_cdata`):
+    1 when only the caller's holds it.
+
+    `distributed.exchange`'s buffer pool reuses a receive buffer once no tensor views it.
+    Gone, receives fail; wrong, a buffer still in use is overwritten."""
+    return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `tensor` is a view of, or None (`Tensor._base`).
+
+    `training.checkpoint` saves a copy of a view (an expert's slice of a fused weight) so
+    only the slice is written. Gone, checkpoint saves fail."""
+    return tensor._base
+
+
+def module_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """`module`'s own parameter registry (`nn.Module._parameters`), name -> parameter; the
+    dict itself, so an assignment replaces a parameter in place.
+
+    `models.init` materialises meta parameters through it (a tied parameter stays one).
+    Gone, building any model's weights fails."""
+    return module._parameters
+
+
+# --- the split backward (torch.distributed.pipelining._backward) ----------------------
+
+
+def load_pipelining() -> None:
+    """Import `torch.distributed.pipelining` now (about 2 s), so that a module whose calls
+    use it pays when it is imported, not inside its first timed call."""
+    importlib.import_module(_BACKWARD)
+
+
+def _backward_module() -> Any:
+    return importlib.import_module(_BACKWARD)
+
+
+def grad_fn_or_grad_acc(tensor: torch.Tensor) -> Node | None:
+    """The autograd node a gradient of `tensor` enters: its `grad_fn`, or a leaf's
+    gradient accumulator (`_backward._get_grad_fn_or_grad_acc`); used by `runtime.wgrad`
+    like the next three. Gone or changed, `schedule.split_backward = on` fails."""
+    node: Node | None = _backward_module()._get_grad_fn_or_grad_acc(tensor)
+    return node
+
+
+def construct_reverse_graph(roots: list[Node]) -> dict[Node, list[Node]]:
+    """The autograd graph below `roots` with its edges reversed (`_backward`'s)."""
+    reverse: dict[Node, list[Node]] = _backward_module().construct_reverse_graph(roots)
+    return reverse
+
+
+def get_param_groups(
+    inputs: list[Node], params: list[Node], reverse: dict[Node, list[Node]]
+) -> list[dict[str, Any]]:
+    """`_backward.get_param_groups`: the parameters grouped by the intermediate nodes where
+    their paths and the inputs' part; each group a dict with "params" and "intermediates"
+    (`runtime.wgrad.backward_inputs` adds the "grads" it captures there)."""
+    groups: list[dict[str, Any]] = _backward_module().get_param_groups(inputs, params, reverse)
+    return groups
+
+
+def stage_backward_weight(weights: Iterator[nn.Parameter], groups: list[dict[str, Any]]) -> None:
+    """The weight gradients from `groups`' captured "grads", accumulated into `weights`'
+    `.grad` (`_backward.stage_backward_weight`, what torch's zero-bubble schedules run)."""
+    _backward_module().stage_backward_weight(weights, groups)
+
+
+# --- the pipeline runtime (torch.distributed.pipelining.schedules) --------------------
+
+
+def wait_batch_p2p(works: list[Any]) -> None:
+    """Wait for a batch of posted pipeline p2p ops (`schedules._wait_batch_p2p`), as the
+    runtime does before a computation; `baselines.fb_overlap` mirrors it. Gone, the
+    `ep-combined` and `ep-dualpipev` steps fail (as for all wrappers of this section)."""
+    importlib.import_module(_SCHEDULES)._wait_batch_p2p(works)
+
+
+def schedule_stages(schedule: PipelineScheduleRuntime) -> list[PipelineStageBase]:
+    """The stages `schedule` runs on this rank (`_stages`)."""
+    stages: list[PipelineStageBase] = schedule._stages
+    return stages
+
+
+def schedule_num_microbatches(schedule: PipelineScheduleRuntime) -> int:
+    """The micro-batches of one `schedule.step` (`_n_microbatches`): a stage's last
+    backward (`last_backward`, when gradients are finalised) is its that-many-th."""
+    return int(schedule._n_microbatches)
+
+
+def compute_loss(
+    schedule: PipelineScheduleRuntime,
+    stage: PipelineStageBase,
+    output: Any,
+    target_mbs: list[Any] | None,
+    mb: int,
+) -> None:
+    """On the last stage, the loss of micro-batch `mb`'s `output`, kept for its backward
+    (`_maybe_compute_loss`); elsewhere nothing."""
+    schedule._maybe_compute_loss(stage, output, target_mbs, mb)
+
+
+def get_loss(schedule: PipelineScheduleRuntime, stage: PipelineStageBase, mb: int) -> Any:
+    """On the last stage, the loss `compute_loss` kept for micro-batch `mb`; elsewhere None
+    (`_maybe_get_loss`)."""
+    return schedule._maybe_get_loss(stage, mb)
+
+
+def prepare_schedule_with_comms(
+    schedule: PipelineScheduleRuntime, actions: dict[int, list[Action | None]]
+) -> None:
+    """Lower every rank's compute-only action list to the one `schedule` runs, with its
+    pipeline sends and receives (`_prepare_schedule_with_comms`)."""
+    schedule._prepare_schedule_with_comms(actions)
+
+
+# The PipelineStage methods `baselines.stage.TracedStage` overrides (to trace them), with
+# the leading parameters the runtime passes. Renamed, the trace and the executed order
+# miss their computations silently; with other parameters, the stage fails.
+STAGE_HOOKS: dict[str, tuple[str, ...]] = {
+    "forward_one_chunk": ("fwd_chunk_id", "args", "kwargs", "save_forward_output"),
+    "backward_one_chunk": ("bwd_chunk_id", "loss", "full_backward", "last_backward"),
+    "backward_weight_one_chunk": ("bwd_chunk_id", "last_backward"),
+    "get_fwd_recv_ops": ("fwd_chunk_id",),
+    "get_bwd_recv_ops": ("bwd_chunk_id",),
+    "get_fwd_send_ops": ("fwd_chunk_id",),
+    "get_bwd_send_ops": ("bwd_chunk_id",),
+}
+
+
+# --- the check ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PrivateApi:
+    """One private torch API and what our code relies on about it.
+
+    `name`: the dotted path; without `probe` the check imports and reads it. `params`: the
+    leading parameter names (after `self`) our calls rely on. `probe`: instead of reading
+    `name`, a cheap call that returns a problem or None. `wrapper`: where it is wrapped.
+    """
+
+    name: str
+    wrapper: str
+    params: tuple[str, ...] | None = None
+    probe: Callable[[], str | None] | None = None
+
+
+def _resolve(path: str) -> Any:
+    """The object at dotted `path`: the longest importable module prefix, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(path)
+
+
+def _leading_params(fn: Any, expected: tuple[str, ...]) -> str | None:
+    names = [n for n in inspect.signature(fn).parameters if n != "self"]
+    if names[: len(expected)] == list(expected):
+        return None
+    return f"takes ({', '.join(names)}), we pass ({', '.join(expected)})"
+
+
+def _sets_attribute(cls_path: str, attr: str) -> str | None:
+    """None when a method of the class at `cls_path` (or of a torch base) assigns
+    `self.<attr>`, read from torch's source: constructing a schedule needs a process group."""
+    cls = _resolve(cls_path)
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith("torch."):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and node.attr == attr
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "self"
+            ):
+                return None
+    return f"is no longer set by {cls.__name__} or its bases"
+
+
+def _probe_grouped_mm() -> str | None:
+    x = torch.ones(4, 8, dtype=torch.bfloat16)
+    w = torch.ones(2, 8, 8, dtype=torch.bfloat16)
+    y = torch._grouped_mm(x, w, offs=torch.tensor([1, 4], dtype=torch.int32))
+    ok = y.shape == (4, 8) and bool((y == 8).all())
+    return None if ok else f"gives {tuple(y.shape)} (not all 8s) for [4, 8] x [2, 8, 8]"
+
+
+def _probe_storage_use_count() -> str | None:
+    storage = torch.UntypedStorage(16)
+    alone = torch._C._storage_Use_Count(storage._cdata)
+    view = torch.empty(0).set_(storage, 0, (4,), ())
+    held = torch._C._storage_Use_Count(storage._cdata)
+    del view
+    return None if (alone, held) == (1, 2) else f"counts {alone}, {held} (expected 1, 2)"
+
+
+def _probe_cdata() -> str | None:
+    return None if isinstance(torch.UntypedStorage(1)._cdata, int) else "is not an int"
+
+
+def _probe_base() -> str | None:
+    t = torch.zeros(2)
+    return None if t._base is None and t[:1]._base is t else "no longer gives a view's base"
+
+
+def _probe_parameters() -> str | None:
+    lin = nn.Linear(2, 2)
+    registry = lin._parameters
+    if set(registry) != {"weight", "bias"}:
+        return f"holds {sorted(registry)}, not ['bias', 'weight']"
+    new = nn.Parameter(torch.zeros(2, 2))
+    registry["weight"] = new
+    return None if lin.weight is new else "is no longer the registry Module reads"
+
+
+def _probe_param_groups() -> str | None:
+    x = torch.ones(2, 2, requires_grad=True)
+    w = nn.Parameter(torch.ones(2, 2))
+    y = (x @ w).relu() @ w
+    backward = _backward_module()
+    node = backward._get_grad_fn_or_grad_acc
+    reverse = backward.construct_reverse_graph([node(y)])
+    groups = backward.get_param_groups([node(x)], [node(w)], reverse)
+    missing = {"params", "intermediates"} - set(groups[0]) if groups else {"(any group)"}
+    return f"gives groups without {sorted(missing)}" if missing else None
+
+
+def _probe_action() -> str | None:
+    expected = ("stage_index", "computation_type", "microbatch_index", "sub_actions")
+    got = tuple(_resolve(f"{_SCHEDULES}._Action")._fields)
+    return None if got[:4] == expected else f"has fields {got}, we build {expected}"
+
+
+def _probe_context() -> str | None:
+    cls = _resolve(f"{_SCHEDULES}._PipelineContext")
+    got = {f.name for f in fields(cls)} if is_dataclass(cls) else set()
+    missing = {"schedule_ref", "arg_mbs", "kwarg_mbs", "target_mbs"} - got
+    return f"has no fields {sorted(missing)}" if missing else None
+
+
+def _probe_kind(name: str, value: str) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        got = _resolve(f"{_SCHEDULES}.{name}").value
+        return None if got == value else f"has value {got!r}, we read it as {value!r}"
+
+    return probe
+
+
+def _stage_hook(name: str, params: tuple[str, ...]) -> PrivateApi:
+    return PrivateApi(name=f"{_PIPELINE_STAGE}.{name}", wrapper="STAGE_HOOKS", params=params)
+
+
+def _runtime_attr(attr: str, wrapper: str) -> PrivateApi:
+    return PrivateApi(
+        name=f"{_RUNTIME}.{attr}", wrapper=wrapper, probe=lambda: _sets_attribute(_RUNTIME, attr)
+    )
+
+
+PRIVATE_APIS: tuple[PrivateApi, ...] = (
+    PrivateApi(name="torch._grouped_mm", wrapper="grouped_mm", probe=_probe_grouped_mm),
+    PrivateApi(
+        name="torch._C._storage_Use_Count",
+        wrapper="storage_use_count",
+        probe=_probe_storage_use_count,
+    ),
+    PrivateApi(name="torch.UntypedStorage._cdata", wrapper="storage_use_count", probe=_probe_cdata),
+    PrivateApi(name="torch.Tensor._base", wrapper="view_base", probe=_probe_base),
+    PrivateApi(
+        name="torch.nn.Module._parameters", wrapper="module_parameters", probe=_probe_parameters
+    ),
+    PrivateApi(
+        name=f"{_BACKWARD}._get_grad_fn_or_grad_acc", wrapper="grad_fn_or_grad_acc", params=("t",)
+    ),
+    PrivateApi(
+        name=f"{_BACKWARD}.construct_reverse_graph",
+        wrapper="construct_reverse_graph",
+        params=("roots",),
+    ),
+    PrivateApi(
+        name=f"{_BACKWARD}.get_param_groups",
+        wrapper="get_param_groups",
+        params=("inputs", "params", "reverse_edges_dict"),
+    ),
+    PrivateApi(
+        name=f"{_BACKWARD}.get_param_groups (group keys)",
+        wrapper="get_param_groups",
+        probe=_probe_param_groups,
+    ),
+    PrivateApi(
+        name=f"{_BACKWARD}.stage_backward_weight",
+        wrapper="stage_backward_weight",
+        params=("weights", "param_groups"),
+    ),
+    PrivateApi(name=f"{_SCHEDULES}._Action", wrapper="Action", probe=_probe_action),
+    PrivateApi(
+        name=f"{_SCHEDULES}._PipelineContext", wrapper="PipelineContext", probe=_probe_context
+    ),
+    PrivateApi(name=f"{_SCHEDULES}._PipelineSchedule", wrapper="PipelineSchedule"),
+    PrivateApi(name=f"{_STAGE}._PipelineStageBase", wrapper="PipelineStageBase"),
+    PrivateApi(name=f"{_SCHEDULES}.FORWARD", wrapper="FORWARD", probe=_probe_kind("FORWARD", "F")),
+    PrivateApi(
+        name=f"{_SCHEDULES}.FULL_BACKWARD",
+        wrapper="FULL_BACKWARD",
+        probe=_probe_kind("FULL_BACKWARD", "B"),
+    ),
+    PrivateApi(name=f"{_SCHEDULES}.OVERLAP_F_B", wrapper="OVERLAP_F_B"),
+    PrivateApi(name=f"{_SCHEDULES}._wait_batch_p2p", wrapper="wait_batch_p2p", params=("work",)),
+    PrivateApi(
+        name=f"{_SCHEDULES}._CustomFunctionProtocol.__call__",
+        wrapper="PipelineScheduleRuntime",
+        params=("action", "ctx"),
+    ),
+    PrivateApi(
+        name=f"{_RUNTIME}.register_custom_function",
+        wrapper="PipelineScheduleRuntime",
+        params=("computation_type", "custom_function"),
+    ),
+    PrivateApi(
+        name=f"{_RUNTIME}._maybe_compute_loss",
+        wrapper="compute_loss",
+        params=("stage", "output", "target_mbs", "mb_index"),
+    ),
+    PrivateApi(
+        name=f"{_RUNTIME}._maybe_get_loss", wrapper="get_loss", params=("stage", "mb_index")
+    ),
+    PrivateApi(
+        name=f"{_RUNTIME}._prepare_schedule_with_comms",
+        wrapper="prepare_schedule_with_comms",
+        params=("actions",),
+    ),
+    _runtime_attr("_stages", "schedule_stages"),
+    _runtime_attr("_n_microbatches", "schedule_num_microbatches"),
+    _runtime_attr("fwd_recv_ops", "PipelineScheduleRuntime"),
+    _runtime_attr("bwd_recv_ops", "PipelineScheduleRuntime"),
+    _runtime_attr("backward_counter", "PipelineScheduleRuntime"),
+    *(_stage_hook(name, params) for name, params in STAGE_HOOKS.items()),
+    _stage_hook("set_local_fwd_input", ("prev_stage_outputs", "mb_index")),
+    _stage_hook("set_local_bwd_input", ("next_stage_bwd_outputs", "mb_index")),
+    _stage_hook("get_local_bwd_output", ("mb_index",)),
+)
+
+
+def _problem(api: PrivateApi) -> str | None:
+    """What is wrong with `api` in this torch, or None."""
+    try:
+        if api.probe is not None:
+            return api.probe()
+        obj = _resolve(api.name)
+        if api.params is not None:
+            if not callable(obj):
+                return "is no longer callable"
+            return _leading_params(obj, api.params)
+        return None
+    except (ImportError, AttributeError) as err:
+        # gone itself, or something its check reads (named then)
+        return (
+            "is gone" if api.name.split(" ")[0].split(".")[-1] in str(err) else f"is gone ({err})"
+        )
+    except Exception as err:  # a probe that fails is a problem to report, not a crash
+        return f"fails its check: {type(err).__name__}: {err}"
+
+
+def check_private_apis(names: Iterable[str] | None = None) -> list[str]:
+    """The problems of this torch with the private APIs we use (`PRIVATE_APIS`, or those
+    named in `names`), one line each naming the API, both torch versions and the wrapper
+    to fix; empty when all is well."""
+    wanted: Sequence[PrivateApi] = PRIVATE_APIS
+    if names is not None:
+        chosen = set(names)
+        unknown = chosen - {a.name for a in PRIVATE_APIS}
+        if unknown:
+            raise ValueError(f"not in PRIVATE_APIS: {sorted(unknown)}")
+        wanted = [a for a in PRIVATE_APIS if a.name in chosen]
+    problems = []
+    for api in wanted:
+        what = _problem(api)
+        if what is not None:
+            problems.append(
+                f"torch {torch.__version__}: {api.name} {what} (pinned {TORCH_PINNED}); "
+                f"see {SOURCE} ({api.wrapper})"
+            )
+    return problems
