@@ -2,7 +2,7 @@
 are one line, the exit codes, and the `train` flags with the RunConfig they resolve to.
 
 The `train` flags are not listed here: a config field declares its own flag in its
-metadata (`flags.flag`), and `config_flags` reads them. The flags below choose where
+metadata (`flags.flag`), and `config_io.config_flags` reads them. The flags below choose where
 the config starts instead, in this order of precedence: built-in defaults < `--model`
 preset / `--init-from-hf` < `--config FILE.toml` < explicit flags < `--set a.b=v`.
 
@@ -14,15 +14,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import typing
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from .config import SECTIONS, RunConfig, replace_section
-from .config_io import apply_overrides, load_toml
+from .config import RunConfig, replace_section
+from .config_io import apply_overrides, config_flags, load_toml
 from .presets import model_preset
 
 
@@ -58,36 +56,6 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
         return 130
 
 
-@dataclass(frozen=True)
-class ConfigFlag:
-    """A `disagmoe train` flag that sets `section.field` (declared by `flags.flag`)."""
-
-    section: str
-    field: str
-    option: str  # e.g. "--seq-len"
-    kwargs: dict[str, Any]  # for `add_argument`
-
-    @property
-    def dest(self) -> str:
-        return self.option.removeprefix("--").replace("-", "_")
-
-
-def config_flags() -> list[ConfigFlag]:
-    """The flags declared on the config fields, section by section in field order."""
-    flags = []
-    for section, cls in SECTIONS.items():
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if "flag" not in f.metadata:
-                continue
-            kwargs = dict(f.metadata["flag"])
-            option = kwargs.pop("name") or "--" + f.name.replace("_", "-")
-            if "action" not in kwargs and hints[f.name] in (int, float):
-                kwargs["type"] = hints[f.name]
-            flags.append(ConfigFlag(section, f.name, option, kwargs))
-    return flags
-
-
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--config", help="TOML file with [model] [parallel] [schedule] [train] [cluster]"
@@ -113,7 +81,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     for flag in config_flags():
         if flag.section not in groups:
             groups[flag.section] = p.add_argument_group(f"[{flag.section}]")
-        groups[flag.section].add_argument(flag.option, **flag.kwargs)
+        groups[flag.section].add_argument(flag.option, dest=flag.dest, **flag.kwargs)
 
 
 def train_parser() -> argparse.ArgumentParser:

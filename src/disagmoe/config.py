@@ -66,7 +66,10 @@ class ParallelConfig:
     expert-parallel ranks; data parallelism is derived from the world size.
     """
 
-    runtime: str = field(default="disagg", metadata=flag(choices=RUNTIMES))
+    runtime: str = field(
+        default="disagg",
+        metadata=flag("disagg (AF-Pipe), reference, or an EP baseline (ep-*)", choices=RUNTIMES),
+    )
     groups: int = field(default=1, metadata=flag("disagg: interleaved A/F groups p"))
     attn_workers: int = field(default=2, metadata=flag("disagg: attention replicas m per group"))
     expert_workers: int = field(default=2, metadata=flag("disagg: expert shards n per group"))
@@ -93,7 +96,7 @@ class ParallelConfig:
         ),
     )
     ranks_per_node: int = field(  # 0: torchrun's LOCAL_WORLD_SIZE (all ranks when unset)
-        default=0, metadata=flag("ranks per node for --placement (default: local world size)")
+        default=0, metadata=flag("ranks per node for --placement (0: the local world size)")
     )
     # 0 means cores // local world size (at least 1)
     threads_per_rank: int = field(default=0, metadata=flag())
@@ -179,19 +182,36 @@ class ScheduleConfig:
     max_in_flight: int = field(  # 0: from the memory model and budget; -1: no cap
         default=0,
         metadata=flag(
-            "micro-batch slots a worker may hold (default: what train.memory_gib allows; "
+            "micro-batch slots a worker may hold (0: as many as the memory budget allows; "
             "-1: no cap)"
         ),
     )
-    order: str = "breadth"  # breadth | depth | steady | auto (schedule.orders)
-    costs: str = "nominal"  # nominal | run
+    order: str = field(  # breadth | depth | steady | auto (schedule.orders)
+        default="breadth",
+        metadata=flag(
+            "AF-Pipe: lane order (auto: the best candidate by simulated step)",
+            choices=SCHEDULE_ORDERS,
+        ),
+    )
+    costs: str = field(  # nominal | run
+        default="nominal",
+        metadata=flag(
+            "AF-Pipe: order the lanes with this run's costs and links (schedule.costs = run), "
+            "not the nominal ones (auto decides it itself)",
+            name="--costed",
+            action="store_const",
+            const="run",
+        ),
+    )
     # each micro-batch's exchange with each expert shard in this many chunks of its rows,
     # the shard computing one while the next is on the wire (schedule.ir); 1: whole;
     # 0: auto picks 1, 2, 4 or 8 by simulated step (simulator.choose)
     exchange_chunks: int = field(
         default=1,
         metadata=flag(
-            "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0: auto)"
+            "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0: auto "
+            "picks 1, 2, 4 or 8 by simulated step)",
+            metavar="C",
         ),
     )
     # off | on | auto: every backward defers its weight gradients to a W that fills the
@@ -199,14 +219,18 @@ class ScheduleConfig:
     split_backward: str = field(
         default="off",
         metadata=flag(
-            "AF-Pipe: defer each backward's weight gradients (off | on | auto: by simulated step)"
+            "AF-Pipe: defer each backward's weight gradients (auto: by simulated step)",
+            choices=SPLIT_BACKWARD,
         ),
     )
     costs_file: str = field(  # "": train.emulate_compute's file, else the analytic costs
         default="",
         metadata=flag(
-            "measured compute costs (compute_costs.json) that auto and --set "
-            "schedule.costs=run price compute with"
+            "measured per-op compute costs (a compute_costs.json of `disagmoe bench --compute "
+            "emulated` or benchmarks/gpu_check.py) that simulated steps price compute with, "
+            "not the analytic peak x mfu (train: auto's and --costed's; default: an emulated "
+            "run's own file)",
+            metavar="FILE",
         ),
     )
 

@@ -1,4 +1,5 @@
-"""A `RunConfig` to and from nested dicts, TOML files and `--set section.key=value` strings.
+"""A `RunConfig` to and from nested dicts, TOML files, `--set section.key=value` strings and
+the flags its fields declare (`config_flags`, `add_config_flag`).
 
 Values are checked against each field's declared type (`"3"` becomes 3 for an int
 field; `"x"` is a `ValueError` naming the key). A `preset = "name"` key in `[model]`
@@ -7,10 +8,12 @@ or `[cluster]` starts that section from a preset of `disagmoe.presets`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import tomllib
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -156,3 +159,63 @@ def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
         section, key, value = parse_override(text)
         nested.setdefault(section, {})[key] = value
     return from_dict(nested, cfg)
+
+
+@dataclass(frozen=True)
+class ConfigFlag:
+    """A flag that sets `section.field` (declared by `flags.flag`)."""
+
+    section: str
+    field: str
+    option: str  # e.g. "--seq-len"
+    kwargs: dict[str, Any]  # for `add_argument`
+    default: Any  # the field's default: what the flag means when not given
+
+    @property
+    def key(self) -> str:
+        return f"{self.section}.{self.field}"
+
+    @property
+    def dest(self) -> str:
+        return self.field
+
+
+def config_flags() -> list[ConfigFlag]:
+    """The flags declared on the config fields, section by section in field order."""
+    flags = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if "flag" not in f.metadata:
+                continue
+            kwargs = dict(f.metadata["flag"])
+            option = kwargs.pop("name") or "--" + f.name.replace("_", "-")
+            if "action" not in kwargs and hints[f.name] in (int, float):
+                kwargs["type"] = hints[f.name]
+            assert f.default is not dataclasses.MISSING, (
+                f"{section}.{f.name}: a flag needs a default"
+            )
+            flags.append(ConfigFlag(section, f.name, option, kwargs, f.default))
+    return flags
+
+
+_FIELD_DEFAULT: Any = object()
+
+
+def add_config_flag(
+    parser: Any, key: str, *, default: Any = _FIELD_DEFAULT, note: str = "", **kwargs: Any
+) -> argparse.Action:
+    """Add the flag of config field `key` (`"schedule.costs_file"`) to a command that reads
+    the value itself (`plan`, `simulate`, `bench`): the name, help, type and choices the
+    field declares, and the field's default.
+
+    Where the command's meaning differs (`simulate --groups 0`: the planner chooses), pass
+    its `default` and say what it means in `note`, which follows the declared help; other
+    `kwargs` (a subset of `choices`, a `metavar`) replace the declared ones.
+    """
+    (flag,) = [f for f in config_flags() if f.key == key]
+    args = {**flag.kwargs, **kwargs}
+    args["default"] = flag.default if default is _FIELD_DEFAULT else default
+    args["help"] = "; ".join(h for h in (args.get("help"), note) if h)
+    action: argparse.Action = parser.add_argument(flag.option, dest=flag.dest, **args)
+    return action

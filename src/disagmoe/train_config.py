@@ -32,7 +32,7 @@ SAVE_KILL_POINTS = ("shards", "meta", "manifest", "renamed", "latest")
 class TrainConfig:
     """Optimisation, data and run outputs. Batch sizes count sequences."""
 
-    steps: int = field(default=100, metadata=flag())
+    steps: int = field(default=100, metadata=flag("optimizer steps"))
     seed: int = field(default=0, metadata=flag())
     dtype: str = field(  # training/precision.py: compute vs parameter dtype
         default="float32",
@@ -50,7 +50,7 @@ class TrainConfig:
             choices=DTYPES,
         ),
     )
-    seq_len: int = field(default=64, metadata=flag())
+    seq_len: int = field(default=64, metadata=flag("tokens per sequence"))
     global_batch_size: int = field(default=8, metadata=flag("sequences per optimizer step"))
     micro_batch_size: int = field(default=2, metadata=flag("sequences per micro-batch"))
     lr: float = field(default=3e-3, metadata=flag("peak learning rate"))

@@ -27,6 +27,8 @@ CONFIG_FLAGS = {
     "--threads-per-rank": "parallel.threads_per_rank",
     "--no-overlap-grad-sync": "parallel.overlap_grad_sync",
     "--max-in-flight": "schedule.max_in_flight",
+    "--order": "schedule.order",
+    "--costed": "schedule.costs",
     "--exchange-chunks": "schedule.exchange_chunks",
     "--split-backward": "schedule.split_backward",
     "--costs-file": "schedule.costs_file",
@@ -82,6 +84,7 @@ def test_each_flag_sets_its_field() -> None:
         *("--run-dir", "r", "--comm-timeout", "9.5", "--no-progress", "--checkpoint-every", "2"),
         *("--resume", "--max-restarts", "1", "--fail-at-step", "3", "--fail-rank", "2"),
         *("--log-expert-tokens", "--tensorboard", "--no-overlap-grad-sync", "--gc-every", "0"),
+        *("--order", "depth", "--costed"),
     )
     par, train = cfg.parallel, cfg.train
     assert (par.runtime, par.groups, par.attn_workers, par.expert_workers) == ("ep-1f1b", 2, 1, 1)
@@ -98,6 +101,7 @@ def test_each_flag_sets_its_field() -> None:
     assert (train.checkpoint_every, train.resume, train.max_restarts) == (2, "latest", 1)
     assert (train.fail_at_step, train.fail_rank, train.gc_every) == (3, 2, 0)
     assert train.log_expert_tokens and train.tensorboard and not par.overlap_grad_sync
+    assert (cfg.schedule.order, cfg.schedule.costs) == ("depth", "run")
     assert resolve().parallel.overlap_grad_sync  # on unless the flag says otherwise
     assert resolve("--resume", "runs/x").train.resume == "runs/x"
 
