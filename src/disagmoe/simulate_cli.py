@@ -14,15 +14,16 @@ from typing import Any
 from .config import (
     MAX_EXCHANGE_CHUNKS,
     MULTI_WORKER_RUNTIMES,
-    PLACEMENTS,
-    SCHEDULE_ORDERS,
     ClusterConfig,
     ModelConfig,
     split_backward_flag,
 )
+from .config_io import add_config_flag
 from .costs.flops import expert_flops, train_factors
-from .planner.split import planned_split
-from .presets import cluster_preset, model_preset
+from .flags import add_renamed_flag
+from .planner.cli import add_cluster_arguments, cluster_from_args
+from .planner.split import planned_split, runnable_in_flight
+from .presets import model_preset
 from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
 from .simulator.ep import simulate_ep
@@ -32,66 +33,35 @@ from .simulator.report import BREAKDOWN_KEYS, SimResult
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `disagmoe simulate`; those of config fields as the fields declare them
+    (`config_io.add_config_flag`), with the simulator's own default where it chooses."""
     parser.add_argument("--model", default="qwen3-30b-a3b", help="model preset name")
-    parser.add_argument("--runtime", default="disagg", choices=MULTI_WORKER_RUNTIMES)
-    parser.add_argument("--cluster", default="h800", help="cluster preset (h800, h100, h200)")
+    add_config_flag(parser, "parallel.runtime", choices=MULTI_WORKER_RUNTIMES)
+    add_cluster_arguments(parser, ("mfu",))
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
-    parser.add_argument("--seq-len", type=int, default=8192)
-    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per micro-batch")
+    add_config_flag(parser, "train.seq_len", default=8192)
+    add_config_flag(parser, "train.micro_batch_size", default=1)
     parser.add_argument(
         "--micro-batches",
         type=int,
         default=0,
         help="micro-batches in the global batch (0: 8 per pipeline stage per replica)",
     )
-    parser.add_argument("--groups", type=int, default=0, help="disagg: p (0: auto)")
-    parser.add_argument("--attn-workers", type=int, default=0, help="disagg: m per group (0: auto)")
-    parser.add_argument(
-        "--expert-workers", type=int, default=0, help="disagg: n per group (0: auto)"
+    auto = "0: the planner's split"
+    add_config_flag(parser, "parallel.groups", default=0, note=auto)
+    add_config_flag(parser, "parallel.attn_workers", default=0, note=auto)
+    add_config_flag(parser, "parallel.expert_workers", default=0, note=auto)
+    add_config_flag(
+        parser,
+        "schedule.max_in_flight",
+        note="the budget is the cluster's GPU memory in the planner's memory model",
     )
-    parser.add_argument("--max-in-flight", type=int, default=0, help="disagg: slot cap (0: none)")
-    parser.add_argument(
-        "--order",
-        choices=SCHEDULE_ORDERS,
-        default="breadth",
-        help="disagg: lane order (schedule.order; auto: the best candidate by simulated step)",
-    )
-    parser.add_argument(
-        "--costed",
-        action="store_true",
-        help="disagg: order the lanes with this run's costs and links, not the nominal ones "
-        "(simulator.choose; auto decides it itself)",
-    )
-    parser.add_argument(
-        "--exchange-chunks",
-        type=int,
-        default=1,
-        metavar="C",
-        help="disagg: each micro-batch's exchange with an expert shard in C chunks of its rows, "
-        "pipelined with the shard's compute (schedule.exchange_chunks; 0: auto picks 1, 2, 4 or 8 "
-        "by simulated step)",
-    )
-    parser.add_argument(
-        "--split-backward",
-        choices=("off", "on", "auto"),
-        default="off",
-        help="disagg: defer every backward's weight gradients to a W that fills the rank's "
-        "idle gaps (schedule.split_backward; auto: whichever simulates the shorter step)",
-    )
-    parser.add_argument(
-        "--no-overlap-grad-sync",
-        dest="overlap_grad_sync",
-        action="store_false",
-        help="disagg: the attention gradients' all-reduce at SYNC, after the rank's last op, "
-        "not per layer during the backward (parallel.overlap_grad_sync)",
-    )
-    parser.add_argument(
-        "--placement",
-        choices=PLACEMENTS,
-        default="node-aware",
-        help="disagg: node-aware mixes a group's A and F workers on its nodes; packed "
-        "keeps rank order (see docs/simulator.md)",
-    )
+    add_config_flag(parser, "schedule.order")
+    add_config_flag(parser, "schedule.costs")
+    add_config_flag(parser, "schedule.exchange_chunks")
+    add_config_flag(parser, "schedule.split_backward")
+    add_config_flag(parser, "parallel.overlap_grad_sync")
+    add_config_flag(parser, "parallel.placement", note="see docs/simulator.md")
     parser.add_argument(
         "--nic-split",
         choices=("planner", "even"),
@@ -99,11 +69,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="disagg: NIC bandwidth of A vs F workers: the planner's M_a:M_f (with "
         "node-aware placement) or one fair share per GPU",
     )
-    parser.add_argument("--pp", type=int, default=0, help="ep-*: pipeline ranks (0: auto)")
-    parser.add_argument("--ep", type=int, default=0, help="ep-*: expert-parallel size (0: auto)")
-    parser.add_argument("--chunks", type=int, default=2, help="ep-interleaved: stages per rank")
-    parser.add_argument("--overlap-chunks", type=int, default=4, help="ep-overlap: expert chunks")
-    parser.add_argument("--mfu", type=float, default=0.0, help="override the preset's MFU")
+    add_config_flag(parser, "parallel.pp", default=0, note="0: auto")
+    add_config_flag(parser, "parallel.ep", default=0, note="0: auto")
+    add_config_flag(parser, "parallel.virtual_stages")
+    add_renamed_flag(parser, "--chunks", "--virtual-stages", "ep-interleaved: stages per rank")
+    add_config_flag(parser, "parallel.overlap_chunks")
     parser.add_argument(
         "--reduce",
         choices=("auto", "on", "off"),
@@ -118,15 +88,13 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         help="how messages share a port: max-min fair among all in flight (as TCP / NCCL "
         "do) or one at a time in readiness order (fifo, for comparison)",
     )
-    parser.add_argument(
-        "--costs",
-        default="",
-        metavar="FILE",
-        help="disagg: price compute with measured per-op costs (compute_costs.json of "
-        "`disagmoe bench --compute emulated` or benchmarks/gpu_check.py; simulator.measured) "
-        "instead of the cluster's peak x mfu",
+    add_config_flag(
+        parser,
+        "schedule.costs_file",
+        note="disagg: the whole replay's compute (simulator.measured)",
     )
-    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    add_renamed_flag(parser, "--costs", "--costs-file", "a compute_costs.json")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--trace", default="", help="write a Chrome trace of the step here")
 
 
@@ -173,13 +141,9 @@ def default_disagg_split(
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Fill automatic choices; raise ValueError for impossible requests."""
     model = model_preset(args.model)
-    cluster = cluster_preset(args.cluster)
-    if args.mfu:
-        if not 0 < args.mfu <= 1:
-            raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
-        cluster = ClusterConfig(
-            **{**{f: getattr(cluster, f) for f in cluster.__slots__}, "mfu": args.mfu}
-        )
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
+    cluster = cluster_from_args(args)
     for name in ("nodes", "seq_len", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -187,6 +151,11 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(
             f"--exchange-chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
             f"got {args.exchange_chunks}"
+        )
+    if args.max_in_flight < -1:
+        raise ValueError(
+            f"--max-in-flight must be >= 1, 0 (from the memory budget) or -1 (no cap), "
+            f"got {args.max_in_flight}"
         )
     if args.split_backward != "off" and args.runtime != "disagg":
         raise ValueError("--split-backward is AF-Pipe's: use it with --runtime disagg")
@@ -198,19 +167,22 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--seq-len {args.seq_len} exceeds {model.name}'s max {model.max_seq_len}")
     gpus = args.nodes * cluster.gpus_per_node
     out: dict[str, Any] = {"model": model, "cluster": cluster, "gpus": gpus}
-    if args.costs:
+    if args.costs_file:
         if args.runtime != "disagg":
-            raise ValueError("--costs prices the disagg replay only; drop it for the ep-* runtimes")
-        out["costs"] = MeasuredCosts.load(args.costs)
+            raise ValueError(
+                "--costs-file prices the disagg replay only; drop it for the ep-* runtimes"
+            )
+        out["costs"] = MeasuredCosts.load(args.costs_file)
     if args.runtime == "disagg":
         if args.groups and gpus % args.groups:
             raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
         nic: tuple[int, int] | None = None
-        in_flight, recompute = args.max_in_flight, "none"
+        recompute = "none"
         if args.attn_workers and args.expert_workers:
             m, n = args.attn_workers, args.expert_workers
             p = args.groups or max(1, gpus // (m + n))
             note = "user split, one NIC share per GPU"
+            planned_in_flight = 0  # the memory model's, once the split is known to fit
         else:
             split = planned_split(
                 model, cluster, gpus=gpus, seq_len=args.seq_len,
@@ -218,10 +190,24 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
                 micro_batches=args.micro_batches,
             )  # fmt: skip
             p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
-            in_flight = args.max_in_flight or split.in_flight
+            planned_in_flight = split.in_flight
             recompute = split.recompute
             if args.nic_split == "planner" and args.placement == "node-aware":
                 nic = (split.attn_nics, split.ffn_nics)
+        if p * (m + n) != gpus:
+            raise ValueError(
+                f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
+                f"{args.nodes} node(s) have {gpus} GPUs; change the layout or --nodes"
+            )
+        if args.max_in_flight == 0 and not planned_in_flight:
+            planned_in_flight = runnable_in_flight(
+                model, cluster, gpus=gpus, seq_len=args.seq_len,
+                micro_batch_size=args.micro_batch_size, groups=p, attn_workers=m,
+                recompute=recompute,
+            )  # fmt: skip
+            note += f"; memory allows {planned_in_flight} in flight"
+        # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
+        in_flight = {0: planned_in_flight, -1: 0}.get(args.max_in_flight, args.max_in_flight)
         out.update(
             nic_split=nic,
             placement=args.placement,
@@ -229,11 +215,6 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
             max_in_flight=in_flight,
             recompute=recompute,
         )
-        if p * (m + n) != gpus:
-            raise ValueError(
-                f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
-                f"{args.nodes} node(s) have {gpus} GPUs; change the layout or --nodes"
-            )
         micro = args.micro_batches or 8 * 2 * p * m
         out.update(groups=p, attn_workers=m, expert_workers=n, micro_batches=micro)
     else:
@@ -271,7 +252,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             nic_split=r["nic_split"],
             recompute=r["recompute"],
             order=args.order,
-            costed=args.costed,
+            costed=args.costs == "run",
             costs=r.get("costs"),
             overlap_sync=args.overlap_grad_sync,
             exchange_chunks=args.exchange_chunks,
@@ -279,8 +260,8 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             **common,
         )
         result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])
-        if args.costs:
-            result.config["costs"] = args.costs
+        if args.costs_file:
+            result.config["costs"] = args.costs_file
         return result
     return simulate_ep(
         args.runtime,
@@ -289,7 +270,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
         gpus=r["gpus"],
         pp=r["pp"],
         ep=r["ep"],
-        chunks=args.chunks,
+        chunks=args.virtual_stages,
         overlap_chunks=args.overlap_chunks,
         **common,
     )

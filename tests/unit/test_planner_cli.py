@@ -32,7 +32,7 @@ def test_json_output_has_the_documented_keys(capsys: pytest.CaptureFixture[str])
 
 def test_flags_override_the_cluster_preset(capsys: pytest.CaptureFixture[str]) -> None:
     args = parse("--model", "deepseek-moe-16b", "--gpus", "16", "--cluster", "h200",
-                 "--nic-gbps", "25", "--peak-tflops", "500", "--gpus-per-node", "8",
+                 "--nic-gbit", "200", "--peak-tflops", "500", "--gpus-per-node", "8",
                  "--nics-per-node", "4", "--roofline-only", "--json", "--top-k", "2")  # fmt: skip
     run_plan(args)
     out = json.loads(capsys.readouterr().out)

@@ -1,5 +1,5 @@
 """Measured per-op costs (`simulator.measured`): how a costs file prices a layout, and the
-`--costs` flags of `disagmoe simulate` and `disagmoe plan`."""
+`--costs-file` flags of `disagmoe simulate` and `disagmoe plan`."""
 
 from __future__ import annotations
 
@@ -78,15 +78,15 @@ def test_simulate_disagg_binds_a_costs_file_to_its_layout() -> None:
 def test_simulate_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path)
     args = ["--model", "tiny", "--seq-len", "128", "--attn-workers", "4", "--expert-workers", "4"]
-    assert simulate_main([*args, "--costs", path, "--json"]) == 0
+    assert simulate_main([*args, "--costs-file", path, "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert simulate_main([*args, "--json"]) == 0
     analytic = json.loads(capsys.readouterr().out)
     assert measured["config"]["costs"] == path
     assert measured["step_time_s"] > 10 * analytic["step_time_s"]
-    assert simulate_main(["--runtime", "ep-1f1b", "--costs", path]) == 2
+    assert simulate_main(["--runtime", "ep-1f1b", "--costs-file", path]) == 2
     assert "disagg replay only" in capsys.readouterr().err
-    assert simulate_main([*args, "--costs", str(tmp_path / "missing.json")]) == 2
+    assert simulate_main([*args, "--costs-file", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -109,8 +109,8 @@ def test_plan_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         "1",
     )
     quick = ("--groups", "1", "--micro-batches", "4", "--search-moves", "2")
-    assert run_plan(_plan_args(*base, *quick, "--costs", path, "--json")) == 0
+    assert run_plan(_plan_args(*base, *quick, "--costs-file", path, "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["profile"] == "simulator" and out["costs"] == path
     with pytest.raises(ValueError, match="simulator profile"):
-        run_plan(_plan_args(*base, "--costs", path, "--profile", "analytic"))
+        run_plan(_plan_args(*base, "--costs-file", path, "--profile", "analytic"))

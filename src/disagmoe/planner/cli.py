@@ -1,6 +1,9 @@
 """`disagmoe plan`: argument definitions and the command body (wired up in disagmoe/cli.py).
 
-A cluster preset (`--cluster`) gives the hardware defaults; explicit flags override them.
+A cluster preset (`--cluster`) gives the hardware defaults; explicit flags override them
+(`add_cluster_arguments`, shared with `disagmoe simulate`). Flags that set a config field
+(`--seq-len`, `--order`, `--costs-file`, ...) are built from the field's declaration
+(`config_io.add_config_flag`), with the planner's own default where it chooses.
 Infeasible requests raise ValueError naming the binding constraint (the caller prints it).
 """
 
@@ -10,59 +13,83 @@ import argparse
 import dataclasses
 import json
 
-from disagmoe.config import RECOMPUTE, SCHEDULE_ORDERS
+from disagmoe.config import RECOMPUTE, ClusterConfig
+from disagmoe.config_io import add_config_flag
 from disagmoe.extras import require_extra
+from disagmoe.flags import add_renamed_flag
 from disagmoe.planner import Plan, plan_for
 from disagmoe.planner.plan import PROFILES, PlanOptions
 from disagmoe.planner.sim_profile import AUTO_SIMULATOR_MAX_GPUS
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 from disagmoe.simulator.measured import MeasuredCosts
 
+# `--cluster`'s overrides of the preset: field of `ClusterConfig` -> (type, help). The NIC
+# rate is Gbit/s on the command line (as `disagmoe bench` takes it) and GB/s in the config.
+CLUSTER_FLAGS: dict[str, tuple[type, str]] = {
+    "gpus_per_node": (int, "GPUs per node"),
+    "nics_per_node": (int, "NICs per node"),
+    "nic_gbit": (float, "Gbit/s per NIC, one direction (sets cluster.nic_gbps, which is in "
+                 "GB/s: this / 8)"),
+    "peak_tflops": (float, "dense bf16 peak per GPU, TFLOP/s"),
+    "gpu_mem_gib": (float, "memory per GPU, GiB"),
+    "mfu": (float, "achievable fraction of peak FLOP/s"),
+    "bw_efficiency": (float, "achievable fraction of NIC bandwidth"),
+}  # fmt: skip
+
+
+def add_cluster_arguments(
+    parser: argparse.ArgumentParser, overrides: tuple[str, ...] = tuple(CLUSTER_FLAGS)
+) -> None:
+    """`--cluster PRESET` and the `overrides` (of `CLUSTER_FLAGS`) of its fields; read them
+    back with `cluster_from_args`. Shared by `disagmoe plan` and `disagmoe simulate`."""
+    parser.add_argument("--cluster", default="h800", choices=sorted(CLUSTER_PRESETS),
+                        help="hardware preset; the overrides below replace its fields")  # fmt: skip
+    hw = parser.add_argument_group("hardware overrides (default: the preset's)")
+    for name in overrides:
+        typ, help = CLUSTER_FLAGS[name]
+        hw.add_argument("--" + name.replace("_", "-"), type=typ, help=help)
+    if "nic_gbit" in overrides:
+        add_renamed_flag(hw, "--nic-gbps", "--nic-gbit", "Gbit/s per NIC")
+
+
+def cluster_from_args(args: argparse.Namespace) -> ClusterConfig:
+    """The `--cluster` preset with the overrides given (`add_cluster_arguments`)."""
+    values = {name: getattr(args, name, None) for name in CLUSTER_FLAGS}
+    overrides = {name: v for name, v in values.items() if v is not None}
+    if "nic_gbit" in overrides:
+        overrides["nic_gbps"] = overrides.pop("nic_gbit") / 8
+    return dataclasses.replace(cluster_preset(args.cluster), **overrides)
+
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `disagmoe plan`."""
+    """Flags of `disagmoe plan`; those of config fields as the fields declare them."""
     parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
     parser.add_argument("--gpus", type=int, required=True, help="total GPUs W")
-    parser.add_argument("--cluster", default="h800", choices=sorted(CLUSTER_PRESETS),
-                        help="hardware preset; the flags below override it")  # fmt: skip
-    hw = parser.add_argument_group("hardware overrides")
-    hw.add_argument("--gpus-per-node", type=int)
-    hw.add_argument("--nics-per-node", type=int)
-    hw.add_argument("--nic-gbps", type=float, help="GB/s per NIC, one direction")
-    hw.add_argument("--peak-tflops", type=float, help="dense bf16 peak per GPU")
-    hw.add_argument("--gpu-mem-gib", type=float)
-    hw.add_argument("--mfu", type=float, help="achievable fraction of peak FLOP/s")
-    hw.add_argument("--bw-efficiency", type=float, help="achievable fraction of NIC bandwidth")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--micro-batch-size", type=int, default=1,
-                        help="sequences per micro-batch per attention replica")  # fmt: skip
+    add_cluster_arguments(parser)
+    add_config_flag(parser, "train.seq_len", default=4096)
+    add_config_flag(parser, "train.micro_batch_size", default=1, note="per attention replica")
     parser.add_argument("--top-k", type=int, help="override the model's top-k")
     parser.add_argument("--roofline-only", action="store_true",
                         help="the paper's two-stage problem only (p=1, nominal peaks, no memory)")  # fmt: skip
-    parser.add_argument("--groups", type=int, default=0, help="fix p (default: chosen)")
+    add_config_flag(parser, "parallel.groups", default=0, note="0: the planner chooses")
     parser.add_argument("--micro-batches", type=int, default=0, help="per step (default: auto)")
-    parser.add_argument("--recompute", choices=("auto", *RECOMPUTE), default="auto")
+    add_config_flag(parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),
+                    note="auto: the planner chooses")  # fmt: skip
     parser.add_argument("--solver", choices=("milp", "enumerate"), default="milp")
     parser.add_argument("--epsilon", type=float, default=0.02, help="stage-2 tie band")
     parser.add_argument("--search-moves", type=int, default=64, help="stage-3 moves K")
     parser.add_argument("--search-radius", type=int, default=2, help="stage-3 radius r")
-    parser.add_argument("--order", choices=SCHEDULE_ORDERS, default="breadth",
-                        help="schedule.order the simulator profile replays (auto: each plan "
-                        "scored by its best order, simulator.choose; 6x the replays)")  # fmt: skip
-    parser.add_argument("--exchange-chunks", type=int, default=1, metavar="C",
-                        help="schedule.exchange_chunks the simulator profile replays "
-                        "(0: auto's pick of 1, 2, 4 or 8 per plan; 4x the replays)")  # fmt: skip
-    parser.add_argument("--split-backward", choices=("off", "on", "auto"), default="off",
-                        help="schedule.split_backward the simulator profile replays (weight "
-                        "gradients deferred; auto: the better per plan, 2x the replays)")  # fmt: skip
+    replays = "what the simulator profile replays"
+    add_config_flag(parser, "schedule.order", note=f"{replays}; auto: 6x the replays")
+    add_config_flag(parser, "schedule.exchange_chunks", note=f"{replays}; auto: 4x the replays")
+    add_config_flag(parser, "schedule.split_backward", note=f"{replays}; auto: 2x the replays")
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
                         "GPUs, analytic above and for --roofline-only)")  # fmt: skip
-    parser.add_argument("--costs", default="", metavar="FILE",
-                        help="the simulator profile prices compute with these measured per-op "
-                        "costs (compute_costs.json of the bench or benchmarks/gpu_check.py)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    add_config_flag(parser, "schedule.costs_file", note="the simulator profile's compute")
+    add_renamed_flag(parser, "--costs", "--costs-file", "a compute_costs.json")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the stage-3 search")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="FILE.png", help="write the roofline figure")
 
@@ -74,14 +101,12 @@ def run_plan(args: argparse.Namespace) -> int:
     model = model_preset(args.model)
     if args.top_k is not None:
         model = dataclasses.replace(model, top_k=args.top_k)
-    hw_flags = "gpus_per_node nics_per_node nic_gbps peak_tflops gpu_mem_gib mfu bw_efficiency"
-    overrides = {
-        name: getattr(args, name) for name in hw_flags.split() if getattr(args, name) is not None
-    }
-    cluster = dataclasses.replace(cluster_preset(args.cluster), **overrides)
-    costs = MeasuredCosts.load(args.costs) if args.costs else None
+    cluster = cluster_from_args(args)
+    costs = MeasuredCosts.load(args.costs_file) if args.costs_file else None
     if costs is not None and (args.profile == "analytic" or args.roofline_only):
-        raise ValueError("--costs prices the simulator profile: use --profile simulator or auto")
+        raise ValueError(
+            "--costs-file prices the simulator profile: use --profile simulator or auto"
+        )
     plan = plan_for(
         model,
         cluster,
@@ -105,7 +130,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
     if costs is not None and plan.profile != "simulator":
         raise ValueError(
-            f"--costs prices the simulator profile, which auto uses up to "
+            f"--costs-file prices the simulator profile, which auto uses up to "
             f"{AUTO_SIMULATOR_MAX_GPUS} GPUs; give --profile simulator for {args.gpus}"
         )
     if args.plot:
@@ -113,7 +138,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
         plot_roofline(plan, cluster, args.plot)
     if args.json:
-        print(json.dumps({**plan.to_dict(), "costs": args.costs or "analytic"}, sort_keys=True))
+        costs_file = args.costs_file or "analytic"
+        print(json.dumps({**plan.to_dict(), "costs": costs_file}, sort_keys=True))
     else:
         print(format_plan(plan, args.epsilon))
     return 0
