@@ -57,10 +57,13 @@ def test_each_placement_is_a_row_with_its_own_flags() -> None:
     assert [packed.role(r).comp for r in range(8)] == ["A", "A", "F", "F"] * 2
 
 
-def test_auto_follows_the_planner_or_stays_even() -> None:
-    assert nic_split("auto", 3, 1, None) == (1.0, 1.0)
-    a, f = nic_split("auto", 3, 1, (2, 2))  # 2 NICs for 3 attention workers, 2 for 1 shard
+def test_planner_follows_the_planner_or_stays_even() -> None:
+    assert nic_split("planner", 3, 1, None) == (1.0, 1.0)
+    a, f = nic_split("planner", 3, 1, (2, 2))  # 2 NICs for 3 attention workers, 2 for 1 shard
     assert 3 * a + f == pytest.approx(4) and f / a == pytest.approx(3.0)
+    assert nic_split("even", 3, 1, (2, 2)) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="--nic-split auto was renamed planner"):
+        nic_split("auto", 3, 1, None)
     for bad in ("2", "1:0", "a:b", "1:2:3"):
         with pytest.raises(ValueError, match="--nic-split"):
             nic_split(bad, 1, 1, None)
@@ -174,7 +177,7 @@ def test_bench_flags_for_splits_and_recomputes_are_checked() -> None:
     two = spec("--runtimes", "disagg,ep-1f1b", "--splits", "planner,even")
     assert two.splits == ("planner",) and "even split" in two.split_note
     eight = spec("--compute", "emulated", "--nodes", "4", "--ranks-per-node", "2",
-                 "--nic-gbps", "0.4", "--runtimes", "disagg", "--splits", "planner,even")  # fmt: skip
+                 "--nic-gbit", "0.4", "--runtimes", "disagg", "--splits", "planner,even")  # fmt: skip
     assert eight.split_of("disagg (even)") == (1, 4, 4)
     if eight.split_of("disagg") != (1, 4, 4):
         assert eight.entries == ("disagg", "disagg (even)")
@@ -210,7 +213,9 @@ def test_exchange_chunk_counts_are_disagg_rows_of_one_run() -> None:
         parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", "1,4,auto"])
     )
     assert parsed.exchange_chunks == (1, 4, 0)
-    for bad in ("0", "2,2", "17", "x"):
+    zero = ["--loopback", "--runtimes", "disagg", "--exchange-chunks", "0,2"]
+    assert spec_from_args(parser.parse_args(zero)).exchange_chunks == (0, 2)  # 0: auto
+    for bad in ("auto,0", "2,2", "17", "x"):
         with pytest.raises(ValueError, match="--exchange-chunks"):
             spec_from_args(
                 parser.parse_args(["--loopback", "--runtimes", "disagg", "--exchange-chunks", bad])

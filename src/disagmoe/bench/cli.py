@@ -5,7 +5,7 @@
     disagmoe bench --plots docs/figures              # + bar chart and trace pair
 
 Every runtime gets the same model, global batch and number of workers; each worker has
-one NIC of `--nic-gbps` (a node's NIC carries `ranks_per_node` of them). `disagg` uses the
+one NIC of `--nic-gbit` Gbit/s (a node's NIC carries `ranks_per_node` of them). `disagg` uses the
 planner's split of the workers unless `--attn-workers/--expert-workers` say otherwise, and
 runs once per `--splits` entry (planner, the default; even: p = 1, m = n) and per
 `--placements` entry (node-aware: A and F of a group on every node, the default; packed:
@@ -44,7 +44,9 @@ from ..config import (
     RECOMPUTE,
     ClusterConfig,
 )
+from ..config_io import add_config_flag
 from ..extras import require_extra
+from ..flags import add_renamed_flag
 from ..presets import model_preset
 from .meta import results_meta
 from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
@@ -71,24 +73,29 @@ def _memory_bytes() -> int:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of `disagmoe bench`; those of config fields as the fields declare them
+    (`config_io.add_config_flag`), with the bench's own workload and layout defaults."""
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
-    p.add_argument("--ranks-per-node", type=int, default=1)
-    p.add_argument("--nic-gbps", type=float, default=0.2, help="NIC rate per worker, Gbit/s")
+    add_config_flag(p, "parallel.ranks_per_node", default=1, note="bench: of one emulated node")
+    p.add_argument("--nic-gbit", type=float, default=0.2,
+                   help="Gbit/s per worker (its share of the node's NIC), one direction")  # fmt: skip
+    add_renamed_flag(p, "--nic-gbps", "--nic-gbit", "Gbit/s per worker")
     p.add_argument("--model", default="small", help="model preset")
     p.add_argument("--runtimes", default=",".join(MULTI_WORKER_RUNTIMES), help="comma-separated")
-    p.add_argument("--steps", type=int, default=6, help="steps per run, warm-up included")
+    add_config_flag(p, "train.steps", default=6, note="per run, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="first steps excluded from numbers")
     p.add_argument("--repeats", type=int, default=2, help="interleaved repetitions per runtime")
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--groups", type=int, default=0, help="disagg p (0: planner)")
-    p.add_argument("--attn-workers", type=int, default=0, help="disagg m (0: planner)")
-    p.add_argument("--expert-workers", type=int, default=0, help="disagg n (0: planner)")
-    p.add_argument("--pp", type=int, default=0,
-                   help="ep-*: pipeline ranks for every EP row (0: with emulated compute each "
-                   "runtime's best layout by the simulator, else 1)")  # fmt: skip
-    p.add_argument("--ep", type=int, default=0, help="ep-*: expert-parallel ranks (0: W/pp)")
+    add_config_flag(p, "train.seq_len", default=128)
+    add_config_flag(p, "train.global_batch_size", default=16)
+    add_config_flag(p, "train.micro_batch_size")
+    planner = "0: the planner's"
+    add_config_flag(p, "parallel.groups", default=0, note=planner)
+    add_config_flag(p, "parallel.attn_workers", default=0, note=planner)
+    add_config_flag(p, "parallel.expert_workers", default=0, note=planner)
+    add_config_flag(p, "parallel.pp", default=0,
+                    note="for every EP row; 0: with emulated compute each runtime's best "
+                    "layout by the simulator, else 1")  # fmt: skip
+    add_config_flag(p, "parallel.ep", default=0, note="0: W/pp")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every runtime (repeatable)")  # fmt: skip
     p.add_argument("--out", help="directory of the runs (default runs/bench-<time>)")
@@ -111,16 +118,17 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recomputes", default="", metavar="R[,R]",
                    help="run every runtime once per train.recompute mode, one row each "
                    "(none, attn, full; default: the config's, one row)")  # fmt: skip
-    p.add_argument("--exchange-chunks", default="", metavar="C[,C]",
-                   help="disagg: exchange chunk counts to run, one row each (e.g. 1,4,auto; "
-                   "auto: the run's schedule choice picks; default: the config's)")  # fmt: skip
-    p.add_argument("--nic-split", default="auto", metavar="A:F|auto",
+    p.add_argument("--exchange-chunks", default=None, metavar="C[,C]",
+                   help="disagg: schedule.exchange_chunks to run, one row each (e.g. 1,4,0; "
+                   "0 or auto: the run's schedule choice picks; default: the config's)")  # fmt: skip
+    p.add_argument("--nic-split", default="planner", metavar="planner|even|A:F",
                    help="disagg: NIC rate of an attention vs an expert worker, same total as "
-                   "the EP runs (auto: the planner's split, else 1:1)")  # fmt: skip
+                   "the EP runs (planner: the planner's split, else even; even: 1:1)")  # fmt: skip
 
 
 def emulated_cluster(spec: BenchSpec) -> ClusterConfig:
-    """The emulated cluster as the planner sees it: one NIC of `nic_gbps` per worker."""
+    """The emulated cluster as the planner sees it: one NIC of `nic_gbps` (Gbit/s) per
+    worker."""
     return emulated_cluster_of(spec.ranks_per_node, spec.nic_gbps)
 
 
@@ -166,11 +174,15 @@ def planner_split(spec: BenchSpec) -> tuple[int, int, int, str, tuple[int, int] 
 
 
 def nic_split(text: str, m: int, n: int, planned: tuple[int, int] | None) -> tuple[float, float]:
-    """Per-worker NIC rate of attention and expert workers (units of --nic-gbps), scaled so
-    that m * a + n * f = m + n: disagg gets the same total NIC bandwidth as the EP runs."""
+    """Per-worker NIC rate of attention and expert workers (units of --nic-gbit), scaled so
+    that m * a + n * f = m + n: disagg gets the same total NIC bandwidth as the EP runs.
+    `text`: planner (the planner's split `planned`, else even), even (1:1) or A:F."""
     if text == "auto":
-        if planned is None:
-            return 1.0, 1.0
+        raise ValueError("--nic-split auto was renamed planner (the planner's NIC split)")
+    if text == "even" or (text == "planner" and planned is None):
+        return 1.0, 1.0
+    if text == "planner":
+        assert planned is not None
         ratio = (planned[0] / m, planned[1] / n)
     else:
         try:
@@ -178,7 +190,9 @@ def nic_split(text: str, m: int, n: int, planned: tuple[int, int] | None) -> tup
         except ValueError:
             a = f = math.nan
         if not all(math.isfinite(x) and x > 0 for x in (a, f)):
-            raise ValueError(f"--nic-split must be 'auto' or A:F with A, F > 0, got {text!r}")
+            raise ValueError(
+                f"--nic-split must be planner, even or A:F with A, F > 0, got {text!r}"
+            )
         ratio = (a, f)
     scale = (m + n) / (m * ratio[0] + n * ratio[1])
     return ratio[0] * scale, ratio[1] * scale
@@ -192,12 +206,16 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     placements = _choices("--placements", args.placements, PLACEMENTS)
     splits = _choices("--splits", args.splits, SPLITS)
     recomputes = _choices("--recomputes", args.recomputes, RECOMPUTE) if args.recomputes else ()
-    counts = ("auto", *(str(c) for c in range(1, MAX_EXCHANGE_CHUNKS + 1)))
-    chunks = (
-        _choices("--exchange-chunks", args.exchange_chunks, counts) if args.exchange_chunks else ()
-    )
-    if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbps <= 0:
-        raise ValueError("--nodes, --ranks-per-node must be >= 1 and --nic-gbps > 0")
+    counts = ("auto", *(str(c) for c in range(MAX_EXCHANGE_CHUNKS + 1)))
+    listed = args.exchange_chunks or ""
+    chunks = [
+        0 if c == "auto" else int(c)
+        for c in (_choices("--exchange-chunks", listed, counts) if listed else ())
+    ]
+    if len(set(chunks)) < len(chunks):  # "auto" and "0" both: auto picks (the config's 0)
+        raise ValueError(f"--exchange-chunks lists auto and 0, the same row, got {listed!r}")
+    if args.nodes < 1 or args.ranks_per_node < 1 or args.nic_gbit <= 0:
+        raise ValueError("--nodes, --ranks-per-node must be >= 1 and --nic-gbit > 0")
     if not 0 <= args.warmup < args.steps:
         raise ValueError(f"--warmup ({args.warmup}) must be < --steps ({args.steps})")
     world = args.nodes * args.ranks_per_node
@@ -226,14 +244,14 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     spec = BenchSpec(
         runtimes=runtimes, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
-        nic_gbps=args.nic_gbps, model=args.model, seq_len=args.seq_len,
+        nic_gbps=args.nic_gbit, model=args.model, seq_len=args.seq_len,
         global_batch_size=args.global_batch_size, micro_batch_size=args.micro_batch_size,
         steps=args.steps, warmup=args.warmup, repeats=max(args.repeats, 1), groups=args.groups,
         attn_workers=args.attn_workers, expert_workers=args.expert_workers, pp=args.pp,
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
         loopback=args.loopback, mtu=args.mtu, compute=args.compute, time_scale=time_scale,
         placements=placements, splits=splits, recomputes=recomputes,
-        exchange_chunks=tuple(0 if c == "auto" else int(c) for c in chunks),
+        exchange_chunks=tuple(chunks),
     )  # fmt: skip
     planned = None
     if "disagg" in runtimes and not (args.attn_workers and args.expert_workers):

@@ -73,7 +73,7 @@ class BenchSpec:
     runtimes: tuple[str, ...]
     nodes: int
     ranks_per_node: int
-    nic_gbps: float
+    nic_gbps: float  # Gbit/s per worker (`--nic-gbit`; the JSON reports keep this key)
     model: str
     seq_len: int
     global_batch_size: int
