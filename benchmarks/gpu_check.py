@@ -17,8 +17,8 @@ Three parts, one table each, all in OUT/gpu_check.json:
    and backward, medians of `--repeats` synchronised calls (`bench.emulation.calibrate`,
    pure bf16 modules on an accelerator, float32 on the CPU), written as
    OUT/compute_costs.json — the `ComputeCosts` format (`simulator.measured`), which
-   `disagmoe bench --compute emulated`, `disagmoe simulate --costs` and `disagmoe plan
-   --costs` read.
+   `disagmoe bench --compute emulated`, `disagmoe simulate --costs-file` and `disagmoe plan
+   --costs-file` read.
 
 Runs end to end on the CPU too (`--device cpu`, tiny shapes: tests/e2e/test_gpu_check.py);
 exit code 1 when a check fails.

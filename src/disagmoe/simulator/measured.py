@@ -21,7 +21,7 @@ here `MeasuredCosts` turns them into the simulator's `InstrCosts` for a given la
   unchunked one.
 
 `MeasuredCosts.bound_to(workload, m, n, recompute)` gives the costs of one layout, so one
-file serves every plan the planner scores (`disagmoe plan --costs`, `simulate --costs`).
+file serves every plan the planner scores (`disagmoe plan --costs-file`, `simulate --costs-file`).
 """
 
 from __future__ import annotations
