@@ -91,7 +91,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(
         parser,
         "schedule.costs_file",
-        note="disagg: the whole replay's compute (simulator.measured)",
+        note="simulate: the whole disagg replay's (simulator.measured)",
     )
     add_renamed_flag(parser, "--costs", "--costs-file", "a compute_costs.json")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

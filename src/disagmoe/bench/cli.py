@@ -76,7 +76,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of `disagmoe bench`; those of config fields as the fields declare them
     (`config_io.add_config_flag`), with the bench's own workload and layout defaults."""
     p.add_argument("--nodes", type=int, default=2, help="emulated nodes (network namespaces)")
-    add_config_flag(p, "parallel.ranks_per_node", default=1, note="bench: of one emulated node")
+    add_config_flag(
+        p, "parallel.ranks_per_node", default=1, note="bench: the ranks of one emulated node (>= 1)"
+    )
     p.add_argument("--nic-gbit", type=float, default=0.2,
                    help="Gbit/s per worker (its share of the node's NIC), one direction")  # fmt: skip
     add_renamed_flag(p, "--nic-gbps", "--nic-gbit", "Gbit/s per worker")

@@ -79,15 +79,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epsilon", type=float, default=0.02, help="stage-2 tie band")
     parser.add_argument("--search-moves", type=int, default=64, help="stage-3 moves K")
     parser.add_argument("--search-radius", type=int, default=2, help="stage-3 radius r")
-    replays = "what the simulator profile replays"
-    add_config_flag(parser, "schedule.order", note=f"{replays}; auto: 6x the replays")
-    add_config_flag(parser, "schedule.exchange_chunks", note=f"{replays}; auto: 4x the replays")
-    add_config_flag(parser, "schedule.split_backward", note=f"{replays}; auto: 2x the replays")
+    replays = "plan: what the simulator profile replays (auto: {}x the replays)"
+    add_config_flag(parser, "schedule.order", note=replays.format(6))
+    add_config_flag(parser, "schedule.exchange_chunks", note=replays.format(4))
+    add_config_flag(parser, "schedule.split_backward", note=replays.format(2))
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
                         f"the analytic formula (auto: simulator up to {AUTO_SIMULATOR_MAX_GPUS} "
                         "GPUs, analytic above and for --roofline-only)")  # fmt: skip
-    add_config_flag(parser, "schedule.costs_file", note="the simulator profile's compute")
+    add_config_flag(parser, "schedule.costs_file", note="plan: the simulator profile's")
     add_renamed_flag(parser, "--costs", "--costs-file", "a compute_costs.json")
     parser.add_argument("--seed", type=int, default=0, help="seed of the stage-3 search")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
