@@ -268,6 +268,31 @@ def test_cli_json_and_user_errors() -> None:
             simulate_from_args(parser.parse_args(["--model", "small", *bad]))
 
 
+def test_max_in_flight_means_what_train_means() -> None:
+    """`--max-in-flight`: N caps at N, 0 (the default) is the memory model's cap, for a
+    given split as for the planner's, and -1 is no cap (schedule.max_in_flight)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    given = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--groups", "1", "--attn-workers",
+             "32", "--expert-workers", "32", "--micro-batches", "64"]  # fmt: skip
+
+    def cap(*argv: str) -> int:
+        return simulate_from_args(parser.parse_args([*given, *argv])).config["max_in_flight"]
+
+    from disagmoe.planner.split import runnable_in_flight
+
+    memory = runnable_in_flight(
+        MODEL_PRESETS["qwen3-30b-a3b"], CLUSTER_PRESETS["h800"], gpus=64, seq_len=8192,
+        micro_batch_size=1, groups=1, attn_workers=32, recompute="none",
+    )  # fmt: skip
+    assert cap() == cap("--max-in-flight", "0") == memory >= 1
+    assert cap("--max-in-flight", "1") == 1 and cap("--max-in-flight", "-1") == 0  # 0: none
+    with pytest.raises(ValueError, match="--max-in-flight must be"):
+        simulate_from_args(parser.parse_args([*given, "--max-in-flight", "-2"]))
+
+
 def test_sixteen_nodes_sixty_four_micro_batches() -> None:
     """128 GPUs (p=4, m=16, n=16), 64 micro-batches per replica, 48 layers, by symmetry
     reduction; how long it takes: benchmarks/simulate_scale.py."""
