@@ -1,9 +1,11 @@
 """`disagmoe train | schedule | placement | prepare-data | export | checkpoint | plan | simulate |
 bench` — the command-line interface.
 
-`train` and `schedule` take the same flags (`disagmoe.command`: generated from the
-config dataclasses). User mistakes print one line `disagmoe: error: ...` and exit with
-code 2.
+`train`, `schedule` and `placement` take the same flags (`disagmoe.command`: generated from
+the config dataclasses); `plan`, `simulate` and `bench` build the flags they share with them
+from the same declarations (`config_io.add_config_flag`), so a concept has one flag, unit
+and meaning everywhere (tests/unit/test_cli_vocabulary.py). User mistakes print one line
+`disagmoe: error: ...` and exit with code 2.
 """
 
 from __future__ import annotations
