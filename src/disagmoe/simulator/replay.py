@@ -194,16 +194,7 @@ def simulate_schedule(
         raise ValueError("measured_bytes name real ranks: replay the full schedule")
     peak = peak_in_flight or check_schedule(schedule)
     real_layout = full or layout
-    num_micro = num_micro_batches or (
-        schedule.num_slots * real_layout.attn_workers
-        if full
-        else int(schedule.meta.get("num_micro_batches", schedule.num_slots * layout.attn_workers))
-    )
-    symmetry = (
-        Symmetry.replicas(real_layout, replica_classes(real_layout, num_micro))
-        if full
-        else Symmetry.identity(schedule.num_ranks)
-    )
+    num_micro, symmetry = _replay_frame(schedule, layout, full, num_micro_batches)
     pricing = afpipe_pricing(
         real_layout,
         costs,
@@ -224,14 +215,7 @@ def simulate_schedule(
     roles = [str(real_layout.role(r)) for r in real]
     tokens = num_micro * workload.tokens
     cfg = {
-        "schedule": schedule.name,
-        "num_slots": schedule.num_slots,
-        "num_micro_batches": num_micro,
-        "max_in_flight": schedule.max_in_flight,
-        "peak_in_flight": peak,
-        "reduced": full is not None,
-        "overlap_sync": overlap_sync,
-        "exchange_chunks": int(schedule.meta.get("exchange_chunks", 1)),
+        **_replay_config(schedule, num_micro, peak, full is not None, overlap_sync),
         **(config or {}),
     }
     return summarize(
@@ -244,3 +228,38 @@ def simulate_schedule(
         config=cfg,
         cores=cores,
     )
+
+
+def _replay_frame(
+    schedule: Schedule, layout: Layout, full: Layout | None, num_micro_batches: int
+) -> tuple[int, Symmetry]:
+    """The real step's micro-batch count M (`simulate_schedule`'s `num_micro_batches`) and
+    the symmetry that maps the schedule's ranks to real ones (identity unless reduced)."""
+    real_layout = full or layout
+    num_micro = num_micro_batches or (
+        schedule.num_slots * real_layout.attn_workers
+        if full
+        else int(schedule.meta.get("num_micro_batches", schedule.num_slots * layout.attn_workers))
+    )
+    symmetry = (
+        Symmetry.replicas(real_layout, replica_classes(real_layout, num_micro))
+        if full
+        else Symmetry.identity(schedule.num_ranks)
+    )
+    return num_micro, symmetry
+
+
+def _replay_config(
+    schedule: Schedule, num_micro: int, peak: int, reduced: bool, overlap_sync: bool
+) -> dict[str, Any]:
+    """The result's config entries of the replay (before the caller's `config`)."""
+    return {
+        "schedule": schedule.name,
+        "num_slots": schedule.num_slots,
+        "num_micro_batches": num_micro,
+        "max_in_flight": schedule.max_in_flight,
+        "peak_in_flight": peak,
+        "reduced": reduced,
+        "overlap_sync": overlap_sync,
+        "exchange_chunks": int(schedule.meta.get("exchange_chunks", 1)),
+    }
