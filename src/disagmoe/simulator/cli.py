@@ -32,6 +32,8 @@ from .report import BREAKDOWN_KEYS, SimResult
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
+    """`disagmoe simulate`'s flags. Long because it is a flat list of `add_argument` calls in
+    `--help` order, which splitting would only scatter."""
     parser.add_argument("--model", default="qwen3-30b-a3b", help="model preset name")
     parser.add_argument("--runtime", default="disagg", choices=MULTI_WORKER_RUNTIMES)
     parser.add_argument("--cluster", default="h800", help="cluster preset (h800, h100, h200)")
