@@ -187,6 +187,7 @@ def run_training(
             dt = time.perf_counter() - t0
             _check_finite(trainer, result, step)
             collector.after(step)  # on every rank at once, or on none
+            # the step's one all-reduce: busy, garbage-collection and memory per rank, routing
             record = _step_record(
                 trainer, train, result, step, dt, start, collector, model_stats, rank, world
             )
