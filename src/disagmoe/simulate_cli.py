@@ -34,7 +34,8 @@ from .simulator.report import BREAKDOWN_KEYS, SimResult
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `disagmoe simulate`; those of config fields as the fields declare them
-    (`config_io.add_config_flag`), with the simulator's own default where it chooses."""
+    (`config_io.add_config_flag`), with the simulator's own default where it chooses. Long
+    because it is a flat list of flags in `--help` order, which splitting would only scatter."""
     parser.add_argument("--model", default="qwen3-30b-a3b", help="model preset name")
     add_config_flag(parser, "parallel.runtime", choices=MULTI_WORKER_RUNTIMES)
     add_cluster_arguments(parser, ("mfu",))
@@ -141,9 +142,27 @@ def default_disagg_split(
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Fill automatic choices; raise ValueError for impossible requests."""
     model = model_preset(args.model)
+    _check_args(args, model)
+    cluster = cluster_from_args(args)
+    gpus = args.nodes * cluster.gpus_per_node
+    out: dict[str, Any] = {"model": model, "cluster": cluster, "gpus": gpus}
+    if args.costs_file:
+        if args.runtime != "disagg":
+            raise ValueError(
+                "--costs-file prices the disagg replay only; drop it for the ep-* runtimes"
+            )
+        out["costs"] = MeasuredCosts.load(args.costs_file)
+    if args.runtime == "disagg":
+        out.update(_resolve_disagg(args, model, cluster, gpus))
+    else:
+        out.update(_resolve_ep(args, model, gpus))
+    return out
+
+
+def _check_args(args: argparse.Namespace, model: ModelConfig) -> None:
+    """The flags' own ranges and the pairs that only one runtime takes."""
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ValueError(f"--mfu must be in (0, 1], got {args.mfu}")
-    cluster = cluster_from_args(args)
     for name in ("nodes", "seq_len", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -165,69 +184,68 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         )
     if args.seq_len > model.max_seq_len:
         raise ValueError(f"--seq-len {args.seq_len} exceeds {model.name}'s max {model.max_seq_len}")
-    gpus = args.nodes * cluster.gpus_per_node
-    out: dict[str, Any] = {"model": model, "cluster": cluster, "gpus": gpus}
-    if args.costs_file:
-        if args.runtime != "disagg":
-            raise ValueError(
-                "--costs-file prices the disagg replay only; drop it for the ep-* runtimes"
-            )
-        out["costs"] = MeasuredCosts.load(args.costs_file)
-    if args.runtime == "disagg":
-        if args.groups and gpus % args.groups:
-            raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
-        nic: tuple[int, int] | None = None
-        recompute = "none"
-        if args.attn_workers and args.expert_workers:
-            m, n = args.attn_workers, args.expert_workers
-            p = args.groups or max(1, gpus // (m + n))
-            note = "user split, one NIC share per GPU"
-            planned_in_flight = 0  # the memory model's, once the split is known to fit
-        else:
-            split = planned_split(
-                model, cluster, gpus=gpus, seq_len=args.seq_len,
-                micro_batch_size=args.micro_batch_size, groups=args.groups,
-                micro_batches=args.micro_batches,
-            )  # fmt: skip
-            p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
-            planned_in_flight = split.in_flight
-            recompute = split.recompute
-            if args.nic_split == "planner" and args.placement == "node-aware":
-                nic = (split.attn_nics, split.ffn_nics)
-        if p * (m + n) != gpus:
-            raise ValueError(
-                f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
-                f"{args.nodes} node(s) have {gpus} GPUs; change the layout or --nodes"
-            )
-        if args.max_in_flight == 0 and not planned_in_flight:
-            planned_in_flight = runnable_in_flight(
-                model, cluster, gpus=gpus, seq_len=args.seq_len,
-                micro_batch_size=args.micro_batch_size, groups=p, attn_workers=m,
-                recompute=recompute,
-            )  # fmt: skip
-            note += f"; memory allows {planned_in_flight} in flight"
-        # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
-        in_flight = {0: planned_in_flight, -1: 0}.get(args.max_in_flight, args.max_in_flight)
-        out.update(
-            nic_split=nic,
-            placement=args.placement,
-            split_note=note,
-            max_in_flight=in_flight,
-            recompute=recompute,
-        )
-        micro = args.micro_batches or 8 * 2 * p * m
-        out.update(groups=p, attn_workers=m, expert_workers=n, micro_batches=micro)
+
+
+def _resolve_disagg(
+    args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
+) -> dict[str, Any]:
+    """AF-Pipe's layout (given, or the planner's split), NIC split, cap and micro-batches."""
+    if args.groups and gpus % args.groups:
+        raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
+    nic: tuple[int, int] | None = None
+    recompute = "none"
+    if args.attn_workers and args.expert_workers:
+        m, n = args.attn_workers, args.expert_workers
+        p = args.groups or max(1, gpus // (m + n))
+        note = "user split, one NIC share per GPU"
+        planned_in_flight = 0  # the memory model's, once the split is known to fit
     else:
-        pp = args.pp or max(
-            d for d in _divisors(model.num_layers) if d <= args.nodes and gpus % d == 0
+        split = planned_split(
+            model, cluster, gpus=gpus, seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size, groups=args.groups,
+            micro_batches=args.micro_batches,
+        )  # fmt: skip
+        p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
+        planned_in_flight = split.in_flight
+        recompute = split.recompute
+        if args.nic_split == "planner" and args.placement == "node-aware":
+            nic = (split.attn_nics, split.ffn_nics)
+    if p * (m + n) != gpus:
+        raise ValueError(
+            f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
+            f"{args.nodes} node(s) have {gpus} GPUs; change the layout or --nodes"
         )
-        if gpus % pp:
-            raise ValueError(f"--pp {pp} must divide the {gpus} GPUs")
-        dp = gpus // pp
-        ep = args.ep or max(d for d in _divisors(math.gcd(dp, model.num_experts)))
-        micro = args.micro_batches or 8 * pp * dp
-        out.update(pp=pp, ep=ep, micro_batches=micro)
-    return out
+    if args.max_in_flight == 0 and not planned_in_flight:
+        planned_in_flight = runnable_in_flight(
+            model, cluster, gpus=gpus, seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch_size, groups=p, attn_workers=m,
+            recompute=recompute,
+        )  # fmt: skip
+        note += f"; memory allows {planned_in_flight} in flight"
+    # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
+    in_flight = {0: planned_in_flight, -1: 0}.get(args.max_in_flight, args.max_in_flight)
+    return {
+        "nic_split": nic,
+        "placement": args.placement,
+        "split_note": note,
+        "max_in_flight": in_flight,
+        "recompute": recompute,
+        "groups": p,
+        "attn_workers": m,
+        "expert_workers": n,
+        "micro_batches": args.micro_batches or 8 * 2 * p * m,
+    }
+
+
+def _resolve_ep(args: argparse.Namespace, model: ModelConfig, gpus: int) -> dict[str, Any]:
+    """An EP runtime's pp, ep and micro-batches (given, or the defaults)."""
+    pp = args.pp or max(d for d in _divisors(model.num_layers) if d <= args.nodes and gpus % d == 0)
+    if gpus % pp:
+        raise ValueError(f"--pp {pp} must divide the {gpus} GPUs")
+    dp = gpus // pp
+    ep = args.ep or max(d for d in _divisors(math.gcd(dp, model.num_experts)))
+    micro = args.micro_batches or 8 * pp * dp
+    return {"pp": pp, "ep": ep, "micro_batches": micro}
 
 
 def simulate_from_args(args: argparse.Namespace) -> SimResult:

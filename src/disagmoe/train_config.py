@@ -182,6 +182,14 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _require(self.steps >= 0, f"train.steps must be >= 0, got {self.steps}")
+        self._check_choices()
+        self._check_sizes()
+        self._check_optimizer()
+        self._check_run()
+        self._check_fault_injection()
+
+    def _check_choices(self) -> None:
+        """The fields that name one of a fixed set: dtypes, lr schedule, recompute."""
         _require(self.dtype in DTYPES, f"train.dtype must be one of {', '.join(DTYPES)}")
         _require(
             self.param_dtype in ("", *DTYPES),
@@ -203,6 +211,9 @@ class TrainConfig:
             self.recompute in RECOMPUTE,
             f"train.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}",
         )
+
+    def _check_sizes(self) -> None:
+        """The memory budget and the batch's sizes."""
         _require(
             math.isfinite(self.memory_gib) and self.memory_gib >= 0,
             "train.memory_gib must be a finite number >= 0 (0: from the cluster or host)",
@@ -214,6 +225,9 @@ class TrainConfig:
             f"train.global_batch_size ({self.global_batch_size}) must be a positive multiple of "
             f"train.micro_batch_size ({self.micro_batch_size})",
         )
+
+    def _check_optimizer(self) -> None:
+        """Learning rate, its schedule's parameters, AdamW's and gradient clipping."""
         _require(self.lr >= 0 and self.weight_decay >= 0, "train.lr and weight_decay >= 0")
         _require(
             0 <= self.min_lr <= self.lr,
@@ -225,11 +239,14 @@ class TrainConfig:
         )
         _require(self.warmup_steps >= 0 and self.grad_clip >= 0, "warmup_steps, grad_clip >= 0")
         _require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "train.beta1/beta2 in [0, 1)")
+        _require(math.isfinite(self.lr), "train.lr must be finite")
+
+    def _check_run(self) -> None:
+        """Communication timeout, checkpoints, evaluation, garbage collection, restarts."""
         _require(
             math.isfinite(self.comm_timeout_s) and self.comm_timeout_s > 0,
             "train.comm_timeout_s must be a finite number > 0",
         )
-        _require(math.isfinite(self.lr), "train.lr must be finite")
         _require(self.checkpoint_every >= 0, "train.checkpoint_every must be >= 0")
         for name in ("eval_every", "eval_batches"):
             value = getattr(self, name)
@@ -246,6 +263,9 @@ class TrainConfig:
             self.gc_every >= 0, f"train.gc_every (--gc-every) must be >= 0, got {self.gc_every}"
         )
         _require(self.max_restarts >= 0, "train.max_restarts must be >= 0")
+
+    def _check_fault_injection(self) -> None:
+        """`fail_rank`, `fail_in_save` and `drop_message` (tests and demos)."""
         _require(self.fail_rank >= 0, "train.fail_rank must be >= 0")
         point, _, at = self.fail_in_save.partition(":")
         _require(

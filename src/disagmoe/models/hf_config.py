@@ -72,6 +72,22 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     represent exactly raises `ValueError`.
     """
     path = Path(path)
+    hf = _supported_config(path)
+    try:
+        common = _common_fields(path, hf)
+        if hf["model_type"] == "qwen3_moe":
+            return _qwen3_moe_config(path, hf, common)
+        return _mixtral_config(path, hf, common)
+    except CheckpointError:
+        raise
+    except KeyError as err:
+        raise unsupported(path, f"config.json lacks {err.args[0]!r}") from None
+    except (TypeError, ValueError) as err:
+        raise unsupported(path, f"config.json does not describe a valid model: {err}") from None
+
+
+def _supported_config(path: Path) -> dict[str, Any]:
+    """The checkpoint's config.json, of a supported model type, activation and attention."""
     if not path.is_dir():
         raise ValueError(f"HF checkpoint directory {str(path)!r} does not exist")
     config_file = path / "config.json"
@@ -89,58 +105,64 @@ def read_hf_config(path: str | Path) -> ModelConfig:
         raise unsupported(path, f"hidden_act {hf['hidden_act']!r} is unsupported (only silu)")
     if hf.get("attention_bias", False):
         raise unsupported(path, "attention_bias = true is unsupported (our attention has no bias)")
+    return hf
 
-    try:
-        num_layers = int(hf["num_hidden_layers"])
-        num_heads = int(hf["num_attention_heads"])
-        max_seq_len = int(hf.get("max_position_embeddings", 4096))
-        window = hf.get("sliding_window")
-        if model_type == "qwen3_moe" and not hf.get("use_sliding_window", False):
-            window = None
-        if window is not None:
-            max_seq_len = min(max_seq_len, int(window))
-        common: dict[str, Any] = dict(
-            name=f"hf-{model_type}",
-            vocab_size=int(hf["vocab_size"]),
-            dim=int(hf["hidden_size"]),
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or 0),
-            top_k=int(hf["num_experts_per_tok"]),
-            aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            rope_theta=_rope_theta(path, hf),
-            norm_eps=float(hf["rms_norm_eps"]),
-            max_seq_len=max_seq_len,
-            init_std=float(hf.get("initializer_range", 0.02)),
-        )
-        if model_type == "qwen3_moe":
-            num_dense = _dense_prefix(path, hf, num_layers)
-            num_experts = hf.get("num_experts", hf.get("num_local_experts"))
-            if num_experts is None:
-                raise KeyError("num_experts")
-            return ModelConfig(
-                **common,
-                num_experts=int(num_experts),
-                expert_dim=int(hf["moe_intermediate_size"]),
-                num_dense_layers=num_dense,
-                dense_dim=int(hf["intermediate_size"]) if num_dense else 0,
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                qk_norm=True,
-            )
-        if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
-            raise unsupported(path, "router_jitter_noise > 0 is unsupported (our router is exact)")
-        return ModelConfig(
-            **common,
-            num_experts=int(hf["num_local_experts"]),
-            expert_dim=int(hf["intermediate_size"]),
-            norm_topk_prob=True,
-            qk_norm=False,
-        )
-    except CheckpointError:
-        raise
-    except KeyError as err:
-        raise unsupported(path, f"config.json lacks {err.args[0]!r}") from None
-    except (TypeError, ValueError) as err:
-        raise unsupported(path, f"config.json does not describe a valid model: {err}") from None
+
+def _common_fields(path: Path, hf: dict[str, Any]) -> dict[str, Any]:
+    """The `ModelConfig` fields both model types name alike (a sliding window caps
+    `max_seq_len`)."""
+    model_type = hf["model_type"]
+    num_layers = int(hf["num_hidden_layers"])
+    num_heads = int(hf["num_attention_heads"])
+    max_seq_len = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
+    if model_type == "qwen3_moe" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is not None:
+        max_seq_len = min(max_seq_len, int(window))
+    return dict(
+        name=f"hf-{model_type}",
+        vocab_size=int(hf["vocab_size"]),
+        dim=int(hf["hidden_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or 0),
+        top_k=int(hf["num_experts_per_tok"]),
+        aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_theta=_rope_theta(path, hf),
+        norm_eps=float(hf["rms_norm_eps"]),
+        max_seq_len=max_seq_len,
+        init_std=float(hf.get("initializer_range", 0.02)),
+    )
+
+
+def _qwen3_moe_config(path: Path, hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Qwen3-MoE: a prefix of dense layers, optional top-k renormalisation, QK norm."""
+    num_dense = _dense_prefix(path, hf, common["num_layers"])
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if num_experts is None:
+        raise KeyError("num_experts")
+    return ModelConfig(
+        **common,
+        num_experts=int(num_experts),
+        expert_dim=int(hf["moe_intermediate_size"]),
+        num_dense_layers=num_dense,
+        dense_dim=int(hf["intermediate_size"]) if num_dense else 0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        qk_norm=True,
+    )
+
+
+def _mixtral_config(path: Path, hf: dict[str, Any], common: dict[str, Any]) -> ModelConfig:
+    """Mixtral: every layer MoE, top-k renormalised, no QK norm, no router jitter."""
+    if float(hf.get("router_jitter_noise") or 0.0) != 0.0:
+        raise unsupported(path, "router_jitter_noise > 0 is unsupported (our router is exact)")
+    return ModelConfig(
+        **common,
+        num_experts=int(hf["num_local_experts"]),
+        expert_dim=int(hf["intermediate_size"]),
+        norm_topk_prob=True,
+        qk_norm=False,
+    )

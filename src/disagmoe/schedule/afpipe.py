@@ -47,7 +47,7 @@ rank-local lists are one computation. Breadth on the default bench: docs/bench.m
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..distributed.layout import Layout
 from .graph import Task, TaskGraph, emit_schedule, list_schedule
@@ -90,16 +90,65 @@ def build_afpipe_graph(
     exchange_chunks: int = 1,
     split_backward: bool = False,
 ) -> TaskGraph:
+    """The task graph of one AF-Pipe step (module doc): its computes, the messages and local
+    dependencies between them, the in-flight cap's gates and the ports each message holds."""
     check_order(order)
     split = split_backward and not forward_only
     check_chunks(exchange_chunks)
-    p, n, L = layout.groups, layout.expert_workers, layout.num_layers
     num_micro = micro_batch_count(layout, num_slots, num_micro_batches)
-    replicas = [layout.replicas_of_slot(s, num_micro) for s in range(num_slots)]
+    tasks = _Tasks(
+        layout,
+        tuple(layout.replicas_of_slot(s, num_micro) for s in range(num_slots)),
+        range(exchange_chunks) if exchange_chunks > 1 else range(-1, 0),
+    )
     cap = num_slots if forward_only else max_in_flight or num_slots  # forward-only: no cap
     g = TaskGraph()
-    chunks = range(exchange_chunks) if exchange_chunks > 1 else range(-1, 0)
     share = 1.0 / exchange_chunks
+    _add_computes(g, tasks, order, costs, share, forward_only=forward_only, split=split)
+    _add_dataflow(g, tasks, forward_only=forward_only)
+    _add_cap_gates(g, tasks, cap, held=Op.WGT if split else Op.BWD)
+    _add_ports(g, costs, share)
+    return g
+
+
+@dataclass(frozen=True, slots=True)
+class _Tasks:
+    """The tasks of one step by (layer, slot, replica r or shard j, chunk k): layer l runs on
+    group l mod p."""
+
+    layout: Layout
+    replicas: tuple[int, ...]  # per slot: how many replicas run it
+    chunks: range  # the exchange's chunks (range(-1, 0): one, unchunked)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.replicas)
+
+    def fa(self, l: int, s: int, r: int) -> Task:
+        return Task(Op.FWD, "A", l, s, self.layout.attn_rank(l % self.layout.groups, r))
+
+    def ba(self, l: int, s: int, r: int) -> Task:
+        return Task(Op.BWD, "A", l, s, self.layout.attn_rank(l % self.layout.groups, r))
+
+    def ff(self, l: int, s: int, j: int, k: int) -> Task:
+        return Task(Op.FWD, "F", l, s, self.layout.expert_rank(l % self.layout.groups, j), k)
+
+    def bf(self, l: int, s: int, j: int, k: int) -> Task:
+        return Task(Op.BWD, "F", l, s, self.layout.expert_rank(l % self.layout.groups, j), k)
+
+
+def _add_computes(
+    g: TaskGraph,
+    t: _Tasks,
+    order: str,
+    costs: ScheduleCosts,
+    share: float,
+    *,
+    forward_only: bool,
+    split: bool,
+) -> None:
+    """Every compute, priced by `costs` (a chunk's at its `share`; with `split` a BWD at the
+    rest of the backward and a W after it) with its `order` priority."""
 
     def add(task: Task) -> None:
         part = share if task.chunk >= 0 else 1.0
@@ -116,36 +165,31 @@ def build_afpipe_graph(
             g.add(w, weights * part, (*weight_priority(task.layer, task.slot), task.chunk))
             g.local_deps[w].append(task)
 
-    def fa(l: int, s: int, r: int) -> Task:
-        return Task(Op.FWD, "A", l, s, layout.attn_rank(l % p, r))
-
-    def ba(l: int, s: int, r: int) -> Task:
-        return Task(Op.BWD, "A", l, s, layout.attn_rank(l % p, r))
-
-    def ff(l: int, s: int, j: int, k: int) -> Task:
-        return Task(Op.FWD, "F", l, s, layout.expert_rank(l % p, j), k)
-
-    def bf(l: int, s: int, j: int, k: int) -> Task:
-        return Task(Op.BWD, "F", l, s, layout.expert_rank(l % p, j), k)
-
-    for s in range(num_slots):
-        for l in range(L + 1):
-            for r in range(replicas[s]):
-                add(fa(l, s, r))
+    layout = t.layout
+    for s in range(t.num_slots):
+        for l in range(layout.num_layers + 1):
+            for r in range(t.replicas[s]):
+                add(t.fa(l, s, r))
                 if not forward_only:
-                    add(ba(l, s, r))
+                    add(t.ba(l, s, r))
             if l in layout.moe_layers:
-                for k in chunks:
-                    for j in range(n):
-                        add(ff(l, s, j, k))
+                for k in t.chunks:
+                    for j in range(layout.expert_workers):
+                        add(t.ff(l, s, j, k))
                         if not forward_only:
-                            add(bf(l, s, j, k))
+                            add(t.bf(l, s, j, k))
 
-    for s in range(num_slots):
-        for l in range(L + 1):
+
+def _add_dataflow(g: TaskGraph, t: _Tasks, *, forward_only: bool) -> None:
+    """The messages of every slot (or local dependencies where both ends share a rank) and
+    each backward's dependency on its forward."""
+    layout, n = t.layout, t.layout.expert_workers
+    fa, ba, ff, bf, chunks = t.fa, t.ba, t.ff, t.bf, t.chunks
+    for s in range(t.num_slots):
+        for l in range(layout.num_layers + 1):
             moe = l in layout.moe_layers
             prev_moe = l - 1 in layout.moe_layers
-            for r in range(replicas[s]):
+            for r in range(t.replicas[s]):
                 if l > 0:
                     g.message(fa(l - 1, s, r), fa(l, s, r), "act", l - 1)
                     if prev_moe:
@@ -174,9 +218,12 @@ def build_afpipe_graph(
                     for j in range(n):
                         g.local_deps[bf(l, s, j, k)].append(ff(l, s, j, k))
 
-    # In-flight cap, layer by layer (`semantics.cap_gates`): the forward of a rank's layer of
-    # slot s waits for the release of its gate layer of slot s - cap.
-    held = Op.WGT if split else Op.BWD  # what a layer's activations are kept until
+
+def _add_cap_gates(g: TaskGraph, t: _Tasks, cap: int, *, held: Op) -> None:
+    """In-flight cap, layer by layer (`semantics.cap_gates`): the forward of a rank's layer of
+    slot s waits for the release (`held`: the BWD, or the W where split) of its gate layer
+    of slot s - cap."""
+    layout, num_slots = t.layout, t.num_slots
     for rank in range(layout.world_size):
         layers = layout.layers_of(rank)
         if not layers or cap >= num_slots:
@@ -184,15 +231,20 @@ def build_afpipe_graph(
         role = layout.role(rank)
         for layer, gate in cap_gates(layers).items():
             for s in range(cap, num_slots):
-                if role.comp == "A" and role.index < replicas[s]:
-                    g.local_deps[fa(layer, s, role.index)].append(
-                        replace(ba(gate, s - cap, role.index), op=held)
+                if role.comp == "A" and role.index < t.replicas[s]:
+                    g.local_deps[t.fa(layer, s, role.index)].append(
+                        replace(t.ba(gate, s - cap, role.index), op=held)
                     )
                 elif role.comp == "F":
-                    for k in chunks:
-                        g.local_deps[ff(layer, s, role.index, k)].append(
-                            replace(bf(gate, s - cap, role.index, k), op=held)
+                    for k in t.chunks:
+                        g.local_deps[t.ff(layer, s, role.index, k)].append(
+                            replace(t.bf(gate, s - cap, role.index, k), op=held)
                         )
+
+
+def _add_ports(g: TaskGraph, costs: ScheduleCosts, share: float) -> None:
+    """The ports each message holds and for how long (`costs.message_ports`; a chunk's at its
+    `share`)."""
     for msgs in g.outputs.values():
         for msg in msgs:
             loads = costs.message_ports(msg.kind, msg.layer, msg.src, msg.dst)
@@ -200,7 +252,6 @@ def build_afpipe_graph(
                 loads = tuple((port, seconds * share) for port, seconds in loads)
             if loads:
                 g.ports[msg] = loads
-    return g
 
 
 def build_afpipe(

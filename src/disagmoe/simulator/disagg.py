@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 from ..config import ClusterConfig, ModelConfig, ParallelConfig
@@ -108,7 +109,52 @@ def simulate_disagg(
     recompute, which the runtime cannot split (`RunConfig.split_backward_blocker`), and
     True with recompute is a `ValueError`.
     """
+    layout, slots = _checked_layout(
+        model, cluster, groups, attn_workers, expert_workers, placement, num_micro_batches,
+        recompute, split_backward, exchange_chunks,
+    )  # fmt: skip
+    if reduce is None:
+        reduce = _many_messages(layout, num_micro_batches, exchange_chunks)
+    workload = Workload(model, seq_len, micro_batch_size)
+    costs = _layout_costs(costs, workload, cluster, attn_workers, expert_workers, recompute)
+    net = _network(cluster, layout, placement, nic_split)
+    pick = _pick(
+        layout, slots, max_in_flight, num_micro_batches, costs, workload, net, order=order,
+        costed=costed, exchange_chunks=exchange_chunks, split_backward=split_backward,
+        recompute=recompute, link_model=link_model, reduce=reduce, overlap_sync=overlap_sync,
+    )  # fmt: skip
+    run_layout, run_micro = (
+        reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
+    )
+    schedule, peak = checked_afpipe(
+        run_layout, slots, max_in_flight, pick.order, run_micro, pick.schedule_costs,
+        pick.exchange_chunks, pick.split_backward,
+    )  # fmt: skip
+    cfg = _step_config(
+        model, cluster, layout, seq_len, micro_batch_size, num_micro_batches, nic_split,
+        recompute, link_model, pick,
+    )  # fmt: skip
+    return simulate_schedule(
+        schedule, run_layout, costs, workload, net, full=layout if reduce else None,
+        config=cfg, num_micro_batches=num_micro_batches, peak_in_flight=peak,
+        link_model=link_model, overlap_sync=overlap_sync,
+    )  # fmt: skip
 
+
+def _checked_layout(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    groups: int,
+    attn_workers: int,
+    expert_workers: int,
+    placement: str,
+    num_micro_batches: int,
+    recompute: str,
+    split_backward: bool | None,
+    exchange_chunks: int,
+) -> tuple[Layout, int]:
+    """The request's layout (rank r on GPU r of `cluster`) and replica 0's slot count;
+    `ValueError` for what the runtime refuses."""
     parallel = ParallelConfig(
         groups=groups, attn_workers=attn_workers, expert_workers=expert_workers,
         placement=placement,
@@ -119,7 +165,6 @@ def simulate_disagg(
             f"--micro-batches ({num_micro_batches}) leaves some of the {attn_workers} attention "
             "workers per group without a micro-batch; give at least one per replica"
         )
-    slots = layout.slots_of_replica(0, num_micro_batches)
     if recompute != "none" and split_backward:
         raise ValueError(
             f"deferred weight gradients cannot run with recompute {recompute} (the runtime "
@@ -127,80 +172,136 @@ def simulate_disagg(
         )
     if exchange_chunks < 0:
         raise ValueError(f"exchange chunks must be >= 0 (0: auto picks), got {exchange_chunks}")
-    if reduce is None:
-        most = exchange_chunks or max(CHUNK_CANDIDATES)
-        reduce = message_count(layout, num_micro_batches, most) > REDUCE_ABOVE_MESSAGES
-    workload = Workload(model, seq_len, micro_batch_size)
+    return layout, layout.slots_of_replica(0, num_micro_batches)
+
+
+def _many_messages(layout: Layout, num_micro_batches: int, exchange_chunks: int) -> bool:
+    """`reduce`'s default: whether the full schedule, in as many chunks as `choose` may
+    pick when `exchange_chunks` is 0, has more than REDUCE_ABOVE_MESSAGES messages."""
+    most = exchange_chunks or max(CHUNK_CANDIDATES)
+    return message_count(layout, num_micro_batches, most) > REDUCE_ABOVE_MESSAGES
+
+
+def _layout_costs(
+    costs: InstrCosts | None,
+    workload: Workload,
+    cluster: ClusterConfig,
+    attn_workers: int,
+    expert_workers: int,
+    recompute: str,
+) -> InstrCosts:
+    """`costs` for this layout (None: the cluster's analytic ones; a measured costs file is
+    priced for the layout's m, n and recompute)."""
     costs = costs or AnalyticCosts.for_cluster(
         workload, cluster, attn_workers, expert_workers, recompute
     )
     if isinstance(costs, MeasuredCosts):  # one costs file, priced for this layout
         costs = costs.bound_to(workload, attn_workers, expert_workers, recompute)
+    return costs
+
+
+def _network(
+    cluster: ClusterConfig, layout: Layout, placement: str, nic_split: tuple[int, int] | None
+) -> Network:
+    """The cluster's network; with `nic_split`, the NICs of a node shared M_a:M_f between
+    its A and F workers (`simulator.placement`)."""
     net = Network.from_cluster(cluster)
-    if nic_split is not None:
-        if placement != "node-aware":
-            raise ValueError("a NIC split pools a node's NICs: use placement 'node-aware'")
-        net = dataclasses.replace(net, nic_share=nic_shares(layout, net, *nic_split))
-    run_layout, run_micro = (
-        reduced_layout(layout, num_micro_batches) if reduce else (layout, num_micro_batches)
+    if nic_split is None:
+        return net
+    if placement != "node-aware":
+        raise ValueError("a NIC split pools a node's NICs: use placement 'node-aware'")
+    return dataclasses.replace(net, nic_share=nic_shares(layout, net, *nic_split))
+
+
+@dataclass(frozen=True, slots=True)
+class _Pick:
+    """What the step runs: lane order, generator costs, exchange chunks, split backward."""
+
+    order: str
+    costed: bool
+    exchange_chunks: int
+    split_backward: bool
+    schedule_costs: ScheduleCosts | None  # the run's costs when `costed`, else None (nominal)
+    chosen: dict[str, Any]  # what `choose_order` was asked and its candidates' steps, or {}
+
+
+def _pick(
+    layout: Layout,
+    slots: int,
+    max_in_flight: int,
+    num_micro_batches: int,
+    costs: InstrCosts,
+    workload: Workload,
+    net: Network,
+    *,
+    order: str,
+    costed: bool,
+    exchange_chunks: int,
+    split_backward: bool | None,
+    recompute: str,
+    link_model: LinkModel,
+    reduce: bool,
+    overlap_sync: bool,
+) -> _Pick:
+    """The request's order, costs, chunks and split where it names them all; else
+    `choose_order`'s best candidate among what it leaves open (order auto, chunks 0,
+    split None; whole backwards only under recompute)."""
+    if order != "auto" and exchange_chunks != 0 and split_backward is not None:
+        priced = schedule_costs(layout, num_micro_batches, costs, workload, net) if costed else None
+        return _Pick(order, costed, exchange_chunks, split_backward, priced, {})
+    candidates = CANDIDATES if order == "auto" else ((order, costed),)
+    chunks = (exchange_chunks,) if exchange_chunks else CHUNK_CANDIDATES
+    splits = (
+        (False, True)
+        if split_backward is None and recompute == "none"
+        else ((bool(split_backward),))
     )
-    chosen: dict[str, Any] = {}
-    if order == "auto" or exchange_chunks == 0 or split_backward is None:
-        candidates = CANDIDATES if order == "auto" else ((order, costed),)
-        chunks = (exchange_chunks,) if exchange_chunks else CHUNK_CANDIDATES
-        splits = (
-            (False, True)
-            if split_backward is None and recompute == "none"
-            else ((bool(split_backward),))
-        )
-        choice, priced = choose_order(
-            layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
-            candidates=candidates, chunks=chunks, link_model=link_model, reduce=reduce,
-            overlap_sync=overlap_sync, splits=splits,
-        )  # fmt: skip
-        chosen = {
-            "order_choice": order,
-            "chunks_choice": "auto" if exchange_chunks == 0 else exchange_chunks,
-            "split_choice": "auto" if split_backward is None else split_backward,
-            "auto_steps": [list(c) for c in choice.steps],
-        }
-        order, costed, exchange_chunks = choice.order, choice.costed, choice.exchange_chunks
-        split_backward = choice.split_backward
-    elif costed:
-        priced = schedule_costs(layout, num_micro_batches, costs, workload, net)
-    schedule, peak = checked_afpipe(
-        run_layout, slots, max_in_flight, order, run_micro, priced if costed else None,
-        exchange_chunks, split_backward,
+    choice, priced = choose_order(
+        layout, slots, max_in_flight, num_micro_batches, costs, workload, net,
+        candidates=candidates, chunks=chunks, link_model=link_model, reduce=reduce,
+        overlap_sync=overlap_sync, splits=splits,
     )  # fmt: skip
-    cfg = {
+    chosen = {
+        "order_choice": order,
+        "chunks_choice": "auto" if exchange_chunks == 0 else exchange_chunks,
+        "split_choice": "auto" if split_backward is None else split_backward,
+        "auto_steps": [list(c) for c in choice.steps],
+    }
+    return _Pick(
+        choice.order, choice.costed, choice.exchange_chunks, choice.split_backward,
+        priced if choice.costed else None, chosen,
+    )  # fmt: skip
+
+
+def _step_config(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    layout: Layout,
+    seq_len: int,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    nic_split: tuple[int, int] | None,
+    recompute: str,
+    link_model: LinkModel,
+    pick: _Pick,
+) -> dict[str, Any]:
+    """The result's config: the request, then what it resolved to (`pick`)."""
+    return {
         "model": model.name,
         "cluster": cluster.name,
-        "groups": groups,
-        "attn_workers": attn_workers,
-        "expert_workers": expert_workers,
+        "groups": layout.groups,
+        "attn_workers": layout.attn_workers,
+        "expert_workers": layout.expert_workers,
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
         "micro_batches": num_micro_batches,
-        "placement": placement,
+        "placement": layout.placement,
         "nic_split": list(nic_split) if nic_split else None,
         "recompute": recompute,
-        "order": order,
-        "costed": costed,
-        "exchange_chunks": exchange_chunks,
-        "split_backward": split_backward,
+        "order": pick.order,
+        "costed": pick.costed,
+        "exchange_chunks": pick.exchange_chunks,
+        "split_backward": pick.split_backward,
         "link_model": link_model,
-        **chosen,
+        **pick.chosen,
     }
-    return simulate_schedule(
-        schedule,
-        run_layout,
-        costs,
-        workload,
-        net,
-        full=layout if reduce else None,
-        config=cfg,
-        num_micro_batches=num_micro_batches,
-        peak_in_flight=peak,
-        link_model=link_model,
-        overlap_sync=overlap_sync,
-    )

@@ -192,6 +192,9 @@ def run_program(
 
     `cores > 0`: the compute ops of all ranks share one pool of `cores` processors
     (overrides `share_compute`). `link_model`: how messages share ports (`simulator.links`).
+
+    Long because it is the simulator's hot event loop: its state (heap, versions, resources,
+    links) stays in locals that its closures share rather than behind attribute lookups.
     """
     n = len(program)
     remaining = [len(d) for d in program.deps]

@@ -101,21 +101,7 @@ def simulate_ep(
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`)."""
-    if runtime not in EP_RUNTIMES:
-        raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
-    if gpus % pp:
-        raise ValueError(f"--pp ({pp}) must divide the number of GPUs ({gpus})")
-    dp = gpus // pp
-    if dp % ep or model.num_experts % ep:
-        raise ValueError(
-            f"--ep ({ep}) must divide both the data-parallel size per stage ({dp}) and "
-            f"model.num_experts ({model.num_experts})"
-        )
-    if num_micro_batches % dp:
-        raise ValueError(
-            f"--micro-batches ({num_micro_batches}) must be a multiple of the data-parallel "
-            f"size ({dp} = GPUs / pp)"
-        )
+    dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
     )
@@ -136,16 +122,7 @@ def simulate_ep(
         a2a_chunks=overlap_chunks if runtime == "ep-overlap" else 1,
     )
     symmetry = Symmetry.representatives(lay)
-    pp_of = {symmetry.real(r): r for r in range(pp)}
-    pricing = Pricing(
-        compute_s=lambda ins, kind: (
-            model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
-        ),
-        message_bytes=lambda msg: workload.tokens * model.dim * workload.act_bytes,
-        net=net,
-        a2a_s=lambda real, ins: model_costs.a2a_s[pp_of[real]],
-        sync_s=_ep_sync_s(lay, workload, net, model) if sync else None,
-    )
+    pricing = _ep_pricing(lay, model, workload, net, model_costs, symmetry, sync)
     prog = lower(schedule, pricing, symmetry)
     timeline = run_program(prog, link_model=link_model)
     roles = [f"EP(stage {r})" for r in range(pp)]
@@ -172,6 +149,52 @@ def simulate_ep(
         roles=roles,
         real_ranks=[symmetry.real(r) for r in range(pp)],
         config=cfg,
+    )
+
+
+def _check_ep_sizes(
+    runtime: str, model: ModelConfig, gpus: int, pp: int, ep: int, num_micro_batches: int
+) -> int:
+    """The data-parallel size per stage, dp = gpus / pp; `ValueError` for an unknown runtime
+    or sizes that do not divide."""
+    if runtime not in EP_RUNTIMES:
+        raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
+    if gpus % pp:
+        raise ValueError(f"--pp ({pp}) must divide the number of GPUs ({gpus})")
+    dp = gpus // pp
+    if dp % ep or model.num_experts % ep:
+        raise ValueError(
+            f"--ep ({ep}) must divide both the data-parallel size per stage ({dp}) and "
+            f"model.num_experts ({model.num_experts})"
+        )
+    if num_micro_batches % dp:
+        raise ValueError(
+            f"--micro-batches ({num_micro_batches}) must be a multiple of the data-parallel "
+            f"size ({dp} = GPUs / pp)"
+        )
+    return dp
+
+
+def _ep_pricing(
+    lay: EPLayout,
+    model: ModelConfig,
+    workload: Workload,
+    net: Network,
+    model_costs: EPCostModel,
+    symmetry: Symmetry,
+    sync: bool,
+) -> Pricing:
+    """Prices of the representatives' lists: computes from `model_costs`, one activation per
+    pipeline message, a rank's all-to-all by its pipeline rank, SYNC by `_ep_sync_s`."""
+    pp_of = {symmetry.real(r): r for r in range(lay.pp)}
+    return Pricing(
+        compute_s=lambda ins, kind: (
+            model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
+        ),
+        message_bytes=lambda msg: workload.tokens * model.dim * workload.act_bytes,
+        net=net,
+        a2a_s=lambda real, ins: model_costs.a2a_s[pp_of[real]],
+        sync_s=_ep_sync_s(lay, workload, net, model) if sync else None,
     )
 
 

@@ -68,6 +68,26 @@ def afpipe_pricing(
     instructions), before all of this (`lower.Pricing.rank_compute_s`); `measured_bytes`
     likewise the bytes of a message between real ranks (a run's own messages: its routing
     makes some shards' larger than the average the workload prices)."""
+    sync_s, bucket_s = _sync_prices(layout, workload, net, grad_bytes)
+    return Pricing(
+        compute_s=_compute_prices(layout, costs, num_micro_batches, exchange_chunks),
+        message_bytes=_message_prices(
+            workload, layout.expert_workers, exchange_chunks, measured_bytes
+        ),
+        net=net,
+        sync_s=sync_s if sync else None,
+        bucket_s=bucket_s if sync and overlap_sync else None,
+        step_s=step_s,
+        overheads=overheads,
+        rank_compute_s=rank_compute_s,
+    )
+
+
+def _sync_prices(
+    layout: Layout, workload: Workload, net: Network, grad_bytes: int
+) -> tuple[Callable[[int], float], Callable[[int, int], float]]:
+    """Seconds of a rank's SYNC (ring all-reduce of its group's A gradients over the m
+    replicas) and of its all-reduce of one layer's bucket (`overlap_sync`); 0 on F ranks."""
 
     def sync_s(rank: int) -> float:
         role = layout.role(rank)
@@ -90,7 +110,15 @@ def afpipe_pricing(
             params += tied if layer == 0 else -tied if layer == model.num_layers else 0
         return net.allreduce_s(layout.attn_replicas(role.group), params * grad_bytes)
 
-    shards, m = layout.expert_workers, layout.attn_workers
+    return sync_s, bucket_s
+
+
+def _compute_prices(
+    layout: Layout, costs: InstrCosts, num_micro_batches: int, exchange_chunks: int
+) -> Callable[[Instr, str], float]:
+    """Seconds of a compute of a kind (`Pricing.compute_s`): a chunk's share, a BWD whose W
+    computes the weight gradients less the W, an F compute of a partial slot k/m of it."""
+    m = layout.attn_workers
 
     def priced(op: Op, ins: Instr) -> float:
         if ins.chunk >= 0:
@@ -106,22 +134,25 @@ def afpipe_pricing(
             seconds *= layout.replicas_of_slot(ins.slot, num_micro_batches) / m
         return seconds
 
+    return compute_s
+
+
+def _message_prices(
+    workload: Workload,
+    shards: int,
+    exchange_chunks: int,
+    measured_bytes: Callable[[Msg], float | None] | None,
+) -> Callable[[Msg], float]:
+    """Bytes of a message (`Pricing.message_bytes`): measured where `measured_bytes` has
+    them, else the workload's, a chunk's share for a chunk."""
+
     def message_bytes(msg: Msg) -> float:
         if measured_bytes is not None and (seen := measured_bytes(msg)) is not None:
             return seen
         nbytes = workload.message_bytes(msg.kind, msg.layer, shards)
         return chunk_bytes(nbytes, exchange_chunks) if msg.chunk >= 0 else nbytes
 
-    return Pricing(
-        compute_s=compute_s,
-        message_bytes=message_bytes,
-        net=net,
-        sync_s=sync_s if sync else None,
-        bucket_s=bucket_s if sync and overlap_sync else None,
-        step_s=step_s,
-        overheads=overheads,
-        rank_compute_s=rank_compute_s,
-    )
+    return message_bytes
 
 
 def simulate_schedule(
@@ -163,16 +194,7 @@ def simulate_schedule(
         raise ValueError("measured_bytes name real ranks: replay the full schedule")
     peak = peak_in_flight or check_schedule(schedule)
     real_layout = full or layout
-    num_micro = num_micro_batches or (
-        schedule.num_slots * real_layout.attn_workers
-        if full
-        else int(schedule.meta.get("num_micro_batches", schedule.num_slots * layout.attn_workers))
-    )
-    symmetry = (
-        Symmetry.replicas(real_layout, replica_classes(real_layout, num_micro))
-        if full
-        else Symmetry.identity(schedule.num_ranks)
-    )
+    num_micro, symmetry = _replay_frame(schedule, layout, full, num_micro_batches)
     pricing = afpipe_pricing(
         real_layout,
         costs,
@@ -193,14 +215,7 @@ def simulate_schedule(
     roles = [str(real_layout.role(r)) for r in real]
     tokens = num_micro * workload.tokens
     cfg = {
-        "schedule": schedule.name,
-        "num_slots": schedule.num_slots,
-        "num_micro_batches": num_micro,
-        "max_in_flight": schedule.max_in_flight,
-        "peak_in_flight": peak,
-        "reduced": full is not None,
-        "overlap_sync": overlap_sync,
-        "exchange_chunks": int(schedule.meta.get("exchange_chunks", 1)),
+        **_replay_config(schedule, num_micro, peak, full is not None, overlap_sync),
         **(config or {}),
     }
     return summarize(
@@ -213,3 +228,38 @@ def simulate_schedule(
         config=cfg,
         cores=cores,
     )
+
+
+def _replay_frame(
+    schedule: Schedule, layout: Layout, full: Layout | None, num_micro_batches: int
+) -> tuple[int, Symmetry]:
+    """The real step's micro-batch count M (`simulate_schedule`'s `num_micro_batches`) and
+    the symmetry that maps the schedule's ranks to real ones (identity unless reduced)."""
+    real_layout = full or layout
+    num_micro = num_micro_batches or (
+        schedule.num_slots * real_layout.attn_workers
+        if full
+        else int(schedule.meta.get("num_micro_batches", schedule.num_slots * layout.attn_workers))
+    )
+    symmetry = (
+        Symmetry.replicas(real_layout, replica_classes(real_layout, num_micro))
+        if full
+        else Symmetry.identity(schedule.num_ranks)
+    )
+    return num_micro, symmetry
+
+
+def _replay_config(
+    schedule: Schedule, num_micro: int, peak: int, reduced: bool, overlap_sync: bool
+) -> dict[str, Any]:
+    """The result's config entries of the replay (before the caller's `config`)."""
+    return {
+        "schedule": schedule.name,
+        "num_slots": schedule.num_slots,
+        "num_micro_batches": num_micro,
+        "max_in_flight": schedule.max_in_flight,
+        "peak_in_flight": peak,
+        "reduced": reduced,
+        "overlap_sync": overlap_sync,
+        "exchange_chunks": int(schedule.meta.get("exchange_chunks", 1)),
+    }

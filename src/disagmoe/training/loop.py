@@ -150,7 +150,6 @@ def run_training(
     rank = dist.get_rank() if _dist() else 0
     world = dist.get_world_size() if _dist() else 1
     train = cfg.train
-    start_step = 0
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if restart and rank == 0:
         print(
@@ -158,25 +157,10 @@ def run_training(
             file=sys.stderr,
             flush=True,
         )
-    resume = resume_path(cfg, run_dir)
-    if resume:
-        step_dir = _chosen_checkpoint(resume, rank)
-        start_step = load_checkpoint(
-            step_dir, trainer.named_params, trainer.optimizer, trainer.expert_shard(), cfg.model
-        )
-        if rank == 0:
-            print(f"resumed from {step_dir} at step {start_step}", flush=True)
+    start_step = _resume(trainer, cfg, run_dir, rank)
     if rank == 0:
         _truncate_metrics(run_dir / "metrics.jsonl", start_step)
-        run_info = {
-            "runtime": cfg.parallel.runtime,
-            "world_size": world,
-            "process_groups": trainer.process_groups(),
-            **trainer.placement(),
-        }
-        if facts := trainer.schedule_facts():
-            run_info["schedule"] = facts
-        (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
+        _write_run_info(trainer, cfg, run_dir, world)
     log = (
         MetricsLog(
             run_dir,
@@ -188,7 +172,6 @@ def run_training(
         if rank == 0
         else None
     )
-    tokens_per_step = train.global_batch_size * train.seq_len
     model_stats = StepStats(cfg, trainer.local_modules())
     records: list[dict[str, Any]] = []
     start = time.perf_counter()
@@ -203,74 +186,18 @@ def run_training(
             with model_stats.recording():
                 result = trainer.step(step)
             dt = time.perf_counter() - t0
-            if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
-                bad = _non_finite_ranks(trainer)
-                raise NonFiniteError(
-                    f"non-finite {'loss' if not math.isfinite(result.loss) else 'gradient'} at step "
-                    f"{step + 1} (loss={result.loss}, grad_norm={result.grad_norm}); non-finite "
-                    f"gradients on rank(s) {bad or 'none'}; last checkpoint left untouched"
-                )
+            _check_finite(trainer, result, step)
             collector.after(step)  # on every rank at once, or on none
-            # One all-reduce per step: busy seconds, garbage-collection seconds and, where
-            # the runtime measures it, each rank's memory (training.memory.MEMORY_FIELDS,
-            # exact in float64), one row per rank; then the routing sums of all ranks
-            # (training.model_stats).
-            memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
-            memory_record = getattr(trainer, "memory_record", None)
-            cols = 2 + (len(MEMORY_FIELDS) if memory else 0)
-            flat = torch.zeros(world * cols + model_stats.size, dtype=torch.float64)
-            stats, routing = flat[: world * cols].view(world, cols), flat[world * cols :]
-            stats[rank, 0] = trainer.busy_seconds(step)
-            stats[rank, 1] = collector.take()
-            if memory is not None:
-                stats[rank, 2:] = torch.tensor(memory(), dtype=torch.float64)
-            model_stats.fill(routing)
-            if _dist():
-                dist.all_reduce(flat)
-            busy = stats[:, 0]
-            record = {
-                "step": step + 1,
-                "loss": result.loss,
-                "ce_loss": result.ce_loss,
-                "aux_loss": result.aux_loss,
-                "grad_norm": result.grad_norm,
-                "lr": lr_at(train, step),
-                "step_time_s": dt,
-                "tokens_per_s": tokens_per_step / dt,
-                "elapsed_s": time.perf_counter() - start,
-                "busy_s": [round(b, 6) for b in busy.tolist()],
-                "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
-                "gc_s": round(float(stats[:, 1].max()), 6),  # the slowest rank's
-                **model_stats.record(routing, dt, world),
-            }
-            if memory_record is not None:
-                record["memory_mib"] = memory_record(stats[:, 2:].tolist())
+            # the step's one all-reduce: busy, garbage-collection and memory per rank, routing
+            record = _step_record(
+                trainer, train, result, step, dt, start, collector, model_stats, rank, world
+            )
             if should_evaluate(train, step + 1):  # forward only (training/evaluate.py)
                 record.update(evaluate(trainer, step))
             records.append(record)
             if log is not None:
                 log.log(record)
-            done = step + 1
-            if train.checkpoint_every and (
-                done % train.checkpoint_every == 0 or done == train.steps
-            ):
-                bad = _non_finite_ranks(trainer, params=True)
-                if bad:
-                    raise NonFiniteError(
-                        f"non-finite parameters after step {done} on rank(s) {bad}; checkpoint "
-                        "not written, last checkpoint left untouched"
-                    )
-                save_checkpoint(
-                    run_dir / "checkpoints",
-                    done,
-                    trainer.named_params,
-                    trainer.optimizer,
-                    trainer.expert_shard(),
-                    cfg.model,
-                    extra={"runtime": cfg.parallel.runtime, "world_size": world},
-                    keep=train.keep_checkpoints,
-                    kill_at=_save_kill_point(train, done, rank, restart),
-                )
+            _checkpoint_if_due(trainer, cfg, run_dir, step + 1, rank, world, restart)
     finally:
         collector.stop()
         if log is not None:
@@ -279,6 +206,126 @@ def run_training(
     if rank == 0 and extra_files is not None:
         extra_files(run_dir)
     return records
+
+
+def _resume(trainer: Trainer, cfg: RunConfig, run_dir: Path, rank: int) -> int:
+    """Load the checkpoint `resume_path` names, if any; returns the step to start from."""
+    resume = resume_path(cfg, run_dir)
+    if not resume:
+        return 0
+    step_dir = _chosen_checkpoint(resume, rank)
+    start_step = load_checkpoint(
+        step_dir, trainer.named_params, trainer.optimizer, trainer.expert_shard(), cfg.model
+    )
+    if rank == 0:
+        print(f"resumed from {step_dir} at step {start_step}", flush=True)
+    return start_step
+
+
+def _write_run_info(trainer: Trainer, cfg: RunConfig, run_dir: Path, world: int) -> None:
+    """run.json (rank 0): runtime, world size, process groups, placement, schedule facts."""
+    run_info = {
+        "runtime": cfg.parallel.runtime,
+        "world_size": world,
+        "process_groups": trainer.process_groups(),
+        **trainer.placement(),
+    }
+    if facts := trainer.schedule_facts():
+        run_info["schedule"] = facts
+    (run_dir / "run.json").write_text(json.dumps(run_info, indent=1) + "\n")
+
+
+def _check_finite(trainer: Trainer, result: StepResult, step: int) -> None:
+    """`NonFiniteError` for a non-finite loss or gradient norm, naming the step and the
+    ranks with non-finite gradients (a collective then)."""
+    if not (math.isfinite(result.loss) and math.isfinite(result.grad_norm)):
+        bad = _non_finite_ranks(trainer)
+        raise NonFiniteError(
+            f"non-finite {'loss' if not math.isfinite(result.loss) else 'gradient'} at step "
+            f"{step + 1} (loss={result.loss}, grad_norm={result.grad_norm}); non-finite "
+            f"gradients on rank(s) {bad or 'none'}; last checkpoint left untouched"
+        )
+
+
+def _step_record(
+    trainer: Trainer,
+    train: TrainConfig,
+    result: StepResult,
+    step: int,
+    dt: float,
+    start: float,
+    collector: StepCollector,
+    model_stats: StepStats,
+    rank: int,
+    world: int,
+) -> dict[str, Any]:
+    """The step's metrics record, after its one all-reduce (a collective): busy seconds,
+    garbage-collection seconds and, where the runtime measures it, each rank's memory
+    (training.memory.MEMORY_FIELDS, exact in float64), one row per rank; then the routing
+    sums of all ranks (training.model_stats)."""
+    memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
+    memory_record = getattr(trainer, "memory_record", None)
+    cols = 2 + (len(MEMORY_FIELDS) if memory else 0)
+    flat = torch.zeros(world * cols + model_stats.size, dtype=torch.float64)
+    stats, routing = flat[: world * cols].view(world, cols), flat[world * cols :]
+    stats[rank, 0] = trainer.busy_seconds(step)
+    stats[rank, 1] = collector.take()
+    if memory is not None:
+        stats[rank, 2:] = torch.tensor(memory(), dtype=torch.float64)
+    model_stats.fill(routing)
+    if _dist():
+        dist.all_reduce(flat)
+    busy = stats[:, 0]
+    record = {
+        "step": step + 1,
+        "loss": result.loss,
+        "ce_loss": result.ce_loss,
+        "aux_loss": result.aux_loss,
+        "grad_norm": result.grad_norm,
+        "lr": lr_at(train, step),
+        "step_time_s": dt,
+        "tokens_per_s": train.global_batch_size * train.seq_len / dt,
+        "elapsed_s": time.perf_counter() - start,
+        "busy_s": [round(b, 6) for b in busy.tolist()],
+        "idle_s": [round(max(dt - b, 0.0), 6) for b in busy.tolist()],
+        "gc_s": round(float(stats[:, 1].max()), 6),  # the slowest rank's
+        **model_stats.record(routing, dt, world),
+    }
+    if memory_record is not None:
+        record["memory_mib"] = memory_record(stats[:, 2:].tolist())
+    return record
+
+
+def _checkpoint_if_due(
+    trainer: Trainer,
+    cfg: RunConfig,
+    run_dir: Path,
+    done: int,
+    rank: int,
+    world: int,
+    restart: int,
+) -> None:
+    """After step `done`: a checkpoint every `checkpoint_every` steps and at the end, unless
+    a parameter is non-finite (`NonFiniteError`; a collective when due)."""
+    train = cfg.train
+    if train.checkpoint_every and (done % train.checkpoint_every == 0 or done == train.steps):
+        bad = _non_finite_ranks(trainer, params=True)
+        if bad:
+            raise NonFiniteError(
+                f"non-finite parameters after step {done} on rank(s) {bad}; checkpoint "
+                "not written, last checkpoint left untouched"
+            )
+        save_checkpoint(
+            run_dir / "checkpoints",
+            done,
+            trainer.named_params,
+            trainer.optimizer,
+            trainer.expert_shard(),
+            cfg.model,
+            extra={"runtime": cfg.parallel.runtime, "world_size": world},
+            keep=train.keep_checkpoints,
+            kill_at=_save_kill_point(train, done, rank, restart),
+        )
 
 
 def _save_kill_point(train: TrainConfig, done: int, rank: int, restart: int) -> str:
