@@ -18,10 +18,12 @@ from .checkpoint_cli import add_checkpoint_arguments, run_checkpoint
 from .command import Parser, add_train_arguments, resolve_train_config, run_command
 from .config import RunConfig
 from .data_prep import add_prepare_arguments, run_prepare
+from .distributed.ep_layout import EPLayout
 from .distributed.layout import Layout, num_slots, run_layout
 from .export import add_export_arguments, run_export
 from .planner.cli import add_plan_arguments, run_plan
 from .runtime.disagg import run_schedule, run_schedule_of_rank
+from .schedule.baselines import build_baseline_schedule
 from .schedule.ir import lists_csv, lists_text
 from .schedule.validate import validate
 from .simulate_cli import add_simulate_arguments, run_simulate
@@ -30,10 +32,40 @@ from .train import resolve_memory, train_command
 from .training.budget import run_cap
 
 
+def _cmd_schedule_ep(args: argparse.Namespace, cfg: RunConfig) -> int:
+    """An `ep-*` runtime's per-rank lists (`schedule.baselines`: PyTorch's pipeline order
+    with its all-to-alls); or with `--rank R` that rank's. They run in order on one lane
+    per rank, so the lane validator does not apply (`--validate` is refused)."""
+    par = cfg.parallel
+    if par.runtime == "reference":
+        raise ValueError("--runtime reference runs one process: it has no per-rank schedule")
+    if args.forward_only or args.validate:
+        raise ValueError(
+            f"--forward-only and --validate are AF-Pipe's; drop them for --runtime {par.runtime}"
+        )
+    layout = EPLayout.build(cfg.model, par, cfg.train, par.world_size or par.pp * par.ep)
+    schedule = build_baseline_schedule(layout, cfg.model)
+    if args.rank is not None and not 0 <= args.rank < layout.world:
+        raise ValueError(f"--rank must be in 0..{layout.world - 1}, got {args.rank}")
+    if args.rank is None:
+        sys.stdout.write(schedule.to_csv() if args.format == "csv" else schedule.to_text())
+        return 0
+    entries = [(args.rank, schedule.roles[args.rank], schedule.ranks[args.rank])]
+    if args.format == "csv":
+        sys.stdout.write(lists_csv(entries))
+    else:
+        header = f"# schedule {par.runtime}: rank {args.rank} of {layout.world}"
+        sys.stdout.write(lists_text(header, entries))
+    return 0
+
+
 def _cmd_schedule(args: argparse.Namespace) -> int:
     """All ranks' lists, validated; or with `--rank R` that rank's list alone (built without
-    the others'), checked against the whole world's only with `--validate`."""
+    the others'), checked against the whole world's only with `--validate`. An `ep-*`
+    runtime prints the lists it records in its run's schedule.txt (`_cmd_schedule_ep`)."""
     cfg = resolve_train_config(args)
+    if cfg.parallel.runtime != "disagg":
+        return _cmd_schedule_ep(args, cfg)
     layout = run_layout(cfg)
     cfg = resolve_memory(cfg, layout.world_size)  # the cap `disagmoe train` would run here
     fwd = args.forward_only

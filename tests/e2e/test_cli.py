@@ -168,3 +168,21 @@ def test_schedule_of_one_rank() -> None:
     assert "rank 4" not in one.stdout and "this rank's list equals its slice" in one.stdout
     bad = run_cli_in_process("schedule", *layout, "--rank", "8")
     assert bad.returncode == 2 and "--rank must be in 0..7" in bad.stderr
+
+
+def test_schedule_of_an_ep_runtime_is_its_own() -> None:
+    """`--runtime ep-*` prints that runtime's lists (pipeline order and all-to-alls), the
+    ones its run records in schedule.txt, not AF-Pipe's."""
+    layout = ("--runtime", "ep-1f1b", "--pp", "2", "--ep", "2")
+    whole = run_cli_in_process("schedule", *layout)
+    assert whole.returncode == 0, whole.stderr
+    assert whole.stdout.startswith("# schedule ep-1f1b: 4 ranks")
+    assert "A2A dispatch l0 s0 [0, 1]" in whole.stdout and "SEND act[l1,s0] 0->2" in whole.stdout
+    one = run_cli_in_process("schedule", *layout, "--rank", "2")
+    section = whole.stdout.split("rank 2 S(pp1,dp0,ep0):\n")[1].split("rank 3")[0]
+    assert one.returncode == 0 and one.stdout.split("rank 2 S(pp1,dp0,ep0):\n")[1] == section
+    for extra, says in ((("--validate",), "AF-Pipe's"), (("--rank", "4"), "0..3")):
+        bad = run_cli_in_process("schedule", *layout, *extra)
+        assert bad.returncode == 2 and says in bad.stderr, bad.stderr
+    ref = run_cli_in_process("schedule", "--runtime", "reference")
+    assert ref.returncode == 2 and "no per-rank schedule" in ref.stderr
