@@ -43,6 +43,7 @@ def attn_layer_act_bytes(
     micro_batch_size: int,
     shards: int = 0,
     groups: int = 1,
+    exchanged: bool = True,
 ) -> float:
     """Bytes an attention worker keeps from the forward of `layer` (L: the loss head) of one
     micro-batch until its backward: what autograd saves plus the stage's inputs and outputs.
@@ -63,6 +64,11 @@ def attn_layer_act_bytes(
     The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8; it is
     not recomputed in any mode.
 
+    `exchanged=False` (an expert-parallel layer, `costs.ep_memory`): the all-to-alls save
+    nothing, so the dispatched rows and their weights and ids, and the combines received,
+    are not kept (the b*H per row and k*(b + 16) terms above); the combine's index_add
+    keeps its token ids, the 8*rho that stays.
+
     `recompute=full` (the block's forward is a transient, rerun in backward) keeps the stage's
     inputs and outputs (the residual is always a new tensor: b*H), the checkpoint's inputs —
     the layer input x, b*H where it is a new tensor (layer 0's embedding, a MoE layer's combine
@@ -80,9 +86,10 @@ def attn_layer_act_bytes(
     rho = shards_per_token(model, shards)
     n = shards if shards > 0 else model.num_experts
     tokens = micro_batch_size * seq_len
+    payload = b * h if exchanged else 0.0  # a row sent or received, kept by the stage
     inputs = 0.0
     if layer > 0:
-        inputs += rho * (b * h + idx) if model.is_moe_layer(layer - 1) else 0.0
+        inputs += rho * (payload + idx) if model.is_moe_layer(layer - 1) else 0.0
         inputs += b * h if groups > 1 else 0.0
     if layer == model.num_layers:  # loss head
         return tokens * (inputs + _norm_bytes(h, prec) + f * model.vocab_size + idx)
@@ -91,7 +98,8 @@ def attn_layer_act_bytes(
     new_residual = shared_dim > 0 or not moe or b < 4
     outputs = b * h if new_residual or recompute == "full" else 0.0
     if moe:
-        outputs += rho * b * h + k * (b + 2 * idx) + (rho * idx if groups > 1 else 0.0)
+        sent = k * (b + 2 * idx) if exchanged else 0.0
+        outputs += rho * payload + sent + (rho * idx if groups > 1 else 0.0)
     per_mb = 2 * seq_len * hd * b
     if recompute == "full":
         new_input = layer == 0 or model.is_moe_layer(layer - 1)
@@ -119,6 +127,7 @@ def ffn_act_bytes(
     tokens: int,
     shards: int,
     rows_known: bool = True,
+    exchanged: bool = True,
 ) -> float:
     """Bytes one expert shard keeps for one replica's micro-batch of `tokens` tokens and one
     layer, balanced routing: P = tokens*k/n token-expert pairs, R = tokens*rho/n rows
@@ -130,6 +139,9 @@ def ffn_act_bytes(
     b*(3H + 4I), the sorted weights b and two index tensors 16. With full recompute instead
     the checkpoint's inputs: the replicas' rows concatenated with their ids, b*H + 8 per row,
     and the concatenated assignments (weights, rows, expert ids), b + 16 per pair.
+    `exchanged=False` (an expert-parallel layer, `costs.ep_memory`): the rows received and
+    the outputs sent back travel through all-to-alls that save nothing, so the inputs and
+    outputs above are not kept; the saved tensors (or the checkpoint's inputs) are.
     """
     if recompute not in cm.RECOMPUTE_MODES:
         raise ValueError(
@@ -138,7 +150,7 @@ def ffn_act_bytes(
     b, idx, h = prec.act, cm.INDEX_BYTES, model.dim
     pairs = tokens * model.top_k / shards
     rows = tokens * shards_per_token(model, shards) / shards if rows_known else pairs
-    kept = rows * 2 * b * h + pairs * (b + 2 * idx)
+    kept = rows * 2 * b * h + pairs * (b + 2 * idx) if exchanged else 0.0
     if recompute == "full":
         kept += rows * (b * h + idx) + pairs * (b + 2 * idx)
     else:
@@ -196,13 +208,15 @@ def attn_replica_memory(
     components (the Ws of a slot pending behind its backward, `attn_deferred_bytes`)."""
     worst = cm.MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
     tokens = micro_batch_size * seq_len
-    kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "shards": shards}
     for g in range(groups):
         layers = cm.group_layers(model, groups, g) + ([model.num_layers] if g == 0 else [])
         per_mb = sum(
-            attn_layer_act_bytes(model, layer, recompute, prec, groups=groups, **kw)
+            attn_layer_act_bytes(
+                model, layer, recompute, prec, groups=groups, seq_len=seq_len,
+                micro_batch_size=micro_batch_size, shards=shards,
+            )
             for layer in layers
-        )
+        )  # fmt: skip
         logits = prec.act + (4 if prec.act < 4 else 0)
         deferred = sum(attn_deferred_bytes(model, layer, prec, tokens) for layer in layers)
         cand = cm.MemoryBreakdown(

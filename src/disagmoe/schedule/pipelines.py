@@ -29,6 +29,7 @@ Published bubbles, per rank, with uniform chunk costs (checked by the simulator'
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import EP_RUNTIMES
@@ -56,6 +57,34 @@ Step = Action | Overlap
 def actions(step: Step) -> list[Action]:
     """The actions of a step in execution order (an overlapped pair: forward first)."""
     return [step.forward, step.backward] if isinstance(step, Overlap) else [step]
+
+
+def in_flight_walk(steps: Sequence[Step]) -> list[dict[int, int]]:
+    """Micro-batches each stage of one rank holds for backward, at every point of its order
+    where a forward has just run (the points where what is held can grow): per stage, the
+    forwards whose backward has not finished. A full backward (B) releases its micro-batch;
+    a split one releases it at its W, not its I (PyTorch's `stage_backward_input` keeps the
+    graph, and with it the saved activations, for the weight gradients). An overlapped
+    pair's forward runs while its backward's micro-batch is still held, so the point after
+    it counts both."""
+    held: dict[int, int] = defaultdict(int)
+    points: list[dict[int, int]] = []
+    for step in steps:
+        for act in actions(step):
+            if act.kind == "F":
+                held[act.stage] += 1
+                points.append(dict(held))
+            elif act.kind in ("B", "W"):
+                held[act.stage] -= 1
+                assert held[act.stage] >= 0, f"{act} before its forward"
+    assert not any(held.values()), f"forwards without a backward: {dict(held)}"
+    return points
+
+
+def max_in_flight(steps: Sequence[Step]) -> int:
+    """The most micro-batches one rank holds for backward at once, all its stages together
+    (`in_flight_walk`)."""
+    return max((sum(point.values()) for point in in_flight_walk(steps)), default=0)
 
 
 def pipeline_order(runtime: str, pp: int, num_mb: int, virtual_stages: int) -> list[list[Step]]:

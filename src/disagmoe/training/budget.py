@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..config import RunConfig
+from ..config import RunConfig, TrainConfig
 from ..costs import costmodel as cm
 from ..costs import runtime_memory as rm
 from ..device import is_accelerator, resolve_device
@@ -79,13 +79,20 @@ class RunMemory:
         }
 
 
-def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
-    """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
-    train, par = cfg.train, cfg.parallel
+def run_precision(train: TrainConfig) -> cm.Precision:
+    """Bytes per activation (the compute dtype) and per parameter's states (weight, gradient,
+    AdamW's two moments in the parameters' dtype) of a run."""
     prec = cm.runtime_precision(train.dtype)
     if param_dtype_name(train) != train.dtype:  # mixed: activations in compute, states in fp32
         states = cm.runtime_precision(param_dtype_name(train)).state
         prec = dataclasses.replace(prec, state=states)
+    return prec
+
+
+def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
+    """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
+    train, par = cfg.train, cfg.parallel
+    prec = run_precision(train)
     # deferred weight gradients: counted wherever the run may split (auto may not)
     split = cfg.schedule.split_backward != "off" and not cfg.split_backward_blocker()
     attn = rm.attn_replica_memory(

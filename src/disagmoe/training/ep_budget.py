@@ -1,0 +1,80 @@
+"""The memory of an expert-parallel run, rank by rank: `costs.ep_memory` for a layout's
+stages and the order its runtime executes (`schedule.pipelines`), and the check that
+refuses a layout over the GPU's memory.
+
+All dp replicas of a pipeline rank hold the same stages and run the same order, so one
+`MemoryBreakdown` per pipeline rank stands for the whole world.
+"""
+
+from __future__ import annotations
+
+from ..config import ModelConfig
+from ..costs import costmodel as cm
+from ..costs.ep_memory import ep_rank_memory
+from ..distributed.ep_layout import EPLayout
+from ..schedule.pipelines import Step, in_flight_walk, max_in_flight, pipeline_order
+
+
+def _orders(layout: EPLayout) -> list[list[Step]]:
+    return pipeline_order(
+        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+    )
+
+
+def predict_ep_memory(
+    layout: EPLayout,
+    model: ModelConfig,
+    *,
+    seq_len: int,
+    micro_batch_size: int,
+    recompute: str,
+    prec: cm.Precision,
+) -> list[cm.MemoryBreakdown]:
+    """Peak bytes of every pipeline rank of `layout` (`costs.ep_memory.ep_rank_memory`)."""
+    orders = _orders(layout)
+    return [
+        ep_rank_memory(
+            model,
+            {s: layout.layers_of_stage(s) for s in layout.stages_of(rank)},
+            num_stages=layout.num_stages,
+            ep=layout.ep,
+            walk=in_flight_walk(orders[rank]),
+            seq_len=seq_len,
+            micro_batch_size=micro_batch_size,
+            recompute=recompute,
+            prec=prec,
+        )
+        for rank in range(layout.pp)
+    ]
+
+
+def peak_in_flight(layout: EPLayout) -> list[int]:
+    """Per pipeline rank: the most micro-batches it holds for backward at once."""
+    return [max_in_flight(order) for order in _orders(layout)]
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / cm.GIB:.1f} GiB"
+
+
+def check_ep_fits(
+    layout: EPLayout, memories: list[cm.MemoryBreakdown], budget_gib: float, recompute: str
+) -> None:
+    """`ValueError` naming the fullest rank, by how much it is over and what to change,
+    when a rank of `layout` needs more than `budget_gib`."""
+    rank = max(range(len(memories)), key=lambda r: memories[r].total)
+    mem = memories[rank]
+    if mem.total <= budget_gib * cm.GIB:
+        return
+    held = peak_in_flight(layout)[rank]
+    fixes = ["more --pp or --ep"]
+    if recompute != "full":
+        fixes.append("--recompute full")
+    fixes.append("a smaller --micro-batch-size")
+    logits = f" + logits {_gib(mem.transient)}" if mem.transient else ""
+    raise ValueError(
+        f"{layout.runtime} pp {layout.pp} ep {layout.ep}: pipeline rank {rank} needs "
+        f"{_gib(mem.total)} (states {_gib(mem.states)} + activations of {held} micro-batches "
+        f"in flight {_gib(mem.activations)}{logits}), {_gib(mem.total - budget_gib * cm.GIB)} "
+        f"over the GPU's {budget_gib:g} GiB; use {', '.join(fixes)}"
+    )

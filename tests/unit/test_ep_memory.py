@@ -1,0 +1,162 @@
+"""The EP runtimes' memory model (`costs.ep_memory`, `training.ep_budget`): micro-batches in
+flight walked from each runtime's order, states counted against the stage modules a rank
+builds, and a small case by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from disagmoe.costs import costmodel as cm
+from disagmoe.costs import runtime_memory as rm
+from disagmoe.costs.ep_memory import ep_rank_params, ep_stage_act_bytes
+from disagmoe.distributed.ep_layout import EPLayout
+from disagmoe.presets import model_preset
+from disagmoe.schedule.pipelines import (
+    Action,
+    in_flight_walk,
+    interleaved_1f1b,
+    max_in_flight,
+    pipeline_order,
+)
+from disagmoe.training.budget import run_precision
+from disagmoe.training.ep_budget import check_ep_fits, peak_in_flight, predict_ep_memory
+
+FP32 = cm.runtime_precision("float32")
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_1f1b_rank_r_holds_pp_minus_r(pp: int) -> None:
+    orders = pipeline_order("ep-1f1b", pp, 8, 1)
+    assert [max_in_flight(o) for o in orders] == [pp - r for r in range(pp)]
+    combined = pipeline_order("ep-combined", pp, 8, 1)  # one forward more in its warm-up
+    assert [max_in_flight(o) for o in combined] == [pp - r + 1 for r in range(pp)]
+
+
+def test_interleaved_holds_its_warmup_plus_one() -> None:
+    p, m, v = 4, 8, 2
+    held = [max_in_flight(o) for o in interleaved_1f1b(p, m, v)]
+    # Megatron: (v - 1) * p + 2 * (p - 1 - r) warm-up forwards (m // p rounds of p), + 1
+    assert held == [(v - 1) * p + 2 * (p - 1 - r) + 1 for r in range(p)]
+    walk = in_flight_walk(interleaved_1f1b(p, m, v)[0])
+    # rank 0's chunk 0 runs all m forwards (ops 0-3, 8-11) before its first backward (op 14)
+    assert max(point.get(0, 0) for point in walk) == m
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_dualpipev_holds_2pp_plus_1_until_the_weights(pp: int) -> None:
+    orders = pipeline_order("ep-dualpipev", pp, 4 * pp, 2)
+    assert [max_in_flight(o) for o in orders] == [2 * pp + 1] * pp
+    # a split backward's I keeps the micro-batch until its W
+    steps = [Action("F", 0, 0), Action("I", 0, 0), Action("F", 0, 1)]
+    assert in_flight_walk([*steps, Action("W", 0, 0), Action("B", 0, 1)])[-1] == {0: 2}
+    with pytest.raises(AssertionError, match="without a backward"):
+        in_flight_walk(steps)
+
+
+def _meta_stage_params(cfg: RunConfig, lay: EPLayout, pp_rank: int, ep_rank: int) -> int:
+    """Parameters of the stage modules `baselines.stage` builds for a rank (on meta)."""
+    from disagmoe.baselines.moe import EPComm
+    from disagmoe.baselines.stage import StageModule
+    from disagmoe.models import build_meta_model
+    from disagmoe.models.parts import unique_named_parameters
+    from disagmoe.trace import Tracer
+    from disagmoe.training.objective import LossScale
+    from disagmoe.training.precision import Precision
+
+    model = build_meta_model(cfg.model)
+    comm = EPComm(None, lay.ep, Tracer(0, "test"))
+    scale = LossScale.for_run(cfg.model, cfg.train)
+    prec = Precision.for_run(cfg.train, torch.device("cpu"))
+    modules = [
+        StageModule(model, lay, s, ep_rank, scale, comm, prec) for s in lay.stages_of(pp_rank)
+    ]
+    return sum(p.numel() for _, p in unique_named_parameters(*modules))
+
+
+@pytest.mark.parametrize(
+    ("model_name", "runtime", "pp", "ep"),
+    [
+        ("tiny", "ep-1f1b", 1, 2),
+        ("tiny", "ep-1f1b", 2, 2),
+        ("tiny-shared", "ep-interleaved", 2, 1),
+        ("tiny-tied", "ep-dualpipev", 2, 1),
+        ("tiny-tied", "ep-1f1b", 1, 4),
+    ],
+)
+def test_states_are_what_a_rank_builds(model_name: str, runtime: str, pp: int, ep: int) -> None:
+    if model_name == "tiny-tied":
+        model = dataclasses.replace(ModelConfig(), name="tiny-tied", tie_embeddings=True)
+    else:
+        model = model_preset(model_name)
+    world = 4
+    cfg = RunConfig(
+        model=model,
+        parallel=ParallelConfig(runtime=runtime, pp=pp, ep=ep, virtual_stages=2),
+        train=TrainConfig(seq_len=16, global_batch_size=16, micro_batch_size=1),
+    )
+    lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
+    for rank in range(pp):
+        stages = {s: lay.layers_of_stage(s) for s in lay.stages_of(rank)}
+        want = _meta_stage_params(cfg, lay, rank, ep_rank=ep - 1)
+        assert ep_rank_params(model, stages, num_stages=lay.num_stages, ep=ep) == want
+
+
+def test_small_case_by_hand() -> None:
+    """tiny (H 64, V 256, 4 layers, q 64, kv 32, E 8, k 2, I 64), fp32, ep 1, full
+    recompute, one stage holding every layer, T = 4 tokens."""
+    model = ModelConfig()
+    h, v, t = 64, 256, 4
+    # states: per layer wq,wo 64*64 each, wk,wv 64*32 each, 2 norms, router 64*8, experts
+    # 8*3*64*64; embedding, final norm, LM head
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 2 * 64 + 64 * 8 + 8 * 3 * 64 * 64
+    params = 4 * per_layer + 2 * v * h + h
+    assert ep_rank_params(model, {0: [0, 1, 2, 3]}, num_stages=1, ep=1) == params
+    # activations, per token (b = f = 4, ids 8): each layer keeps its output residual b*H,
+    # its input b*H (the embedding's, or the MoE combine's sum), the dispatch's token ids
+    # 8 * rho (rho = 1 at ep 1) and masks n*k = 2; layer 0 the token ids 8; after a MoE layer
+    # the combine's token ids 8; the RoPE tables 2*S*D*b per micro-batch (S 4, D 16).
+    # Experts (full recompute): the checkpoint's rows b*H + 8 and assignments (b + 16) * k.
+    attn = 4 * (2 * 4 * h + 8 + 2) + 8 + 3 * 8
+    experts = 4 * ((4 * h + 8) + (4 + 16) * 2)
+    # loss head: the combine's ids 8, a norm (4H + 4 + 2*4H), log-probs 4V, targets 8;
+    # the logits 4V as the stage's output
+    head = 8 + (4 * h + 4 + 8 * h) + 4 * v + 8 + 4 * v
+    rope = 4 * 2 * 4 * 16 * 4
+    got = ep_stage_act_bytes(
+        model, [0, 1, 2, 3], "full", FP32, seq_len=4, micro_batch_size=1, ep=1, first=True,
+        last=True,
+    )  # fmt: skip
+    assert got == pytest.approx(t * (attn + experts + head) + rope)
+
+
+def test_experts_share_is_ep_peers_micro_batches() -> None:
+    """The experts of one rank see T*k pairs per MoE layer whatever ep is: ep peers' tokens
+    routed to E/ep experts; AF-Pipe's shard of n with m = n replicas keeps the same plus the
+    rows it receives and sends (which the EP all-to-alls do not save)."""
+    model = ModelConfig()
+    t, b = 64, 4
+    for ep in (1, 2, 4, 8):
+        kept = ep * rm.ffn_act_bytes(model, "none", FP32, tokens=t, shards=ep, exchanged=False)
+        pairs = t * model.top_k
+        assert kept == pytest.approx(pairs * (b * (3 * 64 + 4 * 64 + 1) + 16))
+        af = ep * rm.ffn_act_bytes(model, "none", FP32, tokens=t, shards=ep)
+        rows = t * rm.shards_per_token(model, ep)
+        assert af - kept == pytest.approx(rows * 2 * b * 64 + pairs * (b + 16))
+
+
+def test_refusal_names_the_rank_the_excess_and_the_fixes() -> None:
+    model = model_preset("qwen3-30b-a3b")
+    lay = EPLayout.of("ep-dualpipev", model, world=64, pp=8, ep=8, num_micro_batches=512, v=2)
+    prec = run_precision(TrainConfig(dtype="bfloat16"))
+    kw = {"seq_len": 8192, "micro_batch_size": 1, "prec": prec}
+    mems = predict_ep_memory(lay, model, recompute="none", **kw)
+    assert peak_in_flight(lay) == [17] * 8
+    with pytest.raises(ValueError, match=r"over the GPU's 80 GiB; use more --pp or --ep, "):
+        check_ep_fits(lay, mems, 80.0, "none")
+    full = predict_ep_memory(lay, model, recompute="full", **kw)
+    check_ep_fits(lay, full, 80.0, "full")  # fits with full recompute
+    assert max(m.total for m in full) < max(m.total for m in mems)
