@@ -14,22 +14,26 @@ from typing import Any
 from .config import (
     MAX_EXCHANGE_CHUNKS,
     MULTI_WORKER_RUNTIMES,
+    RECOMPUTE,
     ClusterConfig,
     ModelConfig,
     split_backward_flag,
 )
 from .config_io import add_config_flag
+from .costs import costmodel as cm
 from .costs.flops import expert_flops, train_factors
+from .distributed.ep_layout import EPLayout
 from .flags import add_renamed_flag
 from .planner.cli import add_cluster_arguments, cluster_from_args
 from .planner.split import planned_split, runnable_in_flight
 from .presets import model_preset
 from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
-from .simulator.ep import simulate_ep
+from .simulator.ep import ep_memory, simulate_ep
 from .simulator.links import LINK_MODELS
 from .simulator.measured import MeasuredCosts
 from .simulator.report import BREAKDOWN_KEYS, SimResult
+from .training.ep_budget import check_ep_fits
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +61,11 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "schedule.max_in_flight",
         note="the budget is the cluster's GPU memory in the planner's memory model",
     )
+    add_config_flag(
+        parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),
+        note="simulate: auto, the planner's choice (disagg) or none unless only full fits "
+        "the GPU (ep-*)",
+    )  # fmt: skip
     add_config_flag(parser, "schedule.order")
     add_config_flag(parser, "schedule.costs")
     add_config_flag(parser, "schedule.exchange_chunks")
@@ -155,7 +164,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if args.runtime == "disagg":
         out.update(_resolve_disagg(args, model, cluster, gpus))
     else:
-        out.update(_resolve_ep(args, model, gpus))
+        out.update(_resolve_ep(args, model, cluster, gpus))
     return out
 
 
@@ -198,6 +207,7 @@ def _resolve_disagg(
         m, n = args.attn_workers, args.expert_workers
         p = args.groups or max(1, gpus // (m + n))
         note = "user split, one NIC share per GPU"
+        recompute = "none" if args.recompute == "auto" else args.recompute
         planned_in_flight = 0  # the memory model's, once the split is known to fit
     else:
         split = planned_split(
@@ -208,6 +218,8 @@ def _resolve_disagg(
         p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
         planned_in_flight = split.in_flight
         recompute = split.recompute
+        if args.recompute not in ("auto", recompute):  # the user's: its own in-flight cap
+            recompute, planned_in_flight = args.recompute, 0
         if args.nic_split == "planner" and args.placement == "node-aware":
             nic = (split.attn_nics, split.ffn_nics)
     if p * (m + n) != gpus:
@@ -237,15 +249,61 @@ def _resolve_disagg(
     }
 
 
-def _resolve_ep(args: argparse.Namespace, model: ModelConfig, gpus: int) -> dict[str, Any]:
-    """An EP runtime's pp, ep and micro-batches (given, or the defaults)."""
-    pp = args.pp or max(d for d in _divisors(model.num_layers) if d <= args.nodes and gpus % d == 0)
+def _resolve_ep(
+    args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
+) -> dict[str, Any]:
+    """An EP runtime's pp, ep, micro-batches and recompute (given, or the defaults), that fit
+    the GPU's memory (`training.ep_budget`): a layout or recompute given is refused when it
+    does not fit; the default layout, when it does not, gives way to the first of
+    (recompute full, then more pipeline ranks) that fits, and the note says so (the
+    result's `layout_note`)."""
+    default_pp = max(d for d in _divisors(model.num_layers) if d <= args.nodes and gpus % d == 0)
+    pp = args.pp or default_pp
     if gpus % pp:
         raise ValueError(f"--pp {pp} must divide the {gpus} GPUs")
-    dp = gpus // pp
-    ep = args.ep or max(d for d in _divisors(math.gcd(dp, model.num_experts)))
-    micro = args.micro_batches or 8 * pp * dp
-    return {"pp": pp, "ep": ep, "micro_batches": micro}
+    modes = ("none", "full") if args.recompute == "auto" else (args.recompute,)
+    first = (pp, _default_ep(args, model, gpus, pp), modes[0])
+    tries = [first, *((pp, first[1], m) for m in modes[1:])]
+    if not (args.pp or args.ep):  # the default layout may give way to more pipeline ranks
+        more = [d for d in _divisors(model.num_layers) if d > pp and gpus % d == 0]
+        tries += [(p, _default_ep(args, model, gpus, p), m) for p in more for m in modes]
+    micro = args.micro_batches or 8 * gpus
+    refused: tuple[EPLayout, list[cm.MemoryBreakdown], str] | None = None
+    for i, (p, ep, recompute) in enumerate(tries):
+        try:
+            mems = ep_memory(
+                args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
+                micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
+                chunks=args.virtual_stages, recompute=recompute,
+            )  # fmt: skip
+        except ValueError:
+            if i < len(modes):  # the layout asked for (or the default) is itself impossible
+                raise
+            continue
+        if max(m.total for m in mems) <= cluster.gpu_mem_gib * cm.GIB:
+            note = _gave_way(first, (p, ep, recompute)) if i > 0 else ""
+            return {"pp": p, "ep": ep, "micro_batches": micro, "recompute": recompute,
+                    "layout_note": note}  # fmt: skip
+        if i == len(modes) - 1:  # the layout asked for (or the default), its last recompute
+            lay = EPLayout.of(args.runtime, model, world=gpus, pp=p, ep=ep,
+                              num_micro_batches=micro, v=args.virtual_stages)  # fmt: skip
+            refused = (lay, mems, recompute)
+    assert refused is not None
+    check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2])
+    raise AssertionError("a layout over the GPU's memory passed the check")
+
+
+def _default_ep(args: argparse.Namespace, model: ModelConfig, gpus: int, pp: int) -> int:
+    """`--ep`, else the largest EP group the data-parallel size and the experts allow."""
+    return args.ep or max(_divisors(math.gcd(gpus // pp, model.num_experts)))
+
+
+def _gave_way(default: tuple[int, int, str], chosen: tuple[int, int, str]) -> str:
+    return (
+        f"pp {default[0]} ep {default[1]} with recompute {default[2]} does not fit the GPU's "
+        "memory; "
+        f"runs pp {chosen[0]} ep {chosen[1]} with recompute {chosen[2]}"
+    )
 
 
 def simulate_from_args(args: argparse.Namespace) -> SimResult:
@@ -281,7 +339,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
         if args.costs_file:
             result.config["costs"] = args.costs_file
         return result
-    return simulate_ep(
+    result = simulate_ep(
         args.runtime,
         r["model"],
         r["cluster"],
@@ -290,8 +348,12 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
         ep=r["ep"],
         chunks=args.virtual_stages,
         overlap_chunks=args.overlap_chunks,
+        recompute=r["recompute"],
         **common,
     )
+    if r["layout_note"]:
+        result.config["layout_note"] = r["layout_note"]
+    return result
 
 
 def format_result(result: SimResult) -> str:
@@ -319,6 +381,15 @@ def format_result(result: SimResult) -> str:
             if result.bound and result.bound.seconds > 0
             else []
         ),
+        *(
+            [
+                f"memory      {cfg['memory_gib_per_gpu']:10.1f} GiB per GPU (of "
+                f"{cfg['gpu_memory_gib']:g}; recompute {cfg.get('recompute', 'none')})"
+            ]
+            if "memory_gib_per_gpu" in cfg
+            else []
+        ),
+        *([f"layout      {cfg['layout_note']}"] if cfg.get("layout_note") else []),
         "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
     ]
     for key in BREAKDOWN_KEYS:

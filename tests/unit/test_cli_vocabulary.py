@@ -59,7 +59,8 @@ OWN_DEFAULTS: dict[str, str] = {
     "--expert-workers": _AUTO,
     "--pp": _AUTO,
     "--ep": _AUTO,
-    "--recompute": "plan: auto, the planner chooses it along with p, m, n",
+    "--recompute": "plan, simulate: auto, the planner chooses it along with p, m, n (simulate "
+    "ep-*: none unless only full fits)",
     "--ranks-per-node": "bench: an emulated node has no torchrun local world size",
     "--nic-gbit": "plan: the cluster preset's NIC; bench: a slow emulated NIC",
     "--format": "what the command writes: schedule text|csv lists, export an hf checkpoint",

@@ -5,6 +5,7 @@ builds, and a small case by hand."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -160,3 +161,36 @@ def test_refusal_names_the_rank_the_excess_and_the_fixes() -> None:
     full = predict_ep_memory(lay, model, recompute="full", **kw)
     check_ep_fits(lay, full, 80.0, "full")  # fits with full recompute
     assert max(m.total for m in full) < max(m.total for m in mems)
+
+
+def test_simulate_refuses_an_ep_layout_over_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from disagmoe.simulate_cli import main
+
+    flags = ["--runtime", "ep-dualpipev", "--model", "qwen3-30b-a3b", "--nodes", "8"]
+    assert main([*flags, "--pp", "8", "--ep", "8", "--recompute", "none"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ep-dualpipev pp 8 ep 8: pipeline rank 0 needs ")
+    assert "17 micro-batch(es) in flight" in err and "over the GPU's 80 GiB" in err
+    assert "--recompute full" in err and "\n" not in err
+    # by default: the same layout with full recompute, and the note says why
+    assert main([*flags, "--pp", "8", "--ep", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["recompute"] == "full" and out["gpu_memory_gib"] == 80.0
+    assert 0 < out["memory_gib_per_gpu"] <= 80.0
+    assert main([*flags, "--json"]) == 0
+    note = json.loads(capsys.readouterr().out)["config"]["layout_note"]
+    assert note.startswith("pp 8 ep 8 with recompute none does not fit the GPU's memory")
+
+
+def test_simulate_ep_reports_memory_and_prices_recompute() -> None:
+    from disagmoe.presets import cluster_preset
+    from disagmoe.simulator import simulate_ep
+
+    model = model_preset("deepseek-moe-16b")
+    kw = {"gpus": 16, "pp": 2, "ep": 8, "seq_len": 4096, "micro_batch_size": 1,
+          "num_micro_batches": 64}  # fmt: skip
+    none = simulate_ep("ep-1f1b", model, cluster_preset("h800"), **kw)  # type: ignore[arg-type]
+    full = simulate_ep("ep-1f1b", model, cluster_preset("h800"), recompute="full", **kw)  # type: ignore[arg-type]
+    assert none.config["gpu_memory_gib"] == 80.0
+    assert full.config["memory_gib_per_gpu"] < none.config["memory_gib_per_gpu"]
+    assert full.step_time_s > none.step_time_s  # a backward reruns its forward

@@ -62,12 +62,7 @@ def attn_layer_act_bytes(
       an upcast copy instead), b*H; a dense MLP 4b*D_dense;
     * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
     The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8; it is
-    not recomputed in any mode.
-
-    `exchanged=False` (an expert-parallel layer, `costs.ep_memory`): the all-to-alls save
-    nothing, so the dispatched rows and their weights and ids, and the combines received,
-    are not kept (the b*H per row and k*(b + 16) terms above); the combine's index_add
-    keeps its token ids, the 8*rho that stays.
+    not recomputed in any mode. `exchanged=False` (EP, `costs.ep_memory`): no rows sent or received kept.
 
     `recompute=full` (the block's forward is a transient, rerun in backward) keeps the stage's
     inputs and outputs (the residual is always a new tensor: b*H), the checkpoint's inputs —

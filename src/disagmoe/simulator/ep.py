@@ -30,11 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
-from ..costs.flops import CORE_BACKWARD, GEMM_BACKWARD, expert_flops
+from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig, TrainConfig
+from ..costs import costmodel as cm
+from ..costs.flops import CORE_BACKWARD, GEMM_BACKWARD, backward_factors, expert_flops
 from ..distributed.ep_layout import EPLayout, split_layers
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Instr, Msg, Schedule
+from ..training.budget import run_precision
+from ..training.ep_budget import predict_ep_memory
 from .costs import MessageOverheads, Workload
 from .engine import run_program
 from .links import LinkModel
@@ -59,26 +62,63 @@ class EPCostModel(Protocol):
     def experts(self, kind: str) -> float: ...
 
 
+# what `simulate` prices an EP rank's memory in: bf16 compute, fp32 weights and AdamW states
+SIM_PRECISION = run_precision(TrainConfig(dtype="bfloat16"))
+
+
 @dataclass(frozen=True, slots=True)
 class EPCosts:
-    """Analytic `EPCostModel`: FLOPs at `flops_per_s`, all-to-alls priced by the network."""
+    """Analytic `EPCostModel`: FLOPs at `flops_per_s`, all-to-alls priced by the network;
+    `recompute` (`train.recompute`) adds to a backward's first half (B, or I of a split one)
+    one forward of what it recomputes (`flops.backward_factors`)."""
 
     workload: Workload
     flops_per_s: float
     a2a_s: list[float]  # per pipeline rank: one dispatch (or combine) all-to-all
+    recompute: str = "none"
 
     def attn(self, layer: int, kind: str) -> float:
         gemm, core = self.workload.attn_flops(layer)
         if kind == "F":
             return (gemm + core) / self.flops_per_s
-        grad_in = gemm + CORE_BACKWARD * core  # dX of the GEMMs and the whole core
+        gemm_bwd, core_bwd = backward_factors(self.recompute)
+        rerun = (gemm_bwd - GEMM_BACKWARD) * gemm + (core_bwd - CORE_BACKWARD) * core
+        grad_in = gemm + CORE_BACKWARD * core + rerun  # dX of the GEMMs and the whole core
         grad_w = (GEMM_BACKWARD - 1.0) * gemm
         return {"B": grad_in + grad_w, "I": grad_in, "W": grad_w}[kind] / self.flops_per_s
 
     def experts(self, kind: str) -> float:
         pairs = self.workload.tokens * self.workload.model.top_k
         fwd = expert_flops(self.workload.model, pairs) / self.flops_per_s
-        return fwd * {"F": 1.0, "B": GEMM_BACKWARD, "I": 1.0, "W": GEMM_BACKWARD - 1.0}[kind]
+        rerun = backward_factors(self.recompute)[0] - GEMM_BACKWARD
+        factor = {"F": 1.0, "B": GEMM_BACKWARD + rerun, "I": 1.0 + rerun}
+        return fwd * factor.get(kind, GEMM_BACKWARD - 1.0)
+
+
+def ep_memory(
+    runtime: str,
+    model: ModelConfig,
+    *,
+    gpus: int,
+    pp: int,
+    ep: int,
+    seq_len: int,
+    micro_batch_size: int,
+    num_micro_batches: int,
+    chunks: int = 2,
+    recompute: str = "none",
+    prec: cm.Precision = SIM_PRECISION,
+) -> list[cm.MemoryBreakdown]:
+    """Peak bytes of every pipeline rank of a layout (`training.ep_budget`), after the same
+    size checks as `simulate_ep`."""
+    _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
+    lay = EPLayout.of(
+        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
+    )
+    return predict_ep_memory(
+        lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
+        prec=prec,
+    )  # fmt: skip
 
 
 def simulate_ep(
@@ -98,9 +138,13 @@ def simulate_ep(
     costs: EPCostModel | None = None,
     net: Network | None = None,
     link_model: LinkModel = "fair",
+    recompute: str = "none",
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
-    `link_model`: how its pipeline messages share ports (`simulator.links`)."""
+    `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
+    activation recompute (priced in the analytic costs and the memory). The config carries
+    `memory_gib_per_gpu` (the fullest rank's peak, `ep_memory`) and `gpu_memory_gib` (the
+    cluster's); a layout over it is simulated all the same (`simulate` refuses it)."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
@@ -113,8 +157,12 @@ def simulate_ep(
         for r in range(pp)
     ]
     model_costs: EPCostModel = costs or EPCosts(
-        workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a
+        workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a, recompute
     )
+    memory = predict_ep_memory(
+        lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
+        prec=SIM_PRECISION,
+    )  # fmt: skip
     schedule = build_baseline_schedule(
         lay,
         model,
@@ -140,6 +188,9 @@ def simulate_ep(
         "micro_batches_per_pipeline": per_pipe,
         "stages": num_stages,
         "a2a_s": model_costs.a2a_s[0],
+        "recompute": recompute,
+        "memory_gib_per_gpu": max(m.total for m in memory) / cm.GIB,
+        "gpu_memory_gib": cluster.gpu_mem_gib,
     }
     return summarize(
         runtime,

@@ -36,6 +36,8 @@ from .bound import Bound, program_bound
 from .engine import A2A, COMPUTE, DELAY, XFER, Program, Timeline
 
 BREAKDOWN_KEYS = ("attn", "ffn", "other", "comm_overlapped", "comm_exposed", "bubble")
+# config entries `to_dict` also puts at the top: the fullest worker's peak, the GPU's memory
+MEMORY_KEYS = ("memory_gib_per_gpu", "gpu_memory_gib")
 
 
 @dataclass
@@ -74,6 +76,7 @@ class SimResult:
             "shares": {k: self.share(k) for k in BREAKDOWN_KEYS},
             "workers": self.workers,
             "config": self.config,
+            **{k: self.config[k] for k in MEMORY_KEYS if k in self.config},
             **(self.bound.to_dict() if self.bound else {}),
         }
 

@@ -74,7 +74,7 @@ def check_ep_fits(
     logits = f" + logits {_gib(mem.transient)}" if mem.transient else ""
     raise ValueError(
         f"{layout.runtime} pp {layout.pp} ep {layout.ep}: pipeline rank {rank} needs "
-        f"{_gib(mem.total)} (states {_gib(mem.states)} + activations of {held} micro-batches "
+        f"{_gib(mem.total)} (states {_gib(mem.states)} + activations of {held} micro-batch(es) "
         f"in flight {_gib(mem.activations)}{logits}), {_gib(mem.total - budget_gib * cm.GIB)} "
         f"over the GPU's {budget_gib:g} GiB; use {', '.join(fixes)}"
     )
