@@ -9,9 +9,10 @@ import pytest
 
 from disagmoe.bench.cli import nic_split
 from disagmoe.bench.spec import BenchSpec, Entry
-from disagmoe.config import ParallelConfig
+from disagmoe.config import ParallelConfig, TrainConfig
 from disagmoe.distributed.layout import Layout
 from disagmoe.presets import model_preset
+from disagmoe.simulator.network import Network
 
 SPEC = BenchSpec(
     runtimes=("disagg", "ep-1f1b"), nodes=4, ranks_per_node=2, nic_gbps=0.2, model="small",
@@ -253,3 +254,44 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
     assert flags[flags.index("--virtual-stages") + 1] == "3"
     flags = chosen.train_flags("ep-1f1b", Path("r"))  # not searched: pp 1, ep = world
     assert flags[flags.index("--pp") + 1] == "1" and flags[flags.index("--ep") + 1] == "8"
+
+
+def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> None:
+    """A budget below some layouts' peak refuses them (not simulated, counted); recompute
+    is a dimension of its own, full priced slower and smaller."""
+    from disagmoe.bench.cli import emulated_cluster
+    from disagmoe.bench.ep_layouts import EmulatedEPCosts
+    from disagmoe.costs.compute import ComputeCosts, Linear
+    from disagmoe.distributed.ep_layout import EPLayout
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep_search import search_ep_layouts, skipped_for_memory
+
+    costs = ComputeCosts(
+        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
+    )
+    spec = dataclasses.replace(SPEC, global_batch_size=64)
+    model, cluster = model_preset(spec.model), emulated_cluster(spec)
+    workload = Workload(model, spec.seq_len, spec.micro_batch_size)
+
+    def costs_for(lay: EPLayout, recompute: str) -> EmulatedEPCosts:
+        return EmulatedEPCosts(costs, workload, [1e-3] * lay.pp, recompute)
+
+    train = TrainConfig(seq_len=spec.seq_len, global_batch_size=64,
+                        micro_batch_size=spec.micro_batch_size)  # fmt: skip
+    kw = {"costs_for": costs_for, "net": Network.from_cluster(cluster), "cluster": cluster}
+    every = search_ep_layouts("ep-1f1b", model, train, spec.world, recomputes=("none", "full"),
+                              **kw)  # type: ignore[arg-type]  # fmt: skip
+    fit = [c for c in every if not c.refused]
+    assert {c.recompute for c in fit} == {"none", "full"} and skipped_for_memory(every) == 0
+    by = {(c.pp, c.ep, c.recompute): c for c in fit}
+    for (pp, ep, r), c in by.items():
+        if r == "full":
+            assert c.memory_gib < by[pp, ep, "none"].memory_gib
+            assert c.step_s > by[pp, ep, "none"].step_s
+    budget = sorted(c.memory_gib for c in fit)[len(fit) // 2]
+    some = search_ep_layouts("ep-1f1b", model, train, spec.world, memory_gib=budget,
+                             recomputes=("none", "full"), **kw)  # type: ignore[arg-type]  # fmt: skip
+    over = [c for c in some if c.over_memory]
+    assert over and skipped_for_memory(some) == len(over)
+    assert all(c.memory_gib > budget and "needs" in c.refused for c in over)
+    assert all(c.memory_gib <= budget for c in some if not c.refused)

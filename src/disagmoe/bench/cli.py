@@ -366,6 +366,7 @@ def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
 def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
     """Every EP row's layout: the fastest the simulator finds (`bench.ep_layouts`)."""
     from ..costs.compute import ComputeCosts
+    from ..simulator.ep_search import skipped_for_memory
     from .ep_layouts import search
 
     costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
@@ -374,13 +375,17 @@ def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
         if runtime == "disagg":
             continue
         ranked = search(spec, runtime, costs, emulated_cluster(spec))
+        spec_gib = emulated_cluster(spec).gpu_mem_gib
         best = ranked[0]
         if best.refused:
             raise ValueError(f"{runtime}: no layout fits this bench: {best.refused}")
         chosen.append((runtime, best.pp, best.ep, best.virtual_stages))
         if log:
             tried = ", ".join(f"{c.label} {c.step_s:.3f}" for c in ranked if not c.refused)
-            log(f"bench: {runtime} layout — simulated s/step: {tried}; runs {best.label}")
+            over = skipped_for_memory(ranked)
+            skipped = f"; {over} over {spec_gib:g} GiB skipped" if over else ""
+            log(f"bench: {runtime} layout — simulated s/step: {tried}{skipped}; "
+                f"runs {best.label}")  # fmt: skip
     return dataclasses.replace(spec, ep_layouts=tuple(chosen))
 
 

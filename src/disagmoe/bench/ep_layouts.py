@@ -27,11 +27,14 @@ from .spec import BenchSpec
 class EmulatedEPCosts:
     """An `EPCostModel` of emulated compute: what the waits last (`models.emulated`), per
     layer and micro-batch on one worker; a split backward (I, W) divided as the FLOPs
-    divide it. The final norm and LM head compute for real and are not priced."""
+    divide it; with full recompute a backward's first half (B, I) also waits the forward's
+    duration, as the emulated modules do. The final norm and LM head compute for real and
+    are not priced."""
 
     costs: ComputeCosts
     workload: Workload  # one micro-batch
     a2a_s: list[float]
+    recompute: str = "none"
 
     def attn(self, layer: int, kind: str) -> float:
         tokens = self.workload.tokens
@@ -42,31 +45,37 @@ class EmulatedEPCosts:
         # the attention block's GEMMs and core in the FLOP model's backward proportions
         flops = EPCosts(self.workload, 1.0, [0.0])
         share = flops.attn(layer, kind) / flops.attn(layer, "B")
-        return self.costs.attn_bwd(tokens) * share
+        return self.costs.attn_bwd(tokens) * share + self._rerun(kind, self.costs.attn_fwd(tokens))
+
+    def _rerun(self, kind: str, forward_s: float) -> float:
+        return forward_s if self.recompute == "full" and kind in ("B", "I") else 0.0
 
     def experts(self, kind: str) -> float:
         pairs = self.workload.tokens * self.workload.model.top_k  # routing balanced
         if kind == "F":
             return self.costs.expert_fwd(pairs)
         share = {"B": 1.0, "I": 1.0 / GEMM_BACKWARD, "W": 1.0 - 1.0 / GEMM_BACKWARD}[kind]
-        return self.costs.expert_bwd(pairs) * share
+        return self.costs.expert_bwd(pairs) * share + self._rerun(
+            kind, self.costs.expert_fwd(pairs)
+        )
 
 
 def search(
     spec: BenchSpec, runtime: str, costs: ComputeCosts, cluster: ClusterConfig
 ) -> list[EPCandidate]:
     """Every layout of `runtime` on the bench's cluster (`cluster`: as the planner sees it),
-    simulated with `costs` (unscaled), fastest first."""
+    simulated with `costs` (unscaled), fastest first; those over the cluster's GPU memory
+    (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`)."""
     model = model_preset(spec.model)
     net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
     workload = Workload(model, spec.seq_len, spec.micro_batch_size)
 
-    def costs_for(lay: EPLayout) -> EmulatedEPCosts:
+    def costs_for(lay: EPLayout, recompute: str) -> EmulatedEPCosts:
         per_peer = workload.a2a_bytes_per_peer(lay.ep)
         a2a = [
             net.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), per_peer) for r in range(lay.pp)
         ]
-        return EmulatedEPCosts(costs, workload, a2a)
+        return EmulatedEPCosts(costs, workload, a2a, recompute)
 
     train = TrainConfig(
         seq_len=spec.seq_len,
@@ -75,5 +84,6 @@ def search(
         steps=spec.steps,
     )
     return search_ep_layouts(
-        runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster
-    )
+        runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster,
+        memory_gib=cluster.gpu_mem_gib,
+    )  # fmt: skip

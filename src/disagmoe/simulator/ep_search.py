@@ -6,15 +6,24 @@ candidates with the simulator: `search_ep_layouts` scores every layout `EPLayout
 accepts (the same checks a run makes) with `simulate_ep` and the caller's cost model
 (`costs_for(layout)`: compute per layer and one all-to-all per pipeline rank, priced for
 that layout's EP groups). Layouts the runtime refuses are listed with the reason.
+
+Memory: with a budget (`memory_gib`, the GPU's memory), a layout whose fullest rank needs
+more (`simulator.ep.ep_memory`, the runtime's memory model) is not simulated; it is listed
+as refused, with what it needs (`skipped_for_memory` counts them). Recompute is a search
+dimension (`recomputes`, each mode priced in the cost model `costs_for` returns): every
+runtime runs `train.recompute` none, attn or full.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig
+from ..costs import costmodel as cm
 from ..distributed.ep_layout import EPLayout
+from ..training.budget import run_precision
+from ..training.ep_budget import predict_ep_memory
 from .ep import EPCostModel, simulate_ep
 from .network import Network
 
@@ -31,11 +40,26 @@ class EPCandidate:
     virtual_stages: int
     step_s: float
     refused: str = ""
+    recompute: str = "none"
+    memory_gib: float = 0.0  # the fullest rank's peak (0: not modelled, refused)
 
     @property
     def label(self) -> str:
         v = f" virtual-stages {self.virtual_stages}" if self.runtime == "ep-interleaved" else ""
-        return f"pp {self.pp} ep {self.ep}{v}"
+        r = f" recompute {self.recompute}" if self.recompute != "none" else ""
+        return f"pp {self.pp} ep {self.ep}{v}{r}"
+
+    @property
+    def over_memory(self) -> bool:
+        return self.refused.startswith(OVER_MEMORY)
+
+
+OVER_MEMORY = "over memory"
+
+
+def skipped_for_memory(found: Sequence[EPCandidate]) -> int:
+    """How many candidates of a search did not fit the GPU's memory."""
+    return sum(1 for c in found if c.over_memory)
 
 
 def _divisors(n: int) -> list[int]:
@@ -65,26 +89,43 @@ def search_ep_layouts(
     train: TrainConfig,
     world: int,
     *,
-    costs_for: Callable[[EPLayout], EPCostModel],
+    costs_for: Callable[[EPLayout, str], EPCostModel],
     net: Network,
     cluster: ClusterConfig,
     overlap_chunks: int = 2,
+    memory_gib: float = 0.0,
+    recomputes: Sequence[str] = ("none",),
 ) -> list[EPCandidate]:
-    """Every candidate layout of `runtime`, simulated with its gradient all-reduce after
-    the pipeline (the runtimes overlap the dense part with the backward: a layout's
-    reduction is charged in full, the same way for every layout), fastest first; refused
-    ones last."""
+    """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
+    its gradient all-reduce after the pipeline (the runtimes overlap the dense part with the
+    backward: a layout's reduction is charged in full, the same way for every layout),
+    fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
+    `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout."""
+    prec = run_precision(train)
     found: list[EPCandidate] = []
     for parallel, lay in candidate_layouts(runtime, model, train, world):
         v = parallel.virtual_stages
         if isinstance(lay, str):
             found.append(EPCandidate(runtime, parallel.pp, parallel.ep, v, float("inf"), lay))
             continue
-        sim = simulate_ep(
-            runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
-            seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
-            num_micro_batches=train.num_micro_batches, chunks=v, overlap_chunks=overlap_chunks,
-            sync=True, costs=costs_for(lay), net=net,
-        )  # fmt: skip
-        found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s))
+        for recompute in recomputes:
+            memory = predict_ep_memory(
+                lay, model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+                recompute=recompute, prec=prec,
+            )  # fmt: skip
+            gib = max(m.total for m in memory) / cm.GIB
+            if memory_gib > 0 and gib > memory_gib:
+                why = f"{OVER_MEMORY}: needs {gib:.2f} GiB of {memory_gib:g}"
+                found.append(EPCandidate(runtime, lay.pp, lay.ep, v, float("inf"), why,
+                                         recompute, gib))  # fmt: skip
+                continue
+            sim = simulate_ep(
+                runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
+                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+                num_micro_batches=train.num_micro_batches, chunks=v,
+                overlap_chunks=overlap_chunks, sync=True, costs=costs_for(lay, recompute),
+                net=net, recompute=recompute,
+            )  # fmt: skip
+            found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
+                                     recompute, gib))  # fmt: skip
     return sorted(found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages))
