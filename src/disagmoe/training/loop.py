@@ -104,11 +104,29 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def resume_path(cfg: RunConfig, run_dir: Path) -> str:
-    """Where to resume from: after an elastic restart always this run's latest checkpoint."""
+def restart_count() -> int:
+    """How often torch elastic restarted this job's workers, the same on every rank: the
+    largest `TORCHELASTIC_RESTART_COUNT` of the ranks (a collective when distributed).
+
+    Each agent counts only the restarts it made because its own workers failed. An agent
+    whose workers were still running when another node rejoined the rendezvous restarts them
+    without counting ("membership changes do not count as retries": a node cut off by a dead
+    link learns that the other node rejoined only once the link is back), so its ranks can
+    say 0 in a restarted attempt while the others say 1.
+    """
+    local = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not _dist():
+        return local
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, local)
+    return max(counts)
+
+
+def resume_path(cfg: RunConfig, run_dir: Path, restart: int) -> str:
+    """Where to resume from: after an elastic restart (`restart_count() > 0`) always this
+    run's latest checkpoint."""
     root = run_dir / "checkpoints"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (root / "latest").is_file():
+    if restart > 0 and (root / "latest").is_file():
         return str(root)
     if cfg.train.resume in ("latest", "auto"):
         return str(root) if (root / "latest").is_file() else ""
@@ -151,14 +169,14 @@ def run_training(
     world = dist.get_world_size() if _dist() else 1
     train = cfg.train
     start_step = 0
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = restart_count()
     if restart and rank == 0:
         print(
             f"restart {restart}: a worker failed; all workers restarted",
             file=sys.stderr,
             flush=True,
         )
-    resume = resume_path(cfg, run_dir)
+    resume = resume_path(cfg, run_dir, restart)
     if resume:
         step_dir = _chosen_checkpoint(resume, rank)
         start_step = load_checkpoint(
