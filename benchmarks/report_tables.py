@@ -186,16 +186,25 @@ TABLES: dict[str, Table] = {
     ),
     "link_faults": Table(
         title="A link that dies or stalls under a running step",
-        about="Two emulated nodes of two ranks; per scenario the exit codes, when the first "
+        about="Two emulated nodes of two ranks; per run the exit codes, when the first "
         "rank reported, when the job ended, and whether a restarted run's losses equal the "
-        "undisturbed run's (docs/operations.md).",
+        "undisturbed run's; `restart` once per try and per delay of the link's return after "
+        "the reports, with when training resumed, each agent's last restart count and its "
+        "restarts for a rejoining node (seconds after the fault; docs/operations.md).",
         cols=(
             Col(head="scenario", get="scenario"),
+            Col(head="link back s", get="link_back_s", fmt="{:g}"),
             Col(head="exit codes", get="exit_codes"),
             Col(head="fault at step", get="fault_at_step"),
             Col(head="detected s", get="detected_s"),
+            Col(head="resumed s", get="resumed_s"),
             Col(head="ended s", get="ended_s"),
             Col(head="reports", get=lambda r: len(r["reports"])),
+            Col(
+                head="agents' restart counts",
+                get=lambda r: [c[-1] for c in r.get("agent_restarts", []) if c] or None,
+            ),
+            Col(head="membership restarts", get=lambda r: r.get("membership_restarts") or None),
             Col(head="resumed", get=lambda r: r["resumed"] or None),
             Col(head="losses equal clean", get="losses_equal_clean"),
             Col(head="ok", get="ok"),

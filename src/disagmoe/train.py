@@ -90,22 +90,39 @@ def run_rank(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
 
 
 def _init_process_group(cfg: RunConfig) -> None:
-    """Join the job's process group; after an elastic restart, under a fresh store prefix.
+    """Join the job's process group through a store that holds no keys of a failed attempt.
 
-    The launcher's store outlives a failed attempt, so the keys (peer addresses) of the
-    dead attempt must not be read by the new one. The rank's device (`disagmoe.device`)
-    is bound first, and the group to it.
+    Under torch elastic the store is either the agents' (`TORCHELASTIC_USE_AGENT_STORE=True`,
+    torch's default: one server for the whole job, so the keys of each attempt get the
+    attempt's prefix) or, with `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in the agents'
+    environment, one that rank 0 hosts for this attempt alone at the port its agent chose
+    in this rendezvous round (`env://`). Only the second is safe across several agents: an
+    agent whose workers were still running when another node rejoined the rendezvous
+    restarts them without counting a restart, so the two nodes' workers can carry different
+    `TORCHELASTIC_RESTART_COUNT`s and the prefix of one of them names a dead attempt's
+    peers (`training.loop.restart_count`; docs/operations.md, "Network faults"). The rank's
+    device (`disagmoe.device`) is bound first, and the group to it.
     """
     device = resolve_device(cfg.parallel.device)
     bind_device(device)
     backend = default_backend(device, cfg.parallel.backend)
     extra = init_kwargs(device)
     timeout = timedelta(seconds=max(cfg.train.comm_timeout_s, 60))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         dist.init_process_group(backend, timeout=timeout, **extra)
         return
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if rank == 0 and nodes > 1 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        print(
+            f"disagmoe: warning: torchrun --max-restarts on {nodes} nodes with the agents' "
+            "shared store: a restart can meet the failed attempt's store keys (gloo "
+            "connectFullMesh: Connection refused); start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment",
+            file=sys.stderr,
+            flush=True,
+        )
     base = dist.TCPStore(
         os.environ["MASTER_ADDR"],
         int(os.environ["MASTER_PORT"]),
@@ -314,14 +331,17 @@ def torchrun_main(argv: list[str] | None = None) -> int:
         return run_command(train_command, train_parser().parse_args(args_list))
     try:
         cfg = resolve_train_config(train_parser().parse_args(args_list))
+        from .training.loop import restart_count
+
         _init_process_group(cfg)
+        restart = restart_count()  # the same on every rank, unlike the agents' counts
         decision: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
                 world_size_for(cfg)
                 # rank 0 resolves the memory budget once; config.toml and every rank get it
                 resolved = resolve_memory(cfg, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-                if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+                if restart > 0:
                     # an elastic restart continues this run dir; rank 0 of the ranks
                     # chooses and verifies its latest checkpoint (training.loop.resume_path)
                     resolved = replace_section(resolved, "train", resume="auto")

@@ -189,6 +189,23 @@ def test_killed_worker_restarts_from_checkpoint(tmp_path: Path) -> None:
     assert _close([m["loss"] for m in fail_m], [m["loss"] for m in clean_m])
 
 
+def _restart_count_of_ranks(counts: list[str]) -> int:
+    import torch.distributed as dist
+
+    from disagmoe.training.loop import restart_count
+
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = counts[dist.get_rank()]
+    return restart_count()
+
+
+def test_ranks_agree_on_the_restart_count() -> None:
+    """An agent that restarts healthy workers because another node rejoined the rendezvous
+    counts no restart: its ranks say 0 where the failed node's say 1. Every rank takes the
+    largest, so that all of them know the attempt is a restart (resume, fault injection)."""
+    assert run_ranks(_restart_count_of_ranks, 3, ["1", "0", "0"]) == [1, 1, 1]
+    assert run_ranks(_restart_count_of_ranks, 2, ["0", "0"]) == [0, 0]
+
+
 def test_lost_message_is_diagnosed(tmp_path: Path) -> None:
     """combine of the last layer, last slot, last step never sent: the receiver times out."""
     start = time.monotonic()

@@ -76,7 +76,14 @@ def start_agents(
     max_restarts: int = 0,
 ) -> list[subprocess.Popen[bytes]]:
     """One torchrun agent per node (`disagmoe.train` with `train_flags`), each inside its
-    node's namespace, logging to `run_dir/node<k>.log`, tracked by the cluster."""
+    node's namespace, logging to `run_dir/node<k>.log`, tracked by the cluster.
+
+    The agents do not share their rendezvous store with the workers
+    (`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`): each rendezvous round, the attempt's rank 0
+    hosts a store of its own at a port its agent chose for that round, so that workers
+    restarted after a failure never read a dead attempt's addresses
+    (`disagmoe.train._init_process_group`)."""
+    env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     started = []
     for k in range(nodes):
         argv = [

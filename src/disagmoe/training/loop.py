@@ -104,11 +104,29 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     os.replace(tmp, path)
 
 
-def resume_path(cfg: RunConfig, run_dir: Path) -> str:
-    """Where to resume from: after an elastic restart always this run's latest checkpoint."""
+def restart_count() -> int:
+    """How often torch elastic restarted this job's workers, the same on every rank: the
+    largest `TORCHELASTIC_RESTART_COUNT` of the ranks (a collective when distributed).
+
+    Each agent counts only the restarts it made because its own workers failed. An agent
+    whose workers were still running when another node rejoined the rendezvous restarts them
+    without counting ("membership changes do not count as retries": a node cut off by a dead
+    link learns that the other node rejoined only once the link is back), so its ranks can
+    say 0 in a restarted attempt while the others say 1.
+    """
+    local = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not _dist():
+        return local
+    counts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, local)
+    return max(counts)
+
+
+def resume_path(cfg: RunConfig, run_dir: Path, restart: int) -> str:
+    """Where to resume from: after an elastic restart (`restart_count() > 0`) always this
+    run's latest checkpoint."""
     root = run_dir / "checkpoints"
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if restarted and (root / "latest").is_file():
+    if restart > 0 and (root / "latest").is_file():
         return str(root)
     if cfg.train.resume in ("latest", "auto"):
         return str(root) if (root / "latest").is_file() else ""
@@ -150,14 +168,14 @@ def run_training(
     rank = dist.get_rank() if _dist() else 0
     world = dist.get_world_size() if _dist() else 1
     train = cfg.train
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = restart_count()
     if restart and rank == 0:
         print(
             f"restart {restart}: a worker failed; all workers restarted",
             file=sys.stderr,
             flush=True,
         )
-    start_step = _resume(trainer, cfg, run_dir, rank)
+    start_step = _resume(trainer, cfg, run_dir, rank, restart)
     if rank == 0:
         _truncate_metrics(run_dir / "metrics.jsonl", start_step)
         _write_run_info(trainer, cfg, run_dir, world)
@@ -208,9 +226,10 @@ def run_training(
     return records
 
 
-def _resume(trainer: Trainer, cfg: RunConfig, run_dir: Path, rank: int) -> int:
-    """Load the checkpoint `resume_path` names, if any; returns the step to start from."""
-    resume = resume_path(cfg, run_dir)
+def _resume(trainer: Trainer, cfg: RunConfig, run_dir: Path, rank: int, restart: int) -> int:
+    """Load the checkpoint `resume_path` names (`restart`: the job's restart count, the same
+    on every rank), if any; returns the step to start from."""
+    resume = resume_path(cfg, run_dir, restart)
     if not resume:
         return 0
     step_dir = _chosen_checkpoint(resume, rank)
