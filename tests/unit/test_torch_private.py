@@ -21,6 +21,7 @@ from torch.distributed.pipelining import PipelineStage
 import disagmoe
 from disagmoe import torch_private as tp
 from disagmoe.baselines.stage import TracedStage
+from disagmoe.torch_private import check as tpc
 
 PACKAGE_DIR = Path(disagmoe.__file__).parent
 PYPROJECT = PACKAGE_DIR.parents[1] / "pyproject.toml"
@@ -36,16 +37,16 @@ def test_pinned_version_is_pyprojects() -> None:
     )
 
 
-@pytest.mark.parametrize("name", [api.name for api in tp.PRIVATE_APIS])
+@pytest.mark.parametrize("name", [api.name for api in tpc.PRIVATE_APIS])
 def test_private_api_fits_this_torch(name: str) -> None:
-    problems = tp.check_private_apis([name])
+    problems = tpc.check_private_apis([name])
     assert not problems, "\n".join(problems)
 
 
 def test_every_api_names_a_wrapper() -> None:
-    missing = [a.name for a in tp.PRIVATE_APIS if not hasattr(tp, a.wrapper)]
+    missing = [a.name for a in tpc.PRIVATE_APIS if not hasattr(tp, a.wrapper)]
     assert not missing, f"PRIVATE_APIS entries whose wrapper is not in torch_private: {missing}"
-    assert len({a.name for a in tp.PRIVATE_APIS}) == len(tp.PRIVATE_APIS)
+    assert len({a.name for a in tpc.PRIVATE_APIS}) == len(tpc.PRIVATE_APIS)
 
 
 # --- the check can fail ------------------------------------------------------------
@@ -54,32 +55,32 @@ def test_every_api_names_a_wrapper() -> None:
 def test_check_reports_an_api_that_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delattr(torch, "_grouped_mm")
     assert not tp.has_grouped_mm()
-    problems = tp.check_private_apis()
+    problems = tpc.check_private_apis()
     assert len(problems) == 1, problems
     assert problems[0].startswith(f"torch {torch.__version__}: torch._grouped_mm is gone")
-    assert f"(pinned {tp.TORCH_PINNED}); see src/disagmoe/torch_private.py" in problems[0]
+    assert f"(pinned {tp.TORCH_PINNED}); see src/disagmoe/torch_private/" in problems[0]
 
 
 def test_check_reports_renamed_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
     def renamed(self: object, stage: object, microbatch: int) -> None: ...
 
     monkeypatch.setattr(tp.PipelineSchedule, "_maybe_get_loss", renamed)  # where it is defined
-    assert tp.check_private_apis() == [
+    assert tpc.check_private_apis() == [
         f"torch {torch.__version__}: {RUNTIME}._maybe_get_loss takes (stage, microbatch), "
         f"we pass (stage, mb_index) (pinned {tp.TORCH_PINNED}); "
-        "see src/disagmoe/torch_private.py (get_loss)"
+        "see src/disagmoe/torch_private/ (get_loss)"
     ]
 
 
 def test_check_reports_a_changed_result(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch._C, "_storage_Use_Count", lambda cdata: 7)
-    (problem,) = tp.check_private_apis()
+    (problem,) = tpc.check_private_apis()
     assert "torch._C._storage_Use_Count counts 7, 7 (expected 1, 2)" in problem
 
 
 def test_check_reports_an_attribute_no_longer_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tp, "PRIVATE_APIS", (tp._runtime_attr("_stages_v2", "schedule_stages"),))
-    (problem,) = tp.check_private_apis()
+    monkeypatch.setattr(tpc, "PRIVATE_APIS", (tpc._runtime_attr("_stages_v2", "schedule_stages"),))
+    (problem,) = tpc.check_private_apis()
     assert "_PipelineScheduleRuntime._stages_v2 is no longer set by _PipelineScheduleRuntime" in (
         problem
     )
@@ -87,7 +88,7 @@ def test_check_reports_an_attribute_no_longer_set(monkeypatch: pytest.MonkeyPatc
 
 def test_check_refuses_an_unknown_name() -> None:
     with pytest.raises(ValueError, match="not in PRIVATE_APIS"):
-        tp.check_private_apis(["torch._no_such_api"])
+        tpc.check_private_apis(["torch._no_such_api"])
 
 
 # --- what constructed objects hold ---------------------------------------------------
@@ -137,7 +138,7 @@ def test_traced_stage_overrides_only_checked_hooks() -> None:
         for n in ast.walk(init)
         if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
     }
-    shadowed = {f for f in fields if tp._sets_attribute(tp._PIPELINE_STAGE, f) is None}
+    shadowed = {f for f in fields if tpc._sets_attribute(tp._PIPELINE_STAGE, f) is None}
     assert not shadowed, f"TracedStage's fields {sorted(shadowed)} are PipelineStage's too"
 
 
@@ -150,7 +151,7 @@ def _is_private(name: str) -> bool:
 
 WRAPPED = {
     part
-    for api in tp.PRIVATE_APIS
+    for api in tpc.PRIVATE_APIS
     for part in api.name.split(" ")[0].split(".")
     if _is_private(part)
 }
@@ -234,11 +235,11 @@ def test_only_torch_private_touches_torch_internals() -> None:
     found = [
         f"{path.relative_to(PACKAGE_DIR.parent)}:{use}"
         for path in sorted(PACKAGE_DIR.rglob("*.py"))
-        if path.name != "torch_private.py"
+        if "torch_private" not in path.parts
         for use in private_torch_uses(path.read_text(), str(path))
     ]
     assert not found, (
-        "private torch APIs outside disagmoe/torch_private.py (wrap them there, with a "
+        "private torch APIs outside disagmoe/torch_private/ (wrap them there, with a "
         "PRIVATE_APIS entry):\n" + "\n".join(found)
     )
 
