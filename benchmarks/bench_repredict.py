@@ -19,13 +19,17 @@ Prints one row per bench row: measured step, the predicted step and its error pe
 model, then the bound; `--json PATH` writes the same rows. `--table` prints the bench's
 own table instead, summarized again with the current analysis (breakdown, bound and the
 bench's prediction), as `disagmoe bench` would print it now; with `--plots DIR` also its
-figures (`disagmoe bench --plots`).
+figures (`disagmoe bench --plots`). `--rewrite REPORT` replaces the rows of a saved
+report (a copy of the bench's bench.json in benchmarks/results/) with that summary and
+keeps the rest (spec, network, meta): the measured steps are the run's, the analysis
+today's, and `meta.reanalysed` says when.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -67,21 +71,40 @@ def outcomes(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[RunOutcome]:
     return out
 
 
+def rewrite(path: Path, results: list[RuntimeResult]) -> None:
+    """`path`'s rows replaced by `results` (the same runtimes, in order), the rest kept."""
+    report = json.loads(path.read_text())
+    old = [r["runtime"] for r in report["results"]]
+    new = [r.runtime for r in results]
+    if old != new:
+        raise SystemExit(f"bench_repredict: {path} has rows {old}, the run dir {new}")
+    report["results"] = [r.to_dict() for r in results]
+    report.setdefault("meta", {})["reanalysed"] = date.today().isoformat()
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir", type=Path, help="a `disagmoe bench --out` directory")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--table", action="store_true", help="print the bench's own table")
     parser.add_argument("--plots", metavar="DIR", type=Path, help="with --table: its figures")
+    parser.add_argument(
+        "--rewrite", metavar="REPORT", type=Path, help="with --table: its rows, re-analysed"
+    )
     args = parser.parse_args()
     spec, rows = load_spec(args.out_dir)
     runs = outcomes(spec, rows)
+    if args.rewrite and not args.table:
+        parser.error("--rewrite needs --table")
     if args.table:
         network = json.loads((args.out_dir / "bench.json").read_text())["network"]
         results = summarize(spec, runs)
         print(format_table(spec, results, network))
         if args.plots:
             write_plots(spec, results, network, args.plots)
+        if args.rewrite:
+            rewrite(args.rewrite, results)
         return 0
     models = tuple(MODELS)
     results: dict[str, list[RuntimeResult]] = {m: summarize(spec, runs, *MODELS[m]) for m in models}

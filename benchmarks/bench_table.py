@@ -6,7 +6,9 @@ against the fastest baseline.
 
 Columns: tokens/s; step s (median over measured steps); bound s (max over ranks of compute
 and its node's busier NIC direction, from the trace: `bench.analysis.trace_bound`) and
-step/bound; what binds; exposed communication (s/step, mean over ranks); the simulator's
+step/bound; the bound with the pipeline's fill and drain at the row's layout and
+micro-batch count (`bench.analysis.pipeline_fill`; AF-Pipe's is its bound) and step over
+it; what binds; exposed communication (s/step, mean over ranks); the simulator's
 error on the step; the layout the row ran; tokens/s against the fastest EP runtime.
 """
 
@@ -31,21 +33,22 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         head,
         "",
-        "| runtime | tokens/s | step s | bound s | step/bound | binds | exposed s | sim err "
-        "| vs best EP | layout |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| runtime | tokens/s | step s | bound s | step/bound | with fill s | step/fill "
+        "| binds | exposed s | sim err | vs best EP | layout |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs = r["tokens_per_s"] / best_ep if best_ep else float("nan")
         lines.append(
             f"| {r['runtime']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} "
-            f"| {r['bound_s']:.3f} | {r['step_over_bound']:.2f} | {r['binding']} "
+            f"| {r['bound_s']:.3f} | {r['step_over_bound']:.2f} | {r['fill_bound_s']:.3f} "
+            f"| {r['step_over_fill_bound']:.2f} | {r['binding']} "
             f"| {r['exposed_comm_s']:.3f} | {100 * r['prediction_error']:+.0f}% | {vs:.2f}x "
             f"| {r['layout']} |"
         )
     for r in report["results"]:
         if not r["ok"]:
-            lines.append(f"| {r['runtime']} | FAILED: {r['error']} |||||||||")
+            lines.append(f"| {r['runtime']} | FAILED: {r['error']} |||||||||||")
     return "\n".join(lines)
 
 

@@ -112,3 +112,37 @@ def test_trace_bound_and_tail_with_the_all_reduce_in_buckets() -> None:
     b = trace_bound(buckets, steps, lambda r: r // 2, [1e6, 1e6])
     assert a.network_s == pytest.approx(2.0) and b.network_s == pytest.approx(a.network_s)
     assert _sync_step_s(buckets) == pytest.approx(1e-3)  # the buckets overlapped the backward
+
+
+def test_trace_bound_takes_the_least_step_and_adds_a_pipelines_fill() -> None:
+    """A 3-stage pipeline, one rank each, two micro-batches: forwards of 1, 2, 3 s and
+    backwards (B) of 2, 4, 6 s on stages 0, 1, 2 (the second micro-batch's forward on
+    stage 1 slower: the fill takes each stage's least). STEP is 0.5 s on the last rank to
+    finish (rank 0) and 3 s on rank 2, which waits in it. Rank 2's first stage is 2: its
+    compute (18 s) waits for stages 0 and 1 to forward one micro-batch (3 s) and is
+    followed by their input gradients (6 s)."""
+    from disagmoe.bench.analysis import pipeline_fill, trace_bound
+
+    events = []
+    for stage, (f, b) in enumerate(((1, 2), (2, 4), (3, 6))):
+        t = 0.0  # one after another on the rank
+        for what, mb, s in (("F", 0, f), ("F", 1, f), ("B", 0, b), ("B", 1, b)):
+            s *= 1.5 if (what, stage, mb) == ("F", 1, 1) else 1.0
+            cat = "fwd" if what == "F" else "bwd"
+            events.append(_ev(stage, cat, f"{what} s{stage} mb{mb}", t, s * 1e6,
+                              stage=stage, micro_batch=mb))  # fmt: skip
+            t += s * 1e6
+    events += [_ev(0, "sync", "STEP", 30e6, 0.5e6), _ev(2, "sync", "STEP", 30e6, 3e6)]
+    events += [_ev(1, "sync", "STEP", 30e6, 2e6)]
+    assert pipeline_fill(events) == {0: (0.0, 0.0), 1: (1.0, 2.0), 2: (3.0, 6.0)}
+    steps, node = {0: 40.0}, (lambda r: 0)
+    plain = trace_bound(events, steps, node, [1e9])
+    # rank 2: 2 * (3 + 6) s compute + the least STEP, 0.5 s (not its own 3 s)
+    assert plain.seconds == pytest.approx(18.5) and plain.worker == "rank 2"
+    filled = trace_bound(events, steps, node, [1e9], fill=True)
+    assert filled.seconds == pytest.approx(3.0 + 18.0 + 6.0)  # the drain outlasts STEP
+    # a weight gradient (W) is not on the drain's path; an input gradient (I) is
+    split = [e for e in events if not (e["pid"] == 0 and e["cat"] == "bwd")]
+    split += [_ev(0, "bwd", f"I s0 mb{mb}", 9e6, 0.5e6, stage=0, micro_batch=mb) for mb in (0, 1)]
+    split += [_ev(0, "bwd", f"W s0 mb{mb}", 9e6, 1.5e6, stage=0, micro_batch=mb) for mb in (0, 1)]
+    assert pipeline_fill(split)[2] == (3.0, 4.5)

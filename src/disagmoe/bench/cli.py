@@ -293,7 +293,7 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
         f"x {spec.repeats} repeats ({compute_label(spec)})",
         f"{'runtime':{w}s} {'tokens/s':>9s} {'vs 1f1b':>8s} {'step s':>7s} {'exposed':>8s} "
         f"{'comm%':>6s} {'bubble':>7s} {'sim s':>7s} {'sim err':>8s} {'bound s':>8s} "
-        f"{'step/bd':>7s} {'binds':16s} layout",
+        f"{'step/bd':>7s} {'w/ fill':>8s} {'step/fl':>7s} {'binds':16s} layout",
     ]
     for r in results:
         if not r.ok:
@@ -305,16 +305,20 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
         bound_s = r.bound.seconds if r.bound else 0.0
         over = f"{r.step_over_bound:.2f}x" if r.step_over_bound else "-"
         binds = f"{r.bound.binding} {r.bound.worker}" if r.bound else "-"
+        fill_s = r.fill_bound.seconds if r.fill_bound else 0.0
+        over_fill = f"{r.step_over_fill_bound:.2f}x" if r.step_over_fill_bound else "-"
         lines.append(
             f"{r.runtime:{w}s} {r.tokens_per_s:9.0f} {ratio:>8s} {r.step_time_s:7.3f} "
             f"{b.exposed_comm_s:8.3f} {100 * b.exposed_comm_s / r.step_time_s:5.0f}% "
             f"{b.bubble_s:7.3f} {r.predicted_step_s:7.3f} {100 * r.prediction_error:+7.0f}% "
-            f"{bound_s:8.3f} {over:>7s} {binds:16s} {r.layout}"
+            f"{bound_s:8.3f} {over:>7s} {fill_s:8.3f} {over_fill:>7s} {binds:16s} {r.layout}"
         )
     lines.append("exposed = communication not covered by compute (s/step, mean over ranks); "
                  "comm% = exposed / step; sim = simulator replaying the run with its traced costs")  # fmt: skip
     lines.append("bound = max over ranks of max(compute, its node's busier NIC direction: bytes "
                  "/ rate) + optimizer step, from the trace; binds = what sets it")  # fmt: skip
+    lines.append("w/ fill = the bound with a pipeline's fill and drain at this layout and "
+                 "micro-batch count (bench.analysis.pipeline_fill); step/fl = step / it")  # fmt: skip
     return "\n".join(lines)
 
 

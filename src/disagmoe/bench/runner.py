@@ -202,6 +202,7 @@ class RuntimeResult:
     predicted_step_s: float = 0.0
     prediction_error: float = 0.0
     bound: Bound | None = None  # the step-time lower bound from the run's trace
+    fill_bound: Bound | None = None  # the same with its pipeline's fill and drain
     run_dirs: list[str] = field(default_factory=list)
 
     @property
@@ -209,6 +210,12 @@ class RuntimeResult:
         if not self.ok or self.bound is None or self.bound.seconds <= 0:
             return None
         return self.step_time_s / self.bound.seconds
+
+    @property
+    def step_over_fill_bound(self) -> float | None:
+        if not self.ok or self.fill_bound is None or self.fill_bound.seconds <= 0:
+            return None
+        return self.step_time_s / self.fill_bound.seconds
 
     def to_dict(self) -> dict[str, Any]:
         b = self.breakdown
@@ -231,6 +238,8 @@ class RuntimeResult:
             "bound_s": self.bound.seconds if self.ok and self.bound else None,
             "step_over_bound": self.step_over_bound,
             "binding": self.bound.describe() if self.ok and self.bound else None,
+            "fill_bound_s": self.fill_bound.seconds if self.ok and self.fill_bound else None,
+            "step_over_fill_bound": self.step_over_fill_bound,
             "run_dirs": self.run_dirs,
         }
 
@@ -276,7 +285,7 @@ def summarize(
         medians = [statistics.median(o.step_times.values()) / k for o in good]
         res.step_time_spread_s = (min(medians), max(medians))
         res.tokens_per_s = tokens / res.step_time_s
-        parts, predictions, bounds = [], [], []
+        parts, predictions, bounds, fills = [], [], [], []
         node_of, node_rates = _nic_pools(spec, runtime)
         rates = spec.worker_gbps(runtime)
         run_net = net
@@ -292,6 +301,7 @@ def summarize(
             events = _events(o.run_dir, set(o.step_times))
             parts.append(trace_breakdown(events, o.step_times))
             bounds.append(trace_bound(events, o.step_times, node_of, node_rates))
+            fills.append(trace_bound(events, o.step_times, node_of, node_rates, fill=True))
             cfg = load_toml(o.run_dir / "config.toml")
             predictions.append(
                 predict(cfg, spec.world, events, run_net, link_model, replay, overheads)
@@ -303,14 +313,7 @@ def summarize(
             )
         )
         res.predicted_step_s = statistics.median(predictions) / k
-        mid = sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
-        res.bound = dataclasses.replace(
-            mid,
-            seconds=mid.seconds / k,
-            compute_s=mid.compute_s / k,
-            network_s=mid.network_s / k,
-            serial_s=mid.serial_s / k,
-        )
+        res.bound, res.fill_bound = _median_bound(bounds, k), _median_bound(fills, k)
         res.prediction_error = res.predicted_step_s / res.step_time_s - 1.0
         results.append(res)
     by_label = {r.runtime: r for r in results if r.ok}
@@ -320,6 +323,18 @@ def summarize(
         if base is not None and r.ok:
             r.ratio_vs_ep_1f1b = r.tokens_per_s / base.tokens_per_s
     return results
+
+
+def _median_bound(bounds: list[Bound], k: float) -> Bound:
+    """The median of the repetitions' bounds, in the emulated cluster's seconds (/ k)."""
+    mid = sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
+    return dataclasses.replace(
+        mid,
+        seconds=mid.seconds / k,
+        compute_s=mid.compute_s / k,
+        network_s=mid.network_s / k,
+        serial_s=mid.serial_s / k,
+    )
 
 
 def _nic_pools(spec: BenchSpec, runtime: str) -> tuple[Callable[[int], int], list[float]]:
