@@ -349,6 +349,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
         chunks=args.virtual_stages,
         overlap_chunks=args.overlap_chunks,
         recompute=r["recompute"],
+        overlap_sync=args.overlap_grad_sync,
         **common,
     )
     if r["layout_note"]:

@@ -158,3 +158,42 @@ def test_simulated_all_to_all_sends_what_the_runtime_sends() -> None:
         four = (rows * H + asg) * e + 16 * asg + 2 * rows * H * e + (rows * H + asg) * e
         per_peer.append(four / 4)
     assert workload.a2a_bytes_per_peer(ep) == pytest.approx(sum(per_peer) / ep, rel=0.01)
+
+
+@pytest.mark.parametrize("runtime", ["ep-1f1b", "ep-dualpipev"])
+def test_dense_gradients_all_reduce_in_buckets_during_the_backward(runtime: str) -> None:
+    """As `baselines.grad_buckets`: with `overlap_sync` each stage's dense layers are
+    all-reduced one bucket per layer (the LM head's under layer L), last layer first, each
+    after its last backward (DualPipeV's split tail: its last W), and SYNC holds the expert
+    shards alone; the buckets and SYNC together cost what the flat SYNC does, plus each
+    bucket's latency."""
+    model = MODEL_PRESETS["deepseek-moe-16b"]
+    kw = dict(gpus=32, pp=2, ep=8, seq_len=4096, micro_batch_size=1, num_micro_batches=64)
+    runs = {o: simulate_ep(runtime, model, H800, overlap_sync=o, **kw) for o in (True, False)}
+    for overlap, r in runs.items():
+        prog, tl = r.program, r.timeline
+        assert prog is not None and tl is not None
+        for rank in range(prog.num_ranks):
+            mine = [op for op in range(len(prog.kind)) if prog.rank[op] == rank]
+            buckets = [op for op in mine if prog.label[op].startswith("allreduce l")]
+            layers = [prog.args[op]["layer"] for op in buckets]
+            if not overlap:
+                assert not buckets
+                continue
+            assert layers == sorted(layers, reverse=True) and len(set(layers)) == len(layers)
+            backward = [op for op in mine if prog.label[op][:2] in ("BA", "BF", "WA", "WF")]
+            last_bwd = max(tl.end[op] for op in backward)
+            assert min(tl.start[op] for op in buckets) < last_bwd  # during the backward
+        sync = {prog.rank[op]: prog.work[op] for op in range(len(prog.kind))
+                if prog.label[op] == "SYNC grads"}  # fmt: skip
+        bucket = {
+            rank: sum(prog.work[op] for op in range(len(prog.kind))
+                      if prog.rank[op] == rank and prog.label[op].startswith("allreduce l"))
+            for rank in sync
+        }  # fmt: skip
+        runs[overlap] = (sync, bucket)  # type: ignore[assignment]
+    (sync_on, bucket_on), (sync_off, _) = runs[True], runs[False]  # type: ignore[misc]
+    for rank, flat in sync_off.items():
+        assert bucket_on[rank] > 0 and sync_on[rank] < flat
+        # the same bytes; each bucket's all-reduce pays its own latency
+        assert flat < bucket_on[rank] + sync_on[rank] < 1.05 * flat

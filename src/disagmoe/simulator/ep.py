@@ -139,12 +139,15 @@ def simulate_ep(
     net: Network | None = None,
     link_model: LinkModel = "fair",
     recompute: str = "none",
+    overlap_sync: bool = True,
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
     activation recompute (priced in the analytic costs and the memory). The config carries
     `memory_gib_per_gpu` (the fullest rank's peak, `ep_memory`) and `gpu_memory_gib` (the
-    cluster's); a layout over it is simulated all the same (`simulate` refuses it)."""
+    cluster's); a layout over it is simulated all the same (`simulate` refuses it).
+    `overlap_sync` (`parallel.overlap_grad_sync`): the dense gradients all-reduced in
+    per-layer buckets during each stage's last backward, as the runtime does."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
@@ -170,7 +173,7 @@ def simulate_ep(
         a2a_chunks=overlap_chunks if runtime == "ep-overlap" else 1,
     )
     symmetry = Symmetry.representatives(lay)
-    pricing = _ep_pricing(lay, model, workload, net, model_costs, symmetry, sync)
+    pricing = _ep_pricing(lay, model, workload, net, model_costs, symmetry, sync, overlap_sync)
     prog = lower(schedule, pricing, symmetry)
     timeline = run_program(prog, link_model=link_model)
     roles = [f"EP(stage {r})" for r in range(pp)]
@@ -189,6 +192,7 @@ def simulate_ep(
         "stages": num_stages,
         "a2a_s": model_costs.a2a_s[0],
         "recompute": recompute,
+        "overlap_grad_sync": overlap_sync,
         "memory_gib_per_gpu": max(m.total for m in memory) / cm.GIB,
         "gpu_memory_gib": cluster.gpu_mem_gib,
     }
@@ -234,10 +238,13 @@ def _ep_pricing(
     model_costs: EPCostModel,
     symmetry: Symmetry,
     sync: bool,
+    overlap_sync: bool,
 ) -> Pricing:
     """Prices of the representatives' lists: computes from `model_costs`, one activation per
-    pipeline message, a rank's all-to-all by its pipeline rank, SYNC by `_ep_sync_s`."""
+    pipeline message, a rank's all-to-all by its pipeline rank, the gradient all-reduces by
+    `_ep_sync_prices` (`overlap_sync`: dense buckets during the backward)."""
     pp_of = {symmetry.real(r): r for r in range(lay.pp)}
+    sync_s, bucket_s, experts_s = _ep_sync_prices(lay, workload, net, model)
     return Pricing(
         compute_s=lambda ins, kind: (
             model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
@@ -245,30 +252,44 @@ def _ep_pricing(
         message_bytes=lambda msg: workload.tokens * model.dim * workload.act_bytes,
         net=net,
         a2a_s=lambda real, ins: model_costs.a2a_s[pp_of[real]],
-        sync_s=_ep_sync_s(lay, workload, net, model) if sync else None,
+        sync_s=sync_s if sync else None,
+        bucket_s=bucket_s if sync and overlap_sync else None,
+        sync_rest_s=experts_s,
     )
 
 
-def _ep_sync_s(
+def _ep_sync_prices(
     lay: EPLayout, workload: Workload, net: Network, model: ModelConfig
-) -> Callable[[int], float]:
-    """Gradient all-reduce: attention over the stage's dp GPUs, experts over dp/ep replicas."""
+) -> tuple[Callable[[int], float], Callable[[int, int], float], Callable[[int], float]]:
+    """A real rank's gradient all-reduces, as the EP runtime runs them: its stages' dense
+    parameters over the stage's dp GPUs (all of them at SYNC, or one layer's bucket: the
+    final norm and LM head under layer L, the embedding under layer 0,
+    `baselines.grad_buckets`) and its expert shards over their dp/ep replicas, at SYNC
+    either way. Returns (everything at SYNC, one layer's bucket, the experts alone)."""
     stages = split_layers(model.num_layers, lay.num_stages)
     owner = lay.stage_to_pp_rank()
 
-    def sync_s(real: int) -> float:
+    def layers_of(real: int) -> list[int]:
         rank = lay.coords(real)[0]
         layers = [l for s, ls in enumerate(stages) if owner[s] == rank for l in ls]
-        if owner[-1] == rank:
-            layers.append(model.num_layers)
-        attn = sum(workload.attn_param_count(l) for l in layers) * 2
-        moe = sum(1 for l in layers if l < model.num_layers and model.is_moe_layer(l))
-        experts = moe * workload.expert_param_count() // lay.ep * 2
-        return net.allreduce_s(lay.dp_group_ranks(rank), attn) + net.allreduce_s(
-            lay.edp_group_ranks(rank, 0), experts
-        )
+        return layers + ([model.num_layers] if owner[-1] == rank else [])
 
-    return sync_s
+    def dense_s(real: int, layers: list[int]) -> float:
+        params = sum(workload.attn_param_count(l) for l in layers)
+        return net.allreduce_s(lay.dp_group_ranks(lay.coords(real)[0]), params * 2)
+
+    def experts_s(real: int) -> float:
+        moe = sum(1 for l in layers_of(real) if l < model.num_layers and model.is_moe_layer(l))
+        grads = moe * workload.expert_param_count() // lay.ep * 2
+        return net.allreduce_s(lay.edp_group_ranks(lay.coords(real)[0], 0), grads)
+
+    def sync_s(real: int) -> float:
+        return dense_s(real, layers_of(real)) + experts_s(real)
+
+    def bucket_s(real: int, layer: int) -> float:
+        return dense_s(real, [layer])
+
+    return sync_s, bucket_s, experts_s
 
 
 def simulate_baseline_schedule(

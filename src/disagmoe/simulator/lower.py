@@ -23,7 +23,8 @@ operations, through one path for both executions:
 * SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank; with
   `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
   instead, on its "sync" lane one after another, each once its issuing BWD has ended,
-  and SYNC (the wait for them, no work of its own) ends after every op and bucket.
+  and SYNC (the wait for them, and `sync_rest_s`: what no bucket holds) ends after every
+  op and bucket.
 
 `Symmetry` says which real workers a simulated rank stands for
 (`simulator.symmetry`); the identity when every rank is simulated.
@@ -68,6 +69,9 @@ class Pricing:
     # Seconds of the all-reduce of A layer l's bucket on a real rank (`schedule.sync`);
     # None: SYNC all-reduces everything after the rank's last op
     bucket_s: Callable[[int, int], float] | None = None
+    # With buckets: seconds of what SYNC still all-reduces on a real rank (an EP rank's
+    # expert shards over their expert-data-parallel group); None: nothing
+    sync_rest_s: Callable[[int], float] | None = None
     step_s: float = 0.0
     overheads: MessageOverheads | None = None
     # Seconds of a compute on a real rank, overriding `compute_s` where it gives a number
@@ -105,6 +109,8 @@ class _Lowering:
         self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
         self.task_ops: dict[int, dict[TaskKey, int]] = {}  # rank -> task -> op
         self.programs: dict[int, RankProgram] = {}
+        # in-order (EP) rank -> A layer -> the op after which its weight gradients are final
+        self.final_grads: dict[int, dict[int, int]] = {}
 
     def post(self, rank: int, lane: str, after: int, msgs: list[Msg], args: dict) -> int:
         """Post `msgs` when op `after` ends (plus the lane's posting overhead); the lane's last op."""
@@ -170,6 +176,9 @@ class _Lowering:
                 for task in tasks:
                     first = len(self.prog)
                     last = self.task(rank, lane, task, last, op)
+                    work = task.work
+                    if task.kind in ("B", "W") and isinstance(work, Instr) and work.comp == "A":
+                        self.final_grads.setdefault(rank, {})[work.layer] = last
                     for msg in task.waits:
                         self.needs[msg] = first
                     last = self.post(rank, lane, last, task.posts, {"step": 0})
@@ -305,7 +314,8 @@ class _Lowering:
         for rank in range(prog.num_ranks):
             real = self.symmetry.real(rank)
             buckets = self.buckets(rank, real)
-            seconds = 0.0 if buckets else sync_s(real)
+            rest = self.pricing.sync_rest_s
+            seconds = (rest(real) if rest else 0.0) if buckets else sync_s(real)
             done = prog.add(
                 DELAY,
                 rank,
@@ -319,24 +329,30 @@ class _Lowering:
             prog.add(DELAY, rank, "sync", self.pricing.step_s, "other", "STEP", [done], {"step": 0})
 
     def buckets(self, rank: int, real: int) -> list[int]:
-        """The all-reduce ops of a rank's buckets (`schedule.sync`), one after another on
+        """The all-reduce ops of a rank's buckets (`schedule.sync`; on an in-order EP rank
+        one per A layer, issued as `baselines.grad_buckets` does), one after another on
         its "sync" lane; none without `Pricing.bucket_s` or on a rank without A backward."""
         bucket_s, rp = self.pricing.bucket_s, self.programs.get(rank)
-        if bucket_s is None or rp is None:
+        if bucket_s is None:
             return []
+        if rp is not None:
+            issues = [(b.layer, self.task_ops[rank][b.after]) for b in sync_buckets(rp)]
+        else:  # in order (EP): each layer once its last B (or W) has run, last layer first
+            final = self.final_grads.get(rank, {})
+            issues = [(layer, final[layer]) for layer in sorted(final, reverse=True)]
         ops: list[int] = []
-        for bucket in sync_buckets(rp):
-            after = [self.task_ops[rank][bucket.after], *ops[-1:]]
+        for layer, issue in issues:
+            after = [issue, *ops[-1:]]
             ops.append(
                 self.prog.add(
                     DELAY,
                     rank,
                     "sync",
-                    bucket_s(real, bucket.layer),
+                    bucket_s(real, layer),
                     "comm",
-                    f"allreduce l{bucket.layer}",
+                    f"allreduce l{layer}",
                     after,
-                    {"layer": bucket.layer, "step": 0},
+                    {"layer": layer, "step": 0},
                 )
             )
         return ops
