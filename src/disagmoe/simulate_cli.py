@@ -17,6 +17,7 @@ from .config import (
     RECOMPUTE,
     ClusterConfig,
     ModelConfig,
+    TrainConfig,
     split_backward_flag,
 )
 from .config_io import add_config_flag
@@ -29,9 +30,11 @@ from .planner.split import planned_split, runnable_in_flight
 from .presets import model_preset
 from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
-from .simulator.ep import ep_memory, simulate_ep
+from .simulator.ep import analytic_ep_costs, ep_memory, simulate_ep
+from .simulator.ep_search import search_ep_layouts, skipped_for_memory
 from .simulator.links import LINK_MODELS
 from .simulator.measured import MeasuredCosts
+from .simulator.network import Network
 from .simulator.report import BREAKDOWN_KEYS, SimResult
 from .training.ep_budget import check_ep_fits
 
@@ -63,8 +66,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_config_flag(
         parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),
-        note="simulate: auto, the planner's choice (disagg) or none unless only full fits "
-        "the GPU (ep-*)",
+        note="simulate: auto, the planner's choice (disagg); ep-*: each mode in the layout "
+        "search, or none unless only full fits (--pp / --ep given)",
     )  # fmt: skip
     add_config_flag(parser, "schedule.order")
     add_config_flag(parser, "schedule.costs")
@@ -252,11 +255,14 @@ def _resolve_disagg(
 def _resolve_ep(
     args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
 ) -> dict[str, Any]:
-    """An EP runtime's pp, ep, micro-batches and recompute (given, or the defaults), that fit
-    the GPU's memory (`training.ep_budget`): a layout or recompute given is refused when it
-    does not fit; the default layout, when it does not, gives way to the first of
-    (recompute full, then more pipeline ranks) that fits, and the note says so (the
-    result's `layout_note`)."""
+    """An EP runtime's pp, ep, micro-batches and recompute that fit the GPU's memory
+    (`training.ep_budget`). Neither --pp nor --ep: the searched best (`_searched_ep`).
+    A layout or recompute given is refused when it does not fit; with one of --pp / --ep
+    given, the other is its default, and when that does not fit it gives way to the
+    first of (recompute full, then more pipeline ranks) that fits, and the note says so
+    (the result's `layout_note`)."""
+    if not (args.pp or args.ep):
+        return _searched_ep(args, model, cluster, gpus)
     default_pp = max(d for d in _divisors(model.num_layers) if d <= args.nodes and gpus % d == 0)
     pp = args.pp or default_pp
     if gpus % pp:
@@ -291,6 +297,43 @@ def _resolve_ep(
     assert refused is not None
     check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2])
     raise AssertionError("a layout over the GPU's memory passed the check")
+
+
+def _searched_ep(
+    args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
+) -> dict[str, Any]:
+    """The fastest layout of the runtime that fits the GPU's memory: every (pp, ep, virtual
+    stages) it accepts and each recompute mode (`--recompute`, auto: all), simulated with
+    the nominal costs (`simulator.ep_search`: the search effort AF-Pipe's planner gets)."""
+    micro = args.micro_batches or 8 * gpus
+    train = TrainConfig(
+        seq_len=args.seq_len, global_batch_size=micro * args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, dtype="bfloat16",
+    )  # fmt: skip
+    net = Network.from_cluster(cluster)
+    workload = Workload(model, args.seq_len, args.micro_batch_size)
+    found = search_ep_layouts(
+        args.runtime, model, train, gpus,
+        costs_for=lambda lay, rc: analytic_ep_costs(lay, workload, cluster, net, rc),
+        net=net, cluster=cluster, overlap_chunks=args.overlap_chunks,
+        memory_gib=cluster.gpu_mem_gib,
+        recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,),
+    )  # fmt: skip
+    ran = [c for c in found if not c.refused]
+    if not ran:
+        over = skipped_for_memory(found)
+        raise ValueError(
+            f"no layout of {args.runtime} on {gpus} GPUs fits the GPU's "
+            f"{cluster.gpu_mem_gib:g} GiB ({over} over memory, {len(found) - over} refused); "
+            "use more --nodes, a smaller --micro-batch-size or --seq-len"
+        )
+    best = ran[0]
+    note = (
+        f"searched: {best.label}, the fastest of {len(ran)} layouts that fit "
+        f"({skipped_for_memory(found)} over memory)"
+    )
+    return {"pp": best.pp, "ep": best.ep, "micro_batches": micro, "recompute": best.recompute,
+            "virtual_stages": best.virtual_stages, "layout_note": note}  # fmt: skip
 
 
 def _default_ep(args: argparse.Namespace, model: ModelConfig, gpus: int, pp: int) -> int:
@@ -346,7 +389,7 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
         gpus=r["gpus"],
         pp=r["pp"],
         ep=r["ep"],
-        chunks=args.virtual_stages,
+        chunks=r.get("virtual_stages", args.virtual_stages),
         overlap_chunks=args.overlap_chunks,
         recompute=r["recompute"],
         overlap_sync=args.overlap_grad_sync,

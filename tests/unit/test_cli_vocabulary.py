@@ -60,7 +60,7 @@ OWN_DEFAULTS: dict[str, str] = {
     "--pp": _AUTO,
     "--ep": _AUTO,
     "--recompute": "plan, simulate: auto, the planner chooses it along with p, m, n (simulate "
-    "ep-*: none unless only full fits)",
+    "ep-*: the layout search tries every mode)",
     "--ranks-per-node": "bench: an emulated node has no torchrun local world size",
     "--nic-gbit": "plan: the cluster preset's NIC; bench: a slow emulated NIC",
     "--format": "what the command writes: schedule text|csv lists, export an hf checkpoint",

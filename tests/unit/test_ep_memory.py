@@ -177,9 +177,30 @@ def test_simulate_refuses_an_ep_layout_over_the_gpu(capsys: pytest.CaptureFixtur
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["recompute"] == "full" and out["gpu_memory_gib"] == 80.0
     assert 0 < out["memory_gib_per_gpu"] <= 80.0
-    assert main([*flags, "--json"]) == 0
+    assert main([*flags, "--pp", "8", "--json"]) == 0  # --ep: the largest group, ep 8
     note = json.loads(capsys.readouterr().out)["config"]["layout_note"]
     assert note.startswith("pp 8 ep 8 with recompute none does not fit the GPU's memory")
+
+
+def test_simulate_searches_the_ep_layout_by_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """No --pp / --ep: every layout and recompute mode that fits, the fastest one run."""
+    from disagmoe.simulate_cli import main
+
+    flags = ["--runtime", "ep-1f1b", "--model", "deepseek-moe-16b", "--nodes", "2"]
+    assert main([*flags, "--seq-len", "4096", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = out["config"]
+    note = cfg["layout_note"]
+    assert note.startswith(f"searched: pp {cfg['pp']} ep {cfg['ep']}")
+    assert "layouts that fit" in note and out["memory_gib_per_gpu"] <= 80.0
+    # no slower than any layout given explicitly, here the old default (pp 2, ep 8)
+    assert main([*flags, "--seq-len", "4096", "--pp", "2", "--ep", "8", "--json"]) == 0
+    given = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] <= given["step_time_s"] * (1 + 1e-9)
+    # nothing fits: one line, exit 2
+    assert main([*flags, "--seq-len", "4096", "--micro-batch-size", "64"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no layout of ep-1f1b on 16 GPUs fits") and "\n" not in err
 
 
 def test_simulate_ep_reports_memory_and_prices_recompute() -> None:

@@ -95,6 +95,18 @@ class EPCosts:
         return fwd * factor.get(kind, GEMM_BACKWARD - 1.0)
 
 
+def analytic_ep_costs(
+    lay: EPLayout, workload: Workload, cluster: ClusterConfig, net: Network, recompute: str
+) -> EPCosts:
+    """A layout's nominal costs: the cluster's peak x MFU for compute, and one all-to-all
+    of each pipeline rank's EP group over `net`."""
+    a2a = [
+        net.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(lay.ep))
+        for r in range(lay.pp)
+    ]
+    return EPCosts(workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a, recompute)
+
+
 def ep_memory(
     runtime: str,
     model: ModelConfig,
@@ -155,13 +167,7 @@ def simulate_ep(
     per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
     workload = Workload(model, seq_len, micro_batch_size)
     net = net or Network.from_cluster(cluster)
-    a2a = [
-        net.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(ep))
-        for r in range(pp)
-    ]
-    model_costs: EPCostModel = costs or EPCosts(
-        workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a, recompute
-    )
+    model_costs: EPCostModel = costs or analytic_ep_costs(lay, workload, cluster, net, recompute)
     memory = predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
         prec=SIM_PRECISION,

@@ -97,9 +97,8 @@ def search_ep_layouts(
     recomputes: Sequence[str] = ("none",),
 ) -> list[EPCandidate]:
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
-    its gradient all-reduce after the pipeline (the runtimes overlap the dense part with the
-    backward: a layout's reduction is charged in full, the same way for every layout),
-    fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
+    its gradient all-reduces as the runtime runs them (the dense ones in buckets during the
+    backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout."""
     prec = run_precision(train)
     found: list[EPCandidate] = []
