@@ -9,7 +9,9 @@ that layout's EP groups). Layouts the runtime refuses are listed with the reason
 
 Memory: with a budget (`memory_gib`, the GPU's memory), a layout whose fullest rank needs
 more (`simulator.ep.ep_memory`, the runtime's memory model) is not simulated; it is listed
-as refused, with what it needs (`skipped_for_memory` counts them). Recompute is a search
+as refused, with what it needs (`skipped_for_memory` counts them). With a budget, a
+layout runs at the first of `recomputes` (lightest first) that fits: more recompute only
+adds compute to a layout that already fits. Recompute is a search
 dimension (`recomputes`, each mode priced in the cost model `costs_for` returns): every
 runtime runs `train.recompute` none, attn or full.
 """
@@ -117,6 +119,12 @@ def search_ep_layouts(
                 why = f"{OVER_MEMORY}: needs {gib:.2f} GiB of {memory_gib:g}"
                 found.append(EPCandidate(runtime, lay.pp, lay.ep, v, float("inf"), why,
                                          recompute, gib))  # fmt: skip
+                continue
+            if memory_gib > 0 and any(
+                c.recompute in recomputes and (c.pp, c.ep, c.virtual_stages) == (lay.pp, lay.ep, v)
+                and not c.refused
+                for c in found
+            ):  # fits already with less recompute: more only adds compute
                 continue
             sim = simulate_ep(
                 runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,

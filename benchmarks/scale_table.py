@@ -1,0 +1,164 @@
+"""AF-Pipe against the best EP runtime at cluster scale, each as `disagmoe simulate` runs
+it by default: DeepSeek-MoE-16B, Qwen3-30B-A3B and GPT-OSS-20B on 8 and 16 nominal H800
+nodes at 4K-32K tokens per sequence.
+
+    python benchmarks/scale_table.py [--models M,M] [--nodes 8,16] [--seq-lens 4096,...]
+        [--runtimes ep-1f1b,...] [--json benchmarks/results/scale_table.json]
+
+Every point runs the default command a user would type, one global batch for every
+runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
+
+* AF-Pipe: `disagmoe simulate --model M --nodes N --seq-len S --micro-batches B`: the
+  planner's split, in-flight cap and recompute, held to the runtime's memory model;
+* each EP runtime: the same with `--runtime R`: the fastest (pp, ep, virtual stages,
+  recompute) that fits the GPU (`simulator.ep_search`).
+
+A row: AF-Pipe's and the best EP runtime's tokens/s, step, bound, step/bound, memory per
+GPU and layout, AF-Pipe / best EP, and the verdict against the targets (AF-Pipe within
+1.1x of its bound and fitting; at least 1.2x the best EP runtime); where a target is
+missed, the two bounds say whether a schedule could meet it (`bound ratio` = best EP's
+bound / AF-Pipe's: AF-Pipe can only lead by about that much).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from results_io import write_json
+
+from disagmoe.config import EP_RUNTIMES
+from disagmoe.simulate_cli import add_simulate_arguments, simulate_from_args
+from disagmoe.simulator import SimResult
+
+MODELS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
+NODES = (8, 16)
+SEQ_LENS = (4096, 8192, 16384, 32768)
+TARGET_BOUND, TARGET_LEAD = 1.1, 1.2
+
+
+def simulate(argv: list[str]) -> SimResult:
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    return simulate_from_args(parser.parse_args(argv))
+
+
+def summary(result: SimResult) -> dict[str, Any]:
+    cfg, bound = result.config, result.bound
+    if result.runtime == "disagg":
+        layout = (
+            f"p {cfg['groups']}, {cfg['attn_workers']}:{cfg['expert_workers']}, cap "
+            f"{cfg.get('max_in_flight', 0)}, recompute {cfg.get('recompute', 'none')}"
+        )
+    else:
+        v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""
+        layout = f"pp {cfg['pp']} ep {cfg['ep']}{v}, recompute {cfg.get('recompute', 'none')}"
+    seconds = bound.seconds if bound else 0.0
+    return {
+        "runtime": result.runtime,
+        "tokens_per_s": result.tokens_per_s,
+        "step_s": result.step_time_s,
+        "bound_s": seconds,
+        "step_over_bound": result.step_time_s / seconds if seconds else None,
+        "binding": bound.describe() if bound else "",
+        "memory_gib": cfg.get("memory_gib_per_gpu"),
+        "gpu_memory_gib": cfg.get("gpu_memory_gib"),
+        "layout": layout,
+    }
+
+
+def point(model: str, nodes: int, seq_len: int, runtimes: tuple[str, ...]) -> dict[str, Any]:
+    """AF-Pipe and every EP runtime at one point (see the module doc)."""
+    gpus = nodes * 8
+    base = ["--model", model, "--nodes", str(nodes), "--seq-len", str(seq_len),
+            "--micro-batches", str(8 * gpus)]  # fmt: skip
+    row: dict[str, Any] = {"model": model, "nodes": nodes, "gpus": gpus, "seq_len": seq_len}
+    start = time.perf_counter()
+    try:
+        row["disagg"] = summary(simulate(base))
+    except ValueError as err:  # no plan fits: the row says so
+        row["disagg"] = {"runtime": "disagg", "error": str(err)}
+    eps = []
+    for runtime in runtimes:
+        try:
+            eps.append(summary(simulate([*base, "--runtime", runtime])))
+        except ValueError as err:
+            eps.append({"runtime": runtime, "error": str(err)})
+    row["ep"] = eps
+    ok = [e for e in eps if "error" not in e]
+    best = max(ok, key=lambda e: e["tokens_per_s"], default=None)
+    row["best_ep"] = best
+    af = row["disagg"]
+    if best is not None and "error" not in af:
+        row["vs_best_ep"] = af["tokens_per_s"] / best["tokens_per_s"]
+        row["bound_ratio"] = best["bound_s"] / af["bound_s"]
+        fits = af["memory_gib"] is None or af["memory_gib"] <= af["gpu_memory_gib"]
+        row["af_fits"] = fits
+        row["af_at_bound"] = af["step_over_bound"] <= TARGET_BOUND
+        row["af_leads"] = row["vs_best_ep"] >= TARGET_LEAD
+        row["verdict"] = verdict(row)
+    row["wall_s"] = time.perf_counter() - start
+    return row
+
+
+def verdict(row: dict[str, Any]) -> str:
+    """Met, or which target is missed and whether the bounds allow meeting it."""
+    missed = []
+    if not row["af_fits"]:
+        missed.append("AF-Pipe over memory")
+    if not row["af_at_bound"]:
+        missed.append(f"AF-Pipe {row['disagg']['step_over_bound']:.2f}x its bound")
+    if not row["af_leads"]:
+        can = "bounds allow it" if row["bound_ratio"] >= TARGET_LEAD else "bounds forbid it"
+        missed.append(f"{row['vs_best_ep']:.2f}x best EP ({can}: {row['bound_ratio']:.2f})")
+    return "met" if not missed else "; ".join(missed)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--nodes", default=",".join(map(str, NODES)))
+    parser.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)))
+    parser.add_argument("--runtimes", default=",".join(EP_RUNTIMES), help="EP runtimes")
+    parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    args = parser.parse_args()
+    runtimes = tuple(args.runtimes.split(","))
+    rows = []
+    head = (f"{'model':17s} {'N':>2s} {'seq':>6s} {'AF tok/s':>9s} {'AF s/bd':>7s} "
+            f"{'AF GiB':>6s} {'best EP':>14s} {'EP tok/s':>9s} {'EP s/bd':>7s} {'EP GiB':>6s} "
+            f"{'AF/EP':>6s} {'bd EP/AF':>8s}  verdict")  # fmt: skip
+    print(head)
+    for model in args.models.split(","):
+        for nodes in map(int, args.nodes.split(",")):
+            for seq_len in map(int, args.seq_lens.split(",")):
+                row = point(model, nodes, seq_len, runtimes)
+                rows.append(row)
+                print(line(row), flush=True)
+                print(f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    if args.json:
+        write_json(args.json, {"rows": rows, "targets": {"af_step_over_bound": TARGET_BOUND,
+                                                         "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
+    return 0
+
+
+def line(row: dict[str, Any]) -> str:
+    af, best = row["disagg"], row["best_ep"]
+    where = f"{row['model']:17s} {row['nodes']:2d} {row['seq_len']:6d}"
+    if "error" in af or best is None:
+        return f"{where} {af.get('error') or 'no EP runtime fits'}"
+    return (
+        f"{where} {af['tokens_per_s']:9.0f} {af['step_over_bound']:7.2f} {_gib(af):>6s} "
+        f"{best['runtime']:>14s} {best['tokens_per_s']:9.0f} {best['step_over_bound']:7.2f} "
+        f"{_gib(best):>6s} {row['vs_best_ep']:6.2f} {row['bound_ratio']:8.2f}  "
+        f"{row['verdict']}"
+    )
+
+
+def _gib(side: dict[str, Any]) -> str:
+    return "-" if side.get("memory_gib") is None else f"{side['memory_gib']:.1f}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
