@@ -18,7 +18,9 @@ the step (its `n`-th, for `n` local micro-batches) has left the bucket's layer:
 
 A parameter shared by two buckets (tied embedding and LM head) belongs to the later one.
 Every replica starts the same buckets in the same order (a strict order: a bucket starts
-only after every one before it), since all replicas run the same action list. `finish`
+only after every one before it), since all replicas run the same action list; starting,
+waiting and tracing are `training.grad_buckets`', the mechanism AF-Pipe's attention
+replicas use too (`runtime.grad_sync`). `finish`
 (before the optimizer step) waits for them in that order, copies the sums back and traces
 each bucket on the "sync" lane ("allreduce s<stage> l<layer>"): its bytes and peers count
 in the bench's bound. Expert shards are reduced over their expert-data-parallel group after
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..trace import BUCKET_EVENT, Tracer
+from ..training.grad_buckets import BucketedAllReduce, GradBucket
 
 HEAD = -1  # bucket key of the final norm and LM head; the embedding's is EMBED
 EMBED = -2
@@ -56,18 +58,6 @@ class _Mark(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         ctx.buckets.reached(ctx.key)
         return grad, None, None
-
-
-@dataclass
-class _Bucket:
-    stage: int
-    key: int  # a layer, HEAD or EMBED
-    params: list[nn.Parameter] = field(default_factory=list)
-    work: Any = None  # the all-reduce in flight
-    flat: torch.Tensor | None = None
-    grads: list[torch.Tensor] = field(default_factory=list)
-    start_us: float = 0.0
-    end_us: list[float] = field(default_factory=list)
 
 
 class StageBuckets:
@@ -116,8 +106,9 @@ class DenseGradBuckets:
         tracer: Tracer,
         num_mb: int,
     ) -> None:
-        self.group, self.peers, self.tracer = group, peers, tracer
-        self.buckets: list[_Bucket] = []
+        buckets: list[GradBucket] = []
+        self.position: dict[tuple[int, int], int] = {}  # (stage, key) -> its bucket
+        self.stage_end: dict[int, int] = {}  # stage -> its last bucket
         home: dict[int, int] = {}  # id(param) -> its bucket (the later one when shared)
         params: dict[int, nn.Parameter] = {}
         for module in sorted(modules, key=lambda m: -m.stage):  # later stages finish first
@@ -125,16 +116,16 @@ class DenseGradBuckets:
             keys += sorted(module.layer_ids, reverse=True)
             keys += [EMBED] if module.is_first else []
             for key in keys:
-                self.buckets.append(_Bucket(module.stage, key))
+                name = {HEAD: "head", EMBED: "embed"}.get(key, f"l{key}")
+                buckets.append(GradBucket(f"{BUCKET_EVENT} s{module.stage} {name}"))
+                self.position[(module.stage, key)] = self.stage_end[module.stage] = len(buckets) - 1
                 for p in self._params_of(module, key):
-                    home[id(p)] = len(self.buckets) - 1
+                    home[id(p)] = len(buckets) - 1
                     params[id(p)] = p
         for pid, k in home.items():
-            self.buckets[k].params.append(params[pid])
+            buckets[k].params.append(params[pid])
         self.stages = {m.stage: StageBuckets(self, m.stage, num_mb) for m in modules}
-        self.position = {(b.stage, b.key): k for k, b in enumerate(self.buckets)}
-        self.stage_end = {b.stage: k for k, b in enumerate(self.buckets)}  # its last bucket
-        self.started = 0  # buckets started this step, a prefix of `buckets`
+        self.all_reduce = BucketedAllReduce(buckets, group, peers, tracer)
 
     @staticmethod
     def _params_of(module: Any, key: int) -> list[nn.Parameter]:
@@ -150,53 +141,14 @@ class DenseGradBuckets:
         """Start, in order, every bucket up to and including (stage, key); with key EMBED,
         through the stage's last bucket (the stage's backward is done)."""
         position = self.position[(stage, key)] if key != EMBED else self.stage_end[stage]
-        while self.started <= position:
-            self._start(self.buckets[self.started])
-            self.started += 1
-
-    def _start(self, bucket: _Bucket) -> None:
-        if not bucket.params:
-            return
-        grads = []
-        for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        bucket.grads, bucket.flat = grads, torch.cat([g.reshape(-1) for g in grads])
-        bucket.start_us, bucket.end_us = Tracer.now_us(), []
-        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=True)
-        done = bucket.end_us
-        bucket.work.get_future().then(lambda _: done.append(Tracer.now_us()))
+        self.all_reduce.start_through(position)
 
     def reset(self) -> None:
         """At the start of a step."""
-        self.started = 0
         for st in self.stages.values():
             st.backwards, st.live = 0, False
 
     def finish(self, step: int) -> None:
         """Before the optimizer step: start what has not started, wait for every bucket in
         order, the sums into the gradients, one trace event per bucket."""
-        while self.started < len(self.buckets):
-            self._start(self.buckets[self.started])
-            self.started += 1
-        for b in self.buckets:
-            if b.work is None:
-                continue
-            b.work.wait()
-            assert b.flat is not None
-            pos = 0
-            for g in b.grads:
-                g.copy_(b.flat[pos : pos + g.numel()].view_as(g))
-                pos += g.numel()
-            key = {HEAD: "head", EMBED: "embed"}.get(b.key, f"l{b.key}")
-            self.tracer.add(
-                f"{BUCKET_EVENT} s{b.stage} {key}",
-                "sync",
-                b.start_us,
-                b.end_us[0] if b.end_us else Tracer.now_us(),
-                step=step,
-                bytes=b.flat.numel() * b.flat.element_size(),
-                peers=self.peers,
-            )
-            b.work, b.flat, b.grads = None, None, []
+        self.all_reduce.finish(step)

@@ -2,28 +2,22 @@
 
 `OverlappedSync` stands in for the rank's `AttnWorker` before the executor (same
 `forward` / `backward` / `weight_grads` / `kept`): after the worker's backward of (layer,
-slot) — its W where the list defers weight gradients — it issues, on the lane that ran
-it ("bwd", or "wgt" for a W), every bucket whose issue point that compute is — an asynchronous
-`all_reduce` over the group's m replicas of a flat copy of the bucket's gradients (a
-parameter without a gradient is final with none: it joins as zeros, as
-`objective.fill_missing_grads` would make it at SYNC). Every replica issues the same
-buckets in the same order (the fixed order of `schedule.sync_buckets`), whatever its
-list and timing. SYNC (`finish`) waits for them in that order, copies the sums back into
-the gradients and traces each bucket on the "sync" lane as "allreduce l<layer>", from its
-issue to its completion, with its bytes and its peers (what `bench.analysis.trace_bound`
-counts as the rank's all-reduce traffic); the SYNC event itself keeps the wait and
-whatever SYNC reduced on its own.
+slot) — its W where the list defers weight gradients — it starts, on the lane that ran
+it ("bwd", or "wgt" for a W), every bucket whose issue point that compute is: one per
+layer, in the fixed order of `schedule.sync_buckets`, so every replica starts the same
+buckets in the same order whatever its list and timing. The buckets are
+`training.grad_buckets`' (the mechanism the EP baselines share): an asynchronous
+`all_reduce` over the group's m replicas of a flat copy of the bucket's gradients. SYNC
+(`finish`) waits for them in that order, copies the sums back and traces each bucket on
+the "sync" lane as "allreduce l<layer>" with its bytes and peers; the SYNC event itself
+keeps the wait and whatever SYNC reduced on its own (`uncovered`).
 
-Sums are elementwise over the same m replicas as the one flat all-reduce, so a float64
-run still equals the single-process reference. A forward-only list (evaluation) runs on an
-executor of its own with the plain worker: nothing is issued.
+A forward-only list (evaluation) runs on an executor of its own with the plain worker:
+nothing is issued.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -31,17 +25,8 @@ from ..schedule.ir import Msg, Op
 from ..schedule.semantics import RankProgram, TaskKey
 from ..schedule.sync import sync_buckets
 from ..trace import BUCKET_EVENT, Tracer
+from ..training.grad_buckets import BucketedAllReduce, GradBucket
 from .stages import AttnWorker, Payload
-
-
-@dataclass
-class _InFlight:
-    layer: int
-    grads: list[torch.Tensor]
-    flat: torch.Tensor
-    work: dist.Work
-    start_us: float
-    end_us: list[float]  # set by the work's completion callback
 
 
 class OverlappedSync:
@@ -56,7 +41,6 @@ class OverlappedSync:
         tracer: Tracer,
     ) -> None:
         self.worker = worker
-        self.group, self.peers, self.tracer = group, peers, tracer
         buckets = sync_buckets(program)
         assert sorted(b.layer for b in buckets) == worker.layers, (
             f"rank {program.rank}: BWD layers {[b.layer for b in buckets]}, "
@@ -67,17 +51,20 @@ class OverlappedSync:
         for b in buckets:
             for param in worker.layer_parameters(b.layer):
                 home[id(param)] = max(home.get(id(param), -1), position[b.layer])
-        self.buckets: list[tuple[int, list[nn.Parameter]]] = [(b.layer, []) for b in buckets]
+        grad_buckets = [
+            GradBucket(f"{BUCKET_EVENT} l{b.layer}", args={"layer": b.layer}) for b in buckets
+        ]
         for _, param in worker.named_parameters():  # the model's order, the same on every replica
             if id(param) in home:
-                self.buckets[home[id(param)]][1].append(param)
+                grad_buckets[home[id(param)]].params.append(param)
+        self.layers = [b.layer for b in buckets]
+        self.all_reduce = BucketedAllReduce(grad_buckets, group, peers, tracer)
         self.issue_at: dict[TaskKey, list[int]] = {}
         for k, b in enumerate(buckets):
             self.issue_at.setdefault(b.after, []).append(k)
-        self.in_flight: list[_InFlight] = []
         self.issued: list[int] = []  # layers of the buckets issued this step, in order
         self.issued_last: list[int] = []  # ... and of the last step that reached SYNC
-        self.covered = {id(p) for _, ps in self.buckets for p in ps}
+        self.covered = {id(p) for b in grad_buckets for p in b.params}
 
     # -- StageWorker -------------------------------------------------------------------
 
@@ -122,23 +109,15 @@ class OverlappedSync:
     # -- the all-reduces ---------------------------------------------------------------
 
     def _issue(self, k: int) -> None:
-        layer, params = self.buckets[k]
-        if not params:
-            self.issued.append(layer)
-            return
-        grads = []
-        for param in params:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            grads.append(param.grad)
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        start = Tracer.now_us()
-        work = dist.all_reduce(flat, group=self.group, async_op=True)
-        assert work is not None
-        done: list[float] = []
-        work.get_future().then(lambda _: done.append(Tracer.now_us()))
-        self.in_flight.append(_InFlight(layer, grads, flat, work, start, done))
-        self.issued.append(layer)
+        self.all_reduce.start_through(k)
+        self.issued.append(self.layers[k])
+
+    @property
+    def buckets(self) -> list[tuple[int, list[nn.Parameter]]]:
+        """(layer, its parameters) of every bucket, in issue order."""
+        return [
+            (layer, b.params) for layer, b in zip(self.layers, self.all_reduce.buckets, strict=True)
+        ]
 
     def uncovered(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters of `params` that no bucket holds (SYNC reduces them itself)."""
@@ -147,26 +126,9 @@ class OverlappedSync:
     def finish(self, step: int) -> None:
         """SYNC: wait for the buckets issued this step, in issue order; their sums into the
         gradients; one trace event per bucket."""
-        assert len(self.issued) == len(self.buckets), (
-            f"SYNC with {len(self.issued)} of {len(self.buckets)} gradient buckets issued"
+        assert len(self.issued) == len(self.layers), (
+            f"SYNC with {len(self.issued)} of {len(self.layers)} gradient buckets issued"
         )
-        for item in self.in_flight:
-            item.work.wait()
-            pos = 0
-            for g in item.grads:
-                g.copy_(item.flat[pos : pos + g.numel()].view_as(g))
-                pos += g.numel()
-            end = item.end_us[0] if item.end_us else Tracer.now_us()
-            self.tracer.add(
-                f"{BUCKET_EVENT} l{item.layer}",
-                "sync",
-                item.start_us,
-                end,
-                step=step,
-                layer=item.layer,
-                bytes=item.flat.numel() * item.flat.element_size(),
-                peers=self.peers,
-            )
-        self.in_flight.clear()
+        self.all_reduce.finish(step)
         self.issued_last = list(self.issued)
         self.issued.clear()

@@ -121,7 +121,8 @@ def search_ep_layouts(
                                          recompute, gib))  # fmt: skip
                 continue
             if memory_gib > 0 and any(
-                c.recompute in recomputes and (c.pp, c.ep, c.virtual_stages) == (lay.pp, lay.ep, v)
+                c.recompute in recomputes
+                and (c.pp, c.ep, c.virtual_stages) == (lay.pp, lay.ep, v)
                 and not c.refused
                 for c in found
             ):  # fits already with less recompute: more only adds compute
