@@ -104,8 +104,8 @@ class _Worker:
     def sync(self, step: int) -> int:
         return 0
 
-    def optimizer_step(self, step: int) -> None:
-        pass
+    def optimizer_step(self, step: int) -> int:
+        return 0
 
 
 def _thread_cpu_ns() -> dict[int, int]:

@@ -86,7 +86,12 @@ def trainer_steps(
         weights = sorted(e["name"][1:] for e in events if e["name"].startswith("W"))
         assert backs and backs == weights, (backs[:5], weights[:5])
     shard = getattr(trainer, "expert_shard", None)
-    return {"steps": out, "shard": shard() if callable(shard) else None}
+    report = getattr(trainer, "report", None)  # what a checking trainer recorded
+    return {
+        "steps": out,
+        "shard": shard() if callable(shard) else None,
+        "report": report() if callable(report) else None,
+    }
 
 
 def without_recompute(cfg: RunConfig) -> RunConfig:

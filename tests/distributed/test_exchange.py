@@ -129,8 +129,9 @@ def _turns() -> list[tuple[int, int, str]]:
         def sync(self, step: int) -> int:
             return 0
 
-        def optimizer_step(self, step: int) -> None:
+        def optimizer_step(self, step: int) -> int:
             self.step += 1
+            return 0
 
     class Recording(Executor):
         def _take_header(self, st, msg, receiver, timeout_s):  # type: ignore[no-untyped-def]

@@ -14,6 +14,9 @@ Pipeline p2p: one activation (micro-batch x seq x H, parameter dtype) per micro-
 stage boundary between two pipeline ranks, its gradient back. Gradient all-reduce: dense
 parameters over the DP group, expert shards over the EDP group, each a ring (every member
 sends 2 (g-1)/g of the buffer to the next).
+
+`expected_disagg_sends` does the same for the disaggregated AF-Pipe runtime (its own rule
+in its docstring).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import torch
 from disagmoe.bench.analysis import send_bytes
 from disagmoe.config import RunConfig
 from disagmoe.distributed.ep_layout import EPLayout
+from disagmoe.distributed.exchange import META_WORDS
+from disagmoe.distributed.layout import Layout
 from disagmoe.models.moe import Router, Routing, split_experts
 
 
@@ -110,4 +115,72 @@ def expected_sends(
             a, b = lay.rank_of(owner[s], d), lay.rank_of(owner[s + 1], d)
             out[a][b] += act * lay.num_local_micro_batches
             out[b][a] += act * lay.num_local_micro_batches
+    return {r: {dst: v for dst, v in sends.items() if v} for r, sends in out.items()}
+
+
+# Every AF-Pipe message travels with a header of this many bytes of fields, plus the bytes of
+# its tensors (inline in the header or as payloads; 8-byte dtypes here, so no padding).
+HEADER_BYTES = META_WORDS * 8
+# STEP all-reduces over the world the squared gradient norm and the two loss sums (float64)
+STEP_BYTES = 3 * 8
+
+
+def expected_disagg_sends(
+    cfg: RunConfig, lay: Layout, ranks: dict[int, dict[str, Any]]
+) -> dict[int, dict[int, float]]:
+    """{src: {dst: bytes}} of one step of the AF-Pipe runtime (`runtime.disagg`), from the
+    layout and the routing alone. `ranks[r]` of an attention rank holds `calls`: per router
+    call (a MoE layer's forward of one slot) the layer and `routed_per_peer` of its top-k
+    ids over the n shards, and `grad_bytes`: its parameters' gradient bytes.
+
+    Replica i runs `slots_of_replica(i, M)` slots of T = micro-batch x seq tokens; layer l's
+    attention is on `attn_rank(l mod p, i)`, its experts' shard j on `expert_rank(l mod p,
+    j)`. Per slot and layer l < L, with H the model dim, e the element bytes, c the exchange
+    chunks, R_j the tokens routed to shard j (one row per (token, shard), however many of
+    its experts the shard holds) and A_j their (token, expert) assignments, each message
+    HEADER_BYTES plus its tensors:
+
+    * act A(l) -> A(l+1) if another rank (p > 1): the residual (T H e); on a MoE layer also
+      the n token counts and the sum_j R_j token ids (int64); grad_act back: T H e;
+    * MoE layers, per shard j, c messages each way: dispatch A(l) -> F_j (R_j H e rows,
+      A_j weights, A_j row and A_j local expert int64s), combine F_j -> A(l+1) (R_j H e),
+      grad_combine A(l+1) -> F_j (R_j H e), grad_dispatch F_j -> A(l) (R_j H e + A_j e).
+
+    SYNC: the attention replicas of a group all-reduce their gradients (ring in replica
+    order, 2 (m-1)/m of the bytes to the next; expert shards hold distinct experts: none);
+    STEP: every rank all-reduces `STEP_BYTES` over the world (ring in rank order).
+    """
+    H, e = cfg.model.dim, torch.finfo(getattr(torch, cfg.train.dtype)).bits // 8
+    T = cfg.train.micro_batch_size * cfg.train.seq_len
+    L, n, c = lay.num_layers, lay.expert_workers, cfg.schedule.exchange_chunks
+    out: dict[int, dict[int, float]] = {r: defaultdict(float) for r in range(lay.world_size)}
+    for i in range(lay.attn_workers):
+        slots = lay.slots_of_replica(i, cfg.train.num_micro_batches)
+        for l in range(L):
+            a, nxt = lay.attn_rank(lay.group_of(l), i), lay.attn_rank(lay.group_of(l + 1), i)
+            calls = [routed for layer, routed in ranks[a]["calls"] if layer == l]
+            assert len(calls) == (slots if l in lay.moe_layers else 0), (l, i, len(calls))
+            if a != nxt:
+                ids = sum(rows for routed in calls for rows, _ in routed)
+                counts = n * len(calls) if calls else 0
+                out[a][nxt] += slots * (HEADER_BYTES + T * H * e) + (counts + ids) * 8
+                out[nxt][a] += slots * (HEADER_BYTES + T * H * e)
+            for routed in calls:
+                for j, (rows, asg) in enumerate(routed):
+                    f = lay.expert_rank(lay.group_of(l), j)
+                    head = c * HEADER_BYTES
+                    out[a][f] += head + rows * H * e + asg * e + 2 * asg * 8  # dispatch
+                    out[f][nxt] += head + rows * H * e  # combine
+                    out[nxt][f] += head + rows * H * e  # grad_combine
+                    out[f][a] += head + rows * H * e + asg * e  # grad_dispatch
+    for g in range(lay.groups):
+        replicas = lay.attn_replicas(g)
+        m = len(replicas)
+        for k, r in enumerate(replicas):
+            if m > 1:
+                out[r][replicas[(k + 1) % m]] += 2 * (m - 1) / m * ranks[r]["grad_bytes"]
+    world = lay.world_size
+    for r in range(world):
+        if world > 1:
+            out[r][(r + 1) % world] += 2 * (world - 1) / world * STEP_BYTES
     return {r: {dst: v for dst, v in sends.items() if v} for r, sends in out.items()}

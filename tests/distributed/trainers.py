@@ -68,3 +68,43 @@ class RankLocalTrainer(BucketCheckingTrainer):
     overlapped all-reduce checked as by `BucketCheckingTrainer`)."""
 
     whole_world_ranks = 0
+
+
+class TrafficTrainer(DisaggTrainer):
+    """Records per step what `traffic.expected_disagg_sends` needs of this rank: each router
+    call's layer and tokens per expert shard (`traffic.routed_per_peer`), and the bytes its
+    trace says it sent to each other rank (`traffic.traced_sends`); `report` returns them
+    with its parameters' gradient bytes."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        from disagmoe.models.moe import Router
+
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[int, list[list[int]]]] = []
+        self.steps: list[dict[str, object]] = []
+        for name, module in self.worker.modules.named_modules():
+            if isinstance(module, Router):
+                module.register_forward_hook(self._routed(int(name.split(".")[1])))
+
+    def _routed(self, layer: int):  # type: ignore[no-untyped-def]
+        from .traffic import routed_per_peer
+
+        def hook(_m: object, _args: object, out) -> None:  # type: ignore[no-untyped-def]
+            indices = [out.indices_TK.detach()]
+            n = self.layout.expert_workers
+            self.calls.append((layer, routed_per_peer(indices, self.layout.num_experts, n)))
+
+        return hook
+
+    def step(self, step: int, *, capture_grads: bool = False):  # type: ignore[no-untyped-def]
+        from .traffic import traced_sends
+
+        self.calls = []
+        result = super().step(step, capture_grads=capture_grads)
+        sent = traced_sends(self.tracer.step_events(step), self.rank)
+        self.steps.append({"calls": self.calls, "sent": sent})
+        return result
+
+    def report(self) -> dict[str, object]:
+        grad_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        return {"steps": self.steps, "grad_bytes": grad_bytes}

@@ -80,8 +80,9 @@ class _Worker:
         self.ran.append("SYNC")
         return 0
 
-    def optimizer_step(self, step: int) -> None:
+    def optimizer_step(self, step: int) -> int:
         self.ran.append("STEP")
+        return 0
 
 
 def _execute(schedule: Schedule) -> list[str]:

@@ -240,9 +240,17 @@ class DisaggTrainer:
             return 0
         return allreduce_grads(params, group)
 
-    def optimizer_step(self, step: int) -> None:
-        """STEP: global gradient norm, clipping, AdamW, loss reduction."""
+    def optimizer_step(self, step: int) -> int:
+        """STEP: global gradient norm, clipping, AdamW, loss reduction; the bytes it
+        all-reduced over the world (the squared norm and the two loss sums)."""
         attn = self.worker if isinstance(self.worker, AttnWorker) else None
+        reduced = 0
+
+        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            nonlocal reduced
+            reduced += t.numel() * t.element_size()
+            return world_sum(t)
+
         self._result = finish_step(
             step=step,
             train=self.cfg.train,
@@ -252,8 +260,9 @@ class DisaggTrainer:
             ce=attn.ce_sum if attn else 0.0,
             aux=attn.aux_sum if attn else 0.0,
             capture_grads=self._capture_grads,
-            reduce_sum=world_sum,
+            reduce_sum=reduce_sum,
         )
+        return reduced
 
     def step(self, step: int, *, capture_grads: bool = False) -> StepResult:
         self.optimizer.zero_grad(set_to_none=True)

@@ -446,9 +446,9 @@ class Executor:
             raise primary
         for _, instr in self.program.finals:
             t0 = Tracer.now_us()
+            extra: dict[str, Any] = {}
             if instr.op == Op.SYNC:
                 nbytes = self.hooks.sync(step)
-                extra: dict[str, Any] = {}
                 if nbytes:  # the all-reduce's members (this group's A replicas), for bounds
                     layout = self.topo.layout
                     extra["peers"] = layout.attn_replicas(layout.role(self.rank).group)
@@ -456,5 +456,7 @@ class Executor:
                     "SYNC grads", "sync", t0, Tracer.now_us(), step=step, bytes=nbytes, **extra
                 )
             else:
-                self.hooks.optimizer_step(step)
-                self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
+                nbytes = self.hooks.optimizer_step(step)
+                if nbytes:  # the norm's and the losses' all-reduces: over the whole world
+                    extra = {"bytes": nbytes, "peers": list(range(self.topo.layout.world_size))}
+                self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step, **extra)

@@ -67,7 +67,10 @@ class StepHooks(Protocol):
         """Reduce gradients; return the bytes all-reduced (0 if nothing was)."""
         ...
 
-    def optimizer_step(self, step: int) -> None: ...
+    def optimizer_step(self, step: int) -> int:
+        """Clip and step; return the bytes all-reduced over the whole world (the global
+        gradient norm and the losses; 0 if nothing was)."""
+        ...
 
 
 def run_compute(
