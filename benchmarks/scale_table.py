@@ -3,7 +3,7 @@ it by default: DeepSeek-MoE-16B, Qwen3-30B-A3B and GPT-OSS-20B on 8 and 16 nomin
 nodes at 4K-32K tokens per sequence.
 
     python benchmarks/scale_table.py [--models M,M] [--nodes 8,16] [--seq-lens 4096,...]
-        [--runtimes ep-1f1b,...] [--json benchmarks/results/scale_table.json]
+        [--runtimes ep-1f1b,...] [--groups-sweep] [--json benchmarks/results/scale_table.json]
 
 Every point runs the default command a user would type, one global batch for every
 runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
@@ -14,10 +14,14 @@ runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
   recompute) that fits the GPU (`simulator.ep_search`).
 
 A row: AF-Pipe's and the best EP runtime's tokens/s, step, bound, step/bound, memory per
-GPU and layout, AF-Pipe / best EP, and the verdict against the targets (AF-Pipe within
+GPU, exposed communication (s per step, mean over workers) and layout, AF-Pipe / best EP, and the verdict against the targets (AF-Pipe within
 1.1x of its bound and fitting; at least 1.2x the best EP runtime); where a target is
 missed, the two bounds say whether a schedule could meet it (`bound ratio` = best EP's
 bound / AF-Pipe's: AF-Pipe can only lead by about that much).
+
+`--groups-sweep` adds, per model and node count at 8K, AF-Pipe at every group count p
+(virtual stages v = L / p), each with the planner's split for that p, in flight and
+recompute held to memory: throughput against virtual stages.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def summary(result: SimResult) -> dict[str, Any]:
         "bound_s": seconds,
         "step_over_bound": result.step_time_s / seconds if seconds else None,
         "binding": bound.describe() if bound else "",
+        "exposed_comm_s": result.breakdown["comm_exposed"],
         "memory_gib": cfg.get("memory_gib_per_gpu"),
         "gpu_memory_gib": cfg.get("gpu_memory_gib"),
         "layout": layout,
@@ -122,6 +127,7 @@ def main() -> int:
     parser.add_argument("--nodes", default=",".join(map(str, NODES)))
     parser.add_argument("--seq-lens", default=",".join(map(str, SEQ_LENS)))
     parser.add_argument("--runtimes", default=",".join(EP_RUNTIMES), help="EP runtimes")
+    parser.add_argument("--groups-sweep", action="store_true", help="AF-Pipe against p at 8K")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args()
     runtimes = tuple(args.runtimes.split(","))
@@ -137,10 +143,37 @@ def main() -> int:
                 rows.append(row)
                 print(line(row), flush=True)
                 print(f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    sweep = []
+    if args.groups_sweep:
+        for model in args.models.split(","):
+            for nodes in map(int, args.nodes.split(",")):
+                sweep += groups_sweep(model, nodes, 8192)
     if args.json:
-        write_json(args.json, {"rows": rows, "targets": {"af_step_over_bound": TARGET_BOUND,
-                                                         "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
+        write_json(args.json, {"rows": rows, "groups_sweep": sweep,
+                               "targets": {"af_step_over_bound": TARGET_BOUND,
+                                           "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
     return 0
+
+
+def groups_sweep(model: str, nodes: int, seq_len: int) -> list[dict[str, Any]]:
+    """AF-Pipe at every group count p that divides the layers and the GPUs (module doc)."""
+    from disagmoe.presets import model_preset
+
+    layers, gpus = model_preset(model).num_layers, nodes * 8
+    out = []
+    for p in [d for d in range(1, layers + 1) if layers % d == 0 and gpus % d == 0]:
+        argv = ["--model", model, "--nodes", str(nodes), "--seq-len", str(seq_len),
+                "--micro-batches", str(8 * gpus), "--groups", str(p)]  # fmt: skip
+        row: dict[str, Any] = {"model": model, "nodes": nodes, "seq_len": seq_len,
+                               "groups": p, "virtual_stages": layers // p}  # fmt: skip
+        try:
+            row.update(summary(simulate(argv)))
+        except ValueError as err:
+            row["error"] = str(err)
+        print(f"  {model} {nodes} nodes p {p} (v {layers // p}): "
+              f"{row.get('tokens_per_s', 0):.0f} tok/s {row.get('error', '')}", flush=True)  # fmt: skip
+        out.append(row)
+    return out
 
 
 def line(row: dict[str, Any]) -> str:
