@@ -374,6 +374,47 @@ TABLES: dict[str, Table] = {
             Col(head="k tokens/s", get=lambda r: r["tokens_per_s"] / 1e3, fmt="{:.1f}"),
         ),
     ),
+    "scale_table": Table(
+        title="AF-Pipe against the best EP runtime at cluster scale (simulated)",
+        about="Nominal H800 nodes, each side as `disagmoe simulate` runs it by default (the "
+        "planner's plan; the fastest EP layout that fits), one global batch of 8 sequences "
+        "per GPU; memory per GPU by the runtime's model, of 80 GiB (docs/paper.md).",
+        cols=(
+            Col(head="model", get="model"),
+            Col(head="nodes", get="nodes"),
+            Col(head="seq", get="seq_len"),
+            Col(head="AF-Pipe tokens/s", get="disagg.tokens_per_s", fmt="{:.0f}"),
+            Col(head="AF step/bound", get="disagg.step_over_bound", fmt="{:.2f}"),
+            Col(head="AF GiB", get="disagg.memory_gib", fmt="{:.1f}"),
+            Col(head="AF exposed s", get="disagg.exposed_comm_s", fmt="{:.2f}"),
+            Col(head="AF-Pipe plan", get="disagg.layout"),
+            Col(head="best EP", get="best_ep.runtime"),
+            Col(head="EP tokens/s", get="best_ep.tokens_per_s", fmt="{:.0f}"),
+            Col(head="EP step/bound", get="best_ep.step_over_bound", fmt="{:.2f}"),
+            Col(head="EP GiB", get="best_ep.memory_gib", fmt="{:.1f}"),
+            Col(head="EP exposed s", get="best_ep.exposed_comm_s", fmt="{:.2f}"),
+            Col(head="EP layout", get="best_ep.layout"),
+            Col(head="AF / EP", get="vs_best_ep", fmt="{:.2f}"),
+            Col(head="EP bound / AF bound", get="bound_ratio", fmt="{:.2f}"),
+            Col(head="verdict", get="verdict"),
+        ),
+    ),
+    "scale_groups": Table(
+        title="AF-Pipe against its virtual stages (simulated)",
+        about="Nominal H800 nodes at 8K: AF-Pipe at every group count p (v = L / p virtual "
+        "stages), the planner's split for each p, in flight and recompute held to memory.",
+        cols=(
+            Col(head="model", get="model"),
+            Col(head="nodes", get="nodes"),
+            Col(head="p", get="groups"),
+            Col(head="v", get="virtual_stages"),
+            Col(head="tokens/s", get="tokens_per_s", fmt="{:.0f}"),
+            Col(head="step/bound", get="step_over_bound", fmt="{:.2f}"),
+            Col(head="GiB", get="memory_gib", fmt="{:.1f}"),
+            Col(head="plan", get="layout"),
+            Col(head="error", get="error"),
+        ),
+    ),
 }
 TABLES["gc_pauses_8w"] = TABLES["gc_pauses"]
 TABLES["schedule_chain_head025"] = dataclasses.replace(
@@ -400,6 +441,7 @@ ORDER = (
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
     "uneven_splits", "exchange_overhead", "gloo_rendezvous", "tbf_goodput", "memory_model",
     "rank_memory", "recompute", "gc_pauses", "gc_pauses_8w", "link_faults",
+    "scale_table", "scale_groups",
 )  # fmt: skip
 
 
