@@ -63,14 +63,23 @@ def _world_size(cfg: RunConfig) -> int:
 
 
 def resolve_memory(cfg: RunConfig, local_ranks: int) -> RunConfig:
-    """disagg: `cfg` with its memory budget resolved once for all ranks, checked to fit
-    (a run that cannot fit even one micro-batch in flight is a ValueError: exit 2)."""
-    if cfg.parallel.runtime != "disagg":
+    """disagg and ep-*: `cfg` with its memory budget resolved once for all ranks, checked to
+    fit (a ValueError, exit 2: disagg when even one micro-batch in flight does not fit, ep-*
+    when a pipeline rank's states and the micro-batches its order holds do not,
+    `training.ep_budget.check_ep_run`)."""
+    if cfg.parallel.runtime == "reference":
         return cfg
-    from .distributed.layout import num_slots, run_layout
     from .training.budget import in_flight_cap, resolve_memory_budget
 
     cfg = resolve_memory_budget(cfg, local_ranks)
+    if cfg.parallel.runtime != "disagg":
+        from .baselines.layout import EPLayout
+        from .training.ep_budget import check_ep_run
+
+        check_ep_run(cfg, EPLayout.build(cfg.model, cfg.parallel, cfg.train, _world_size(cfg)))
+        return cfg
+    from .distributed.layout import num_slots, run_layout
+
     layout = run_layout(cfg, cfg.parallel.world_size or None)
     in_flight_cap(cfg, num_slots(cfg, layout))
     return cfg
@@ -280,7 +289,8 @@ def mean_tokens_per_s(records: list[dict[str, Any]]) -> float:
 
 
 def memory_summary(mem: dict[str, dict[str, float]]) -> str:
-    """One line: the in-flight cap and, per role, measured vs predicted MiB (last step)."""
+    """One line: per role (disagg: A, F; ep-*: pipeline ranks pp<r>) measured vs predicted
+    MiB (last step), and the in-flight cap (disagg) or the most forwards a rank holds (ep-*)."""
     cap = mem["cap"]
     parts = [
         f"{role} act {m['act_peak']:.2f} (pred {m['act_pred']:.2f}), states {m['states']:.2f} "
@@ -288,9 +298,13 @@ def memory_summary(mem: dict[str, dict[str, float]]) -> str:
         for role, m in mem.items()
         if role != "cap"
     ]
+    if "slots" in cap:
+        held = f"in flight {cap['in_flight']:g} of {cap['slots']:g} slots"
+    else:
+        held = f"up to {cap['held']:g} forwards held of {cap['micro_batches']:g} micro-batches"
     return (
-        f"memory MiB per rank, max per role: {'; '.join(parts)}; in flight {cap['in_flight']:g} "
-        f"of {cap['slots']:g} slots, budget {cap['budget_gib']:.3g} GiB"
+        f"memory MiB per rank, max per role: {'; '.join(parts)}; {held}, "
+        f"budget {cap['budget_gib']:.3g} GiB"
     )
 
 

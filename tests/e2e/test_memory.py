@@ -8,6 +8,16 @@ high (the first slot's loss head is released before the last slot's forward ends
 expert shard (n = 1) keeps routing balanced by construction; an untrained router on a tiny
 model routes unevenly over n > 1 shards, which the balanced-routing model does not cover.
 
+EP runtimes (`--runtime ep-*`, `training.ep_budget`): the same meter on every rank, one
+role per pipeline rank. With ep = 1 (every expert local: the rank computes all T*k pairs,
+whatever the router does) the prediction is an upper bound at most 10% high: the peak of
+the order's in-flight walk, per-token terms that the run partly shares between tensors
+(1F1B 0.97-0.99, interleaved 0.97-0.98 of the prediction on the tiny model). Where a
+forward runs beside a backward (DualPipeV, `ep-combined`) the measured peak depends on how
+the two threads interleave, and `--recompute full` measures 0.7-0.8 of it. With ep > 1 the
+untrained router's uneven routing puts a rank above the balanced-routing model, as n > 1
+does for AF-Pipe.
+
 The runs that train call `disagmoe.cli.main` in this process (`run_cli_in_process`: their
 ranks are real processes, launched as from a shell, without the launcher's 3 s start-up);
 the run that cannot fit is refused by a real process.
@@ -62,6 +72,31 @@ def test_measured_memory_matches_the_model(
     assert "memory MiB per rank" in result.stdout
 
 
+@pytest.mark.parametrize(
+    ("runtime", "low"), [("ep-1f1b", 0.9), ("ep-interleaved", 0.9), ("ep-dualpipev", 0.5)]
+)
+def test_ep_measured_memory_matches_the_model(tmp_path: Path, runtime: str, low: float) -> None:
+    """`low`: one order per rank, one thread (1F1B, interleaved): the meter meets the walk's
+    peak, 0.9; DualPipeV runs a forward beside a backward on two threads, which frees while
+    the forward keeps, so the measured peak depends on their timing (0.81-0.99 of the
+    prediction seen): an upper bound only."""
+    result = train(
+        tmp_path, "--steps", "2", "--dtype", "float32", "--runtime", runtime, "--pp", "2",
+        "--ep", "1",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    memory = last_record(tmp_path)["memory_mib"]
+    assert set(memory) == {"pp0", "pp1", "cap"}, memory
+    assert memory["cap"]["budget_gib"] > 0 and memory["cap"]["micro_batches"] == 4, memory
+    for role in ("pp0", "pp1"):
+        m = memory[role]
+        assert low * m["act_pred"] <= m["act_peak"] <= 1.02 * m["act_pred"], (role, memory)
+        assert m["states"] == pytest.approx(m["states_pred"], rel=0.01), (role, memory)
+    line = result.stdout.strip().splitlines()[-1]
+    assert line.startswith("memory MiB per rank, max per role: pp0 act "), line
+    assert "forwards held of 4 micro-batches, budget" in line, line
+
+
 def test_deferred_weight_gradients_are_counted_and_predicted_from_above(tmp_path: Path) -> None:
     """With `schedule.split_backward` on the meter also counts the gradients a deferred BWD
     keeps for its W, and the model adds one slot's of them (`runtime_memory`): an upper
@@ -104,4 +139,19 @@ def test_a_run_that_cannot_fit_fails_with_one_line(tmp_path: Path) -> None:
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("disagmoe: error: expert shard states 3 MiB + activations")
     assert "exceed train.memory_gib=0.003; use more --expert-workers" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_ep_run_that_cannot_fit_fails_with_one_line(tmp_path: Path) -> None:
+    result = run_cli(
+        "train", "--no-progress", "--run-dir", str(tmp_path / "run"), "--steps", "1",
+        "--runtime", "ep-1f1b", "--pp", "2", "--ep", "1", "--memory-gib", "0.003",
+    )  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("disagmoe: error: ep-1f1b pp 2 ep 1: pipeline rank 0 needs ")
+    assert "2 micro-batch(es) in flight" in lines[0]
+    assert "over train.memory_gib=0.003; use more --pp or --ep" in lines[0]
+    assert lines[0].endswith("a larger --memory-gib")
     assert not (tmp_path / "run").exists()

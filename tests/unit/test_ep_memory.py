@@ -24,7 +24,13 @@ from disagmoe.schedule.pipelines import (
     pipeline_order,
 )
 from disagmoe.training.budget import run_precision
-from disagmoe.training.ep_budget import check_ep_fits, peak_in_flight, predict_ep_memory
+from disagmoe.training.ep_budget import (
+    check_ep_fits,
+    check_ep_run,
+    peak_in_flight,
+    predict_ep_memory,
+    predict_ep_run,
+)
 
 FP32 = cm.runtime_precision("float32")
 
@@ -215,3 +221,25 @@ def test_simulate_ep_reports_memory_and_prices_recompute() -> None:
     assert none.config["gpu_memory_gib"] == 80.0
     assert full.config["memory_gib_per_gpu"] < none.config["memory_gib_per_gpu"]
     assert full.step_time_s > none.step_time_s  # a backward reruns its forward
+
+
+def test_train_checks_an_ep_run_at_its_own_precision_and_budget() -> None:
+    """`check_ep_run`: the run's dtype, micro-batch and recompute against
+    `train.memory_gib`, the budget named in the message, small sizes in MiB."""
+    par = ParallelConfig(runtime="ep-1f1b", pp=2, ep=1)
+    cfg = RunConfig(parallel=par, train=TrainConfig(dtype="float64", memory_gib=0.003))
+    lay = EPLayout.build(cfg.model, par, cfg.train, 2)
+    mems = predict_ep_run(cfg, lay)
+    fp32 = predict_ep_memory(
+        lay, cfg.model, seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
+        recompute="none", prec=FP32,
+    )  # fmt: skip
+    # twice fp32 but for index tensors (8 bytes in either dtype)
+    assert [m.total for m in mems] == pytest.approx([2 * m.total for m in fp32], rel=0.01)
+    with pytest.raises(ValueError, match=r"^ep-1f1b pp 2 ep 1: pipeline rank 0 needs ") as err:
+        check_ep_run(cfg, lay)
+    message = str(err.value)
+    assert "MiB" in message and "GiB" not in message, message
+    assert "over train.memory_gib=0.003; use more --pp or --ep, --recompute full" in message
+    assert message.endswith(", a larger --memory-gib"), message
+    check_ep_run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_gib=1)), lay)

@@ -27,6 +27,7 @@ from ..models import DecoderLayer, Experts, MoETransformer, build_meta_model
 from ..models.layers import rope_tables
 from ..models.parts import NamedParts
 from ..trace import Tracer, message_event_name, stage_event_name
+from ..training.memory import ActivationMeter
 from ..training.objective import LossScale
 from ..training.precision import Precision
 from ..training.setup import materialize_initial_weights
@@ -154,7 +155,11 @@ def build_stage_modules(
 
 class TracedStage(PipelineStage):
     """A PipelineStage that records its computations (trace lanes fwd/bwd, execution order)
-    and its pipeline p2p (lanes send/recv).
+    and its pipeline p2p (lanes send/recv), and with a `meter` what a forward keeps for its
+    backward (`training.memory`): what autograd saves during the forward, on the thread
+    that runs it, and the inputs and outputs PyTorch's stage caches (`fwd_cache`), held
+    from the forward (F) until the backward that frees them: B, or W after a split I
+    (PyTorch's `stage_backward_input` keeps the graph for the weight gradients).
 
     PyTorch's schedules post p2p ops and wait for them later without exposing
     completion, so a p2p event spans from posting to the start of the next
@@ -167,12 +172,14 @@ class TracedStage(PipelineStage):
         *args: Any,
         tracer: Tracer,
         order: list[tuple[int, str, int]],
+        meter: ActivationMeter | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(submod, *args, **kwargs)
         self.module = submod
         self.tracer = tracer
         self.order = order
+        self.meter = meter
         # (event name, lane, start, micro-batch, bytes, peers, bytes per peer)
         self.pending: list[tuple[str, str, float, int, int, list[int], list[int]]] = []
         self.step_index = 0
@@ -230,11 +237,19 @@ class TracedStage(PipelineStage):
         lane = "fwd" if kind == "F" else "bwd"
         buckets = self.module.grad_buckets
         t0 = Tracer.now_us()
+        meter = self.meter
         with (
             self.module.comm.use_lane(lane, mb),
             buckets.backward(kind) if buckets is not None and kind != "F" else nullcontext(),
+            meter.saving() if meter is not None and kind == "F" else nullcontext(),
         ):
             out = fn()
+        if meter is not None and kind == "F":
+            outputs, inputs = self.fwd_cache[mb]
+            kept = [t for t in (*outputs, *inputs) if isinstance(t, torch.Tensor)]
+            meter.hold((self.stage_index, mb), [kept])
+        elif meter is not None and kind in ("B", "W"):
+            meter.release((self.stage_index, mb))
         self.tracer.add(
             stage_event_name(kind, self.stage_index, mb),
             lane,

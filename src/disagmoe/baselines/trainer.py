@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-from ..config import RunConfig
+from ..config import RunConfig, replace_section
 from ..data import inputs_targets, split_micro_batches
 from ..device import resolve_device
 from ..distributed.topology import allreduce_grads, world_sum
@@ -43,7 +43,10 @@ from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
 from ..torch_private import PipelineSchedule, PipelineStageBase
 from ..trace import Tracer
+from ..training.budget import resolve_memory_budget
+from ..training.ep_budget import check_ep_run, peak_in_flight, predict_ep_run
 from ..training.evaluate import EvalSet
+from ..training.memory import ActivationMeter, device_peak_bytes, role_memory, state_bytes
 from ..training.objective import (
     LossScale,
     StepResult,
@@ -66,10 +69,18 @@ class EPTrainer:
     """One rank of an expert-parallel pipeline run; same interface as `DisaggTrainer`."""
 
     def __init__(self, cfg: RunConfig, *, overlap_chunks: int | None = None) -> None:
-        self.cfg = cfg
         self.rank = dist.get_rank()
+        if cfg.train.memory_gib <= 0:  # one budget for all ranks: rank 0's, broadcast
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+            budget = [resolve_memory_budget(cfg, local).train.memory_gib]
+            dist.broadcast_object_list(budget, src=0)
+            cfg = replace_section(cfg, "train", memory_gib=budget[0])
+        self.cfg = cfg
         self.device = resolve_device(cfg.parallel.device)
         self.layout = EPLayout.build(cfg.model, cfg.parallel, cfg.train, dist.get_world_size())
+        # the memory model, per pipeline rank; a layout over the budget stops every rank here
+        self.predicted = predict_ep_run(cfg, self.layout)
+        check_ep_run(cfg, self.layout)
         self.groups = EPGroups.build(self.layout, self.rank)
         self.pp_rank, self.dp_rank, self.ep_rank, self.edp_rank = self.layout.coords(self.rank)
         self.role = self.layout.role(self.rank)
@@ -88,12 +99,14 @@ class EPTrainer:
             cfg, self.layout, self.pp_rank, self.ep_rank, self.scale, self.comm, self.device
         )
         apply_variants(cfg, self.modules)
+        self.named_params = unique_named_parameters(*self.modules)
+        self.params = [p for _, p in self.named_params]
+        self.meter = ActivationMeter(self.params)  # what a forward keeps for its backward
+        self._states: tuple[int, int, int] | None = None  # fixed once the optimizer stepped
         self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
         self.stages = [self._stage(m) for m in self.modules]
         self.pipeline = self._build_pipeline()
         self.schedule: Schedule = build_baseline_schedule(self.layout, cfg.model)
-        self.named_params = unique_named_parameters(*self.modules)
-        self.params = [p for _, p in self.named_params]
         self.is_expert = [".experts." in n for n, _ in self.named_params]
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
         self.counted = [(self.edp_rank == 0) if e else (self.dp_rank == 0) for e in self.is_expert]
@@ -139,12 +152,19 @@ class EPTrainer:
             group=self.groups.pp,
             tracer=self.tracer,
             order=self.order,
+            meter=self.meter,
         )
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: `LossScale.ce`, what it saves counted by the meter (PyTorch's
+        schedule computes it after the last stage's forward, on the same thread)."""
+        with self.meter.saving():
+            return self.scale.ce(logits, targets)
 
     def _build_pipeline(self) -> PipelineSchedule:
         n = self.layout.num_local_micro_batches
         runtime = self.layout.runtime
-        loss_fn = self.scale.ce
+        loss_fn = self._loss
         stages: list[PipelineStageBase] = list(self.stages)
         if runtime in ("ep-1f1b", "ep-overlap"):
             return Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
@@ -199,6 +219,7 @@ class EPTrainer:
             args = (inputs,) if self.has_first else ()
             target = targets if self.has_last else None
         losses: list[torch.Tensor] = []
+        self.meter.start_step()
         self.pipeline.step(*args, target=target, losses=losses, return_outputs=False)
         for st in self.stages:
             st._close_p2p()
@@ -285,6 +306,30 @@ class EPTrainer:
 
     def local_modules(self) -> list[torch.nn.Module]:
         return list(self.modules)
+
+    def memory_bytes(self) -> list[int]:
+        """This rank's `training.memory.MEMORY_FIELDS` for the step that just ran."""
+        if self._states is None:
+            self._states = state_bytes(self.params, self.optimizer)
+        return [self.meter.peak, *self._states, device_peak_bytes(self.params)]
+
+    def memory_record(self, rows: list[list[float]]) -> dict[str, dict[str, float]]:
+        """Every rank's `memory_bytes` -> per pipeline rank (role `pp<r>`: its dp replicas)
+        the largest measured beside the predicted (`training.ep_budget`), MiB; "cap": the
+        most forwards a rank holds for backward at once (a micro-batch counts once per stage
+        of the rank that holds it, `ep_budget.peak_in_flight`), the micro-batches per
+        replica and the budget."""
+        lay = self.layout
+        out: dict[str, dict[str, float]] = {}
+        for p, pred in enumerate(self.predicted):
+            mine = [row for r, row in enumerate(rows) if lay.coords(r)[0] == p]
+            out[f"pp{p}"] = role_memory(mine, pred, pred.activations)
+        out["cap"] = {
+            "held": max(peak_in_flight(lay)),
+            "micro_batches": lay.num_local_micro_batches,
+            "budget_gib": self.cfg.train.memory_gib,
+        }
+        return out
 
     def process_groups(self) -> int:
         return self.groups.created

@@ -45,7 +45,7 @@ from ..schedule.validate import validate
 from ..trace import Tracer
 from ..training.budget import predict_memory, resolve_memory_budget, run_cap
 from ..training.evaluate import EvalSet
-from ..training.memory import MEMORY_FIELDS, ActivationMeter, device_peak_bytes, state_bytes
+from ..training.memory import ActivationMeter, device_peak_bytes, role_memory, state_bytes
 from ..training.objective import (
     LossScale,
     StepResult,
@@ -327,21 +327,10 @@ class DisaggTrainer:
 
     def memory_record(self, rows: list[list[float]]) -> dict[str, dict[str, float]]:
         """Every rank's `memory_bytes` -> per role the largest measured and the predicted, MiB."""
-        mib = 1024**2
         out: dict[str, dict[str, float]] = {}
         for comp, pred in (("A", self.predicted.attn), ("F", self.predicted.ffn)):
             mine = [row for r, row in enumerate(rows) if self.layout.role(r).comp == comp]
-            fields = {f: max(row[i] for row in mine) for i, f in enumerate(MEMORY_FIELDS)}
-            rec = {
-                "act_peak": fields["act_peak"] / mib,
-                "act_pred": (pred.activations + pred.deferred) / mib,
-                "states": (fields["params"] + fields["grads"] + fields["optim"]) / mib,
-                "states_pred": pred.states / mib,
-            }
-            if fields["device_peak"]:
-                rec["device_peak"] = fields["device_peak"] / mib
-                rec["total_pred"] = pred.total / mib
-            out[comp] = {k: round(v, 4) for k, v in rec.items()}
+            out[comp] = role_memory(mine, pred, pred.activations + pred.deferred)
         out["cap"] = {
             "in_flight": self.cap,
             "slots": self.slots,

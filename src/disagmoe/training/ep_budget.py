@@ -1,6 +1,7 @@
 """The memory of an expert-parallel run, rank by rank: `costs.ep_memory` for a layout's
 stages and the order its runtime executes (`schedule.pipelines`), and the check that
-refuses a layout over the GPU's memory.
+refuses a layout over a memory budget (the GPU's in `simulate`, `train.memory_gib` in
+`train`: `predict_ep_run`, `check_ep_run`).
 
 All dp replicas of a pipeline rank hold the same stages and run the same order, so one
 `MemoryBreakdown` per pipeline rank stands for the whole world.
@@ -8,11 +9,12 @@ All dp replicas of a pipeline rank hold the same stages and run the same order, 
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RunConfig
 from ..costs import costmodel as cm
 from ..costs.ep_memory import ep_rank_memory
 from ..distributed.ep_layout import EPLayout
 from ..schedule.pipelines import Step, in_flight_walk, max_in_flight, pipeline_order
+from .budget import run_precision
 
 
 def _orders(layout: EPLayout) -> list[list[Step]]:
@@ -53,15 +55,44 @@ def peak_in_flight(layout: EPLayout) -> list[int]:
     return [max_in_flight(order) for order in _orders(layout)]
 
 
+def predict_ep_run(cfg: RunConfig, layout: EPLayout) -> list[cm.MemoryBreakdown]:
+    """`predict_ep_memory` of a run of `cfg` on `layout`: its dtype (`budget.run_precision`),
+    seq_len, micro-batch size and recompute."""
+    train = cfg.train
+    return predict_ep_memory(
+        layout, cfg.model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+        recompute=train.recompute, prec=run_precision(train),
+    )  # fmt: skip
+
+
+def check_ep_run(cfg: RunConfig, layout: EPLayout) -> None:
+    """`check_ep_fits` of a run of `cfg` on `layout` against its resolved budget
+    `train.memory_gib` (`budget.resolve_memory_budget`)."""
+    gib = cfg.train.memory_gib
+    assert gib > 0, "resolve train.memory_gib before checking the layout"
+    check_ep_fits(
+        layout, predict_ep_run(cfg, layout), gib, cfg.train.recompute,
+        budget=f"train.memory_gib={gib:g}",
+    )  # fmt: skip
+
+
 def _gib(nbytes: float) -> str:
+    if nbytes < cm.GIB:
+        return f"{nbytes / 1024**2:.3g} MiB"
     return f"{nbytes / cm.GIB:.1f} GiB"
 
 
 def check_ep_fits(
-    layout: EPLayout, memories: list[cm.MemoryBreakdown], budget_gib: float, recompute: str
+    layout: EPLayout,
+    memories: list[cm.MemoryBreakdown],
+    budget_gib: float,
+    recompute: str,
+    *,
+    budget: str = "",
 ) -> None:
     """`ValueError` naming the fullest rank, by how much it is over and what to change,
-    when a rank of `layout` needs more than `budget_gib`."""
+    when a rank of `layout` needs more than `budget_gib`. `budget` names the limit in the
+    message (default: the GPU's); a named one adds "a larger --memory-gib" to the fixes."""
     rank = max(range(len(memories)), key=lambda r: memories[r].total)
     mem = memories[rank]
     if mem.total <= budget_gib * cm.GIB:
@@ -71,10 +102,13 @@ def check_ep_fits(
     if recompute != "full":
         fixes.append("--recompute full")
     fixes.append("a smaller --micro-batch-size")
+    if budget:
+        fixes.append("a larger --memory-gib")
     logits = f" + logits {_gib(mem.transient)}" if mem.transient else ""
+    limit = budget or f"the GPU's {budget_gib:g} GiB"
     raise ValueError(
         f"{layout.runtime} pp {layout.pp} ep {layout.ep}: pipeline rank {rank} needs "
         f"{_gib(mem.total)} (states {_gib(mem.states)} + activations of {held} micro-batch(es) "
         f"in flight {_gib(mem.activations)}{logits}), {_gib(mem.total - budget_gib * cm.GIB)} "
-        f"over the GPU's {budget_gib:g} GiB; use {', '.join(fixes)}"
+        f"over {limit}; use {', '.join(fixes)}"
     )

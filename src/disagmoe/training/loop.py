@@ -282,7 +282,7 @@ def _step_record(
     garbage-collection seconds and, where the runtime measures it, each rank's memory
     (training.memory.MEMORY_FIELDS, exact in float64), one row per rank; then the routing
     sums of all ranks (training.model_stats)."""
-    memory = getattr(trainer, "memory_bytes", None)  # disagg: DisaggTrainer
+    memory = getattr(trainer, "memory_bytes", None)  # DisaggTrainer, EPTrainer
     memory_record = getattr(trainer, "memory_record", None)
     cols = 2 + (len(MEMORY_FIELDS) if memory else 0)
     flat = torch.zeros(world * cols + model_stats.size, dtype=torch.float64)
