@@ -79,7 +79,8 @@ def expected_sends(
     cfg: RunConfig, world: int, ranks: dict[int, dict[str, Any]], chunks: int
 ) -> dict[int, dict[int, float]]:
     """{src: {dst: bytes}} of one step; `ranks[r]` holds rank r's `routed` (routed_per_peer),
-    `routings` (how many router calls), `dense_bytes` and `expert_bytes` (its gradients)."""
+    `routings` (how many router calls), `dense_bytes` and `expert_bytes` (its gradients);
+    STEP's world all-reduce as for AF-Pipe (`STEP_BYTES`)."""
     lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
     H, e = cfg.model.dim, torch.finfo(getattr(torch, cfg.train.dtype)).bits // 8
     out: dict[int, dict[int, float]] = {r: defaultdict(float) for r in range(world)}
@@ -115,6 +116,9 @@ def expected_sends(
             a, b = lay.rank_of(owner[s], d), lay.rank_of(owner[s + 1], d)
             out[a][b] += act * lay.num_local_micro_batches
             out[b][a] += act * lay.num_local_micro_batches
+    if world > 1:  # STEP: the norm and the losses over the world (ring in rank order)
+        for r in range(world):
+            out[r][(r + 1) % world] += 2 * (world - 1) / world * STEP_BYTES
     return {r: {dst: v for dst, v in sends.items() if v} for r, sends in out.items()}
 
 

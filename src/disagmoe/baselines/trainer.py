@@ -238,6 +238,13 @@ class EPTrainer:
             "experts",
         )
         t0 = Tracer.now_us()
+        reduced = 0  # bytes of STEP's all-reduces over the world: the norm and the losses
+
+        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            nonlocal reduced
+            reduced += t.numel() * t.element_size()
+            return world_sum(t)
+
         result = finish_step(
             step=step,
             train=self.cfg.train,
@@ -247,9 +254,10 @@ class EPTrainer:
             ce=sum((x.detach().double() for x in losses), loss_total(self.device)),
             aux=sum(m.aux_sum for m in self.modules),
             capture_grads=capture_grads,
-            reduce_sum=world_sum,
+            reduce_sum=reduce_sum,
         )
-        self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step)
+        world = list(range(dist.get_world_size()))
+        self.tracer.add("STEP", "sync", t0, Tracer.now_us(), step=step, bytes=reduced, peers=world)
         return result
 
     def eval_ce(self, index: int, step: int) -> float:
