@@ -213,13 +213,15 @@ def _resolve_disagg(
         note = "user split, one NIC share per GPU"
         modes = modes or ("none", "full")  # none unless only full fits
     else:
+        # the planner plans for the recompute given; deferred weight gradients need none
+        given = modes[0] if modes else "none" if args.split_backward == "on" else "auto"
         split = planned_split(
             model, cluster, gpus=gpus, seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size, groups=args.groups,
-            micro_batches=args.micro_batches, split_backward=split_backward,
+            micro_batches=args.micro_batches, split_backward=split_backward, recompute=given,
         )  # fmt: skip
         p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
-        modes = modes or (split.recompute,)
+        modes = (split.recompute,)
         if args.nic_split == "planner" and args.placement == "node-aware":
             nic = (split.attn_nics, split.ffn_nics)
     if p * (m + n) != gpus:

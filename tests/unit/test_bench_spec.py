@@ -115,6 +115,8 @@ def test_simulator_uses_the_planners_split_as_is() -> None:
         plan.ffn_gpus_per_group,
     )
     assert model.num_experts % split.expert_workers  # 32 experts on 5 shards
+    # a recompute given is planned for (simulate --recompute, --split-backward on: none)
+    assert planned_split(model, h800, recompute="none", **kw).recompute == "none"  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only 2 micro-batches"):
         planned_split(model, h800, micro_batches=2, **kw)  # type: ignore[arg-type]
 

@@ -110,12 +110,14 @@ def planned_split(
     groups: int = 0,
     micro_batches: int = 0,
     split_backward: bool = False,
+    recompute: str = "auto",
 ) -> PlannedSplit:
     """The planner's (p, m, n, M_a, M_f), in-flight cap and recompute choice.
 
     The split is the planner's own (its MILP keeps n <= E; the runtime runs uneven
     shards and replicas); `micro_batches`, when given, must leave every one of the m
-    replicas at least one; `split_backward`: room for deferred weight gradients. In
+    replicas at least one; `split_backward`: room for deferred weight gradients;
+    `recompute`: the planner's choice (auto) or the one given. In
     flight: the most micro-batches that split holds by the runtime's memory model. (The plan's own `in_flight` stops at its ring length 2p — enough to
     keep the 2p compute components busy, but AF-Pipe also has 2p exchange stages to
     overlap.)
@@ -124,7 +126,7 @@ def planned_split(
 
     plan = plan_for(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
-        groups=groups, split_backward="on" if split_backward else "off",
+        groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
