@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe.config import ModelConfig
-from disagmoe.costs import costmodel as cm
 from disagmoe.costs import flops
 from disagmoe.planner import Plan, Planner, PlanOptions, plan_for
 from disagmoe.planner.sim_profile import SimulatorProfile
 from disagmoe.planner.split import memory_in_flight
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.simulator import SimResult, simulate_ep
+from disagmoe.training.budget import GPU_PRECISION
 
 H800 = CLUSTER_PRESETS["h800"]
 MODEL = "qwen3-30b-a3b"
@@ -77,7 +77,7 @@ class Case:
             base = self.plan
         prob = self.planner.problem(groups, 1, base.recompute)
         ma = max(1, min(prob.nics - 1, round(prob.nics * m / prob.gpus)))
-        k = memory_in_flight(self.planner, groups, m, ma, base.recompute)
+        k = memory_in_flight(self.planner, groups, m, base.recompute)
         return self.planner.evaluate(
             groups=groups, m=m, attn_nics=ma, in_flight=min(k, base.micro_batches),
             recompute=base.recompute, profile=self.profile, stage="sweep",
@@ -105,7 +105,7 @@ class Case:
 
 def ep_states_gib(model: ModelConfig, pp: int, ep: int) -> float:
     """Weights, gradients and optimizer states on an EP rank of the first stage (mixed bf16,
-    the planner's precision): its layers' attention and 1/ep of their experts, embedding and
+    the planner's precision, `GPU_PRECISION`): its layers' attention and 1/ep of their experts, embedding and
     head. A lower bound on its memory (activations excluded); the EP simulator does not
     check memory, so this says which EP points could not run."""
     layers = range(model.num_layers // pp)
@@ -115,7 +115,7 @@ def ep_states_gib(model: ModelConfig, pp: int, ep: int) -> float:
         for layer in layers
     )
     params += flops.head_params(model)
-    return params * cm.MIXED_BF16.state / 1024**3
+    return params * GPU_PRECISION.state / 1024**3
 
 
 def _per_gpu(result: SimResult, gpus: int) -> dict[str, Any]:

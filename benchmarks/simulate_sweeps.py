@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 from disagmoe.config import MULTI_WORKER_RUNTIMES, ModelConfig
-from disagmoe.planner.split import planned_split, runnable_in_flight
+from disagmoe.planner.split import planned_split, runnable_in_flight, split_planner
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.simulate_cli import default_disagg_split
 from disagmoe.simulator import SimResult, simulate_disagg, simulate_ep
@@ -48,15 +48,12 @@ def disagg_micro(target: int, m: int) -> int:
 def peak_memory_gib(
     model: ModelConfig, groups: int, m: int, n: int, seq_len: int, peak: int, recompute: str
 ) -> float:
-    """Worst worker's memory (planner's model) with `peak` micro-batches in flight."""
-    from disagmoe.costs import costmodel as cm
-
-    kw = dict(
-        groups=groups, seq_len=seq_len, micro_batch_size=1, in_flight=peak, recompute=recompute
+    """Worst worker's memory (the runtime's model, as the planner and `train` price it) with
+    `peak` micro-batches in flight."""
+    planner = split_planner(
+        model, H800, gpus=groups * (m + n), seq_len=seq_len, micro_batch_size=1, groups=groups
     )
-    attn = cm.attn_worker_memory(model, **kw).total  # type: ignore[arg-type]
-    a, b = cm.ffn_memory_terms(model, **kw)  # type: ignore[arg-type]
-    return max(attn, (a + b * m) / n) / GIB
+    return max(mem.total for mem in planner.worker_memory(groups, m, peak, recompute)) / GIB
 
 
 def run(

@@ -26,7 +26,7 @@ from .costs.flops import expert_flops, train_factors
 from .distributed.ep_layout import EPLayout
 from .flags import add_renamed_flag
 from .planner.cli import add_cluster_arguments, cluster_from_args
-from .planner.split import planned_split, runnable_in_flight
+from .planner.split import memory_error, planned_split, split_planner
 from .presets import model_preset
 from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
@@ -62,12 +62,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(
         parser,
         "schedule.max_in_flight",
-        note="the budget is the cluster's GPU memory in the planner's memory model",
+        note="simulate: 0, the most that fit the cluster's GPU memory by the runtime's "
+        "memory model (train's cap); a cap that does not fit is refused",
     )
     add_config_flag(
         parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),
-        note="simulate: auto, the planner's choice (disagg); ep-*: each mode in the layout "
-        "search, or none unless only full fits (--pp / --ep given)",
+        note="simulate: auto, the planner's choice (disagg with its split); none unless only "
+        "full fits the GPU (disagg with --attn-workers/--expert-workers, ep-* with --pp / --ep); "
+        "each mode in the ep-* layout search",
     )  # fmt: skip
     add_config_flag(parser, "schedule.order")
     add_config_flag(parser, "schedule.costs")
@@ -201,28 +203,29 @@ def _check_args(args: argparse.Namespace, model: ModelConfig) -> None:
 def _resolve_disagg(
     args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
 ) -> dict[str, Any]:
-    """AF-Pipe's layout (given, or the planner's split), NIC split, cap and micro-batches."""
+    """AF-Pipe's layout (given, or the planner's split), NIC split, recompute, cap and
+    micro-batches, checked against the GPU's memory by the runtime's model (the one `train`
+    caps with): a layout, recompute or cap given that does not fit is refused."""
     if args.groups and gpus % args.groups:
         raise ValueError(f"--groups {args.groups} must divide the {gpus} GPUs")
     nic: tuple[int, int] | None = None
-    recompute = "none"
+    split_backward = args.split_backward != "off"  # as train: wherever the run may split
+    modes: tuple[str, ...] = () if args.recompute == "auto" else (args.recompute,)
     if args.attn_workers and args.expert_workers:
         m, n = args.attn_workers, args.expert_workers
         p = args.groups or max(1, gpus // (m + n))
         note = "user split, one NIC share per GPU"
-        recompute = "none" if args.recompute == "auto" else args.recompute
-        planned_in_flight = 0  # the memory model's, once the split is known to fit
+        modes = modes or ("none", "full")  # none unless only full fits
     else:
+        # the planner plans for the recompute given; deferred weight gradients need none
+        given = modes[0] if modes else "none" if args.split_backward == "on" else "auto"
         split = planned_split(
             model, cluster, gpus=gpus, seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size, groups=args.groups,
-            micro_batches=args.micro_batches,
+            micro_batches=args.micro_batches, split_backward=split_backward, recompute=given,
         )  # fmt: skip
         p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
-        planned_in_flight = split.in_flight
-        recompute = split.recompute
-        if args.recompute not in ("auto", recompute):  # the user's: its own in-flight cap
-            recompute, planned_in_flight = args.recompute, 0
+        modes = (split.recompute,)
         if args.nic_split == "planner" and args.placement == "node-aware":
             nic = (split.attn_nics, split.ffn_nics)
     if p * (m + n) != gpus:
@@ -230,15 +233,26 @@ def _resolve_disagg(
             f"groups*(attn_workers+expert_workers) = {p}*({m}+{n}) = {p * (m + n)} but "
             f"{args.nodes} node(s) have {gpus} GPUs; change the layout or --nodes"
         )
-    if args.max_in_flight == 0 and not planned_in_flight:
-        planned_in_flight = runnable_in_flight(
-            model, cluster, gpus=gpus, seq_len=args.seq_len,
-            micro_batch_size=args.micro_batch_size, groups=p, attn_workers=m,
-            recompute=recompute,
-        )  # fmt: skip
-        note += f"; memory allows {planned_in_flight} in flight"
+    planner = split_planner(
+        model, cluster, gpus=gpus, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
+        groups=p, split_backward=split_backward,
+    )  # fmt: skip
+    need = max(1, args.max_in_flight)  # -1 (no cap) asks for no check beyond one
+    for recompute in modes:
+        fits = planner.max_in_flight(p, m, recompute)
+        if fits >= need or args.max_in_flight == -1:
+            break
+    else:
+        raise ValueError(memory_error(planner, p, m, need, recompute))
+    fits = max(fits, 0)
+    if f"memory allows {fits} in flight" not in note:  # not the planner's recompute
+        note += f"; recompute {recompute}, memory allows {fits} in flight"
+    micro_batches = args.micro_batches or 8 * 2 * p * m
     # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
-    in_flight = {0: planned_in_flight, -1: 0}.get(args.max_in_flight, args.max_in_flight)
+    in_flight = {0: fits, -1: 0}.get(args.max_in_flight, args.max_in_flight)
+    slots = -(-micro_batches // m)  # the busiest replica's: what it holds at most
+    held = min(in_flight or slots, slots)
+    memory = max(mem.total for mem in planner.worker_memory(p, m, held, recompute))
     return {
         "nic_split": nic,
         "placement": args.placement,
@@ -248,7 +262,8 @@ def _resolve_disagg(
         "groups": p,
         "attn_workers": m,
         "expert_workers": n,
-        "micro_batches": args.micro_batches or 8 * 2 * p * m,
+        "micro_batches": micro_batches,
+        "memory_gib_per_gpu": memory / cm.GIB,
     }
 
 
@@ -378,7 +393,12 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             split_backward=split_backward_flag(args.split_backward),
             **common,
         )
-        result.config.update(split=r["split_note"], max_in_flight=r["max_in_flight"])
+        result.config.update(
+            split=r["split_note"],
+            max_in_flight=r["max_in_flight"],
+            memory_gib_per_gpu=r["memory_gib_per_gpu"],
+            gpu_memory_gib=r["cluster"].gpu_mem_gib,
+        )
         if args.costs_file:
             result.config["costs"] = args.costs_file
         return result

@@ -106,17 +106,19 @@ def test_simulator_uses_the_planners_split_as_is() -> None:
     from disagmoe.planner.split import planned_split
     from disagmoe.presets import CLUSTER_PRESETS
 
-    model, h800 = model_preset("qwen3-30b-a3b"), CLUSTER_PRESETS["h800"]
-    kw = dict(gpus=16, seq_len=8192, micro_batch_size=1)
+    model, h800 = model_preset("gpt-oss-20b"), CLUSTER_PRESETS["h800"]
+    kw = dict(gpus=8, seq_len=8192, micro_batch_size=1)
     plan = plan_for(model, h800, **kw)  # type: ignore[arg-type]
     split = planned_split(model, h800, **kw)  # type: ignore[arg-type]
     assert (split.attn_workers, split.expert_workers) == (
         plan.attn_gpus_per_group,
         plan.ffn_gpus_per_group,
     )
-    assert model.num_experts % split.expert_workers  # 128 experts on 9 shards
-    with pytest.raises(ValueError, match="only 3 micro-batches"):
-        planned_split(model, h800, micro_batches=3, **kw)  # type: ignore[arg-type]
+    assert model.num_experts % split.expert_workers  # 32 experts on 5 shards
+    # a recompute given is planned for (simulate --recompute, --split-backward on: none)
+    assert planned_split(model, h800, recompute="none", **kw).recompute == "none"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="only 2 micro-batches"):
+        planned_split(model, h800, micro_batches=2, **kw)  # type: ignore[arg-type]
 
 
 def test_emulated_network_pools_a_node_nic_like_its_token_bucket() -> None:

@@ -59,12 +59,11 @@ def test_attention_bytes_follow_recompute_and_dtype() -> None:
     assert rm.shards_per_token(TINY, 0) == TINY.top_k
 
 
-def test_planner_model_knows_attn_and_precision() -> None:
-    none = cm.attn_act_bytes_per_token(TINY, "none")
-    assert none - cm.attn_act_bytes_per_token(TINY, "attn") == 4 * TINY.num_heads
-    f32 = cm.attn_act_bytes_per_token(TINY, "full", F32)
-    assert f32 == 2 * cm.attn_act_bytes_per_token(TINY, "full")
+def test_runtime_precision() -> None:
     assert cm.runtime_precision("float64") == cm.Precision(act=8, state=32)
+    # a GPU run (simulate, the planner): bf16 compute, fp32 weights, gradients, AdamW states
+    prec = budget.GPU_PRECISION
+    assert (prec.act, prec.state) == (2, 16)
     with pytest.raises(ValueError, match="dtype must be one of"):
         cm.runtime_precision("int8")
 

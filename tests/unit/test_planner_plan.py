@@ -41,26 +41,70 @@ def test_roofline_only_is_the_papers_problem() -> None:
 
 
 def test_ffn_memory_binds_and_relaxes_with_more_memory() -> None:
-    kwargs = dict(gpus=64, seq_len=32768, micro_batch_size=1, groups=1, recompute="full",
+    kwargs = dict(gpus=64, seq_len=16384, micro_batch_size=1, groups=2, recompute="full",
                   search_moves=0)  # fmt: skip
     tight = plan_for(QWEN, H800, **kwargs)  # type: ignore[arg-type]
     roomy = plan_for(QWEN, dataclasses.replace(H800, gpu_mem_gib=400.0), **kwargs)  # type: ignore[arg-type]
-    assert tight.binding == "attention compute"  # wants more attention GPUs ...
-    assert tight.attn_gpus < roomy.attn_gpus  # ... but FFN memory holds it back
-    planner = Planner(model=QWEN, cluster=H800, gpus=64, seq_len=32768, micro_batch_size=1,
-                      options=PlanOptions(groups=1, recompute="full"))  # fmt: skip
-    a, b = cm.ffn_memory_terms(QWEN, groups=1, seq_len=32768, micro_batch_size=1,
-                               in_flight=tight.in_flight, recompute="full")  # fmt: skip
-    m, n = tight.attn_gpus, tight.ffn_gpus
+    assert tight.attn_gpus < roomy.attn_gpus  # FFN memory holds the attention GPUs back
+    planner = Planner(model=QWEN, cluster=H800, gpus=64, seq_len=16384, micro_batch_size=1,
+                      options=PlanOptions(groups=2, recompute="full"))  # fmt: skip
+    a, b = planner.ffn_terms(2, tight.in_flight, "full")
+    m, n = tight.attn_gpus_per_group, tight.ffn_gpus_per_group
     assert (a + b * m) / n <= planner.cap_bytes
-    assert (a + b * (m + 1)) / (n - 1) > planner.cap_bytes  # the constraint is tight
-    assert planner.evaluate(groups=1, m=m + 1, attn_nics=tight.attn_nics, in_flight=tight.in_flight,
-                            recompute="full") is None  # fmt: skip
+    assert (a + b * (m + 1)) / (n - 1) > planner.cap_bytes  # the MILP's constraint is tight
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "seq_len", "groups"),
+    [("qwen3-30b-a3b", 64, 8192, 1), ("qwen3-30b-a3b", 64, 16384, 2),
+     ("deepseek-moe-16b", 32, 4096, 1), ("gpt-oss-20b", 16, 8192, 2), ("tiny", 8, 512, 2)],
+)  # fmt: skip
+def test_ffn_terms_bound_the_runtime_model(
+    model: str, gpus: int, seq_len: int, groups: int
+) -> None:
+    """The MILP's linear FFN memory (A + B*m)/n is never below the runtime's figure for the
+    shard, for every split, cap, recompute and split backward (it may reject a split the
+    exact check of `evaluate` admits, never the reverse)."""
+    for split_backward in ("off", "on"):
+        planner = Planner(model=MODEL_PRESETS[model], cluster=H800, gpus=gpus, seq_len=seq_len,
+                          micro_batch_size=1,
+                          options=PlanOptions(groups=groups, split_backward=split_backward))  # fmt: skip
+        per = gpus // groups
+        for recompute in ("none", "full"):
+            for k in (1, 3):
+                a, b = planner.ffn_terms(groups, k, recompute)
+                for m in range(max(1, per - MODEL_PRESETS[model].num_experts), per):
+                    exact = planner.ffn_memory(groups, m, k, recompute).total
+                    assert (a + b * m) / (per - m) >= exact * (1 - 1e-12), (recompute, k, m)
+
+
+def test_planner_memory_is_the_runtime_models() -> None:
+    """A plan's memory is what `train` predicts for its layout on a GPU (`predict_memory` in
+    bf16 with fp32 parameters), against the whole of the GPU's memory, as `train` budgets."""
+    from disagmoe.config import ParallelConfig, RunConfig, ScheduleConfig, TrainConfig
+    from disagmoe.training.budget import in_flight_cap, predict_memory
+
+    plan = plan_for(QWEN, H800, gpus=64, seq_len=8192, micro_batch_size=1, search_moves=0)
+    cfg = RunConfig(
+        model=QWEN, cluster=H800,
+        parallel=ParallelConfig(groups=plan.groups, attn_workers=plan.attn_gpus_per_group,
+                                expert_workers=plan.ffn_gpus_per_group),
+        train=TrainConfig(dtype="bfloat16", seq_len=8192, micro_batch_size=1,
+                          recompute=plan.recompute, memory_gib=H800.gpu_mem_gib),
+        schedule=ScheduleConfig(split_backward="off"),
+    )  # fmt: skip
+    run = predict_memory(cfg, plan.in_flight)
+    assert plan.mem_attn_gib == pytest.approx(run.attn.total / cm.GIB, rel=1e-12)
+    assert plan.mem_ffn_gib == pytest.approx(run.ffn.total / cm.GIB, rel=1e-12)
+    assert plan.mem_cap_gib == H800.gpu_mem_gib
+    planner = Planner(model=QWEN, cluster=H800, gpus=64, seq_len=8192, micro_batch_size=1,
+                      options=PlanOptions(groups=plan.groups))  # fmt: skip
+    most = planner.max_in_flight(plan.groups, plan.attn_gpus_per_group, plan.recompute)
+    assert most == in_flight_cap(cfg, slots=10**6) >= plan.in_flight
 
 
 def test_attention_memory_caps_in_flight_micro_batches() -> None:
-    small = dataclasses.replace(H800, gpu_mem_gib=48.0)
-    plan = plan_for(QWEN, small, gpus=64, seq_len=8192, micro_batch_size=1, groups=2,
+    plan = plan_for(QWEN, H800, gpus=64, seq_len=8192, micro_batch_size=1, groups=2,
                     recompute="none", search_moves=0)  # fmt: skip
     assert plan.in_flight < 4 and "memory" in plan.memory_binding
     assert plan.mem_attn_gib <= plan.mem_cap_gib

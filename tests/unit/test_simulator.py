@@ -293,6 +293,36 @@ def test_max_in_flight_means_what_train_means() -> None:
         simulate_from_args(parser.parse_args([*given, "--max-in-flight", "-2"]))
 
 
+def test_simulate_disagg_fits_the_gpu_by_the_runtime_model(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The default AF-Pipe plan fits the GPU by the runtime's memory model (train's) and
+    reports its peak; a layout or cap given that does not fit is refused in one line that
+    says by how much and what to change; a recompute given is kept."""
+    from disagmoe.simulate_cli import main
+
+    flags = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--seq-len", "8192"]
+    assert main([*flags, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["memory_gib_per_gpu"] <= out["gpu_memory_gib"] == 80.0
+    given = [*flags, "--groups", "1", "--attn-workers", "32", "--expert-workers", "32"]
+    assert main([*given, "--recompute", "none", "--max-in-flight", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(
+        "error: the expert shard of p=1, m=32, n=32 with recompute none and 8 micro-batch(es) "
+        "in flight needs "
+    )
+    assert "GiB over the 80 GiB of a GPU; use --recompute full" in err and "\n" not in err
+    assert main([*given, "--max-in-flight", "8"]) == 2  # auto: full does not fit 8 either
+    assert "; use --max-in-flight 1, or more GPUs (--nodes)" in capsys.readouterr().err
+    assert main([*given, "--recompute", "full", "--micro-batches", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["recompute"] == "full" and out["config"]["max_in_flight"] >= 1
+    assert out["memory_gib_per_gpu"] <= 80.0
+    assert main(["--model", "qwen3-30b-a3b", "--attn-workers", "4", "--expert-workers", "4"]) == 2
+    assert capsys.readouterr().err.strip().endswith("GiB of a GPU; use more GPUs (--nodes)")
+
+
 def test_sixteen_nodes_sixty_four_micro_batches() -> None:
     """128 GPUs (p=4, m=16, n=16), 64 micro-batches per replica, 48 layers, by symmetry
     reduction; how long it takes: benchmarks/simulate_scale.py."""

@@ -1,4 +1,4 @@
-"""Roofline cost model of one disaggregated MoE layer, and the per-worker memory model.
+"""Roofline cost model of one disaggregated MoE layer, and the memory model's shared terms.
 
 Two cost models share one result type, `LayerCosts` (forward pass of one layer for one
 sequence of `S` tokens; bf16 activations on the wire); their FLOP and byte formulas are
@@ -22,13 +22,9 @@ Training multipliers (`train_time_factors`): backward = 2x forward for GEMMs; th
 core backward = 2.5x forward (FlashAttention recomputes QK^T); activation recompute adds one
 forward of the attention core ("attn") or of everything ("full"). Each exchange happens once forward and once backward, so wire bytes double.
 
-Memory (`attn_worker_memory`, `ffn_memory_terms`), for a `Precision` (default `MIXED_BF16`:
-16 bytes per parameter — bf16 weight and gradient, fp32 master weight and two Adam moments —
-and bf16 activations): states, plus the activations a fused GPU implementation keeps for
-backward per in-flight micro-batch and layer, plus one micro-batch of logits on the A-group
-that holds the LM head. What this runtime's modules keep (more: it holds the dispatched rows
-and the combines, and saves norm and SwiGLU intermediates) is `costs.runtime_memory`, which
-sets the runtime's in-flight cap and is checked against measured memory.
+Memory: `Precision`, `MemoryBreakdown` and which layers and parameters a worker holds; the
+model of what a worker keeps is `costs.runtime_memory` (this runtime's modules, checked
+against measured memory), which `train`, `simulate` and the planner all use.
 """
 
 from __future__ import annotations
@@ -59,11 +55,6 @@ class Precision:
     def hi(self) -> int:
         """Bytes of what is computed in at least fp32 (norm statistics, softmaxes)."""
         return max(self.act, 4)
-
-
-# What the planner plans for: bf16 activations, bf16 weight and gradient, fp32 master
-# weight and Adam moments (2 + 2 + 12 bytes per parameter).
-MIXED_BF16 = Precision(act=2, state=16)
 
 
 def runtime_precision(dtype: str) -> Precision:
@@ -197,16 +188,6 @@ def ridge_point(cluster: ClusterConfig, *, achievable: bool = False) -> float:
 # ------------------------------------------------------------------------------ memory
 
 
-def attn_params_per_layer(model: ModelConfig) -> int:
-    """Attention-block parameters of one MoE layer (`flops.attn_params`)."""
-    first_moe = next((l for l in range(model.num_layers) if model.is_moe_layer(l)), 0)
-    return flops.attn_params(model, first_moe)
-
-
-def expert_params_per_layer(model: ModelConfig) -> int:
-    return flops.expert_params(model)
-
-
 def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float:
     """E[# distinct shards among a token's top-k experts] / k, experts split evenly."""
     per = num_experts / shards
@@ -214,44 +195,6 @@ def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float
     for i in range(top_k):
         none *= max(0.0, (num_experts - per - i) / (num_experts - i))
     return shards * (1.0 - none) / top_k
-
-
-def attn_act_bytes_per_token(
-    model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
-) -> int:
-    """Bytes per token and layer a fused GPU implementation keeps for backward on an attention
-    worker (the planner's model; `costs.runtime_memory` has what this runtime keeps).
-
-    Without recompute: x, Norm(x), q, k, v, attention output, h, Norm2(h) (activation dtype),
-    the FlashAttention log-sum-exp per head and router logits (fp32). `attn`: the attention
-    core keeps nothing of its own (its log-sum-exp is recomputed). `full`: only the layer
-    input x (the layer being recomputed is a transient, not modelled).
-    """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
-        )
-    h, hd = model.dim, model.head_dim_resolved
-    q, kv = model.num_heads * hd, model.num_kv_heads * hd
-    if recompute == "full":
-        return prec.act * h
-    shared = 3 * model.expert_dim * model.num_shared_experts
-    lse = 4 * model.num_heads if recompute == "none" else 0
-    return prec.act * (4 * h + 2 * q + 2 * kv + shared) + lse + 4 * model.num_experts
-
-
-def ffn_act_bytes_per_routed_token(
-    model: ModelConfig, recompute: str, prec: Precision = MIXED_BF16
-) -> int:
-    """Per token-expert pair on an FFN worker: input u, gate, up, SiLU(gate)*up (`attn`: as
-    `none`, experts have no attention core)."""
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(
-            f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}"
-        )
-    if recompute == "full":
-        return prec.act * model.dim
-    return prec.act * (model.dim + 3 * model.expert_dim)
 
 
 def group_layers(model: ModelConfig, groups: int, group: int) -> list[int]:
@@ -282,69 +225,9 @@ def attn_group_params(model: ModelConfig, groups: int, group: int) -> int:
     return params
 
 
-def attn_worker_memory(
-    model: ModelConfig,
-    *,
-    groups: int,
-    seq_len: int,
-    micro_batch_size: int,
-    in_flight: int,
-    recompute: str,
-    prec: Precision = MIXED_BF16,
-) -> MemoryBreakdown:
-    """Worst A-group replica: states, activations of `in_flight` micro-batches of all its
-    layers (`attn_act_bytes_per_token`), one micro-batch of logits on group 0."""
-    worst = MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
-    act_tok = attn_act_bytes_per_token(model, recompute, prec)
-    for g in range(groups):
-        layers = group_layers(model, groups, g)
-        transient = 0.0
-        if g == 0:
-            transient = float(prec.act * micro_batch_size * seq_len * model.vocab_size)
-        acts = float(in_flight * len(layers) * micro_batch_size * seq_len * act_tok)
-        cand = MemoryBreakdown(
-            states=float(attn_group_params(model, groups, g) * prec.state),
-            activations=acts,
-            transient=transient,
-        )
-        if cand.total > worst.total:
-            worst = cand
-    return worst
-
-
-def ffn_memory_terms(
-    model: ModelConfig,
-    *,
-    groups: int,
-    seq_len: int,
-    micro_batch_size: int,
-    in_flight: int,
-    recompute: str,
-    prec: Precision = MIXED_BF16,
-) -> tuple[float, float]:
-    """(A, B) with bytes per FFN worker = (A + B*m) / n for m attention replicas, n shards.
-
-    A: the group's expert states (shared by n shards; uniform fluid split E/n).
-    B: activations per attention replica: each replica sends b*S*k token-expert pairs per
-    layer and in-flight micro-batch, spread evenly over the n shards (balanced routing).
-    """
-    a = float(group_moe_layers(model, groups) * expert_params_per_layer(model) * prec.state)
-    per_pair = ffn_act_bytes_per_routed_token(model, recompute, prec)
-    b = float(
-        in_flight * group_moe_layers(model, groups) * micro_batch_size * seq_len
-        * model.top_k * per_pair
-    )  # fmt: skip
-    return a, b
-
-
 def group_moe_layers(model: ModelConfig, groups: int) -> int:
     """MoE layers of the group that has most."""
     return max(
         sum(1 for layer in group_layers(model, groups, g) if model.is_moe_layer(layer))
         for g in range(groups)
     )
-
-
-def usable_memory_bytes(cluster: ClusterConfig, reserve: float) -> float:
-    """Device memory minus a reserve fraction (CUDA context, NCCL buffers, fragmentation)."""
-    return cluster.gpu_mem_gib * GIB * (1.0 - reserve)

@@ -166,7 +166,7 @@ def format_plan(plan: Plan, epsilon: float = PlanOptions().epsilon) -> str:
          f"{100 * epsilon:g}%)" if plan.stage == "milp" else
          "- (moved by stage 3)" if plan.stage == "search" else "- (micro-batches from stage 4)"),
         ("I_attn / I_ffn / ridge", f"{plan.i_attn:,.0f} / {plan.i_ffn:,.0f} / {plan.ridge:,.0f} FLOP/B"),
-        ("memory A / F / usable", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
+        ("memory A / F / GPU", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
          f"{plan.mem_cap_gib:.1f} GiB per GPU"),
         ("step time (profile)", f"{plan.step_time_s:.3f} s for {plan.sequences_per_step} sequences"
          f"  ({plan.profile})"),

@@ -12,7 +12,8 @@ v = L/p layers each (the busiest replica's), and the ring adds a fill of 2p - 1 
     step ~ (max(1, 2p/K) * ceil(M/m) * v + 2p - 1) * max(T_attn, T_ffn)
 
 for each recompute mode (none, full) with K, the slots in flight, as many as the
-[cluster]'s GPU memory admits (the planner's memory model, bf16 mixed precision).
+[cluster]'s GPU memory admits by the runtime's memory model in bf16 mixed precision
+(`Planner.max_in_flight`: `training.budget.in_flight_cap`'s rule for that layout).
 
 The enumeration is tiny: W is the world size of one job.
 """
@@ -55,7 +56,7 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
         gpus=world_size,
         seq_len=cfg.train.seq_len,
         micro_batch_size=cfg.train.micro_batch_size,
-        options=PlanOptions(micro_batches=cfg.train.num_micro_batches, memory_reserve=0.0),
+        options=PlanOptions(micro_batches=cfg.train.num_micro_batches),
     )
     best: Plan | None = None
     num_micro = cfg.train.num_micro_batches
@@ -63,7 +64,7 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
         nics = planner.problem(p, 1, "none").nics
         slots = -(-num_micro // m)  # the busiest replica's
         for recompute in cm.TIME_RECOMPUTE_MODES:
-            in_flight = min(slots, planner.max_in_flight_attn(p, recompute))
+            in_flight = min(slots, planner.max_in_flight(p, m, recompute))
             if in_flight < 1:
                 continue
             for attn_nics in range(1, max(nics, 2)):

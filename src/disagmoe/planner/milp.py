@@ -19,7 +19,7 @@ See docs/planner.md for why the design's "maximise I_attn + I_ffn" needs this fo
 Optional constraints of the full (non-roofline) problem:
 * NIC locality: a component cannot use more NICs than its GPUs have: M_a <= r*m, M_f <= r*n;
 * n <= num_experts (an FFN shard holds at least one whole expert; experts are not replicated);
-* FFN memory: (A + B*m)/n <= cap, linear as cap*n - B*m >= A (see costmodel.ffn_memory_terms).
+* FFN memory: (A + B*m)/n <= cap, linear as cap*n - B*m >= A (see `Planner.ffn_terms`).
 
 `solve_milp` uses HiGHS through `scipy.optimize.milp`; `solve_enumerate` checks every integer
 point and is the reference the tests compare against.
@@ -270,10 +270,10 @@ def explain_infeasible(p: SplitProblem) -> str:
             "fewer groups"
         )
     if p.ffn_mem is not None and not _grid(p)[-1].any():
-        a, _b, cap = p.ffn_mem
+        cap = p.ffn_mem[2]
         return (
-            f"FFN memory: the group's expert states alone need {a / cap:.2f} GPUs of usable "
-            f"memory, and with activations no split of {p.gpus} GPUs per group fits; use more "
-            "GPUs, a shorter sequence, a smaller micro-batch or (if off) --recompute full"
+            f"FFN memory: no split of {p.gpus} GPUs per group holds an expert shard's states "
+            f"and activations in {cap / 2**30:.1f} GiB; use more GPUs, a shorter sequence, a "
+            "smaller micro-batch or (if off) --recompute full"
         )
     return "no feasible split (unexpected; please report)"

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import disagmoe.costs.costmodel as cm
+import disagmoe.costs.runtime_memory as rm
 from disagmoe.config import (
     MAX_EXCHANGE_CHUNKS,
     SCHEDULE_ORDERS,
@@ -27,7 +29,10 @@ from disagmoe.config import (
     ClusterConfig,
     ModelConfig,
 )
+from disagmoe.costs import flops
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
+
+from ..training.budget import GPU_PRECISION, most_in_flight
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
 PROFILES = ("auto", "analytic", "simulator")
@@ -43,7 +48,6 @@ class PlanOptions:
     epsilon: float = 0.02  # stage 2 band around the stage 1 optimum
     time_limit_s: float = 1.0  # per HiGHS solve
     mip_gap: float = 1e-6
-    memory_reserve: float = 0.1  # fraction of device memory kept free
     bubble_target: float = 0.1
     search_moves: int = 64  # stage 3: K random moves (0 disables)
     search_radius: int = 2  # stage 3: r, max change of m, M_a and the in-flight cap per move
@@ -85,8 +89,8 @@ class PlanOptions:
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
         if self.groups < 0 or self.micro_batches < 0 or self.search_moves < 0:
             raise ValueError("groups, micro_batches and search_moves must be >= 0")
-        if not 0 <= self.epsilon < 1 or not 0 <= self.memory_reserve < 1:
-            raise ValueError("epsilon and memory_reserve must be in [0, 1)")
+        if not 0 <= self.epsilon < 1:
+            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
         if self.search_radius < 1 or not 0 < self.bubble_target < 1:
             raise ValueError("search_radius must be >= 1 and bubble_target in (0, 1)")
 
@@ -206,7 +210,9 @@ class Planner:
 
     @property
     def cap_bytes(self) -> float:
-        return cm.usable_memory_bytes(self.cluster, self.options.memory_reserve)
+        """The memory budget per GPU: the cluster preset's, all of it, as `train` takes it on
+        GPU (`training.budget.default_memory_gib` with `train.memory_gib` 0)."""
+        return self.cluster.gpu_mem_gib * cm.GIB
 
     def group_candidates(self) -> list[int]:
         if self.options.roofline_only:
@@ -236,17 +242,53 @@ class Planner:
             groups=groups, recompute=recompute,
         )  # fmt: skip
 
-    def attn_memory(self, groups: int, in_flight: int, recompute: str) -> cm.MemoryBreakdown:
-        return cm.attn_worker_memory(
-            self.model, groups=groups, seq_len=self.seq_len,
+    def attn_memory(
+        self, groups: int, in_flight: int, recompute: str, shards: int = 0
+    ) -> cm.MemoryBreakdown:
+        """The worst attention replica by the runtime's model (`costs.runtime_memory`, in
+        `GPU_PRECISION`) for `shards` expert shards per group (0, n not known: the bound
+        of n = E, every token's top-k experts on k shards)."""
+        return rm.attn_replica_memory(
+            self.model, groups=groups, shards=shards, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, in_flight=in_flight, recompute=recompute,
+            prec=GPU_PRECISION, split_backward=self.deferred(recompute),
         )  # fmt: skip
 
-    def ffn_terms(self, groups: int, in_flight: int, recompute: str) -> tuple[float, float]:
-        return cm.ffn_memory_terms(
-            self.model, groups=groups, seq_len=self.seq_len,
-            micro_batch_size=self.micro_batch_size, in_flight=in_flight, recompute=recompute,
+    def ffn_memory(self, groups: int, m: int, in_flight: int, recompute: str) -> cm.MemoryBreakdown:
+        """The worst expert shard by the runtime's model for m replicas per group."""
+        return rm.ffn_shard_memory(
+            self.model, groups=groups, replicas=m, shards=self.gpus // groups - m,
+            seq_len=self.seq_len, micro_batch_size=self.micro_batch_size, in_flight=in_flight,
+            recompute=recompute, prec=GPU_PRECISION, split_backward=self.deferred(recompute),
         )  # fmt: skip
+
+    def deferred(self, recompute: str) -> bool:
+        """Whether the memory leaves room for deferred weight gradients: as `train` counts
+        them, wherever the run may split its backwards (`schedule.split_backward` not off;
+        a run that recomputes keeps them whole, `RunConfig.split_backward_blocker`)."""
+        return self.options.split_backward != "off" and recompute == "none"
+
+    def ffn_terms(self, groups: int, in_flight: int, recompute: str) -> tuple[float, float]:
+        """(A, B) with (A + B*m)/n >= `ffn_memory` for every split m + n = W/p, n <= E.
+
+        With W_g = W/p, n_hi = min(W_g - 1, E) and s the states of one expert on every
+        MoE layer of the group: the shard's ceil(E/n) experts hold at most (E - 1 + n)*s/n,
+        and n = W_g - m, so A = (E - 1 + W_g)*s and B gains -s. Activations (and deferred
+        gradients) of m replicas are m/n times those of n shards' worth of pairs and rows;
+        a token's rows (`runtime_memory.shards_per_token`) grow with n, so n_hi's bound
+        them: B gains n_hi * K * one replica's micro-batch on a shard of n_hi.
+        """
+        model, per = self.model, self.gpus // groups
+        n_hi = max(1, min(per - 1, model.num_experts))
+        moe = cm.group_moe_layers(model, groups)
+        one_expert = moe * flops.expert_params(model, 1) * GPU_PRECISION.state
+        tokens = self.seq_len * self.micro_batch_size
+        act = rm.ffn_act_bytes(model, recompute, GPU_PRECISION, tokens=tokens, shards=n_hi)
+        per_replica = in_flight * moe * n_hi * act
+        if self.deferred(recompute):
+            deferred = rm.ffn_deferred_bytes(model, GPU_PRECISION, tokens=tokens, shards=n_hi)
+            per_replica += moe * n_hi * deferred
+        return float((model.num_experts - 1 + per) * one_expert), float(per_replica - one_expert)
 
     def problem(self, groups: int, in_flight: int, recompute: str) -> SplitProblem:
         u = self.units(groups, recompute)
@@ -268,10 +310,27 @@ class Planner:
         )
 
     def max_in_flight_attn(self, groups: int, recompute: str) -> int:
-        """Largest in-flight count whose activations fit on the worst attention replica."""
-        base = self.attn_memory(groups, 0, recompute)
-        per = self.attn_memory(groups, 1, recompute).activations
-        return int((self.cap_bytes - base.total) // per)
+        """Most micro-batches in flight whose activations fit on the worst attention replica
+        of any split (`attn_memory` with n unknown); < 1 when not one does."""
+        return most_in_flight([self.attn_memory(groups, 1, recompute)], self.cap_bytes, sys.maxsize)
+
+    def max_in_flight(self, groups: int, m: int, recompute: str) -> int:
+        """Most micro-batches in flight that fit on both roles of the split with m replicas
+        per group: `training.budget.in_flight_cap`'s rule without a slot limit; < 1 when not
+        one does."""
+        one = self.worker_memory(groups, m, 1, recompute)
+        return most_in_flight(one, self.cap_bytes, sys.maxsize)
+
+    def worker_memory(
+        self, groups: int, m: int, in_flight: int, recompute: str
+    ) -> tuple[cm.MemoryBreakdown, cm.MemoryBreakdown]:
+        """(worst attention replica, worst expert shard) of the split with m replicas per
+        group, by the runtime's model: what `train` predicts for that layout on a GPU."""
+        n = self.gpus // groups - m
+        return (
+            self.attn_memory(groups, in_flight, recompute, shards=n),
+            self.ffn_memory(groups, m, in_flight, recompute),
+        )
 
     def evaluate(
         self,
@@ -299,9 +358,8 @@ class Planner:
         r = prob.nics_per_gpu
         if r is not None and (attn_nics > r * m + 1e-9 or mf > r * n + 1e-9):
             return None
-        a_b, b_b = self.ffn_terms(groups, in_flight, recompute)
-        mem_f = (a_b + b_b * m) / n
-        mem_a = self.attn_memory(groups, in_flight, recompute).total
+        attn_mem, ffn_mem = self.worker_memory(groups, m, in_flight, recompute)
+        mem_a, mem_f = attn_mem.total, ffn_mem.total
         if not self.options.roofline_only and max(mem_a, mem_f) > self.cap_bytes * (1 + 1e-12):
             return None
         u = self.units(groups, recompute)
@@ -437,7 +495,7 @@ def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -
                 "attention memory: one replica needs "
                 f"{mem.total / cm.GIB:.1f} GiB with one micro-batch in flight (states "
                 f"{mem.states / cm.GIB:.1f}, activations {mem.activations / cm.GIB:.1f}, logits "
-                f"{mem.transient / cm.GIB:.1f}) > {planner.cap_bytes / cm.GIB:.1f} GiB usable"
+                f"{mem.transient / cm.GIB:.1f}) > {planner.cap_bytes / cm.GIB:.1f} GiB per GPU"
             )
     k = min(want, k_attn)
     best: Plan | None = None

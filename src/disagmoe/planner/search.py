@@ -92,9 +92,7 @@ def plan_mover(
     cache: dict[tuple[int, int, int, int, str], Plan | None] = {}
 
     def most_in_flight(plan: Plan, recompute: str) -> int:
-        k = memory_in_flight(
-            planner, plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group, recompute
-        )
+        k = memory_in_flight(planner, plan.groups, plan.attn_gpus_per_group, recompute)
         return min(k, plan.micro_batches)
 
     def propose(plan: Plan, rng: random.Random) -> Plan | None:

@@ -190,7 +190,9 @@ def grow_micro_batches(planner: Planner, plan: Plan, prof: SimulatorProfile) -> 
     options = [plan]
     micro = plan.micro_batches * 2
     while micro <= MAX_MICRO_BATCHES_PER_REPLICA:
-        top = min(micro, planner.max_in_flight_attn(plan.groups, plan.recompute))
+        top = min(
+            micro, planner.max_in_flight(plan.groups, plan.attn_gpus_per_group, plan.recompute)
+        )
         cands = [_with_micro_batches(planner, plan, prof, micro, cap)
                  for cap in range(plan.in_flight, top + 1)]  # the FFN memory may admit fewer  # fmt: skip
         feasible = [c for c in cands if c is not None]

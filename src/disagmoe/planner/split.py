@@ -1,5 +1,6 @@
 """The planner's split as the simulator and the bench run it (`planned_split`), and the
-most micro-batches in flight its memory model admits for a given split.
+most micro-batches in flight a given split holds by the runtime's memory model (the one
+`train` caps its in-flight micro-batches with; `Planner.worker_memory`).
 
 These call the planner and are called by `disagmoe simulate`, the bench and Stage 3's
 moves; they live here, not in `simulator`, so that the simulator never imports the
@@ -26,28 +27,31 @@ class PlannedSplit:
     note: str  # how the planner's answer was adapted
 
 
-def memory_in_flight(planner: Any, groups: int, m: int, attn_nics: int, recompute: str) -> int:
-    """Most micro-batches in flight the planner's memory model admits (at least 1).
+def memory_in_flight(planner: Any, groups: int, m: int, recompute: str) -> int:
+    """Most micro-batches in flight the split with m replicas per group holds on a GPU by the
+    runtime's memory model (`Planner.max_in_flight`, as `train` caps it), at least 1."""
+    return max(1, planner.max_in_flight(groups, m, recompute))
 
-    Memory grows with the count in flight, so the admitted counts are 1..k: a bisection
-    over [1, what fits on the attention side] (a small model admits thousands; a scan
-    down from there took the planner tens of seconds). A split that no count admits
-    (its other constraints fail) gives 1, as a scan would.
-    """
 
-    def fits(k: int) -> bool:
-        plan = planner.evaluate(
-            groups=groups, m=m, attn_nics=attn_nics, in_flight=k, recompute=recompute
-        )
-        return plan is not None
+def split_planner(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    *,
+    gpus: int,
+    seq_len: int,
+    micro_batch_size: int,
+    groups: int,
+    split_backward: bool = False,
+) -> Any:
+    """A `Planner` of p = `groups` whose memory model (`worker_memory`, `max_in_flight`)
+    prices a given split; `split_backward`: with room for deferred weight gradients."""
+    from .plan import Planner, PlanOptions
 
-    lo, hi = 1, max(1, planner.max_in_flight_attn(groups, recompute))
-    if fits(hi):
-        return hi
-    while hi - lo > 1:  # fits(lo) or lo == 1; not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return Planner(
+        model=model, cluster=cluster, gpus=gpus, seq_len=seq_len,
+        micro_batch_size=micro_batch_size,
+        options=PlanOptions(groups=groups, split_backward="on" if split_backward else "off"),
+    )  # fmt: skip
 
 
 def runnable_in_flight(
@@ -61,16 +65,39 @@ def runnable_in_flight(
     attn_workers: int,
     recompute: str,
 ) -> int:
-    """`memory_in_flight` for a given split (one fair NIC share per GPU)."""
-    from .plan import Planner, PlanOptions
-
-    planner = Planner(
-        model=model, cluster=cluster, gpus=gpus, seq_len=seq_len,
-        micro_batch_size=micro_batch_size, options=PlanOptions(groups=groups),
+    """`memory_in_flight` for a given split."""
+    planner = split_planner(
+        model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
+        groups=groups,
     )  # fmt: skip
-    nics = planner.problem(groups, 1, recompute).nics
-    ma = max(1, min(nics - 1, round(nics * attn_workers / (gpus // groups))))
-    return memory_in_flight(planner, groups, attn_workers, ma, recompute)
+    return memory_in_flight(planner, groups, attn_workers, recompute)
+
+
+def memory_error(planner: Any, groups: int, m: int, in_flight: int, recompute: str) -> str:
+    """One line, or "" when the split with m replicas per group and `in_flight` micro-batches
+    fits the planner's budget: the role that does not, by how much, and what to change."""
+    from ..costs.costmodel import GIB
+
+    attn, ffn = planner.worker_memory(groups, m, in_flight, recompute)
+    role, mem = max((("attention replica", attn), ("expert shard", ffn)), key=lambda r: r[1].total)
+    cap = planner.cap_bytes
+    if mem.total <= cap:
+        return ""
+    parts = [f"states {mem.states / GIB:.1f}", f"activations {mem.activations / GIB:.1f}"]
+    parts += [f"logits {mem.transient / GIB:.1f}"] if mem.transient else []
+    parts += [f"deferred gradients {mem.deferred / GIB:.1f}"] if mem.deferred else []
+    fixes = [] if recompute == "full" else ["--recompute full"]
+    fits = planner.max_in_flight(groups, m, recompute)
+    if 1 <= fits < in_flight:
+        fixes.append(f"--max-in-flight {fits}")
+    fixes.append("more GPUs (--nodes)" if role == "expert shard" else "more --groups or GPUs")
+    fix = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
+    return (
+        f"the {role} of p={groups}, m={m}, n={planner.gpus // groups - m} with recompute "
+        f"{recompute} and {in_flight} micro-batch(es) in flight needs {mem.total / GIB:.1f} GiB "
+        f"({', '.join(parts)}), {(mem.total - cap) / GIB:.1f} GiB over the "
+        f"{cap / GIB:g} GiB of a GPU; use {fix}"
+    )
 
 
 def planned_split(
@@ -82,22 +109,24 @@ def planned_split(
     micro_batch_size: int,
     groups: int = 0,
     micro_batches: int = 0,
+    split_backward: bool = False,
+    recompute: str = "auto",
 ) -> PlannedSplit:
     """The planner's (p, m, n, M_a, M_f), in-flight cap and recompute choice.
 
     The split is the planner's own (its MILP keeps n <= E; the runtime runs uneven
     shards and replicas); `micro_batches`, when given, must leave every one of the m
-    replicas at least one. In flight: the most micro-batches its memory model admits
-    for that split. (The plan's own `in_flight` stops at its ring length 2p — enough to
+    replicas at least one; `split_backward`: room for deferred weight gradients;
+    `recompute`: the planner's choice (auto) or the one given. In
+    flight: the most micro-batches that split holds by the runtime's memory model. (The plan's own `in_flight` stops at its ring length 2p — enough to
     keep the 2p compute components busy, but AF-Pipe also has 2p exchange stages to
     overlap.)
     """
     from . import plan_for
-    from .plan import Planner, PlanOptions
 
     plan = plan_for(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
-        groups=groups,
+        groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
@@ -107,11 +136,11 @@ def planned_split(
             f"{micro_batches} micro-batches; give at least {m} (--micro-batches)"
         )
     assert n <= model.num_experts, (n, model.num_experts)  # the MILP's constraint
-    planner = Planner(
-        model=model, cluster=cluster, gpus=gpus, seq_len=seq_len,
-        micro_batch_size=micro_batch_size, options=PlanOptions(groups=p),
+    planner = split_planner(
+        model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
+        groups=p, split_backward=split_backward,
     )  # fmt: skip
-    k = memory_in_flight(planner, p, m, ma, plan.recompute)
+    k = memory_in_flight(planner, p, m, plan.recompute)
     return PlannedSplit(
         groups=p,
         attn_workers=m,

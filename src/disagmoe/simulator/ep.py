@@ -30,13 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig, TrainConfig
+from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
 from ..costs import costmodel as cm
 from ..costs.flops import CORE_BACKWARD, GEMM_BACKWARD, backward_factors, expert_flops
 from ..distributed.ep_layout import EPLayout, split_layers
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Instr, Msg, Schedule
-from ..training.budget import run_precision
+from ..training.budget import GPU_PRECISION
 from ..training.ep_budget import predict_ep_memory
 from .costs import MessageOverheads, Workload
 from .engine import run_program
@@ -60,10 +60,6 @@ class EPCostModel(Protocol):
 
     def attn(self, layer: int, kind: str) -> float: ...
     def experts(self, kind: str) -> float: ...
-
-
-# what `simulate` prices an EP rank's memory in: bf16 compute, fp32 weights and AdamW states
-SIM_PRECISION = run_precision(TrainConfig(dtype="bfloat16"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +115,7 @@ def ep_memory(
     num_micro_batches: int,
     chunks: int = 2,
     recompute: str = "none",
-    prec: cm.Precision = SIM_PRECISION,
+    prec: cm.Precision = GPU_PRECISION,
 ) -> list[cm.MemoryBreakdown]:
     """Peak bytes of every pipeline rank of a layout (`training.ep_budget`), after the same
     size checks as `simulate_ep`."""
@@ -170,7 +166,7 @@ def simulate_ep(
     model_costs: EPCostModel = costs or analytic_ep_costs(lay, workload, cluster, net, recompute)
     memory = predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
-        prec=SIM_PRECISION,
+        prec=GPU_PRECISION,
     )  # fmt: skip
     schedule = build_baseline_schedule(
         lay,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 
 from ..config import RunConfig, TrainConfig
 from ..costs import costmodel as cm
@@ -89,6 +90,11 @@ def run_precision(train: TrainConfig) -> cm.Precision:
     return prec
 
 
+# what a GPU run trains in by default (bf16 compute, fp32 weights, gradients and AdamW
+# states): `simulate` and the planner price a rank's memory in it
+GPU_PRECISION = run_precision(TrainConfig(dtype="bfloat16"))
+
+
 def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
     """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
     train, par = cfg.train, cfg.parallel
@@ -127,12 +133,19 @@ def in_flight_cap(cfg: RunConfig, slots: int) -> int:
         return cfg.schedule.max_in_flight
     if cfg.schedule.max_in_flight == NO_CAP:
         return slots
-    caps = [slots]
-    for role in (one.attn, one.ffn):
+    return max(1, most_in_flight((one.attn, one.ffn), budget, slots))
+
+
+def most_in_flight(one: Iterable[cm.MemoryBreakdown], budget: float, limit: int) -> int:
+    """The largest K <= `limit` with states + transient + deferred + K * activations <=
+    `budget` on every role, from each role's memory with one slot in flight; < 1 when not
+    even one slot fits."""
+    caps = [limit]
+    for role in one:
         if role.activations > 0:
             free = budget - role.states - role.transient - role.deferred
             caps.append(int(free // role.activations))
-    return max(1, min(caps))
+    return min(caps)
 
 
 def _check_fits(one: RunMemory, budget: float, gib: float) -> None:
