@@ -429,6 +429,8 @@ BENCH_TITLES = {
     "bench8_pp1": "8 emulated workers, experts sharded over every worker (pp 1)",
     "bench8_nic01_searched": "8 emulated workers at 0.1 Gbit/s NICs, best layouts",
     "bench16_searched": "16 emulated workers, each EP runtime at its best layout",
+    "bench8_tinyshared_searched": "8 emulated workers, tiny-shared (a dense first layer, a "
+    "shared expert), best layouts",
 }
 BENCH_ABOUT = (
     "`disagmoe bench` on the emulated cluster: every runtime beside the bound of its own run, "
@@ -436,6 +438,7 @@ BENCH_ABOUT = (
 )
 ORDER = (
     "bench8_searched", "bench8_pp1", "bench8_nic01_searched", "bench16_searched",
+    "bench8_tinyshared_searched",
     "schedule_orders", "schedule_whatif", "schedule_chain", "schedule_chain_head025",
     "schedule_chain_plans",
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
