@@ -39,9 +39,17 @@ def main() -> int:
         for gpus in GPUS:
             for seq in SEQS:
                 model = MODEL_PRESETS[name]
-                full = plan_for(model, cluster, gpus=gpus, seq_len=seq, micro_batch_size=1)
                 paper = plan_for(model, cluster, gpus=gpus, seq_len=seq, micro_batch_size=1,
                                  roofline_only=True)  # fmt: skip
+                try:
+                    full = plan_for(model, cluster, gpus=gpus, seq_len=seq, micro_batch_size=1)
+                except ValueError as err:  # no split fits the GPU's memory: the row says so
+                    rows.append({"model": name, "gpus": gpus, "seq_len": seq,
+                                 "full": {"error": str(err)}, "paper": paper.to_dict(),
+                                 "full_attn_frac": None,
+                                 "paper_attn_frac": paper.attn_gpus / gpus})  # fmt: skip
+                    print(f"{name:18s} {gpus:4d} {seq:6d} | no feasible plan")
+                    continue
                 rows.append({
                     "model": name, "gpus": gpus, "seq_len": seq,
                     "full": full.to_dict(), "paper": paper.to_dict(),
@@ -58,7 +66,9 @@ def main() -> int:
         for gpus, style in zip(GPUS, ("o-", "s-"), strict=True):
             sel = [r for r in rows if r["model"] == name and r["gpus"] == gpus]
             seqs = [int(r["seq_len"]) for r in sel]  # type: ignore[call-overload]
-            ax.plot(seqs, [r["full_attn_frac"] for r in sel], style, label=f"full, {gpus} GPUs")
+            fits = [r for r in sel if r["full_attn_frac"] is not None]
+            ax.plot([int(r["seq_len"]) for r in fits], [r["full_attn_frac"] for r in fits],  # type: ignore[call-overload]
+                    style, label=f"full, {gpus} GPUs")  # fmt: skip
             ax.plot(seqs, [r["paper_attn_frac"] for r in sel], style.replace("-", "--"),
                     alpha=0.6, label=f"roofline only, {gpus} GPUs")  # fmt: skip
         ax.set_xscale("log", base=2)

@@ -313,6 +313,7 @@ TABLES: dict[str, Table] = {
             Col(head="model", get="model"),
             Col(head="GPUs", get="gpus"),
             Col(head="seq", get="seq_len"),
+            Col(head="fits", get=lambda r: "error" not in r["full"]),
             Col(head="p", get="full.groups"),
             Col(head="A:F", get=lambda r: f"{r['full']['attn_gpus']}:{r['full']['ffn_gpus']}"),
             Col(head="NICs", get=lambda r: f"{r['full']['attn_nics']}:{r['full']['ffn_nics']}"),
