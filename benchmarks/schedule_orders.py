@@ -120,6 +120,8 @@ def main() -> None:
             else:
                 steps.setdefault(f"{order}{'+c' if costed else ''}", {})[chunks] = step
         best = {k: min(v[k] for v in steps.values()) for k in CHUNK_CANDIDATES}
+        # none where the plan recomputes: a recomputing run keeps whole backwards
+        best_split = min(split_steps, default=None)
         one = simulate_disagg(
             model, cluster, order="auto", exchange_chunks=0, reduce=True, split_backward=None,
             **{**kw, "num_micro_batches": kw["attn_workers"]},
@@ -135,7 +137,7 @@ def main() -> None:
         print(f"{label:34s} {layout:>8s} {kw['num_micro_batches']:3d} {cap:3d} "
               + " ".join(f"{steps[n][1]:9.4f}" for n in names)
               + " " + " ".join(f"{best[k]:9.4f}" for k in CHUNK_CANDIDATES if k > 1)
-              + f" {min(split_steps):9.4f}"
+              + (f" {best_split:9.4f}" if best_split is not None else f" {'-':>9s}")
               + f" {chosen:>11s} {chunks:6d} {auto.step_time_s:8.4f} {bound:8.4f} "
               f"{auto.step_time_s / bound:6.3f} {best[1] / bound:8.3f} {one.step_time_s:8.4f}  "
               f"{auto.bound.describe() if auto.bound else '-'}", flush=True)  # fmt: skip
@@ -149,7 +151,7 @@ def main() -> None:
                 "candidate_steps_by_chunks_s": {n: {str(k): t for k, t in v.items()}
                                                 for n, v in steps.items()},
                 "best_step_by_chunks_s": {str(k): t for k, t in best.items()},
-                "best_split_backward_step_s": min(split_steps),
+                "best_split_backward_step_s": best_split,
                 "split_backward": auto.config["split_backward"],
                 "chosen": chosen,
                 "exchange_chunks": chunks,
