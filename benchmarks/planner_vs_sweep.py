@@ -101,7 +101,12 @@ def main() -> None:
           f"{'tok/s':>9s} {'gap %':>6s} {'plan s':>7s} {'sweep s':>8s} {'points':>6s}")  # fmt: skip
     for name in args.models:
         for seq in args.seqs:
-            row = compare(name, seq, gpus, args)
+            try:
+                row = compare(name, seq, gpus, args)
+            except ValueError as err:  # no plan fits the GPU's memory: the row says so
+                rows.append({"model": name, "seq_len": seq, "gpus": gpus, "error": str(err)})
+                print(f"{name:17s} {seq:6d} no feasible plan", flush=True)
+                continue
             rows.append(row)
             print(f"{name:17s} {seq:6d} {row['planner_plan']:28s} {row['planner_tokens_s']:9,.0f} "
                   f"{row['best_plan']:28s} {row['best_tokens_s']:9,.0f} {row['gap_pct']:6.1f} "
@@ -112,13 +117,17 @@ def main() -> None:
         for name in args.timing_models:
             for seq in args.seqs:
                 t0, c0 = time.perf_counter(), time.process_time()
-                plan = plan_for(model_preset(name), H800, gpus=n, seq_len=seq,
-                                micro_batch_size=1, profile="simulator")  # fmt: skip
+                try:
+                    plan = plan_for(model_preset(name), H800, gpus=n, seq_len=seq,
+                                    micro_batch_size=1, profile="simulator")  # fmt: skip
+                    what = describe(plan)
+                except ValueError:  # infeasible: how long it took to say so
+                    what = "no feasible plan"
                 seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
                 timings.append({"gpus": n, "model": name, "seq_len": seq, "plan_s": seconds,
-                                "plan_cpu_s": cpu, "plan": describe(plan)})  # fmt: skip
+                                "plan_cpu_s": cpu, "plan": what})  # fmt: skip
                 print(f"planning {name} seq {seq} on {n} GPUs: {seconds:.1f} s wall, {cpu:.1f} s "
-                      f"CPU ({describe(plan)})", flush=True)  # fmt: skip
+                      f"CPU ({what})", flush=True)  # fmt: skip
     if args.json:
         write_json(args.json, {"cluster": "h800", "gpus": gpus, "rows": rows, "timings": timings,
                                "grid": {"m_points": args.m_points,

@@ -355,6 +355,7 @@ TABLES: dict[str, Table] = {
             Col(head="plan s", get="plan_s", fmt="{:.1f}"),
             Col(head="sweep s", get="sweep_s", fmt="{:.1f}"),
             Col(head="points", get="swept_points"),
+            Col(head="infeasible", get="error"),
         ),
     ),
     "uneven_splits": Table(
