@@ -433,6 +433,8 @@ BENCH_TITLES = {
     "bench16_searched": "16 emulated workers, each EP runtime at its best layout",
     "bench8_tinyshared_searched": "8 emulated workers, tiny-shared (a dense first layer, a "
     "shared expert), best layouts",
+    "bench8_tinyshared_nic01_searched": "8 emulated workers, tiny-shared at 0.1 Gbit/s NICs, "
+    "best layouts",
 }
 BENCH_ABOUT = (
     "`disagmoe bench` on the emulated cluster: every runtime beside the bound of its own run, "
@@ -440,7 +442,7 @@ BENCH_ABOUT = (
 )
 ORDER = (
     "bench8_searched", "bench8_pp1", "bench8_nic01_searched", "bench16_searched",
-    "bench8_tinyshared_searched",
+    "bench8_tinyshared_searched", "bench8_tinyshared_nic01_searched",
     "schedule_orders", "schedule_whatif", "schedule_chain", "schedule_chain_head025",
     "schedule_chain_plans",
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
