@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-from ..config import RunConfig, replace_section
+from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..device import resolve_device
 from ..distributed.topology import allreduce_grads, world_sum
@@ -43,7 +43,7 @@ from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
 from ..torch_private import PipelineSchedule, PipelineStageBase
 from ..trace import Tracer
-from ..training.budget import resolve_memory_budget
+from ..training.budget import world_memory_budget
 from ..training.ep_budget import check_ep_run, peak_in_flight, predict_ep_run
 from ..training.evaluate import EvalSet
 from ..training.memory import ActivationMeter, device_peak_bytes, role_memory, state_bytes
@@ -70,12 +70,7 @@ class EPTrainer:
 
     def __init__(self, cfg: RunConfig, *, overlap_chunks: int | None = None) -> None:
         self.rank = dist.get_rank()
-        if cfg.train.memory_gib <= 0:  # one budget for all ranks: rank 0's, broadcast
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-            budget = [resolve_memory_budget(cfg, local).train.memory_gib]
-            dist.broadcast_object_list(budget, src=0)
-            cfg = replace_section(cfg, "train", memory_gib=budget[0])
-        self.cfg = cfg
+        self.cfg = cfg = world_memory_budget(cfg)  # one budget for all ranks
         self.device = resolve_device(cfg.parallel.device)
         self.layout = EPLayout.build(cfg.model, cfg.parallel, cfg.train, dist.get_world_size())
         # the memory model, per pipeline rank; a layout over the budget stops every rank here

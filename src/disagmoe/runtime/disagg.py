@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..config import RunConfig, replace_section
+from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..device import payload_backend, resolve_device
 from ..distributed.layout import Layout, num_slots, run_layout
@@ -43,7 +43,7 @@ from ..schedule.orders import Chooser, Resolved, given_schedule
 from ..schedule.semantics import RankProgram
 from ..schedule.validate import validate
 from ..trace import Tracer
-from ..training.budget import predict_memory, resolve_memory_budget, run_cap
+from ..training.budget import predict_memory, run_cap, world_memory_budget
 from ..training.evaluate import EvalSet
 from ..training.memory import ActivationMeter, device_peak_bytes, role_memory, state_bytes
 from ..training.objective import (
@@ -153,12 +153,7 @@ class DisaggTrainer:
     def __init__(self, cfg: RunConfig, choose: Chooser = given_schedule) -> None:
         """`choose` picks what `cfg` leaves automatic in the schedule (`resolve_schedule`)."""
         self.rank = dist.get_rank()
-        if cfg.train.memory_gib <= 0:  # one budget for all ranks: rank 0's, broadcast
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-            budget = [resolve_memory_budget(cfg, local).train.memory_gib]
-            dist.broadcast_object_list(budget, src=0)
-            cfg = replace_section(cfg, "train", memory_gib=budget[0])
-        self.cfg = cfg
+        self.cfg = cfg = world_memory_budget(cfg)  # one budget for all ranks
         self.layout = run_layout(cfg, dist.get_world_size())
         self.cap = run_cap(cfg, self.layout)
         # above `whole_world_ranks` only this rank's list: time and memory follow its own

@@ -59,6 +59,19 @@ def resolve_memory_budget(cfg: RunConfig, local_ranks: int) -> RunConfig:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_gib=gib))
 
 
+def world_memory_budget(cfg: RunConfig) -> RunConfig:
+    """`cfg` with the budget every rank of the process group uses: `train.memory_gib` if
+    given, else rank 0's `resolve_memory_budget` (its local world's share), broadcast."""
+    import torch.distributed as dist
+
+    if cfg.train.memory_gib > 0:
+        return cfg
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    budget = [resolve_memory_budget(cfg, local).train.memory_gib]
+    dist.broadcast_object_list(budget, src=0)
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_gib=budget[0]))
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunMemory:
     """Predicted bytes per rank of each role for `in_flight` micro-batch slots."""
