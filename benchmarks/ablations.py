@@ -70,9 +70,12 @@ class Case:
     def split(self, groups: int, m: int) -> Plan | None:
         """The planner's plan at p = `groups` with m replicas (module doc), or None."""
         if groups != self.plan.groups:
-            base = plan_for(self.model, H800, gpus=self.gpus, seq_len=self.seq_len,
-                            micro_batch_size=1, profile="analytic", groups=groups,
-                            search_moves=0)  # fmt: skip
+            try:
+                base = plan_for(self.model, H800, gpus=self.gpus, seq_len=self.seq_len,
+                                micro_batch_size=1, profile="analytic", groups=groups,
+                                search_moves=0)  # fmt: skip
+            except ValueError:  # no split at this p fits the GPU's memory
+                return None
         else:
             base = self.plan
         prob = self.planner.problem(groups, 1, base.recompute)
@@ -209,8 +212,13 @@ def sweep_virtual(seq: int) -> list[dict[str, Any]]:
         if p == case.plan.groups:
             plan = case.plan
         else:
-            seed = plan_for(case.model, H800, gpus=case.gpus, seq_len=seq, micro_batch_size=1,
-                            profile="analytic", groups=p, search_moves=0)  # fmt: skip
+            try:
+                seed = plan_for(case.model, H800, gpus=case.gpus, seq_len=seq,
+                                micro_batch_size=1, profile="analytic", groups=p,
+                                search_moves=0)  # fmt: skip
+            except ValueError:  # no split at this p fits the GPU's memory
+                print(f"  p={p:2d}: no feasible plan")
+                continue
             plan = dataclasses.replace(seed, step_time_s=case.profile(seed))
         r = case.point(plan, kind="planner" if plan is case.plan else "p",
                        virtual_stages=case.model.num_layers // p)  # fmt: skip

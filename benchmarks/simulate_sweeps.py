@@ -139,7 +139,11 @@ def sweep_seq_len(nodes: int, lens: list[int], per_replica: int) -> list[dict[st
     for name in PRESETS:
         for seq in lens:
             for runtime in MULTI_WORKER_RUNTIMES:
-                r = run(runtime, MODEL_PRESETS[name], nodes, seq, per_replica)
+                try:
+                    r = run(runtime, MODEL_PRESETS[name], nodes, seq, per_replica)
+                except ValueError as err:  # no plan fits the GPU's memory: no point
+                    print(f"  {name:17s} {seq:6d} {runtime:15s} infeasible: {str(err)[:80]}")
+                    continue
                 rows.append(row(r, model=name, runtime=runtime, seq_len=seq, nodes=nodes))
                 b = r.bound
                 over = f"{r.step_time_s / b.seconds:5.2f}x bound ({b.describe()})" if b else ""
