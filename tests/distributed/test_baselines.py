@@ -99,7 +99,11 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
                 "dense_bytes": grad_bytes[False],
                 "expert_bytes": grad_bytes[True],
                 "sent": traced_sends(trainer.tracer.step_events(STEPS - 1), trainer.rank),
-                "fb_overlapped": _forward_beside_backward(trainer.tracer.step_events(STEPS - 1)),
+                # any step: a pair's halves may run apart in one step when a gradient or an
+                # activation arrives late (the ranks share a loaded host)
+                "fb_overlapped": any(
+                    _forward_beside_backward(trainer.tracer.step_events(s)) for s in range(STEPS)
+                ),
                 "early_buckets": _buckets_in_backward(trainer.tracer.step_events(STEPS - 1)),
             }
         )
