@@ -5,9 +5,9 @@ against the fastest baseline.
     python benchmarks/bench_table.py benchmarks/results/bench8_searched.json [...]
 
 Columns: tokens/s; step s (median over measured steps); bound s (max over ranks of compute
-and its node's busier NIC direction, from the trace: `bench.analysis.trace_bound`) and
+and its node's busier NIC direction, from the trace: `bench.bound.trace_bound`) and
 step/bound; the bound with the pipeline's fill and drain at the row's layout and
-micro-batch count (`bench.analysis.pipeline_fill`; AF-Pipe's is its bound) and step over
+micro-batch count (`bench.bound.pipeline_fill`; AF-Pipe's is its bound) and step over
 it; what binds; exposed communication (s/step, mean over ranks); the simulator's
 error on the step; the layout the row ran; tokens/s against the fastest EP runtime.
 """

@@ -1,5 +1,5 @@
 """Every byte the AF-Pipe runtime sends in a step is in its trace: per (sender, receiver),
-the bytes `bench.analysis.send_bytes` reads from each rank's trace (the rule the bench's
+the bytes `bench.bound.send_bytes` reads from each rank's trace (the rule the bench's
 bound counts with) equal what the layout and the step's routing say the ranks must send
 (`traffic.expected_disagg_sends`): the token exchanges (dispatch, combine and their
 gradients), the residual between groups and its gradient exactly, the gradient all-reduce

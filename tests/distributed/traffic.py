@@ -1,5 +1,5 @@
 """What each rank of an expert-parallel run must send in one step, from the layout and the
-routing alone, against what its trace says it sent (`bench.analysis.send_bytes`, the
+routing alone, against what its trace says it sent (`bench.bound.send_bytes`, the
 rule the bench's bound counts bytes with).
 
 Per MoE layer and micro-batch, rank r sends EP peer j (r != j), with R[r][j] the tokens of
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from disagmoe.bench.analysis import send_bytes
+from disagmoe.bench.bound import send_bytes
 from disagmoe.config import RunConfig
 from disagmoe.distributed.ep_layout import EPLayout
 from disagmoe.distributed.exchange import META_WORDS

@@ -72,7 +72,7 @@ def test_trace_bound_counts_cross_node_bytes_per_direction() -> None:
     """Ranks 0, 1 on node 0 and 2, 3 on node 1 (1 MB/s NICs). Node 0 sends 3 MB to node 1
     (a message, an all-to-all split and a pipeline p2p) and 1 MB within itself; rank 2's
     4 s of compute include a 1 s blocking all-to-all wait; its STEP takes 0.5 s."""
-    from disagmoe.bench.analysis import trace_bound
+    from disagmoe.bench.bound import trace_bound
 
     events = [
         _ev(0, "send", "send dispatch", 0, 10, dst=2, bytes=1e6),
@@ -99,7 +99,8 @@ def test_trace_bound_and_tail_with_the_all_reduce_in_buckets() -> None:
     """The overlapped all-reduce (`runtime.grad_sync`): per-layer bucket events on the sync
     lane carry the bytes (the SYNC event none) and count as one flat all-reduce of their
     sum would; the SYNC + STEP tail added to a replay is SYNC and STEP only."""
-    from disagmoe.bench.analysis import _sync_step_s, trace_bound
+    from disagmoe.bench.analysis import _sync_step_s
+    from disagmoe.bench.bound import trace_bound
 
     flat = [_ev(r, "sync", "SYNC grads", 5e6, 1e3, bytes=2e6, peers=[0, 2]) for r in (0, 2)]
     buckets = [
@@ -121,7 +122,7 @@ def test_trace_bound_takes_the_least_step_and_adds_a_pipelines_fill() -> None:
     finish (rank 0) and 3 s on rank 2, which waits in it. Rank 2's first stage is 2: its
     compute (18 s) waits for stages 0 and 1 to forward one micro-batch (3 s) and is
     followed by their input gradients (6 s)."""
-    from disagmoe.bench.analysis import pipeline_fill, trace_bound
+    from disagmoe.bench.bound import pipeline_fill, trace_bound
 
     events = []
     for stage, (f, b) in enumerate(((1, 2), (2, 4), (3, 6))):

@@ -37,7 +37,6 @@ from ..config import ClusterConfig, RunConfig
 from ..distributed.layout import Layout
 from ..schedule.ir import Instr, Msg, compute_event_name
 from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
-from ..simulator.bound import Bound, worker_bound
 from ..simulator.ep import EPCosts
 from ..simulator.links import LinkModel
 from ..trace import (
@@ -132,134 +131,6 @@ def _flights(events: list[Event]) -> dict[tuple[int, int], list[Interval]]:
             if t0 is not None and t0 < end:
                 flights[(e["pid"], a.get("step"))].append((t0, end))
     return flights
-
-
-def send_bytes(e: Event) -> list[tuple[int, float]]:
-    """(destination rank, bytes) of one traced send: a message, a pipeline p2p, an
-    all-to-all (bytes per member), or a gradient all-reduce (ring in member order: each
-    member sends 2 (g - 1) / g of the buffer to the next one)."""
-    args = e["args"]
-    if e["cat"] == "sync":
-        peers = args.get("peers") or []
-        if len(peers) < 2 or e["pid"] not in peers:
-            return []
-        g = len(peers)
-        nxt = peers[(peers.index(e["pid"]) + 1) % g]
-        return [(nxt, 2.0 * (g - 1) / g * args.get("bytes", 0))]
-    if e["cat"] != "send":
-        return []
-    if "dst" in args:
-        return [(args["dst"], float(args.get("bytes", 0)))]
-    return [
-        (r, float(b))
-        for r, b in zip(args.get("peers", []), args.get("peer_bytes", []), strict=True)
-    ]
-
-
-def pipeline_fill(events: list[Event]) -> dict[int, tuple[float, float]]:
-    """{rank: (head s, tail s)} of one step of a pipeline of stages (the ep-* runtimes'
-    `stage` events; empty for a run without them).
-
-    A rank whose first stage (in forward order: stage index) is f cannot start its
-    first forward before stages 0..f-1 have each run one micro-batch's forward, and the
-    step cannot end before, after its last backward, stages f-1..0 have each run one
-    micro-batch's input gradient (B, or I where the runtime splits the weight gradient W
-    off). Each stage's forward / backward is the least compute any of its micro-batches
-    took on any rank holding it (its own seconds: blocking waits inside excluded);
-    transfers between stages are left out. So head and tail hold under any order of the
-    runtime's operations at this layout and micro-batch count."""
-    waits: dict[int, list[Interval]] = defaultdict(list)
-    for e in events:
-        if e["args"].get("blocking"):
-            waits[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
-    merged = {pid: union_intervals(spans) for pid, spans in waits.items()}
-    fwd: dict[int, float] = {}
-    bwd: dict[int, float] = {}
-    stages: dict[int, set[int]] = defaultdict(set)
-    for e in events:
-        if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
-            continue
-        what, stage = parse_event_name(e["name"]).what, int(e["args"]["stage"])
-        span = [(e["ts"], e["ts"] + e["dur"])]
-        own = (total_length(span) - overlap_length(span, merged.get(e["pid"], []))) / 1e6
-        if what == "F":
-            stages[e["pid"]].add(stage)
-            fwd[stage] = min(fwd.get(stage, own), own)
-        elif what in ("B", "I"):
-            bwd[stage] = min(bwd.get(stage, own), own)
-    out = {}
-    for rank, held in stages.items():
-        first = min(held)
-        out[rank] = (
-            sum(fwd.get(s, 0.0) for s in range(first)),
-            sum(bwd.get(s, 0.0) for s in range(first)),
-        )
-    return out
-
-
-def trace_bound(
-    events: list[Event],
-    step_times: dict[int, float],
-    node_of: Callable[[int], int],
-    node_bytes_per_s: Sequence[float],
-    *,
-    fill: bool = False,
-) -> Bound:
-    """The step-time lower bound (`simulator.bound`) of a measured run, from its trace.
-
-    Per measured step and rank: compute = its compute lanes minus blocking waits, the
-    optimizer STEP apart (serial: the step's least STEP over ranks, as a rank that
-    finishes early waits inside its STEP's reductions for the others); network = the busier direction of its node's NIC:
-    bytes its node's ranks send to / receive from other nodes (messages, pipeline p2p,
-    all-to-all splits, the gradient all-reduce as a ring) / the node's rate. Traffic inside
-    a node (loopback) is not counted. Median over the steps of each step's bound.
-
-    With `fill`, a pipeline rank's compute also waits for the pipeline to fill before it
-    and drain after it (`pipeline_fill`): head + compute + max(tail, STEP); the bound of
-    the run's layout and micro-batch count, not of its hardware alone. Runs without
-    pipeline stages (AF-Pipe) get the plain bound.
-    """
-    per_step: dict[int, list[Event]] = defaultdict(list)
-    for e in events:
-        step = e.get("args", {}).get("step")
-        if e.get("ph") == "X" and step in step_times:
-            per_step[step].append(e)
-    bounds = []
-    for evs in per_step.values():
-        by_rank: dict[int, list[Event]] = defaultdict(list)
-        out: dict[int, float] = defaultdict(float)
-        into: dict[int, float] = defaultdict(float)
-        for e in evs:
-            by_rank[e["pid"]].append(e)
-            for dst, nbytes in send_bytes(e):
-                src_node, dst_node = node_of(e["pid"]), node_of(dst)
-                if src_node != dst_node:
-                    out[src_node] += nbytes
-                    into[dst_node] += nbytes
-        compute, network, serial = {}, {}, {}
-        for rank, mine in by_rank.items():
-            spans = event_spans(e for e in mine if e["cat"] in COMPUTE_LANES)
-            spans = subtract_intervals(
-                spans, event_spans(e for e in mine if e["args"].get("blocking"))
-            )
-            compute[rank] = total_length(spans) / 1e6
-            serial[rank] = (
-                sum(e["dur"] for e in mine if e["cat"] == "sync" and e["name"] == "STEP") / 1e6
-            )
-            node = node_of(rank)
-            network[rank] = max(out[node], into[node]) / node_bytes_per_s[node]
-        # STEP holds the world's loss and norm reductions: a rank done early waits in it
-        # for the last one. The step's least STEP (the last rank's) is the optimizer's own.
-        stepped = {e["pid"] for e in evs if e["cat"] == "sync" and e["name"] == "STEP"}
-        least = min((serial[r] for r in stepped), default=0.0)
-        serial = {r: least if r in stepped else 0.0 for r in serial}
-        if fill:  # worker_bound adds STEP: the drain counts where it outlasts it
-            for rank, (head, tail) in pipeline_fill(evs).items():
-                compute[rank] += head + max(tail - serial.get(rank, 0.0), 0.0)
-        bounds.append(worker_bound(compute, network, serial))
-    if not bounds:
-        return Bound(0.0, "compute", "-", 0.0, 0.0, 0.0)
-    return sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
 
 
 def _sync_step_s(events: list[Event]) -> float:
@@ -497,9 +368,6 @@ __all__ = [
     "Breakdown",
     "Replay",
     "emulated_network",
-    "pipeline_fill",
     "predict",
-    "send_bytes",
-    "trace_bound",
     "trace_breakdown",
 ]

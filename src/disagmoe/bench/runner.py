@@ -39,9 +39,9 @@ from .analysis import (
     Replay,
     emulated_network,
     predict,
-    trace_bound,
     trace_breakdown,
 )
+from .bound import trace_bound
 from .netns import EmulatedCluster, LoopbackCluster
 from .spec import BenchSpec, Entry
 

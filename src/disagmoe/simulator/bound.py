@@ -15,7 +15,7 @@ One optimizer step cannot end before any worker has done its own work on any res
 
 Per-message CPU costs of a runtime (posting, hand-over) are not hardware and are left
 out, so a runtime's `step / bound` also shows what its host overheads cost.
-`program_bound` reads a simulated `Program`; `bench.analysis.trace_bound` the same terms
+`program_bound` reads a simulated `Program`; `bench.bound.trace_bound` the same terms
 from a measured run's trace and byte counts (docs/design.md §4: every speed claim
 states its bound; docs/simulator.md, docs/bench.md read it per setting).
 """

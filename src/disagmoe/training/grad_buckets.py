@@ -14,7 +14,7 @@ here (`BucketedAllReduce`):
 * **Finish** (`finish`, before the optimizer step): what has not started starts, each
   bucket is waited for in order, its sums are copied back into the gradients, and it is
   traced on the "sync" lane from its start to its completion with its bytes and peers
-  (what `bench.analysis.trace_bound` counts as the rank's all-reduce traffic).
+  (what `bench.bound.trace_bound` counts as the rank's all-reduce traffic).
 
 Sums are elementwise over the same members as one flat all-reduce, so a float64 run
 still equals the single-process reference.
