@@ -30,8 +30,9 @@ import dataclasses
 import math
 
 from disagmoe.config import split_backward_flag
-from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score, seed_plans
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
 from disagmoe.planner.search import refine_plan
+from disagmoe.planner.seed import seed_plans
 from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
 from disagmoe.simulator.costs import InstrCosts
 
