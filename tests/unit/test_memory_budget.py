@@ -23,15 +23,15 @@ def _cfg(**train: object) -> RunConfig:
 
 
 def test_ffn_bytes_by_hand() -> None:
-    # 128 tokens, k=2, n=1: 256 pairs, 128 rows; H = I = 64, float32.
+    # 128 tokens, k=2, n=1: 256 pairs, 128 rows; H = I = 64, float32. The rows received
+    # and the outputs sent are not kept (runtime.stages): only what the experts save.
     kept = rm.ffn_act_bytes(TINY, "none", F32, tokens=128, shards=1)
-    inputs_outputs = 128 * 2 * 4 * 64 + 256 * (4 + 16)
     swiglu = 256 * (4 * (3 * 64 + 4 * 64 + 1) + 16)
-    assert kept == inputs_outputs + swiglu
+    assert kept == swiglu
     # full: the checkpoint keeps the concatenated rows and their ids, and the assignments
     checkpoint_inputs = 128 * (4 * 64 + 8) + 256 * (4 + 16)
     full = rm.ffn_act_bytes(TINY, "full", F32, tokens=128, shards=1)
-    assert full == inputs_outputs + checkpoint_inputs
+    assert full == checkpoint_inputs
     assert rm.ffn_act_bytes(TINY, "attn", F32, tokens=128, shards=1) == kept
 
 
@@ -42,13 +42,15 @@ def test_attention_bytes_follow_recompute_and_dtype() -> None:
     )  # type: ignore[arg-type]
     assert none - attn == 128 * 4 * TINY.num_heads  # the attention core's log-sum-exp
     assert full < attn
-    # full, by hand (T = 128, n = 2 shards, rho = k * distinct fraction): combines received,
-    # the checkpoint's input x and RoPE tables, the residual and the dispatched rows,
-    # weights, rows and expert ids, the dispatch's token ids and masks.
+    # full, by hand (T = 128, n = 2 shards, rho = k * distinct fraction): the combines'
+    # token ids, the checkpoint's input x and RoPE tables, the dispatch's token ids and
+    # masks; no message (runtime.stages).
     rho = rm.shards_per_token(TINY, 2)
-    per_token = rho * (4 * 64 + 8) + 4 * 64 + 4 * 64 + rho * 4 * 64 + 2 * (4 + 16)
-    per_token += rho * 8 + 2 * 2
+    per_token = rho * 8 + 4 * 64 + rho * 8 + 2 * 2
     assert full == pytest.approx(128 * per_token + 2 * 64 * 16 * 4)
+    # an EP stage keeps the residual it hands on, and the checkpoint's input after a MoE layer
+    ep_full = rm.attn_layer_act_bytes(TINY, 1, "full", F32, exchanged=False, **kw)  # type: ignore[arg-type]
+    assert ep_full == pytest.approx(full + 128 * 4 * 64)
     # the loss head is never recomputed
     head = [rm.attn_layer_act_bytes(TINY, 4, m, F32, **kw) for m in cm.RECOMPUTE_MODES]  # type: ignore[arg-type]
     assert head[0] == head[1] == head[2]

@@ -14,9 +14,9 @@ EP group size:
   (`runtime_memory.attn_layer_act_bytes`, one "group", shards = ep) and on a MoE layer the
   experts' share — the rank receives from each of its ep peers the rows routed to its
   E/ep experts, T*k*(E/ep)/E pairs a peer on average, so T*k pairs and T*rho rows in all:
-  ep times `runtime_memory.ffn_act_bytes` of one peer's micro-batch at ep shards — both
-  with `exchanged=False` (the EP all-to-alls save nothing, unlike AF-Pipe's stages, which
-  keep what they send and receive); the stage's input r*H per token (not on the first
+  ep times `runtime_memory.ffn_act_bytes` of one peer's micro-batch at ep shards (the EP
+  all-to-alls save nothing), the attention's with `exchanged=False` (the stage keeps the
+  residual its layers hand on in-process); the stage's input r*H per token (not on the first
   stage, which keeps its token ids instead) and output r*H (PyTorch's stage keeps both
   until the backward); on the last stage the loss head and its logits, b*V per token;
 * the peak: the largest sum over the rank's stages of (micro-batches held) x (one
@@ -79,9 +79,7 @@ def ep_stage_act_bytes(
     for layer in layers:
         kept += rm.attn_layer_act_bytes(model, layer, recompute, prec, exchanged=False, **kw)
         if model.is_moe_layer(layer):
-            one_peer = rm.ffn_act_bytes(
-                model, recompute, prec, tokens=tokens, shards=ep, exchanged=False
-            )
+            one_peer = rm.ffn_act_bytes(model, recompute, prec, tokens=tokens, shards=ep)
             kept += ep * one_peer
     residual = prec.state // 4  # the residual stream between stages: the parameters' dtype
     kept += 0.0 if first else tokens * residual * model.dim  # the stage's input

@@ -48,28 +48,34 @@ def attn_layer_act_bytes(
     """Bytes an attention worker keeps from the forward of `layer` (L: the loss head) of one
     micro-batch until its backward: what autograd saves plus the stage's inputs and outputs.
 
-    Per token of the stage (b = activation bytes, f = max(b, 4), index tensors 8 bytes,
-    rho = `shards_per_token`):
-    * inputs: the combines of the previous MoE layer, rho * (b*H + 8) (outputs and token ids),
-      and with p > 1 the residual received from the previous group, b*H;
-    * two RMSNorms, `_norm_bytes` each; q, k, v after RoPE and the attention output, b*(2q + 2kv),
-      and the attention's log-sum-exp f*N (`recompute=attn` drops what the attention core saves
-      beyond its inputs and output: the log-sum-exp);
-    * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1); the dispatched
-      rows rho*(b*H + 8), their weights b*k, rows and expert ids 16k, the boolean masks n*k bytes;
-      the next layer's token ids 8*rho when they are sent (p > 1); shared experts 4b*I_s;
-    * a residual that is a new tensor (shared experts, dense MLP, or b < 4 where the norm saves
-      an upcast copy instead), b*H; a dense MLP 4b*D_dense;
+    AF-Pipe's stage keeps none of its messages (`runtime.stages`): what it keeps is what its
+    ops save. Per token of the stage (b = activation bytes, f = max(b, 4), index tensors 8
+    bytes, rho = `shards_per_token`):
+    * inputs: the token ids of the previous MoE layer's combines, 8*rho (their index-add
+      saves them; the combined rows and a received residual only where an op below saves
+      them, counted there);
+    * two RMSNorms, `_norm_bytes` each (the first's input is the layer input);
+      q, k, v after RoPE and the attention output, b*(2q + 2kv), and the attention's
+      log-sum-exp f*N (`recompute=attn` drops what the attention core saves beyond its
+      inputs and output: the log-sum-exp);
+    * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1); the
+      dispatch's token ids 8*rho, the boolean masks n*k bytes; shared experts 4b*I_s;
+    * a dense MLP 4b*D_dense;
     * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
     The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8; it is
-    not recomputed in any mode. `exchanged=False` (EP, `costs.ep_memory`): no rows sent or received kept.
+    not recomputed in any mode.
 
-    `recompute=full` (the block's forward is a transient, rerun in backward) keeps the stage's
-    inputs and outputs (the residual is always a new tensor: b*H), the checkpoint's inputs —
-    the layer input x, b*H where it is a new tensor (layer 0's embedding, a MoE layer's combine
-    sum; after a dense layer it is the previous residual), and the RoPE tables 2*S*D*b per
-    micro-batch — and what the ops outside the block save: the dispatch's token ids 8*rho and
-    masks n*k, and on layer 0 the embedding's token ids, 8.
+    `recompute=full` (the block's forward is a transient, rerun in backward) keeps the
+    inputs, the checkpoint's inputs — the layer input x, b*H, and the RoPE tables 2*S*D*b
+    per micro-batch — and what the ops outside the block save: the dispatch's token ids
+    8*rho and masks n*k, and on layer 0 the embedding's token ids, 8.
+
+    `exchanged=False` (an EP stage, `costs.ep_memory`): the layers of a stage hand the
+    residual on in-process and the stage keeps it, b*H per layer where it is a new tensor
+    (shared experts, dense MLP, b < 4 where the norm saves an upcast copy instead, or
+    `recompute=full`), and under `recompute=full` the checkpoint's input b*H where it is a
+    new tensor (layer 0's embedding, a MoE layer's combine sum; after a dense layer it is
+    the previous residual); p = 1.
     """
     if recompute not in cm.RECOMPUTE_MODES:
         raise ValueError(
@@ -81,23 +87,17 @@ def attn_layer_act_bytes(
     rho = shards_per_token(model, shards)
     n = shards if shards > 0 else model.num_experts
     tokens = micro_batch_size * seq_len
-    payload = b * h if exchanged else 0.0  # a row sent or received, kept by the stage
-    inputs = 0.0
-    if layer > 0:
-        inputs += rho * (payload + idx) if model.is_moe_layer(layer - 1) else 0.0
-        inputs += b * h if groups > 1 else 0.0
+    inputs = rho * idx if layer > 0 and model.is_moe_layer(layer - 1) else 0.0
     if layer == model.num_layers:  # loss head
         return tokens * (inputs + _norm_bytes(h, prec) + f * model.vocab_size + idx)
     moe = model.is_moe_layer(layer)
     shared_dim = model.num_shared_experts * model.expert_dim if moe else 0
     new_residual = shared_dim > 0 or not moe or b < 4
-    outputs = b * h if new_residual or recompute == "full" else 0.0
-    if moe:
-        sent = k * (b + 2 * idx) if exchanged else 0.0
-        outputs += rho * payload + sent + (rho * idx if groups > 1 else 0.0)
+    kept_residual = not exchanged and (new_residual or recompute == "full")
+    outputs = b * h if kept_residual else 0.0
     per_mb = 2 * seq_len * hd * b
     if recompute == "full":
-        new_input = layer == 0 or model.is_moe_layer(layer - 1)
+        new_input = exchanged or layer == 0 or model.is_moe_layer(layer - 1)
         per_token = inputs + outputs + (b * h if new_input else 0.0)
         per_token += idx if layer == 0 else 0.0
         per_token += rho * idx + n * k if moe else 0.0
@@ -122,21 +122,18 @@ def ffn_act_bytes(
     tokens: int,
     shards: int,
     rows_known: bool = True,
-    exchanged: bool = True,
 ) -> float:
     """Bytes one expert shard keeps for one replica's micro-batch of `tokens` tokens and one
     layer, balanced routing: P = tokens*k/n token-expert pairs, R = tokens*rho/n rows
     (R = P when `rows_known` is False: the bound for an n not fixed yet).
 
-    Inputs u (b*H per row), weights b, rows and expert ids 16 per pair; outputs b*H per row.
-    Without full recompute also the SwiGLU experts' saved tensors per pair: the gathered
-    input, gate|up, SiLU(gate), the product, the expert output and the weighted output,
-    b*(3H + 4I), the sorted weights b and two index tensors 16. With full recompute instead
-    the checkpoint's inputs: the replicas' rows concatenated with their ids, b*H + 8 per row,
-    and the concatenated assignments (weights, rows, expert ids), b + 16 per pair.
-    `exchanged=False` (an expert-parallel layer, `costs.ep_memory`): the rows received and
-    the outputs sent back travel through all-to-alls that save nothing, so the inputs and
-    outputs above are not kept; the saved tensors (or the checkpoint's inputs) are.
+    What the experts save; the rows received and the outputs sent back are messages (AF-Pipe:
+    `runtime.stages`) or all-to-alls (EP) that keep nothing. Without full recompute the
+    SwiGLU experts' saved tensors per pair: the gathered input, gate|up, SiLU(gate), the
+    product, the expert output and the weighted output, b*(3H + 4I), the sorted weights b
+    and two index tensors 16. With full recompute instead the checkpoint's inputs: the
+    replicas' rows concatenated with their ids, b*H + 8 per row, and the concatenated
+    assignments (weights, rows, expert ids), b + 16 per pair.
     """
     if recompute not in cm.RECOMPUTE_MODES:
         raise ValueError(
@@ -145,12 +142,9 @@ def ffn_act_bytes(
     b, idx, h = prec.act, cm.INDEX_BYTES, model.dim
     pairs = tokens * model.top_k / shards
     rows = tokens * shards_per_token(model, shards) / shards if rows_known else pairs
-    kept = rows * 2 * b * h + pairs * (b + 2 * idx) if exchanged else 0.0
     if recompute == "full":
-        kept += rows * (b * h + idx) + pairs * (b + 2 * idx)
-    else:
-        kept += pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
-    return kept
+        return rows * (b * h + idx) + pairs * (b + 2 * idx)
+    return pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
 
 
 def attn_deferred_bytes(model: ModelConfig, layer: int, prec: cm.Precision, tokens: int) -> float:

@@ -1,9 +1,14 @@
 """The compute of one disaggregated worker: what FWD/BWD of (layer, slot) mean on A and F ranks.
 
-Autograd across workers: every received tensor that needs a gradient becomes
-a detached leaf with `requires_grad`; a stage keeps its leaves and outputs in
-a stash, and its backward runs `torch.autograd.backward(outputs, grads)` with
-the gradients that arrived, then sends the leaves' `.grad` upstream.
+Autograd across workers: every received tensor that needs a gradient enters the graph
+through a tap (`_Tap`: identity forward; its backward catches the gradient in a `_Caught`
+box); a stage's stash keeps the boxes and the gradient edges of its outputs
+(`torch.autograd.graph.GradientEdge`: the node an output's gradient enters, not the
+output), and its backward runs `torch.autograd.backward(edges, grads)` with the gradients
+that arrived, then sends the boxes' gradients upstream. So a stage keeps no message from
+its forward to its backward: a received payload lives while an op of the forward uses it
+(longer only where an op saves it for backward, which the memory meter counts), a sent one
+until its send completes (`runtime.outbox`). Only what autograd saves is kept.
 
 Messages (lists of tensors, see schedule.ir for who sends what to whom):
 * act[l]           residual_BSH; on MoE layers also the token count per expert shard
@@ -29,9 +34,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..config import RunConfig, TrainConfig
 from ..device import HOST
@@ -47,20 +54,85 @@ from .dispatch_chunks import split_rows
 from .wgrad import Deferred, backward_inputs, backward_weights
 
 Payload = list[torch.Tensor]
+Root = GradientEdge | None  # where an output's gradient enters the graph (None: it has none)
 
 
-def _leaf(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().requires_grad_(t.is_floating_point())
+class _Caught:
+    """The gradient a tap caught for one received tensor (summed over the tap's backward
+    passes), with the tensor's metadata for a zero gradient when none came."""
+
+    __slots__ = ("device", "dtype", "grad", "shape")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+        self.grad: torch.Tensor | None = None
+
+    def grad_or_zeros(self) -> torch.Tensor:
+        if self.grad is not None:
+            return self.grad
+        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
 
 
-def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
-    return t.grad if t.grad is not None else torch.zeros_like(t)
+class _Tap(torch.autograd.Function):
+    """A received tensor into the graph: the forward is the identity (a view), the backward
+    puts the tensor's gradient into its `_Caught` box. It makes the output differentiable
+    through `anchor` (an empty leaf: the input whose gradient a split backward computes,
+    `runtime.wgrad`) and saves nothing, so nothing keeps the tensor but the ops that save it."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, t: torch.Tensor, box: _Caught) -> torch.Tensor:
+        ctx.box = box
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        box: _Caught = ctx.box
+        box.grad = grad if box.grad is None else box.grad + grad
+        return grad.new_zeros(0), None, None
 
 
-def _backward(tensors: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-    pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+class _AddRows(torch.autograd.Function):
+    """`x.index_add(0, ids, y.to(x.dtype))` for received rows `y`, their gradient caught in
+    `box`: the same values both ways as the index-add (whose backward would save `y`);
+    this one saves the ids only."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor, box: _Caught
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.box = box
+        return x.index_add(0, ids, y.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        (ids,) = ctx.saved_tensors
+        box: _Caught = ctx.box
+        g = grad.index_select(0, ids).to(box.dtype)
+        box.grad = g if box.grad is None else box.grad + g
+        return grad, None, None, None
+
+
+def _anchor(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(0, dtype=like.dtype, device=like.device, requires_grad=True)
+
+
+def _tap(anchor: torch.Tensor, t: torch.Tensor, box: _Caught) -> torch.Tensor:
+    if not t.is_floating_point():
+        return t
+    out: torch.Tensor = _Tap.apply(anchor, t, box)
+    return out
+
+
+def _root(t: torch.Tensor) -> Root:
+    """The gradient edge of an output the backward starts from (None: no gradient)."""
+    return get_gradient_edge(t) if t.requires_grad else None
+
+
+def _backward(roots: list[Root], grads: list[torch.Tensor]) -> None:
+    pairs = [(r, g) for r, g in zip(roots, grads, strict=True) if r is not None]
     if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
 
 
 Part = tuple[int, int]  # (shard, exchange chunk) of a replica's exchange; chunk -1: whole
@@ -68,10 +140,11 @@ Part = tuple[int, int]  # (shard, exchange chunk) of a replica's exchange; chunk
 
 @dataclass
 class _AttnState:
-    resid_leaf: torch.Tensor | None = None
-    combine_leaves: dict[Part, torch.Tensor] = field(default_factory=dict)  # -> y leaf
-    residual: torch.Tensor | None = None
-    dispatched: dict[Part, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    anchor: torch.Tensor | None = None  # the taps' anchor (layer > 0)
+    resid_in: _Caught | None = None  # the received residual's gradient
+    combines_in: dict[Part, _Caught] = field(default_factory=dict)  # combined rows' gradients
+    residual: Root = None
+    dispatched: dict[Part, tuple[Root, Root]] = field(default_factory=dict)  # (u, weights)
     objective: torch.Tensor | None = None  # loss share (layer L) or scaled aux term
 
 
@@ -165,8 +238,9 @@ class AttnWorker:
             act = next((p for m, p in received.items() if m.kind == "act"), None)
             if act is None:
                 act = self.local.pop(("act", layer - 1, slot))
-            st.resid_leaf = _leaf(act[0])
-            x = st.resid_leaf
+            st.anchor = anchor = _anchor(act[0])
+            st.resid_in = _Caught(act[0])
+            x = _tap(anchor, act[0], st.resid_in)
             combines = {
                 (self.layout.role(m.src).index, m.chunk): p
                 for m, p in received.items()
@@ -179,9 +253,9 @@ class AttnWorker:
                 num_chunks = Counter(j for j, _ in combines)
                 for j, k in sorted(combines):  # shard by shard, chunk by chunk
                     lo, hi = chunk_rows(token_ids[j].numel(), num_chunks[j], k)
-                    y_leaf = _leaf(combines[(j, k)][0])
-                    st.combine_leaves[(j, k)] = y_leaf
-                    x_TH = x_TH.index_add(0, token_ids[j][lo:hi], y_leaf.to(x_TH.dtype))
+                    y = combines[(j, k)][0]
+                    st.combines_in[(j, k)] = box = _Caught(y)
+                    x_TH = _AddRows.apply(x_TH, token_ids[j][lo:hi], y, box)
                 x = x_TH.view(B, S, H)
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
@@ -192,7 +266,7 @@ class AttnWorker:
         else:
             cos, sin = self._rope(x)
             res = self.modules[f"layers.{layer}.attn_block"](x, cos, sin)
-            st.residual = res.residual_BSH
+            st.residual = _root(res.residual_BSH)
             act_payload: Payload = [res.residual_BSH.detach()]
             if res.routing is not None:
                 assert res.u_TH is not None and res.aux is not None
@@ -210,7 +284,7 @@ class AttnWorker:
                     j, k = shard[msg], msg.chunk
                     part = parts[j][max(k, 0)]
                     u, w = message(res.u_TH[part.token_ids]), message(part.weights_A)
-                    st.dispatched[(j, k)] = (u, w)
+                    st.dispatched[(j, k)] = (_root(u), _root(w))
                     out[msg] = [u.detach(), w.detach(), part.rows_A, part.experts_A]
                 aux = self.scale.aux([res.aux])
                 if aux is not None:
@@ -226,14 +300,11 @@ class AttnWorker:
         return out
 
     def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
-        """The stash of (layer, slot): its leaves and the roots of its backward. Most are
-        messages too; the residual handed to the next layer on this rank (p = 1) is not, and
-        under `recompute=full` no op saves it either."""
+        """The tensors the stash of (layer, slot) keeps: the objective (a scalar), the
+        anchor (empty); its messages it does not keep (module doc)."""
         assert chunk == -1, chunk
         st = self.stash[(layer, slot)]
-        roots = [st.resid_leaf, st.residual, st.objective]
-        dispatched = [t for pair in st.dispatched.values() for t in pair]
-        return [t for t in roots if t is not None] + list(st.combine_leaves.values()) + dispatched
+        return [t for t in (st.anchor, st.objective) if t is not None]
 
     def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
         """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
@@ -257,35 +328,35 @@ class AttnWorker:
         `weight_grads(layer, slot)` (`runtime.wgrad`)."""
         assert chunk == -1, chunk
         st = self.stash.pop((layer, slot))
-        tensors: list[torch.Tensor] = []
+        roots: list[Root] = []
         grads: list[torch.Tensor] = []
         if layer < self.num_layers:
             g_act = next((p for m, p in received.items() if m.kind == "grad_act"), None)
             if g_act is None:
                 g_act = self.local.pop(("grad_act", layer, slot))
             assert st.residual is not None
-            tensors.append(st.residual)
+            roots.append(st.residual)
             grads.append(g_act[0])
             for msg, payload in received.items():
                 if msg.kind == "grad_dispatch":
                     u_j, w_j = st.dispatched[(self.layout.role(msg.src).index, msg.chunk)]
-                    tensors += [u_j, w_j]
+                    roots += [u_j, w_j]
                     grads += payload
         if st.objective is not None:
-            tensors.append(st.objective)
+            roots.append(_root(st.objective))
             grads.append(torch.ones_like(st.objective))
         if defer:
-            inputs = [st.resid_leaf, *st.combine_leaves.values()]
+            inputs = [st.anchor] if st.anchor is not None else []
             self.deferred[(layer, slot, chunk)] = backward_inputs(
-                tensors, grads, [t for t in inputs if t is not None], self.layer_parameters(layer)
+                roots, grads, inputs, self.layer_parameters(layer)
             )
         else:
-            _backward(tensors, grads)
+            _backward(roots, grads)
         out: dict[Msg, Payload] = {}
         if layer == 0:
             return out
-        assert st.resid_leaf is not None
-        g_resid = [_grad_or_zeros(st.resid_leaf)]
+        assert st.resid_in is not None
+        g_resid = [st.resid_in.grad_or_zeros()]
         act_msg = next((m for m in outgoing if m.kind == "grad_act"), None)
         if act_msg is not None:
             out[act_msg] = g_resid
@@ -293,15 +364,16 @@ class AttnWorker:
             self.local[("grad_act", layer - 1, slot)] = g_resid
         for msg in outgoing:
             if msg.kind == "grad_combine":
-                y_leaf = st.combine_leaves[(self.layout.role(msg.dst).index, msg.chunk)]
-                out[msg] = [_grad_or_zeros(y_leaf)]
+                box = st.combines_in[(self.layout.role(msg.dst).index, msg.chunk)]
+                out[msg] = [box.grad_or_zeros()]
         return out
 
 
 @dataclass
 class _ExpertState:
-    inputs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # replica -> (u leaf, w leaf)
-    outputs: dict[int, torch.Tensor]  # replica -> y
+    anchor: torch.Tensor | None  # the taps' anchor
+    inputs: dict[int, tuple[_Caught, _Caught]]  # replica -> gradients of (u, weights)
+    outputs: dict[int, Root]  # replica -> y's gradient edge
 
 
 class ExpertWorker:
@@ -349,11 +421,11 @@ class ExpertWorker:
         by_replica = sorted((self.layout.role(m.src).index, p) for m, p in received.items())
         inputs, xs, rows, experts, weights, counts = {}, [], [], [], [], []
         offset = 0
+        anchor = _anchor(by_replica[0][1][0])
         for replica, (u, w, rows_A, experts_A) in by_replica:
-            u_leaf, w_leaf = _leaf(u), _leaf(w)
-            inputs[replica] = (u_leaf, w_leaf)
-            xs.append(u_leaf)
-            weights.append(w_leaf)
+            inputs[replica] = (_Caught(u), _Caught(w))
+            xs.append(_tap(anchor, u, inputs[replica][0]))
+            weights.append(_tap(anchor, w, inputs[replica][1]))
             rows.append(rows_A + offset)
             experts.append(experts_A)
             counts.append(u.shape[0])
@@ -368,14 +440,16 @@ class ExpertWorker:
         with self.precision.autocast():
             y = self.precision.message(self.modules[f"layers.{layer}.experts"](x, plan))
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
-        if keep:  # for the backward
-            self.stash[(layer, slot, chunk)] = _ExpertState(inputs, outputs)
+        if keep:  # for the backward: the gradient edges of the outputs, not the outputs
+            roots = {r: _root(t) for r, t in outputs.items()}
+            self.stash[(layer, slot, chunk)] = _ExpertState(anchor, inputs, roots)
         return {msg: [outputs[self.layout.role(msg.dst).index].detach()] for msg in outgoing}
 
     def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
-        """The stash of (layer, slot, chunk): the received leaves and the outputs."""
+        """The tensors the stash of (layer, slot, chunk) keeps: the anchor (empty); its
+        messages it does not keep (module doc)."""
         st = self.stash[(layer, slot, chunk)]
-        return [t for pair in st.inputs.values() for t in pair] + list(st.outputs.values())
+        return [st.anchor] if st.anchor is not None else []
 
     def weight_grads(self, layer: int, slot: int, *, chunk: int = -1) -> None:
         """The W of (layer, slot, chunk): the weight gradients its BWD deferred."""
@@ -401,15 +475,15 @@ class ExpertWorker:
         roots = [st.outputs[r] for r in replicas]
         grads = [grads_by_replica[r] for r in replicas]
         if defer:
-            inputs = [t for pair in st.inputs.values() for t in pair]
             params = list(self.modules[f"layers.{layer}.experts"].parameters())
-            self.deferred[(layer, slot, chunk)] = backward_inputs(roots, grads, inputs, params)
+            anchors = [st.anchor] if st.anchor is not None else []
+            self.deferred[(layer, slot, chunk)] = backward_inputs(roots, grads, anchors, params)
         else:
             _backward(roots, grads)
         out = {}
         for msg in outgoing:
-            u_leaf, w_leaf = st.inputs[self.layout.role(msg.dst).index]
-            out[msg] = [_grad_or_zeros(u_leaf), _grad_or_zeros(w_leaf)]
+            u_in, w_in = st.inputs[self.layout.role(msg.dst).index]
+            out[msg] = [u_in.grad_or_zeros(), w_in.grad_or_zeros()]
         return out
 
 

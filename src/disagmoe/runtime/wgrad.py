@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, Node
 
 from ..torch_private import (
     construct_reverse_graph,
@@ -47,7 +48,7 @@ class Deferred:
 
     params: list[nn.Parameter]
     groups: list[dict[str, Any]] = field(default_factory=list)
-    whole: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    whole: tuple[list[GradientEdge], list[torch.Tensor]] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The gradients kept for the W (what it holds beyond the forward's activations,
@@ -63,22 +64,27 @@ class Deferred:
         ]
 
 
+def _node(root: torch.Tensor | GradientEdge) -> Node | None:
+    return root.node if isinstance(root, GradientEdge) else grad_fn_or_grad_acc(root)
+
+
 def backward_inputs(
-    roots: Sequence[torch.Tensor],
+    roots: Sequence[GradientEdge | None],
     grads: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
     params: list[nn.Parameter],
 ) -> Deferred:
-    """The gradients of `inputs` (accumulated into their `.grad`) from `roots` with `grads`;
-    what is left of the backward for `params`, for `backward_weights`."""
-    pairs = [(t, g) for t, g in zip(roots, grads, strict=True) if t.requires_grad]
+    """The gradients of `inputs` (accumulated into their `.grad`) from `roots` (gradient
+    edges of the outputs; None: an output without one) with `grads`; what is left of the
+    backward for `params`, for `backward_weights`."""
+    pairs = [(t, g) for t, g in zip(roots, grads, strict=True) if t is not None]
     leaves = [x for x in inputs if x.requires_grad]
     if not pairs:
         return Deferred(params)
     outs, out_grads = [t for t, _ in pairs], [g for _, g in pairs]
     if not leaves:  # nothing to send: the whole backward is the W's
         return Deferred(params, whole=(outs, out_grads))
-    reverse = construct_reverse_graph([n for n in map(grad_fn_or_grad_acc, outs) if n])
+    reverse = construct_reverse_graph([n for n in map(_node, outs) if n])
     weights = [n for n in map(grad_fn_or_grad_acc, [p for p in params if p.requires_grad]) if n]
     groups = get_param_groups([n for n in map(grad_fn_or_grad_acc, leaves) if n], weights, reverse)
     handles = []

@@ -55,8 +55,8 @@ class StageWorker(Protocol):
         ...
 
     def kept(self, layer: int, slot: int, *, chunk: int = -1) -> Payload:
-        """The tensors the FWD of (layer, slot, chunk) keeps for its BWD beyond its messages
-        (the meter holds them with the FWD's received and sent payloads)."""
+        """The tensors the FWD of (layer, slot, chunk) keeps for its BWD besides what
+        autograd saves (the meter holds them until the BWD)."""
         ...
 
 
@@ -107,6 +107,7 @@ def run_compute(
         return worker.forward(layer, slot, received, outgoing, chunk=chunk)
     with meter.saving():
         out = worker.forward(layer, slot, received, outgoing, chunk=chunk)
-    kept = worker.kept(layer, slot, chunk=chunk)
-    meter.hold(task, [*received.values(), *out.values(), kept])
+    # what the stash keeps; its messages it does not (`runtime.stages`): a received payload
+    # an op saved is counted as saved, a sent one is the outbox's until its send completes
+    meter.hold(task, [worker.kept(layer, slot, chunk=chunk)])
     return out

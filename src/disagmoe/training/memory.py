@@ -10,14 +10,12 @@ count once), refcounted so that a storage is released when its last holder goes:
   goes and its bytes with it. Saved-tensor hooks are thread-local state, and the
   executor runs forward computes on a lane thread: the executor enters `saving()`
   around each FWD on the thread that runs it;
-* the stage's inputs and outputs (received and sent payloads of a FWD, and what the
-  stage's stash keeps besides, `StageWorker.kept`: the residual handed to the next layer
-  on the same rank), which the stage keeps until its BWD (leaves whose gradient it sends
-  back, outputs it differentiates): `hold` at the FWD, `release` after the matching
-  BWD. Index tensors among them (token ids, rows) are freed earlier by the stage once
-  sent; counting them until the BWD is an upper bound of a few bytes per token. Tensors
-  that travelled inline in a header are copied out of it (`distributed.exchange`), so
-  each holds only its own bytes.
+* what a stage's stash keeps besides (`StageWorker.kept`), until its BWD: `hold` at the
+  FWD, `release` after the matching BWD. The disaggregated runtime's stages keep none of
+  their messages (`runtime.stages`): a received payload that an op saves is counted by the
+  hooks above, a sent one lives until its send completes (a transient, not counted).
+  Tensors that travelled inline in a header are copied out of it (`distributed.exchange`),
+  so each holds only its own bytes.
 
 Parameters are not activations: saved tensors whose storage is a parameter's (a
 weight saved by a linear, a view of an expert's weight) are skipped.
