@@ -83,6 +83,13 @@ class TrainConfig:
             choices=RECOMPUTE,
         ),
     )
+    loss_chunk_tokens: int = field(  # models.loss_head; 0: lm_head + cross_entropy unchunked
+        default=4096,
+        metadata=flag(
+            "LM head + cross-entropy over chunks of this many tokens, the backward recomputing "
+            "each chunk's logits, so no [tokens, vocab] tensor is kept (0: unchunked)"
+        ),
+    )
     memory_gib: float = field(  # 0: the cluster preset's GPU memory on GPU, host share on CPU
         default=0.0, metadata=flag("memory budget per rank (GiB) that sets the in-flight cap")
     )
@@ -220,6 +227,11 @@ class TrainConfig:
         )
         _require(self.seq_len >= 1, "train.seq_len must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+        _require(
+            self.loss_chunk_tokens >= 0,
+            "train.loss_chunk_tokens (--loss-chunk-tokens) must be >= 0 (0: the unchunked "
+            f"loss head), got {self.loss_chunk_tokens}",
+        )
         _require(
             self.global_batch_size >= 1 and self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size ({self.global_batch_size}) must be a positive multiple of "

@@ -92,7 +92,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 valid = t != IGNORE_INDEX
                 rows = torch.arange(t.shape[0], device=t.device)
                 probs[rows, torch.where(valid, t, 0)] -= 1.0
-                dlogits = (probs * torch.where(valid, g, 0.0).unsqueeze(1)).to(h.dtype)
+                # in place: a chunk's logits exist once at >= fp32 (+ once in h's dtype below)
+                dlogits = probs.mul_(torch.where(valid, g, 0.0).unsqueeze(1)).to(h.dtype)
                 if dh is not None:
                     dh[lo : lo + ctx.chunk] = dlogits @ w
                 if dw is not None:
