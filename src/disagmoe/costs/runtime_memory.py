@@ -33,6 +33,15 @@ def _norm_bytes(h: int, prec: cm.Precision) -> int:
     return prec.hi * h + prec.hi + 2 * prec.act * h
 
 
+def _head_bytes(model: ModelConfig, prec: cm.Precision, loss_chunk_tokens: int) -> float:
+    """What the loss head keeps per token beyond its inputs: a norm, the log-probabilities
+    f*V and the targets, 8. With `loss_chunk_tokens` > 0 (`models.loss_head`) no
+    log-probabilities: the backward recomputes them, a chunk at a time, from the norm's
+    output, which the chunked head saves (the norm's output term)."""
+    logprobs = 0.0 if loss_chunk_tokens else prec.hi * model.vocab_size
+    return _norm_bytes(model.dim, prec) + logprobs + cm.INDEX_BYTES
+
+
 def attn_layer_act_bytes(
     model: ModelConfig,
     layer: int,
@@ -62,10 +71,7 @@ def attn_layer_act_bytes(
     * a residual that is a new tensor (shared experts, dense MLP, or b < 4 where the norm saves
       an upcast copy instead), b*H; a dense MLP 4b*D_dense;
     * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
-    The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8; it is
-    not recomputed in any mode. With `loss_chunk_tokens` > 0 (`models.loss_head`) it keeps no
-    log-probabilities: the backward recomputes them from the norm's output, which the
-    chunked head saves (the norm's output term), a chunk at a time. `exchanged=False` (EP, `costs.ep_memory`): no rows sent or received kept.
+    The loss head keeps its inputs and `_head_bytes`; it is not recomputed in any mode. `exchanged=False` (EP, `costs.ep_memory`): no rows sent or received kept.
 
     `recompute=full` (the block's forward is a transient, rerun in backward) keeps the stage's
     inputs and outputs (the residual is always a new tensor: b*H), the checkpoint's inputs —
@@ -90,8 +96,7 @@ def attn_layer_act_bytes(
         inputs += rho * (payload + idx) if model.is_moe_layer(layer - 1) else 0.0
         inputs += b * h if groups > 1 else 0.0
     if layer == model.num_layers:  # loss head
-        logprobs = 0.0 if loss_chunk_tokens else f * model.vocab_size
-        return tokens * (inputs + _norm_bytes(h, prec) + logprobs + idx)
+        return tokens * (inputs + _head_bytes(model, prec, loss_chunk_tokens))
     moe = model.is_moe_layer(layer)
     shared_dim = model.num_shared_experts * model.expert_dim if moe else 0
     new_residual = shared_dim > 0 or not moe or b < 4
