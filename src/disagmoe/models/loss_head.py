@@ -10,7 +10,9 @@ forward runs chunk by chunk under `no_grad` and keeps only its inputs (h, W, tar
 backward recomputes each chunk's logits, forms `(softmax - onehot) * scale * grad`, and
 accumulates the chunk's rows of dh and its share of dW. At most one chunk's logits (C*V,
 plus an fp32 copy below fp32) exist at a time, in the forward and in the backward; the
-price is one more head GEMM (the backward reruns the forward's).
+price is one more head GEMM (the backward reruns the forward's). A split backward
+(`runtime.wgrad`, PyTorch's I/W) reruns the logits in each part and computes in each only
+the gradient it takes (`torch_private.engine_reaches`): dh in the first, dW in the second.
 
 Precision, as the plain path runs under the same settings: the logits in the compute dtype
 (autocast's, else h's), upcast to fp32 below fp32 (as `training.objective.LossScale.ce`),
@@ -25,6 +27,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from ..torch_private import engine_reaches
 
 IGNORE_INDEX = -100  # F.cross_entropy's default
 _AUTOCAST_ELIGIBLE = (torch.float32, torch.bfloat16, torch.float16)  # autocast casts these
@@ -78,7 +82,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None, None]:
         h_TH, w_VH, targets_T = ctx.saved_tensors
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # a split backward (`runtime.wgrad`, PyTorch's I/W) takes one of the two at a time
+        (h_node, _), (w_node, _) = ctx.next_functions[:2]
+        need_h = ctx.needs_input_grad[0] and engine_reaches(h_node)
+        need_w = ctx.needs_input_grad[1] and engine_reaches(w_node)
         w = w_VH.to(h_TH.dtype)
         dh = torch.empty_like(h_TH) if need_h else None
         acc_dtype = torch.promote_types(h_TH.dtype, torch.float32)
