@@ -27,7 +27,14 @@ from typing import Any
 from .flags import flag
 from .shapes import ClusterConfig, ModelConfig
 from .shapes import require as _require
-from .train_config import DATA_DTYPES, DTYPES, LR_SCHEDULES, RECOMPUTE, TrainConfig
+from .train_config import (
+    DATA_DTYPES,
+    DTYPES,
+    LOSS_CHUNK_TOKENS,
+    LR_SCHEDULES,
+    RECOMPUTE,
+    TrainConfig,
+)
 
 MAX_EXCHANGE_CHUNKS = 16  # schedule.exchange_chunks: 1 .. this, or 0 (auto)
 
@@ -35,6 +42,7 @@ MAX_EXCHANGE_CHUNKS = 16  # schedule.exchange_chunks: 1 .. this, or 0 (auto)
 __all__ = [
     "DATA_DTYPES",
     "DTYPES",
+    "LOSS_CHUNK_TOKENS",
     "LR_SCHEDULES",
     "RECOMPUTE",
     "ClusterConfig",

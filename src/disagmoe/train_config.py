@@ -22,6 +22,8 @@ DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine", "wsd")  # training.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
+# train.loss_chunk_tokens's default; what `plan` and `simulate` price a run's loss head with
+LOSS_CHUNK_TOKENS = 4096
 # Points of a checkpoint save where `train.fail_in_save` kills a rank (training.checkpoint):
 # after its shards are written; rank 0 after meta.json, after the manifest, after the
 # rename to step-N, after `latest` moved.
@@ -81,6 +83,13 @@ class TrainConfig:
         metadata=flag(
             "activation recompute: none, attn (attention core) or full (whole stage)",
             choices=RECOMPUTE,
+        ),
+    )
+    loss_chunk_tokens: int = field(  # models.loss_head; 0: lm_head + cross_entropy unchunked
+        default=LOSS_CHUNK_TOKENS,
+        metadata=flag(
+            "LM head + cross-entropy over chunks of this many tokens, the backward recomputing "
+            "each chunk's logits, so no [tokens, vocab] tensor is kept (0: unchunked)"
         ),
     )
     memory_gib: float = field(  # 0: the cluster preset's GPU memory on GPU, host share on CPU
@@ -220,6 +229,11 @@ class TrainConfig:
         )
         _require(self.seq_len >= 1, "train.seq_len must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
+        _require(
+            self.loss_chunk_tokens >= 0,
+            "train.loss_chunk_tokens (--loss-chunk-tokens) must be >= 0 (0: the unchunked "
+            f"loss head), got {self.loss_chunk_tokens}",
+        )
         _require(
             self.global_batch_size >= 1 and self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size ({self.global_batch_size}) must be a positive multiple of "

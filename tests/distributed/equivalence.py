@@ -151,6 +151,14 @@ def chunked(cfg: RunConfig, chunks: int) -> RunConfig:
     return dataclasses.replace(cfg, schedule=schedule)
 
 
+def loss_chunked(cfg: RunConfig, tokens: int) -> RunConfig:
+    """`cfg` with the loss head over chunks of `tokens` tokens (`train.loss_chunk_tokens`;
+    0: the unchunked head, logits kept for the backward)."""
+    import dataclasses
+
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, loss_chunk_tokens=tokens))
+
+
 def splitting(cfg: RunConfig) -> RunConfig:
     """`cfg` with `schedule.split_backward` on (every backward's weight gradients in a W)."""
     import dataclasses

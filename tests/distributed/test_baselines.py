@@ -29,7 +29,13 @@ from disagmoe.training.evaluate import evaluate
 from disagmoe.training.reference import ReferenceTrainer
 from tests.unit.test_evaluate import eval_file
 
-from .equivalence import assert_same_routing, recomputing, recorded_step, without_recompute
+from .equivalence import (
+    assert_same_routing,
+    loss_chunked,
+    recomputing,
+    recorded_step,
+    without_recompute,
+)
 from .traffic import capture_routings, expected_sends, routed_per_peer, traced_sends
 
 STEPS = 2
@@ -197,16 +203,17 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
     val = eval_file(tmp_path / "val.npy", num_tokens=17 * 8 * 2)
     cases = [
         (_cfg("ep-1f1b", pp=1, ep=2, eval_data=val), 1),
-        (_cfg("ep-1f1b", pp=1, ep=2, model=tied), 1),  # the tied weight's bucket: the last
-        (_cfg("ep-overlap", pp=1, ep=2, eval_data=val), 3),
+        # the tied weight's bucket: the last; the unchunked loss head (logits out of the stage)
+        (loss_chunked(_cfg("ep-1f1b", pp=1, ep=2, model=tied), 0), 1),
+        (loss_chunked(_cfg("ep-overlap", pp=1, ep=2, eval_data=val), 7), 3),
         (_cfg("ep-interleaved", pp=2, ep=1, eval_data=val), 1),
-        (_cfg("ep-dualpipev", pp=2, ep=1, model=tied, eval_data=val), 1),
+        (loss_chunked(_cfg("ep-dualpipev", pp=2, ep=1, model=tied, eval_data=val), 5), 1),
         (_cfg("ep-combined", pp=1, ep=2, eval_data=val), 1),
-        (_cfg("ep-combined", pp=2, ep=1), 1),
+        (loss_chunked(_cfg("ep-combined", pp=2, ep=1), 9), 1),
         (recomputing(_cfg("ep-1f1b", pp=1, ep=2), "attn"), 1),
         (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full"), 1),
         (recomputing(_cfg("ep-overlap", pp=1, ep=2), "full"), 3),
-        (recomputing(_cfg("ep-dualpipev", pp=2, ep=1, model=tied), "full"), 1),
+        (loss_chunked(recomputing(_cfg("ep-dualpipev", pp=2, ep=1, model=tied), "full"), 0), 1),
         (recomputing(_cfg("ep-combined", pp=1, ep=2), "full"), 1),
     ]
     results = run_ranks(_worker, 2, cases, str(tmp_path))
@@ -255,7 +262,7 @@ def test_baselines_four_ranks(tmp_path: Path) -> None:
         (_cfg("ep-1f1b", pp=1, ep=4), 1),
         (_cfg("ep-overlap", pp=1, ep=2, gbs=16), 2),  # dp=4: expert grads over EDP groups
         (_cfg("ep-interleaved", pp=2, ep=2, model=shared, eval_data=val), 1),
-        (_cfg("ep-dualpipev", pp=2, ep=2, gbs=16, model=shared, eval_data=val), 1),
+        (loss_chunked(_cfg("ep-dualpipev", pp=2, ep=2, gbs=16, model=shared, eval_data=val), 5), 1),
         (_cfg("ep-combined", pp=2, ep=2, gbs=16, model=shared), 1),
         (recomputing(_cfg("ep-1f1b", pp=2, ep=2, model=shared), "full"), 1),
         (recomputing(_cfg("ep-interleaved", pp=2, ep=2, model=shared), "attn"), 1),

@@ -32,6 +32,7 @@ from .equivalence import (
     Case,
     chunked,
     evaluating,
+    loss_chunked,
     max_rel_errors,
     recomputing,
     rel_errors,
@@ -117,8 +118,9 @@ def four_ranks_p1_m2_n2_cases(folder: Path) -> list[Case]:
             chunked(recomputing(shared_dense, "full"), 2),
             chunked(short(case(1, 2, 2, micro=1), 2), 3),
             case(1, 2, 2),
-            case(1, 2, 2, top_k=1),
-            case(1, 2, 2, tie_embeddings=True),  # its gradient waits for layer 0's bucket
+            loss_chunked(case(1, 2, 2, top_k=1), 0),  # the unchunked loss head
+            # its gradient waits for layer 0's bucket; the loss head in chunks of 7 tokens
+            loss_chunked(case(1, 2, 2, tie_embeddings=True), 7),
             shared_dense,
             # 16 experts, top-1, 32 tokens per micro-batch: many experts get no token.
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
@@ -152,9 +154,9 @@ def four_ranks_p2_m1_n1_cases(folder: Path) -> list[Case]:
         Case(cfg)
         for cfg in [
             evaluating(chunked(capped(case(2, 1, 1), 1), 3), val),
-            evaluating(case(2, 1, 1), val),
+            evaluating(loss_chunked(case(2, 1, 1), 9), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
-            recomputing(case(2, 1, 1), "full"),
+            loss_chunked(recomputing(case(2, 1, 1), "full"), 5),
             ordered(capped(case(2, 1, 1), 1), "steady", "run"),
             ordered(case(2, 1, 1), "auto"),
         ]
@@ -238,10 +240,10 @@ def four_ranks_split_backward_cases(folder: Path) -> list[Case]:
         for cfg in [
             case(1, 2, 2),
             ordered(capped(case(1, 2, 2), 1), "steady", "run"),
-            chunked(case(1, 2, 2, tie_embeddings=True), 2),
-            shared_dense,
+            loss_chunked(chunked(case(1, 2, 2, tie_embeddings=True), 2), 7),
+            loss_chunked(shared_dense, 0),
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
-            ordered(capped(case(2, 1, 1), 1), "steady", "nominal"),
+            loss_chunked(ordered(capped(case(2, 1, 1), 1), "steady", "nominal"), 5),
             chunked(case(1, 1, 3), 3),
         ]
     ]

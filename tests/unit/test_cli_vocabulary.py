@@ -74,6 +74,7 @@ UNIT = re.compile(
 UNIT_FLAGS = {
     "--nic-gbit": "Gbit/s",
     "--seq-len": "tokens",
+    "--loss-chunk-tokens": "tokens",
     "--micro-batch-size": "sequences",
     "--global-batch-size": "sequences",
     "--memory-gib": "GiB",

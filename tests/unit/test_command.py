@@ -63,6 +63,7 @@ CONFIG_FLAGS = {
     "--max-restarts": "train.max_restarts",
     "--fail-at-step": "train.fail_at_step",
     "--fail-rank": "train.fail_rank",
+    "--loss-chunk-tokens": "train.loss_chunk_tokens",
 }
 
 

@@ -62,6 +62,8 @@ def test_train_and_parallel_validation() -> None:
         TrainConfig(global_batch_size=6, micro_batch_size=4)
     with pytest.raises(ValueError, match="train.dtype"):
         TrainConfig(dtype="float16")
+    with pytest.raises(ValueError, match=r"train.loss_chunk_tokens \(--loss-chunk-tokens\)"):
+        TrainConfig(loss_chunk_tokens=-1)
     with pytest.raises(ValueError, match="parallel.runtime"):
         ParallelConfig(runtime="megatron")
     with pytest.raises(ValueError, match="exceeds model.max_seq_len"):

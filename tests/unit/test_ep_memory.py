@@ -135,7 +135,7 @@ def test_small_case_by_hand() -> None:
     rope = 4 * 2 * 4 * 16 * 4
     got = ep_stage_act_bytes(
         model, [0, 1, 2, 3], "full", FP32, seq_len=4, micro_batch_size=1, ep=1, first=True,
-        last=True,
+        last=True, loss_chunk_tokens=0,
     )  # fmt: skip
     assert got == pytest.approx(t * (attn + experts + head) + rope)
 
@@ -229,7 +229,7 @@ def test_train_checks_an_ep_run_at_its_own_precision_and_budget() -> None:
     mems = predict_ep_run(cfg, lay)
     fp32 = predict_ep_memory(
         lay, cfg.model, seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
-        recompute="none", prec=FP32,
+        recompute="none", prec=FP32, loss_chunk_tokens=cfg.train.loss_chunk_tokens,
     )  # fmt: skip
     # twice fp32 but for index tensors (8 bytes in either dtype)
     assert [m.total for m in mems] == pytest.approx([2 * m.total for m in fp32], rel=0.01)
@@ -240,3 +240,19 @@ def test_train_checks_an_ep_run_at_its_own_precision_and_budget() -> None:
     assert "over train.memory_gib=0.003; use more --pp or --ep, --recompute full" in message
     assert message.endswith(", a larger --memory-gib"), message
     check_ep_run(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, memory_gib=1)), lay)
+
+
+def test_chunked_loss_head_on_the_last_stage() -> None:
+    """With `loss_chunk_tokens` the last stage returns the normed hidden states (r*H, which
+    the head saves as its input in fp32) instead of the logits, and keeps no log-probs."""
+    model = ModelConfig()
+    t, v, h = 4, model.vocab_size, model.dim
+    kw = {"seq_len": 4, "micro_batch_size": 1, "ep": 1, "first": False, "last": True}
+    plain = ep_stage_act_bytes(model, [3], "full", FP32, loss_chunk_tokens=0, **kw)  # type: ignore[arg-type]
+    chunked = ep_stage_act_bytes(model, [3], "full", FP32, loss_chunk_tokens=2, **kw)  # type: ignore[arg-type]
+    # plain: log-probs 4V and logits 4V; chunked: the normed output is the norm's own term
+    assert plain - chunked == pytest.approx(t * (4 * v + 4 * v))
+    mixed = dataclasses.replace(FP32, act=2)  # bf16 compute, fp32 residual: a cast copy too
+    plain = ep_stage_act_bytes(model, [3], "full", mixed, loss_chunk_tokens=0, **kw)  # type: ignore[arg-type]
+    chunked = ep_stage_act_bytes(model, [3], "full", mixed, loss_chunk_tokens=2, **kw)  # type: ignore[arg-type]
+    assert plain - chunked == pytest.approx(t * (4 * v + 2 * v - 4 * h))

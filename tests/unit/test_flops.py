@@ -92,3 +92,23 @@ def test_parameter_counts_are_the_models(preset: str, tied: bool) -> None:
     body += flops.expert_params(cfg) * sum(cfg.is_moe_layer(l) for l in range(cfg.num_layers))
     total = sum(p.numel() for p in model.parameters())  # tied weights counted once
     assert total == body + flops.head_params(cfg)
+
+
+def test_a_chunked_loss_head_backward_reruns_its_forward_gemm() -> None:
+    """`train.loss_chunk_tokens` > 0: the head's backward recomputes each chunk's logits, so
+    the simulator prices it at 3x the forward GEMM (2x unchunked); other layers unchanged."""
+    from disagmoe.config import RunConfig, TrainConfig
+    from disagmoe.schedule.ir import Op
+    from disagmoe.simulator.costs import AnalyticCosts, Workload
+
+    assert (flops.head_backward_extra(0), flops.head_backward_extra(4096)) == (0.0, 1.0)
+    plain = AnalyticCosts(Workload(TINY, S, 2, loss_chunk_tokens=0), 1e9)
+    chunked = AnalyticCosts(Workload(TINY, S, 2, loss_chunk_tokens=8), 1e9)
+    head = TINY.num_layers
+    forward = flops.lm_head_flops(TINY, 2 * S) / 1e9
+    assert plain.attn_s(Op.FWD, head) == chunked.attn_s(Op.FWD, head) == pytest.approx(forward)
+    assert plain.attn_s(Op.BWD, head) == pytest.approx(2 * forward)
+    assert chunked.attn_s(Op.BWD, head) == pytest.approx(3 * forward)
+    assert chunked.attn_s(Op.BWD, 1) == plain.attn_s(Op.BWD, 1)
+    cfg = RunConfig(train=TrainConfig(loss_chunk_tokens=512))
+    assert Workload.of_run(cfg).loss_chunk_tokens == 512

@@ -147,3 +147,41 @@ def test_mixed_precision_states_are_float32_and_activations_bf16() -> None:
 def test_the_run_device_sets_the_gpu_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(budget, "is_accelerator", lambda device: True)
     assert budget.default_memory_gib(_cfg(), 8) == RunConfig().cluster.gpu_mem_gib
+
+
+def test_chunked_loss_head_keeps_no_logits() -> None:
+    """`train.loss_chunk_tokens` > 0 (`models.loss_head`): the head keeps its input, norm and
+    targets but no log-probabilities; its transient is one chunk's logits, its deferred W
+    keeps the norm's gradient only; per paper-scale micro-batch (V 151936, 16K tokens) the
+    head's 9.3 GiB of fp32 log-probabilities are gone."""
+    kw = {"seq_len": 64, "micro_batch_size": 2, "shards": 2}  # 128 tokens
+    L, V, H = TINY.num_layers, TINY.vocab_size, TINY.dim
+    plain = rm.attn_layer_act_bytes(TINY, L, "none", F32, loss_chunk_tokens=0, **kw)  # type: ignore[arg-type]
+    chunked = rm.attn_layer_act_bytes(TINY, L, "none", F32, loss_chunk_tokens=32, **kw)  # type: ignore[arg-type]
+    assert plain - chunked == pytest.approx(128 * 4 * V)
+    assert rm.head_transient_bytes(TINY, F32, 128, 0) == 128 * V * 4
+    assert rm.head_transient_bytes(TINY, F32, 128, 32) == 32 * V * 4
+    assert rm.head_transient_bytes(TINY, F32, 128, 4096) == 128 * V * 4  # one chunk: all
+    bf16 = budget.GPU_PRECISION  # logits in bf16 and their fp32 copy
+    assert rm.head_transient_bytes(TINY, bf16, 128, 32) == 32 * V * (2 + 4)
+    assert rm.attn_deferred_bytes(TINY, L, F32, 128, 32) == 128 * 4 * H
+    assert rm.attn_deferred_bytes(TINY, L, F32, 128, 0) == 128 * 4 * (V + H)
+    paper = dataclasses.replace(TINY, vocab_size=151936, dim=2048)
+    big = {"seq_len": 8192, "micro_batch_size": 2, "shards": 8}
+    head = [
+        rm.attn_layer_act_bytes(paper, L, "none", bf16, loss_chunk_tokens=c, **big)  # type: ignore[arg-type]
+        for c in (0, 4096)
+    ]
+    assert head[0] - head[1] == pytest.approx(16384 * 4 * 151936)
+    assert head[1] < 0.05 * head[0]  # the norm, its input and the targets remain
+
+
+def test_predicted_memory_follows_the_loss_head_chunks() -> None:
+    """The run's prediction (`budget.predict_memory`, which sets the in-flight cap) uses
+    `train.loss_chunk_tokens`: the chunked head's A replica predicts less."""
+    chunked = budget.predict_memory(_cfg(loss_chunk_tokens=16), 1).attn
+    plain = budget.predict_memory(_cfg(loss_chunk_tokens=0), 1).attn
+    tokens = TrainConfig().seq_len * TrainConfig().micro_batch_size
+    V = RunConfig().model.vocab_size
+    assert plain.activations - chunked.activations == tokens * 4 * V
+    assert (plain.transient, chunked.transient) == (tokens * V * 4, 16 * V * 4)

@@ -104,7 +104,7 @@ def test_planner_memory_is_the_runtime_models() -> None:
 
 
 def test_attention_memory_caps_in_flight_micro_batches() -> None:
-    plan = plan_for(QWEN, H800, gpus=64, seq_len=8192, micro_batch_size=1, groups=2,
+    plan = plan_for(QWEN, H800, gpus=64, seq_len=16384, micro_batch_size=1, groups=2,
                     recompute="none", search_moves=0)  # fmt: skip
     assert plan.in_flight < 4 and "memory" in plan.memory_binding
     assert plan.mem_attn_gib <= plan.mem_cap_gib

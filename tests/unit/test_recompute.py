@@ -79,9 +79,9 @@ def test_reference_trainer_is_bit_identical_under_recompute(model: dict[str, Any
 
 
 def test_recompute_saves_what_the_modes_say() -> None:
-    """full: an A worker keeps its layer input x (+ RoPE tables) and the expert rows it
-    received (the combine sum `index_add` keeps its source), an expert shard its received
-    rows and combine weights, both plus integer routing indices; attn: the A component saves
+    """full: an A worker keeps its layer input x (+ RoPE tables; not the expert rows it
+    received: `runtime.stages` adds them saving their token ids only), an expert shard its
+    received rows and combine weights, both plus integer routing indices; attn: the A component saves
     less than none (the core's own tensors), an expert shard exactly as much."""
     saved = {mode: stage_saved_bytes(_cfg(mode)) for mode in MODES}
     for worker in ("A", "F"):

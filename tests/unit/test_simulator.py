@@ -314,7 +314,7 @@ def test_simulate_disagg_fits_the_gpu_by_the_runtime_model(
     )
     assert "GiB over the 80 GiB of a GPU; use --recompute full" in err and "\n" not in err
     assert main([*given, "--max-in-flight", "8"]) == 2  # auto: full does not fit 8 either
-    assert "; use --max-in-flight 1, or more GPUs (--nodes)" in capsys.readouterr().err
+    assert "; use --max-in-flight 5, or more GPUs (--nodes)" in capsys.readouterr().err
     assert main([*given, "--recompute", "full", "--micro-batches", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["recompute"] == "full" and out["config"]["max_in_flight"] >= 1

@@ -55,7 +55,9 @@ class StageModule(NamedParts):
     """Layers `layout.layers_of_stage(stage)` of the model, as PyTorch's pipeline sees them.
 
     Input: token ids [B, S] (first stage) or hidden states [B, S, H]; output:
-    hidden states [B, S, H], or logits [B, S, V] on the last stage.
+    hidden states [B, S, H], or on the last stage the logits [B, S, V] — or, with a chunked
+    loss head (`LossScale.chunk_tokens`), the final norm's output [B, S, H], which the
+    schedule's loss function takes through the LM head chunk by chunk (`head_loss`).
     """
 
     def __init__(
@@ -121,12 +123,25 @@ class StageModule(NamedParts):
         if self.is_last:
             if marks is not None:
                 x = marks.mark(x, HEAD)
-            x = self["lm_head"](self["norm"](x))
+            x = self["norm"](x)
+            if not self.scale.chunk_tokens:
+                x = self["lm_head"](x)
         aux = self.scale.aux(auxes)
         if aux is None:
             return x
         self.aux_sum = self.aux_sum + aux.detach().double()
         return AuxLossScaler.apply(x, aux)
+
+    def head_loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss share from its output (`LossScale.ce` of the logits, or the
+        chunked head of the normed hidden states), under the forward's autocast."""
+        assert self.is_last
+        if not self.scale.chunk_tokens:
+            return self.scale.ce(out, targets)
+        lm_head = self["lm_head"]
+        assert isinstance(lm_head, torch.nn.Linear)
+        with self.precision.autocast():
+            return self.scale.head_ce(out, lm_head, targets)
 
 
 def build_stage_modules(

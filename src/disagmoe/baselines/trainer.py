@@ -125,7 +125,8 @@ class EPTrainer:
 
     def _stage(self, module: StageModule) -> TracedStage:
         c, t = self.cfg.model, self.cfg.train
-        # the residual stream in the parameters' dtype, logits in the compute dtype
+        # the residual stream in the parameters' dtype, logits in the compute dtype; with a
+        # chunked loss head the last stage returns the normed residual stream
         dtype, logits_dtype = torch_dtype(param_dtype_name(t)), torch_dtype(t.dtype)
         B, S = t.micro_batch_size, t.seq_len
         # Static shapes (no metadata inference pass); requires_grad marks what carries gradients.
@@ -134,7 +135,7 @@ class EPTrainer:
         example_in = torch.zeros(B, S, dtype=torch.long, device=dev) if module.is_first else hidden
         example_out = (
             torch.zeros(B, S, c.vocab_size, dtype=logits_dtype, device=dev, requires_grad=True)
-            if module.is_last
+            if module.is_last and not self.scale.chunk_tokens
             else hidden
         )
         return TracedStage(
@@ -150,11 +151,13 @@ class EPTrainer:
             meter=self.meter,
         )
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """The schedule's loss: `LossScale.ce`, what it saves counted by the meter (PyTorch's
-        schedule computes it after the last stage's forward, on the same thread)."""
+    def _loss(self, out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: the last stage's `StageModule.head_loss`, what it saves counted
+        by the meter (PyTorch's schedule computes it after the last stage's forward, on the
+        same thread)."""
+        last = next(m for m in self.modules if m.is_last)
         with self.meter.saving():
-            return self.scale.ce(logits, targets)
+            return last.head_loss(out, targets)
 
     def _build_pipeline(self) -> PipelineSchedule:
         n = self.layout.num_local_micro_batches
@@ -290,7 +293,7 @@ class EPTrainer:
                             dist.recv(x, self.layout.rank_of(owner[s - 1], self.dp_rank))
                         y = module(x)
                         if module.is_last:
-                            ce += self.scale.ce(y, targets[mb * B : (mb + 1) * B]).double()
+                            ce += module.head_loss(y, targets[mb * B : (mb + 1) * B]).double()
                         elif owner[s + 1] == self.pp_rank:
                             held[s].append(y)
                         else:

@@ -18,13 +18,16 @@ EP group size:
   all-to-alls save nothing), the attention's with `exchanged=False` (the stage keeps the
   residual its layers hand on in-process); the stage's input r*H per token (not on the first
   stage, which keeps its token ids instead) and output r*H (PyTorch's stage keeps both
-  until the backward); on the last stage the loss head and its logits, b*V per token;
+  until the backward); on the last stage the loss head and its logits, b*V per token — or,
+  with a chunked loss head (`loss_chunk_tokens` > 0, `models.loss_head`), no logits: the
+  stage's output is the final norm's, r*H, which the head saves as its input (its own b*H
+  where the compute dtype differs from r, else that same tensor);
 * the peak: the largest sum over the rank's stages of (micro-batches held) x (one
   micro-batch's activations) along the rank's order (`schedule.pipelines.in_flight_walk`,
   passed in as `walk`), so every order (1F1B, interleaved, DualPipeV, combined) counts what
   it holds;
 * transient: one micro-batch's logits gradient on the last stage (+ an fp32 copy below
-  fp32), as `runtime_memory.attn_replica_memory` counts it.
+  fp32), or one chunk's, as `runtime_memory.attn_replica_memory` counts it.
 
 Not counted: the all-to-all send and receive buffers of the layer running now (freed when
 the layer returns; at most one layer's worth: 2*T*rho*b*H), the flat gradient buffer of the
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ..config import ModelConfig
+from ..config import LOSS_CHUNK_TOKENS, ModelConfig
 from . import costmodel as cm
 from . import flops
 from . import runtime_memory as rm
@@ -71,6 +74,7 @@ def ep_stage_act_bytes(
     ep: int,
     first: bool,
     last: bool,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> float:
     """Bytes one micro-batch of a stage over `layers` keeps until its backward (module doc)."""
     tokens = seq_len * micro_batch_size
@@ -85,9 +89,13 @@ def ep_stage_act_bytes(
     kept += 0.0 if first else tokens * residual * model.dim  # the stage's input
     if last:
         kept += rm.attn_layer_act_bytes(
-            model, model.num_layers, recompute, prec, exchanged=False, **kw
-        )
-        kept += tokens * prec.act * model.vocab_size  # the logits, the stage's output
+            model, model.num_layers, recompute, prec, exchanged=False,
+            loss_chunk_tokens=loss_chunk_tokens, **kw,
+        )  # fmt: skip
+        if not loss_chunk_tokens:
+            kept += tokens * prec.act * model.vocab_size  # the logits, the stage's output
+        elif prec.act != residual:  # the normed output, and the head's cast copy of it
+            kept += tokens * residual * model.dim
     else:
         kept += tokens * residual * model.dim  # the stage's output
     return kept
@@ -104,6 +112,7 @@ def ep_rank_memory(
     micro_batch_size: int,
     recompute: str,
     prec: cm.Precision,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> cm.MemoryBreakdown:
     """Peak bytes of one EP rank (module doc): `stages` maps its stages to their layers,
     `walk` is its order's in-flight points (stage -> micro-batches held)."""
@@ -112,16 +121,22 @@ def ep_rank_memory(
     kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "ep": ep}
     per_mb = {
         s: ep_stage_act_bytes(
-            model, layers, recompute, prec, first=s == 0, last=s == num_stages - 1, **kw
+            model,
+            layers,
+            recompute,
+            prec,
+            first=s == 0,
+            last=s == num_stages - 1,
+            loss_chunk_tokens=loss_chunk_tokens,
+            **kw,
         )
         for s, layers in stages.items()
     }
     peak = max((sum(n * per_mb[s] for s, n in point.items()) for point in walk), default=0.0)
-    logits = prec.act + (4 if prec.act < 4 else 0)
     tokens = seq_len * micro_batch_size
     last = num_stages - 1 in stages
     return cm.MemoryBreakdown(
         states=float(ep_rank_params(model, stages, num_stages=num_stages, ep=ep) * prec.state),
         activations=float(peak),
-        transient=float(tokens * model.vocab_size * logits) if last else 0.0,
+        transient=rm.head_transient_bytes(model, prec, tokens, loss_chunk_tokens) if last else 0.0,
     )

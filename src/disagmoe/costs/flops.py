@@ -15,7 +15,9 @@ E experts of width D_e, D_dense the dense MLP width, V the vocabulary.
   experts `6*H*D_e` per (token, expert) pair (gate, up and down GEMMs);
 * backward = 2x forward for GEMMs, 2.5x for the attention core (FlashAttention
   recomputes QK^T); activation recompute (`train.recompute`) adds one forward of what it
-  recomputes: the attention core for "attn", everything for "full".
+  recomputes: the attention core for "attn", everything for "full"; a chunked loss head
+  (`train.loss_chunk_tokens`, `models.loss_head`) adds one forward of the LM head's GEMM
+  to its backward (`head_backward_extra`).
 
 Parameter counts (`attn_params`, `expert_params`, `head_params`) are the model's own
 (`models/`: RMSNorm weights, no biases), so memory, gradient all-reduce bytes and
@@ -75,6 +77,13 @@ def attn_flops(
 def lm_head_flops(model: ModelConfig, tokens: float) -> float:
     """Forward FLOPs of the LM head over `tokens` tokens."""
     return 2.0 * tokens * model.dim * model.vocab_size
+
+
+def head_backward_extra(loss_chunk_tokens: int) -> float:
+    """Extra backward FLOPs of the LM head / its forward FLOPs: 1 when the loss head runs in
+    chunks (its backward reruns each chunk's logits GEMM: 3x the forward in all), else 0.
+    Not in `train_step_flops`, which counts the work the model needs."""
+    return 1.0 if loss_chunk_tokens > 0 else 0.0
 
 
 def expert_flops(model: ModelConfig, pairs: float) -> float:

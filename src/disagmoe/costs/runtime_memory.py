@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from ..config import ModelConfig
+from ..config import LOSS_CHUNK_TOKENS, ModelConfig
 from . import costmodel as cm
 from . import flops
 
@@ -33,6 +33,15 @@ def _norm_bytes(h: int, prec: cm.Precision) -> int:
     return prec.hi * h + prec.hi + 2 * prec.act * h
 
 
+def _head_bytes(model: ModelConfig, prec: cm.Precision, loss_chunk_tokens: int) -> float:
+    """What the loss head keeps per token beyond its inputs: a norm, the log-probabilities
+    f*V and the targets, 8. With `loss_chunk_tokens` > 0 (`models.loss_head`) no
+    log-probabilities: the backward recomputes them, a chunk at a time, from the norm's
+    output, which the chunked head saves (the norm's output term)."""
+    logprobs = 0.0 if loss_chunk_tokens else prec.hi * model.vocab_size
+    return _norm_bytes(model.dim, prec) + logprobs + cm.INDEX_BYTES
+
+
 def attn_layer_act_bytes(
     model: ModelConfig,
     layer: int,
@@ -44,6 +53,7 @@ def attn_layer_act_bytes(
     shards: int = 0,
     groups: int = 1,
     exchanged: bool = True,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> float:
     """Bytes an attention worker keeps from the forward of `layer` (L: the loss head) of one
     micro-batch until its backward: what autograd saves plus the stage's inputs and outputs.
@@ -62,8 +72,7 @@ def attn_layer_act_bytes(
       dispatch's token ids 8*rho, the boolean masks n*k bytes; shared experts 4b*I_s;
     * a dense MLP 4b*D_dense;
     * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
-    The loss head keeps its inputs, a norm, the log-probabilities f*V and the targets, 8; it is
-    not recomputed in any mode.
+    The loss head keeps its inputs and `_head_bytes`; it is not recomputed in any mode.
 
     `recompute=full` (the block's forward is a transient, rerun in backward) keeps the
     inputs, the checkpoint's inputs — the layer input x, b*H, and the RoPE tables 2*S*D*b
@@ -89,7 +98,7 @@ def attn_layer_act_bytes(
     tokens = micro_batch_size * seq_len
     inputs = rho * idx if layer > 0 and model.is_moe_layer(layer - 1) else 0.0
     if layer == model.num_layers:  # loss head
-        return tokens * (inputs + _norm_bytes(h, prec) + f * model.vocab_size + idx)
+        return tokens * (inputs + _head_bytes(model, prec, loss_chunk_tokens))
     moe = model.is_moe_layer(layer)
     shared_dim = model.num_shared_experts * model.expert_dim if moe else 0
     new_residual = shared_dim > 0 or not moe or b < 4
@@ -147,17 +156,34 @@ def ffn_act_bytes(
     return pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
 
 
-def attn_deferred_bytes(model: ModelConfig, layer: int, prec: cm.Precision, tokens: int) -> float:
+def head_transient_bytes(
+    model: ModelConfig, prec: cm.Precision, tokens: int, loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
+) -> float:
+    """The loss head's logits (+ an fp32 copy below fp32) while it runs: one micro-batch of
+    `tokens`, or one chunk of at most `loss_chunk_tokens` (`models.loss_head`)."""
+    logits = prec.act + (4 if prec.act < 4 else 0)
+    rows = min(tokens, loss_chunk_tokens) if loss_chunk_tokens else tokens
+    return float(rows * model.vocab_size * logits)
+
+
+def attn_deferred_bytes(
+    model: ModelConfig,
+    layer: int,
+    prec: cm.Precision,
+    tokens: int,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+) -> float:
     """Gradients a deferred BWD of attention `layer` (L: the loss head) keeps for its W
     (`runtime.wgrad`: the output gradient of every op where a weight's path leaves the
     inputs'), one micro-batch of `tokens`: per token b*(V + H) on the head (the logits' and
-    the final norm's); else the q, k, v and o projections' b*(q + 2kv + H), the two norms'
+    the final norm's; a chunked head, `loss_chunk_tokens` > 0, keeps the loss's gradient, one
+    number, and the norm's b*H: its W recomputes the logits); else the q, k, v and o projections' b*(q + 2kv + H), the two norms'
     2b*H (and q/k norms' b*(q + kv)), the router's b*E on a MoE layer, the dense MLP's or the
     shared experts' b*(2I + H). Attention layer 0 keeps its whole backward's incoming
     gradients instead; the same estimate stands for them."""
     b, h = prec.act, model.dim
     if layer == model.num_layers:
-        return tokens * b * (model.vocab_size + h)
+        return tokens * b * ((0 if loss_chunk_tokens else model.vocab_size) + h)
     hd = model.head_dim_resolved
     q, kv = model.num_heads * hd, model.num_kv_heads * hd
     per_token = q + 2 * kv + h + 2 * h + (q + kv if model.qk_norm else 0)
@@ -190,10 +216,11 @@ def attn_replica_memory(
     recompute: str,
     prec: cm.Precision,
     split_backward: bool = False,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> cm.MemoryBreakdown:
     """Worst A replica of this runtime: states, `in_flight` micro-batches of all its
-    components (the loss head on group 0), and one micro-batch of logits (+ an fp32 copy
-    below fp32); with `split_backward`, one micro-batch's deferred gradients of all its
+    components (the loss head on group 0), and the head's logits (`head_transient_bytes`:
+    a micro-batch's, or a chunk's with `loss_chunk_tokens`); with `split_backward`, one micro-batch's deferred gradients of all its
     components (the Ws of a slot pending behind its backward, `attn_deferred_bytes`)."""
     worst = cm.MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
     tokens = micro_batch_size * seq_len
@@ -203,15 +230,19 @@ def attn_replica_memory(
             attn_layer_act_bytes(
                 model, layer, recompute, prec, groups=groups, seq_len=seq_len,
                 micro_batch_size=micro_batch_size, shards=shards,
+                loss_chunk_tokens=loss_chunk_tokens,
             )
             for layer in layers
         )  # fmt: skip
-        logits = prec.act + (4 if prec.act < 4 else 0)
-        deferred = sum(attn_deferred_bytes(model, layer, prec, tokens) for layer in layers)
+        deferred = sum(
+            attn_deferred_bytes(model, layer, prec, tokens, loss_chunk_tokens) for layer in layers
+        )
         cand = cm.MemoryBreakdown(
             states=float(cm.attn_group_params(model, groups, g) * prec.state),
             activations=float(in_flight * per_mb),
-            transient=float(tokens * model.vocab_size * logits) if g == 0 else 0.0,
+            transient=(
+                head_transient_bytes(model, prec, tokens, loss_chunk_tokens) if g == 0 else 0.0
+            ),
             deferred=float(deferred) if split_backward else 0.0,
         )
         if cand.total > worst.total:

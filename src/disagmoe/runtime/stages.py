@@ -260,8 +260,9 @@ class AttnWorker:
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
             _, targets = self.micro_batches[slot]
-            logits = self.modules["lm_head"](self.modules["norm"](x))
-            st.objective = self.scale.ce(logits, targets)
+            lm_head = self.modules["lm_head"]
+            assert isinstance(lm_head, nn.Linear)
+            st.objective = self.scale.head_ce(self.modules["norm"](x), lm_head, targets)
             self.ce_sum += st.objective.detach().double()
         else:
             cos, sin = self._rope(x)

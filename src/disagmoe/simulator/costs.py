@@ -7,7 +7,7 @@ q / kv = query / key-value widths, k = top-k, E experts, D_e expert width):
   of a dense or MoE layer, the LM head (layer L), the embedding 0; routed experts
   per (token, expert) pair, a shard of n getting `N*k/n` pairs per attention
   replica (balanced routing); backward = 2x forward for GEMMs, 2.5x for the
-  attention core;
+  attention core, 3x for a chunked loss head's GEMM (`Workload.loss_chunk_tokens`);
 * messages (runtime/stages.py): a shard receives each token at most once, so an
   A replica sends shard j `u = N*(1 - C(E - E/n, k)/C(E, k))` distinct tokens
   (`act_bytes*H` each) plus `N*k/n` (weight, row, expert id) triples; combine
@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..config import ClusterConfig, ModelConfig, RunConfig
+from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, RunConfig
 from ..costs import flops
 from ..schedule.ir import Op
 
@@ -51,6 +51,9 @@ class Workload:
     micro_batch_size: int
     act_bytes: int = 2  # bf16 activations on the wire
     index_bytes: int = 4  # int32 token ids / rows / expert ids
+    loss_chunk_tokens: int = (
+        LOSS_CHUNK_TOKENS  # train.loss_chunk_tokens: > 0, the head's backward reruns it
+    )
 
     def __post_init__(self) -> None:
         if self.seq_len < 1 or self.micro_batch_size < 1:
@@ -59,9 +62,11 @@ class Workload:
     @classmethod
     def of_run(cls, cfg: RunConfig) -> Workload:
         """The micro-batch a run of `cfg` moves: activations in its compute dtype, token ids,
-        rows and expert ids as int64 (what `runtime.stages` puts on the wire)."""
-        act = {"float64": 8, "float32": 4}.get(cfg.train.dtype, 2)
-        return cls(cfg.model, cfg.train.seq_len, cfg.train.micro_batch_size, act, 8)
+        rows and expert ids as int64 (what `runtime.stages` puts on the wire); its loss head's
+        chunks."""
+        t = cfg.train
+        act = {"float64": 8, "float32": 4}.get(t.dtype, 2)
+        return cls(cfg.model, t.seq_len, t.micro_batch_size, act, 8, t.loss_chunk_tokens)
 
     @property
     def tokens(self) -> int:
@@ -215,6 +220,8 @@ class AnalyticCosts:
         gemm, core = self.workload.attn_flops(layer)
         if op == Op.BWD:
             gemm_factor, core_factor = flops.backward_factors(self.recompute)
+            if layer == self.workload.model.num_layers:
+                gemm_factor += flops.head_backward_extra(self.workload.loss_chunk_tokens)
             gemm, core = gemm_factor * gemm, core_factor * core
         return (gemm + core) / self.flops_per_s
 

@@ -57,8 +57,10 @@ def stage_saved_bytes(cfg: RunConfig, seed: int = 0) -> dict[str, SavedBytes]:
     ("F") under `cfg.train.recompute`, on an m = n = 1 layout (p = 1), driven through the
     workers' own forward with the messages the runtime would carry.
 
-    "A"'s inputs: its layer input x [B, S, H] (the received residual plus the expert rows),
-    the RoPE tables and the received expert rows; "F"'s: the received rows and weights.
+    "A"'s inputs: its layer input x [B, S, H] (the received residual plus the expert rows)
+    and the RoPE tables (the received rows themselves are not saved: `runtime.stages` adds
+    them with an index-add that saves their token ids only); "F"'s: the received rows and
+    weights.
     """
     cfg = replace_section(cfg, "parallel", groups=1, attn_workers=1, expert_workers=1)
     layout = Layout.build(cfg.model, cfg.parallel, 2)
@@ -86,5 +88,5 @@ def stage_saved_bytes(cfg: RunConfig, seed: int = 0) -> dict[str, SavedBytes]:
     x_and_rope = element * (B * S * cfg.model.dim + 2 * S * cfg.model.head_dim_resolved)
     a_params = [p for _, p in attn.named_parameters()]
     floats, ints = saved_bytes(lambda: attn.forward(1, 0, combine, []), a_params)
-    out["A"] = SavedBytes(floats, ints, x_and_rope + _nbytes(y))
+    out["A"] = SavedBytes(floats, ints, x_and_rope)
     return out

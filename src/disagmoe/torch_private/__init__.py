@@ -51,6 +51,7 @@ __all__ = [
     "PipelineStageBase",
     "compute_loss",
     "construct_reverse_graph",
+    "engine_reaches",
     "get_loss",
     "get_param_groups",
     "grad_fn_or_grad_acc",
@@ -137,6 +138,25 @@ def storage_use_count(storage: torch.UntypedStorage) -> int:
     `distributed.exchange`'s buffer pool reuses a receive buffer once no tensor views it.
     Gone, receives fail; wrong, a buffer still in use is overwritten."""
     return int(torch._C._storage_Use_Count(storage._cdata))
+
+
+def engine_reaches(node: Node | None) -> bool:
+    """Inside a backward: whether the backward running now reaches `node`, a next function
+    of the node being run (`torch._C._will_engine_execute_node`): always in a whole
+    backward; in a partial one (`autograd.grad` to some inputs, as `runtime.wgrad` and
+    PyTorch's split I/W run) only on a path to them, a leaf's node among those inputs
+    included (torch refuses to say for those; a captured leaf is reached). None: no.
+
+    `models.loss_head` skips the GEMM of a gradient nobody takes. Gone or wrong, a split
+    backward fails its exactness tests (or computes both gradients in both parts)."""
+    if node is None:
+        return False
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError as err:  # a leaf's node passed to autograd.grad: captured
+        if "leaf node" in str(err):
+            return True
+        raise
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:

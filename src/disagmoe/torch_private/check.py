@@ -102,6 +102,31 @@ def _probe_storage_use_count() -> str | None:
     return None if (alone, held) == (1, 2) else f"counts {alone}, {held} (expected 1, 2)"
 
 
+def _probe_engine_reaches() -> str | None:
+    from . import engine_reaches
+
+    seen: list[tuple[bool, bool]] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return x * w
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+            seen.append(tuple(engine_reaches(n) for n, _ in ctx.next_functions))  # type: ignore[arg-type]
+            return g, g
+
+    x0, w = torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True)
+    x = x0 * 1.0
+    Probe.apply(x, w).sum().backward(retain_graph=True)
+    out = Probe.apply(x, w).sum()
+    torch.autograd.grad(out, [x0], retain_graph=True)
+    torch.autograd.grad(out, [w])
+    want = [(True, True), (True, False), (False, True)]
+    return None if seen == want else f"reached (whole, to x, to w) {seen}, want {want}"
+
+
 def _probe_cdata() -> str | None:
     return None if isinstance(torch.UntypedStorage(1)._cdata, int) else "is not an int"
 
@@ -173,6 +198,11 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     ),
     PrivateApi(name="torch.UntypedStorage._cdata", wrapper="storage_use_count", probe=_probe_cdata),
     PrivateApi(name="torch.Tensor._base", wrapper="view_base", probe=_probe_base),
+    PrivateApi(
+        name="torch._C._will_engine_execute_node",
+        wrapper="engine_reaches",
+        probe=_probe_engine_reaches,
+    ),
     PrivateApi(
         name="torch.nn.Module._parameters", wrapper="module_parameters", probe=_probe_parameters
     ),

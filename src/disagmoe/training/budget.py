@@ -109,7 +109,8 @@ GPU_PRECISION = run_precision(TrainConfig(dtype="bfloat16"))
 
 
 def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
-    """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split."""
+    """The memory model for this run's model, dtype, seq_len, micro-batch, recompute, split
+    and loss head chunks."""
     train, par = cfg.train, cfg.parallel
     prec = run_precision(train)
     # deferred weight gradients: counted wherever the run may split (auto may not)
@@ -118,6 +119,7 @@ def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
         cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
         micro_batch_size=train.micro_batch_size, in_flight=in_flight,
         recompute=train.recompute, prec=prec, split_backward=split,
+        loss_chunk_tokens=train.loss_chunk_tokens,
     )  # fmt: skip
     ffn = rm.ffn_shard_memory(
         cfg.model, groups=par.groups, replicas=par.attn_workers, shards=par.expert_workers,

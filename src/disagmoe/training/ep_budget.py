@@ -9,7 +9,7 @@ All dp replicas of a pipeline rank hold the same stages and run the same order, 
 
 from __future__ import annotations
 
-from ..config import ModelConfig, RunConfig
+from ..config import LOSS_CHUNK_TOKENS, ModelConfig, RunConfig
 from ..costs import costmodel as cm
 from ..costs.ep_memory import ep_rank_memory
 from ..distributed.ep_layout import EPLayout
@@ -31,6 +31,7 @@ def predict_ep_memory(
     micro_batch_size: int,
     recompute: str,
     prec: cm.Precision,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> list[cm.MemoryBreakdown]:
     """Peak bytes of every pipeline rank of `layout` (`costs.ep_memory.ep_rank_memory`)."""
     orders = _orders(layout)
@@ -45,6 +46,7 @@ def predict_ep_memory(
             micro_batch_size=micro_batch_size,
             recompute=recompute,
             prec=prec,
+            loss_chunk_tokens=loss_chunk_tokens,
         )
         for rank in range(layout.pp)
     ]
@@ -57,11 +59,12 @@ def peak_in_flight(layout: EPLayout) -> list[int]:
 
 def predict_ep_run(cfg: RunConfig, layout: EPLayout) -> list[cm.MemoryBreakdown]:
     """`predict_ep_memory` of a run of `cfg` on `layout`: its dtype (`budget.run_precision`),
-    seq_len, micro-batch size and recompute."""
+    seq_len, micro-batch size, recompute and loss head chunks."""
     train = cfg.train
     return predict_ep_memory(
         layout, cfg.model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
         recompute=train.recompute, prec=run_precision(train),
+        loss_chunk_tokens=train.loss_chunk_tokens,
     )  # fmt: skip
 
 

@@ -19,15 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ..config import ModelConfig, TrainConfig
 from ..device import HOST, adamw_kwargs
+from ..models.loss_head import chunked_head_loss
 
 
 @dataclass(frozen=True)
 class LossScale:
     token_scale: float  # 1 / (G * S)
     aux_scale: float  # coef / (M * L_moe)
+    chunk_tokens: int = 0  # train.loss_chunk_tokens: the loss head's chunks (0: unchunked)
 
     @classmethod
     def for_run(cls, model: ModelConfig, train: TrainConfig) -> LossScale:
@@ -35,6 +38,23 @@ class LossScale:
         return cls(
             token_scale=1.0 / (train.global_batch_size * train.seq_len),
             aux_scale=model.aux_loss_coef / (train.num_micro_batches * num_moe),
+            chunk_tokens=train.loss_chunk_tokens,
+        )
+
+    def head_ce(
+        self, h_BSH: torch.Tensor, lm_head: nn.Linear, targets_BS: torch.Tensor
+    ) -> torch.Tensor:
+        """`ce` of `lm_head(h_BSH)`, from the final norm's output: with `chunk_tokens` > 0
+        over chunks of that many tokens, keeping no logits for the backward
+        (`models.loss_head`: the same value and gradients), else through the logits."""
+        if self.chunk_tokens == 0:
+            return self.ce(lm_head(h_BSH), targets_BS)
+        return chunked_head_loss(
+            h_BSH,
+            lm_head.weight,
+            targets_BS,
+            scale=self.token_scale,
+            chunk_tokens=self.chunk_tokens,
         )
 
     def ce(self, logits_BSV: torch.Tensor, targets_BS: torch.Tensor) -> torch.Tensor:
