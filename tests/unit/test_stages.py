@@ -85,3 +85,60 @@ def test_split_rows_keeps_the_weights_differentiable() -> None:
     (parts,) = split_rows([plan], [2])
     sum(p.weights_A.sum() * (k + 1) for k, p in enumerate(parts)).backward()  # type: ignore[union-attr]
     assert probs.grad is not None and probs.grad.abs().sum() > 0
+
+
+def _workers(recompute: str):  # type: ignore[no-untyped-def]
+    """An A and an F worker of one replica and one shard (p = 1), tiny model, float64."""
+    from disagmoe.config import RunConfig, TrainConfig, replace_section
+    from disagmoe.distributed.layout import Layout
+    from disagmoe.runtime.stages import AttnWorker, ExpertWorker, build_worker
+    from disagmoe.training.objective import LossScale
+    from disagmoe.training.setup import apply_variants
+
+    cfg = RunConfig(train=TrainConfig(dtype="float64", recompute=recompute, progress=False))
+    cfg = replace_section(cfg, "parallel", groups=1, attn_workers=1, expert_workers=1)
+    layout = Layout.build(cfg.model, cfg.parallel, 2)
+    a_rank, f_rank = layout.attn_rank(0, 0), layout.expert_rank(0, 0)
+    scale = LossScale.for_run(cfg.model, cfg.train)
+    attn, experts = (
+        build_worker(cfg, layout, a_rank, scale),
+        build_worker(cfg, layout, f_rank, scale),
+    )
+    assert isinstance(attn, AttnWorker) and isinstance(experts, ExpertWorker)
+    apply_variants(cfg, [attn.modules, experts.modules])
+    B, S = cfg.train.micro_batch_size, cfg.train.seq_len
+    tokens = torch.randint(
+        0, cfg.model.vocab_size, (B, S + 1), generator=torch.Generator().manual_seed(0)
+    )
+    attn.micro_batches = {0: (tokens[:, :-1], tokens[:, 1:])}
+    return attn, experts, a_rank, f_rank
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_a_stage_keeps_none_of_its_messages_until_its_backward(recompute: str) -> None:
+    """Once the caller (the executor, the outbox) drops a forward's payloads, nothing of the
+    stage holds their storage: the stash keeps gradient edges and catches gradients, and
+    no op saves the rows (the combine's index-add saves their token ids only). Under the
+    old design (received tensors as leaves, outputs as backward roots) two more held each.
+    The backward still sends the gradients of the messages."""
+    from disagmoe.schedule.ir import Msg
+    from disagmoe.torch_private import storage_use_count
+
+    attn, experts, a, f = _workers(recompute)
+    to_f, to_a = Msg("dispatch", 0, 0, a, f), Msg("combine", 0, 0, f, a)
+    grad_f, grad_a = Msg("grad_dispatch", 0, 0, f, a), Msg("grad_combine", 0, 0, a, f)
+    sent = attn.forward(0, 0, {}, [to_f])[to_f]
+    u, sent_w_shape = sent[0], sent[1].shape
+    combine = experts.forward(0, 0, {to_f: sent}, [to_a])
+    y = combine[to_a][0]
+    del sent
+    probe = torch.zeros(1)
+    alone = storage_use_count(probe.untyped_storage())  # a tensor's and the query's own
+    assert storage_use_count(u.untyped_storage()) == alone  # A keeps no dispatched rows, F
+    # no received ones
+    attn.forward(1, 0, combine, [])
+    del combine
+    assert storage_use_count(y.untyped_storage()) == alone  # F keeps no output, A no rows
+    g_y = torch.randn_like(y)
+    g_u, g_w = experts.backward(0, 0, {grad_a: [g_y]}, [grad_f])[grad_f]
+    assert g_u.shape == u.shape and g_u.abs().sum() > 0 and g_w.shape == sent_w_shape
