@@ -147,3 +147,19 @@ def test_seed_choice_uses_the_profile() -> None:
     assert best.groups == 1  # the analytic profile prefers one group here (no residual hop)
     with pytest.raises(ValueError, match="unknown planner option"):
         plan_for(QWEN, H800, gpus=64, seq_len=4096, micro_batch_size=1, bogus=1)
+
+
+def test_the_planned_loss_head_is_the_runs() -> None:
+    """The planner prices the loss head as the run keeps it (`train.loss_chunk_tokens`, which
+    `train --plan auto` passes): unchunked, group 0's A replica holds the fp32
+    log-probabilities of every token in flight, and fewer micro-batches fit."""
+
+    def planner(chunk: int) -> Planner:
+        return Planner(model=QWEN, cluster=H800, gpus=64, seq_len=16384, micro_batch_size=1,
+                       options=PlanOptions(groups=2, loss_chunk_tokens=chunk))  # fmt: skip
+
+    chunked, plain = planner(4096), planner(0)
+    assert PlanOptions().loss_chunk_tokens == 4096  # train's default
+    per_mb = plain.attn_memory(2, 1, "full").total - chunked.attn_memory(2, 1, "full").total
+    assert per_mb > 16384 * 4 * QWEN.vocab_size  # the log-probabilities and the logits
+    assert plain.max_in_flight(2, 8, "full") == 4 < chunked.max_in_flight(2, 8, "full") == 19

@@ -56,7 +56,10 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
         gpus=world_size,
         seq_len=cfg.train.seq_len,
         micro_batch_size=cfg.train.micro_batch_size,
-        options=PlanOptions(micro_batches=cfg.train.num_micro_batches),
+        options=PlanOptions(
+            micro_batches=cfg.train.num_micro_batches,
+            loss_chunk_tokens=cfg.train.loss_chunk_tokens,
+        ),
     )
     best: Plan | None = None
     num_micro = cfg.train.num_micro_batches

@@ -24,6 +24,7 @@ from typing import Any
 import disagmoe.costs.costmodel as cm
 import disagmoe.costs.runtime_memory as rm
 from disagmoe.config import (
+    LOSS_CHUNK_TOKENS,
     MAX_EXCHANGE_CHUNKS,
     SCHEDULE_ORDERS,
     SPLIT_BACKWARD,
@@ -62,6 +63,8 @@ class PlanOptions:
     # 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
     batch_stage: bool = True
     seed: int = 0
+    # train.loss_chunk_tokens of the run planned for: the loss head's memory (0: unchunked)
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
         if self.recompute not in ("auto", *cm.RECOMPUTE_MODES):
@@ -253,6 +256,7 @@ class Planner:
             self.model, groups=groups, shards=shards, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, in_flight=in_flight, recompute=recompute,
             prec=GPU_PRECISION, split_backward=self.deferred(recompute),
+            loss_chunk_tokens=self.options.loss_chunk_tokens,
         )  # fmt: skip
 
     def ffn_memory(self, groups: int, m: int, in_flight: int, recompute: str) -> cm.MemoryBreakdown:
