@@ -365,6 +365,36 @@ def _gave_way(default: tuple[int, int, str], chosen: tuple[int, int, str]) -> st
 
 
 def simulate_from_args(args: argparse.Namespace) -> SimResult:
+    """The step `args` describe; AF-Pipe at the planner's split with recompute auto: the
+    planner's plan for each recompute mode that fits, simulated, the faster kept (its
+    analytic model cannot rank a mode that holds few slots in flight against one that
+    recomputes; the EP runtimes' layout search also simulates every mode)."""
+    planned = not (args.attn_workers and args.expert_workers)
+    if args.runtime != "disagg" or args.recompute != "auto" or not planned:
+        return _simulate_resolved(args)
+    if args.split_backward == "on":  # deferred weight gradients: never with recompute
+        return _simulate_resolved(argparse.Namespace(**{**vars(args), "recompute": "none"}))
+    results: dict[str, SimResult] = {}
+    errors: list[str] = []
+    for mode in ("none", "full"):
+        try:
+            results[mode] = _simulate_resolved(
+                argparse.Namespace(**{**vars(args), "recompute": mode})
+            )
+        except ValueError as err:  # that mode does not fit
+            errors.append(str(err))
+    if not results:
+        raise ValueError(errors[-1])
+    best = min(results, key=lambda mode: results[mode].step_time_s)
+    result = results[best]
+    result.config["recompute_search"] = {
+        mode: round(results[mode].step_time_s, 6) if mode in results else "does not fit"
+        for mode in ("none", "full")
+    }
+    return result
+
+
+def _simulate_resolved(args: argparse.Namespace) -> SimResult:
     r = resolve(args)
     common = dict(
         seq_len=args.seq_len,
@@ -454,6 +484,17 @@ def format_result(result: SimResult) -> str:
             else []
         ),
         *([f"layout      {cfg['layout_note']}"] if cfg.get("layout_note") else []),
+        *(
+            [
+                "recompute   auto, the faster simulated: "
+                + ", ".join(
+                    f"{mode} {step if isinstance(step, str) else f'{step * 1e3:.2f} ms'}"
+                    for mode, step in cfg["recompute_search"].items()
+                )
+            ]
+            if cfg.get("recompute_search")
+            else []
+        ),
         "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
     ]
     for key in BREAKDOWN_KEYS:

@@ -357,3 +357,22 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
         none.expert_s(Op.BWD, 10) + none.expert_s(Op.FWD, 10)
     )
     assert all(c.attn_s(Op.FWD, 1) == none.attn_s(Op.FWD, 1) for c in costs.values())
+
+
+def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
+    for each recompute mode that fits and keeps the faster: recompute none where it fits
+    (DeepSeek-MoE, one node, 4K), full where none does not fit (Qwen3, one node, 16K)."""
+    from disagmoe.simulate_cli import main
+
+    for model, seq, want in (
+        ("deepseek-moe-16b", "4096", "none"),
+        ("qwen3-30b-a3b", "16384", "full"),
+    ):
+        assert main(["--model", model, "--nodes", "1", "--seq-len", seq, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out)
+        search = out["config"]["recompute_search"]
+        assert out["config"]["recompute"] == want, search
+        steps = [s for s in search.values() if not isinstance(s, str)]
+        assert out["step_time_s"] == pytest.approx(min(steps), abs=1e-6)
+        assert ("does not fit" in search.values()) == (want == "full")
