@@ -1,7 +1,7 @@
 """The compute of one disaggregated worker: what FWD/BWD of (layer, slot) mean on A and F ranks.
 
 Autograd across workers: every received tensor that needs a gradient enters the graph
-through a tap (`_Tap`: identity forward; its backward catches the gradient in a `_Caught`
+through a tap (`runtime.taps`: identity forward; its backward catches the gradient in a `Caught`
 box); a stage's stash keeps the boxes and the gradient edges of its outputs
 (`torch.autograd.graph.GradientEdge`: the node an output's gradient enters, not the
 output), and its backward runs `torch.autograd.backward(edges, grads)` with the gradients
@@ -34,11 +34,9 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from ..config import RunConfig, TrainConfig
 from ..device import HOST
@@ -50,99 +48,20 @@ from ..schedule.ir import Msg, chunk_rows
 from ..training.objective import LossScale, loss_total
 from ..training.precision import Precision
 from ..training.setup import materialize_initial_weights
+from . import taps
 from .dispatch_chunks import split_rows
+from .taps import Caught, Root
 from .wgrad import Deferred, backward_inputs, backward_weights
 
 Payload = list[torch.Tensor]
-Root = GradientEdge | None  # where an output's gradient enters the graph (None: it has none)
-
-
-class _Caught:
-    """The gradient a tap caught for one received tensor (summed over the tap's backward
-    passes), with the tensor's metadata for a zero gradient when none came."""
-
-    __slots__ = ("device", "dtype", "grad", "shape")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-        self.grad: torch.Tensor | None = None
-
-    def grad_or_zeros(self) -> torch.Tensor:
-        if self.grad is not None:
-            return self.grad
-        return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-
-
-class _Tap(torch.autograd.Function):
-    """A received tensor into the graph: the forward is the identity (a view), the backward
-    puts the tensor's gradient into its `_Caught` box. It makes the output differentiable
-    through `anchor` (an empty leaf: the input whose gradient a split backward computes,
-    `runtime.wgrad`) and saves nothing, so nothing keeps the tensor but the ops that save it."""
-
-    @staticmethod
-    def forward(ctx: Any, anchor: torch.Tensor, t: torch.Tensor, box: _Caught) -> torch.Tensor:
-        ctx.box = box
-        return t.view_as(t)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        box: _Caught = ctx.box
-        box.grad = grad if box.grad is None else box.grad + grad
-        return grad.new_zeros(0), None, None
-
-
-class _AddRows(torch.autograd.Function):
-    """`x.index_add(0, ids, y.to(x.dtype))` for received rows `y`, their gradient caught in
-    `box`: the same values both ways as the index-add (whose backward would save `y`);
-    this one saves the ids only."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, ids: torch.Tensor, y: torch.Tensor, box: _Caught
-    ) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.box = box
-        return x.index_add(0, ids, y.to(x.dtype))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (ids,) = ctx.saved_tensors
-        box: _Caught = ctx.box
-        g = grad.index_select(0, ids).to(box.dtype)
-        box.grad = g if box.grad is None else box.grad + g
-        return grad, None, None, None
-
-
-def _anchor(like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(0, dtype=like.dtype, device=like.device, requires_grad=True)
-
-
-def _tap(anchor: torch.Tensor, t: torch.Tensor, box: _Caught) -> torch.Tensor:
-    if not t.is_floating_point():
-        return t
-    out: torch.Tensor = _Tap.apply(anchor, t, box)
-    return out
-
-
-def _root(t: torch.Tensor) -> Root:
-    """The gradient edge of an output the backward starts from (None: no gradient)."""
-    return get_gradient_edge(t) if t.requires_grad else None
-
-
-def _backward(roots: list[Root], grads: list[torch.Tensor]) -> None:
-    pairs = [(r, g) for r, g in zip(roots, grads, strict=True) if r is not None]
-    if pairs:
-        torch.autograd.backward([r for r, _ in pairs], [g for _, g in pairs])
-
-
 Part = tuple[int, int]  # (shard, exchange chunk) of a replica's exchange; chunk -1: whole
 
 
 @dataclass
 class _AttnState:
     anchor: torch.Tensor | None = None  # the taps' anchor (layer > 0)
-    resid_in: _Caught | None = None  # the received residual's gradient
-    combines_in: dict[Part, _Caught] = field(default_factory=dict)  # combined rows' gradients
+    resid_in: Caught | None = None  # the received residual's gradient
+    combines_in: dict[Part, Caught] = field(default_factory=dict)  # combined rows' gradients
     residual: Root = None
     dispatched: dict[Part, tuple[Root, Root]] = field(default_factory=dict)  # (u, weights)
     objective: torch.Tensor | None = None  # loss share (layer L) or scaled aux term
@@ -238,9 +157,9 @@ class AttnWorker:
             act = next((p for m, p in received.items() if m.kind == "act"), None)
             if act is None:
                 act = self.local.pop(("act", layer - 1, slot))
-            st.anchor = anchor = _anchor(act[0])
-            st.resid_in = _Caught(act[0])
-            x = _tap(anchor, act[0], st.resid_in)
+            st.anchor = anchor = taps.anchor(act[0])
+            st.resid_in = Caught(act[0])
+            x = taps.tap(anchor, act[0], st.resid_in)
             combines = {
                 (self.layout.role(m.src).index, m.chunk): p
                 for m, p in received.items()
@@ -254,8 +173,8 @@ class AttnWorker:
                 for j, k in sorted(combines):  # shard by shard, chunk by chunk
                     lo, hi = chunk_rows(token_ids[j].numel(), num_chunks[j], k)
                     y = combines[(j, k)][0]
-                    st.combines_in[(j, k)] = box = _Caught(y)
-                    x_TH = _AddRows.apply(x_TH, token_ids[j][lo:hi], y, box)
+                    st.combines_in[(j, k)] = box = Caught(y)
+                    x_TH = taps.add_rows(x_TH, token_ids[j][lo:hi], y, box)
                 x = x_TH.view(B, S, H)
         out: dict[Msg, Payload] = {}
         if layer == self.num_layers:
@@ -267,7 +186,7 @@ class AttnWorker:
         else:
             cos, sin = self._rope(x)
             res = self.modules[f"layers.{layer}.attn_block"](x, cos, sin)
-            st.residual = _root(res.residual_BSH)
+            st.residual = taps.root(res.residual_BSH)
             act_payload: Payload = [res.residual_BSH.detach()]
             if res.routing is not None:
                 assert res.u_TH is not None and res.aux is not None
@@ -285,7 +204,7 @@ class AttnWorker:
                     j, k = shard[msg], msg.chunk
                     part = parts[j][max(k, 0)]
                     u, w = message(res.u_TH[part.token_ids]), message(part.weights_A)
-                    st.dispatched[(j, k)] = (_root(u), _root(w))
+                    st.dispatched[(j, k)] = (taps.root(u), taps.root(w))
                     out[msg] = [u.detach(), w.detach(), part.rows_A, part.experts_A]
                 aux = self.scale.aux([res.aux])
                 if aux is not None:
@@ -344,7 +263,7 @@ class AttnWorker:
                     roots += [u_j, w_j]
                     grads += payload
         if st.objective is not None:
-            roots.append(_root(st.objective))
+            roots.append(taps.root(st.objective))
             grads.append(torch.ones_like(st.objective))
         if defer:
             inputs = [st.anchor] if st.anchor is not None else []
@@ -352,7 +271,7 @@ class AttnWorker:
                 roots, grads, inputs, self.layer_parameters(layer)
             )
         else:
-            _backward(roots, grads)
+            taps.backward(roots, grads)
         out: dict[Msg, Payload] = {}
         if layer == 0:
             return out
@@ -373,7 +292,7 @@ class AttnWorker:
 @dataclass
 class _ExpertState:
     anchor: torch.Tensor | None  # the taps' anchor
-    inputs: dict[int, tuple[_Caught, _Caught]]  # replica -> gradients of (u, weights)
+    inputs: dict[int, tuple[Caught, Caught]]  # replica -> gradients of (u, weights)
     outputs: dict[int, Root]  # replica -> y's gradient edge
 
 
@@ -422,11 +341,11 @@ class ExpertWorker:
         by_replica = sorted((self.layout.role(m.src).index, p) for m, p in received.items())
         inputs, xs, rows, experts, weights, counts = {}, [], [], [], [], []
         offset = 0
-        anchor = _anchor(by_replica[0][1][0])
+        anchor = taps.anchor(by_replica[0][1][0])
         for replica, (u, w, rows_A, experts_A) in by_replica:
-            inputs[replica] = (_Caught(u), _Caught(w))
-            xs.append(_tap(anchor, u, inputs[replica][0]))
-            weights.append(_tap(anchor, w, inputs[replica][1]))
+            inputs[replica] = (Caught(u), Caught(w))
+            xs.append(taps.tap(anchor, u, inputs[replica][0]))
+            weights.append(taps.tap(anchor, w, inputs[replica][1]))
             rows.append(rows_A + offset)
             experts.append(experts_A)
             counts.append(u.shape[0])
@@ -442,7 +361,7 @@ class ExpertWorker:
             y = self.precision.message(self.modules[f"layers.{layer}.experts"](x, plan))
         outputs = dict(zip([r for r, _ in by_replica], y.split(counts), strict=True))
         if keep:  # for the backward: the gradient edges of the outputs, not the outputs
-            roots = {r: _root(t) for r, t in outputs.items()}
+            roots = {r: taps.root(t) for r, t in outputs.items()}
             self.stash[(layer, slot, chunk)] = _ExpertState(anchor, inputs, roots)
         return {msg: [outputs[self.layout.role(msg.dst).index].detach()] for msg in outgoing}
 
@@ -480,7 +399,7 @@ class ExpertWorker:
             anchors = [st.anchor] if st.anchor is not None else []
             self.deferred[(layer, slot, chunk)] = backward_inputs(roots, grads, anchors, params)
         else:
-            _backward(roots, grads)
+            taps.backward(roots, grads)
         out = {}
         for msg in outgoing:
             u_in, w_in = st.inputs[self.layout.role(msg.dst).index]

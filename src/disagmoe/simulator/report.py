@@ -182,3 +182,56 @@ def trace_events(
         else:
             tracers[program.rank[op]].add(program.label[op], program.lane[op], s, e, **args)
     return [(t.metadata(), t.events) for t in tracers]
+
+
+def format_result(result: SimResult) -> str:
+    """What `disagmoe simulate` prints for a result (without `--json`)."""
+    cfg = result.config
+    lines = [
+        f"runtime {result.runtime}  model {cfg.get('model')}  cluster {cfg.get('cluster')}  "
+        f"workers {result.num_workers}",
+        *(
+            [
+                f"schedule    {cfg['order']}{' (run costs)' if cfg.get('costed') else ''}, "
+                f"{cfg.get('exchange_chunks', 1)} exchange chunk(s)"
+                + (", weight gradients deferred" if cfg.get("split_backward") else "")
+            ]
+            if result.runtime == "disagg" and "order" in cfg
+            else []
+        ),
+        f"step time   {result.step_time_s * 1e3:10.2f} ms",
+        f"throughput  {result.tokens_per_s:10.0f} tokens/s ({result.tokens_per_step} tokens/step)",
+        *(
+            [
+                f"bound       {result.bound.seconds * 1e3:10.2f} ms  (step/bound "
+                f"{result.step_time_s / result.bound.seconds:.2f}; binding: "
+                f"{result.bound.describe()})"
+            ]
+            if result.bound and result.bound.seconds > 0
+            else []
+        ),
+        *(
+            [
+                f"memory      {cfg['memory_gib_per_gpu']:10.1f} GiB per GPU (of "
+                f"{cfg['gpu_memory_gib']:g}; recompute {cfg.get('recompute', 'none')})"
+            ]
+            if "memory_gib_per_gpu" in cfg
+            else []
+        ),
+        *([f"layout      {cfg['layout_note']}"] if cfg.get("layout_note") else []),
+        *(
+            [
+                "recompute   auto, the faster simulated: "
+                + ", ".join(
+                    f"{mode} {step if isinstance(step, str) else f'{step * 1e3:.2f} ms'}"
+                    for mode, step in cfg["recompute_search"].items()
+                )
+            ]
+            if cfg.get("recompute_search")
+            else []
+        ),
+        "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
+    ]
+    for key in BREAKDOWN_KEYS:
+        lines.append(f"  {key:16s} {result.breakdown[key]:10.4f}  {100 * result.share(key):5.1f}%")
+    return "\n".join(lines)
