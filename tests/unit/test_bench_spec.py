@@ -117,8 +117,9 @@ def test_simulator_uses_the_planners_split_as_is() -> None:
     assert model.num_experts % split.expert_workers  # 32 experts on 5 shards
     # a recompute given is planned for (simulate --recompute, --split-backward on: none)
     assert planned_split(model, h800, recompute="none", **kw).recompute == "none"  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="only 2 micro-batches"):
-        planned_split(model, h800, micro_batches=2, **kw)  # type: ignore[arg-type]
+    # the run's batch is planned for: 2 micro-batches leave room for 2 replicas at most
+    small = planned_split(model, h800, micro_batches=2, **kw)  # type: ignore[arg-type]
+    assert 1 <= small.attn_workers <= 2
 
 
 def test_emulated_network_pools_a_node_nic_like_its_token_bucket() -> None:

@@ -49,6 +49,7 @@ class SplitProblem:
     ffn_nic: float  # c_f
     nics_per_gpu: float | None = None  # r; None disables the locality constraint
     max_ffn_gpus: int | None = None
+    max_attn_gpus: int | None = None  # the replicas a global batch of micro-batches can feed
     ffn_mem: tuple[float, float, float] | None = None  # (A, B, cap) in bytes
 
     def tau(self, m: int, n: int, ma: int, mf: int) -> float:
@@ -122,8 +123,9 @@ def _constraints(p: SplitProblem) -> list[LinearConstraint]:
 
 def _bounds(p: SplitProblem, lower: tuple[int, int, int, int] = (1, 1, 1, 1)) -> Bounds:
     n_hi = p.gpus - 1 if p.max_ffn_gpus is None else min(p.gpus - 1, p.max_ffn_gpus)
+    m_hi = p.gpus - 1 if p.max_attn_gpus is None else min(p.gpus - 1, p.max_attn_gpus)
     lb = [lower[0], lower[1], lower[2], lower[3], 0.0]
-    ub = [p.gpus - 1, n_hi, p.nics - 1, p.nics - 1, np.inf]
+    ub = [m_hi, n_hi, p.nics - 1, p.nics - 1, np.inf]
     return Bounds(np.array(lb, dtype=float), np.array(ub, dtype=float))
 
 
@@ -215,6 +217,8 @@ def _grid(p: SplitProblem) -> tuple[np.ndarray, ...]:
     ok = np.ones((m.size, ma.size), dtype=bool)
     if p.max_ffn_gpus is not None:
         ok &= n <= p.max_ffn_gpus
+    if p.max_attn_gpus is not None:
+        ok &= m <= p.max_attn_gpus
     if p.nics_per_gpu is not None:
         ok &= (ma <= p.nics_per_gpu * m + 1e-9) & (mf <= p.nics_per_gpu * n + 1e-9)
     if p.ffn_mem is not None:

@@ -45,6 +45,10 @@ class PlanOptions:
     roofline_only: bool = False  # the paper's problem: p = 1, sums + integrality, peaks
     groups: int = 0  # 0: the planner chooses p
     micro_batches: int = 0  # 0: smallest count with bubble <= bubble_target
+    # sequences per step of the run planned for (0: the planner sizes the batch): each plan
+    # runs ceil(global_batch / (m * b)) micro-batches per replica, as many in flight as the
+    # memory admits, and the simulator profile replays exactly global_batch / b of them
+    global_batch: int = 0
     recompute: str = "auto"  # auto | none | full
     solver: str = "milp"  # milp | enumerate
     epsilon: float = 0.02  # stage 2 band around the stage 1 optimum
@@ -91,8 +95,10 @@ class PlanOptions:
             )
         if self.solver not in ("milp", "enumerate"):
             raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
-        if self.groups < 0 or self.micro_batches < 0 or self.search_moves < 0:
-            raise ValueError("groups, micro_batches and search_moves must be >= 0")
+        if min(self.groups, self.micro_batches, self.global_batch, self.search_moves) < 0:
+            raise ValueError("groups, micro_batches, global_batch and search_moves must be >= 0")
+        if self.global_batch and self.micro_batches:
+            raise ValueError("give micro_batches (per replica) or global_batch, not both")
         if not 0 <= self.epsilon < 1:
             raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
         if self.search_radius < 1 or not 0 < self.bubble_target < 1:
@@ -137,6 +143,7 @@ class Plan:
     stage1_gap: float = 0.0  # tau / Stage 1 optimum - 1 (<= PlanOptions.epsilon from stage 2)
     profile: str = "analytic"  # what scored step_time_s: "analytic" or "simulator"
     schedule: str = ""  # the AF-Pipe order and exchange chunks the simulator replayed
+    global_batch: int = 0  # PlanOptions.global_batch: the sequences a step trains (0: all slots)
 
     @property
     def attn_gpus(self) -> int:
@@ -168,7 +175,10 @@ class Plan:
 
     @property
     def sequences_per_step(self) -> int:
-        return self.micro_batches * self.attn_gpus_per_group * self.micro_batch_size
+        return (
+            self.global_batch
+            or self.micro_batches * self.attn_gpus_per_group * self.micro_batch_size
+        )
 
     @property
     def simulated_step_s(self) -> float | None:
@@ -207,6 +217,11 @@ class Planner:
                 f"--seq-len {self.seq_len} exceeds {self.model.name}'s max_seq_len "
                 f"({self.model.max_seq_len})"
             )
+        if self.options.global_batch % self.micro_batch_size:
+            raise ValueError(
+                f"the global batch ({self.options.global_batch} sequences) must be a multiple "
+                f"of --micro-batch-size ({self.micro_batch_size})"
+            )
 
     @property
     def total_nics(self) -> int:
@@ -232,10 +247,15 @@ class Planner:
         layers = self.model.num_layers
         return [p for p in range(1, layers + 1) if layers % p == 0 and self.gpus % p == 0]
 
-    def micro_batches(self, groups: int) -> int:
-        """User's count, or the smallest >= the ring length with bubble <= bubble_target."""
+    def micro_batches(self, groups: int, m: int = 0) -> int:
+        """Micro-batches per replica: the user's count; with a global batch, what each of
+        the `m` replicas runs of it; else the smallest >= the ring length with bubble <=
+        bubble_target."""
         if self.options.micro_batches:
             return self.options.micro_batches
+        if self.options.global_batch:
+            assert m >= 1, "a global batch is shared by the m replicas: give m"
+            return -(-self.options.global_batch // (m * self.micro_batch_size))
         v = self.model.num_layers // groups
         need = (2 * groups - 1) / (v * self.options.bubble_target)
         return max(ring_length(groups), math.ceil(need - 1e-9))
@@ -311,6 +331,7 @@ class Planner:
             ffn_nic=u.ffn_nic,
             nics_per_gpu=self.cluster.nics_per_node / self.cluster.gpus_per_node if full else None,
             max_ffn_gpus=self.model.num_experts if full else None,
+            max_attn_gpus=self.options.global_batch // self.micro_batch_size or None,
             ffn_mem=ffn_mem,
         )
 
@@ -353,13 +374,15 @@ class Planner:
         micro_batches: int = 0,
     ) -> Plan | None:
         """A checked plan for these choices, or None if a hard constraint is violated.
-        `micro_batches` per replica (0: `self.micro_batches(groups)`)."""
+        `micro_batches` per replica (0: `self.micro_batches(groups, m)`)."""
         prob = self.problem(groups, in_flight, recompute)
         n, mf = prob.gpus - m, prob.nics - attn_nics
         if min(m, n, attn_nics, mf) < 1:
             return None
         if prob.max_ffn_gpus is not None and n > prob.max_ffn_gpus:
             return None
+        if prob.max_attn_gpus is not None and m > prob.max_attn_gpus:
+            return None  # a replica with no micro-batch of the run's batch
         r = prob.nics_per_gpu
         if r is not None and (attn_nics > r * m + 1e-9 or mf > r * n + 1e-9):
             return None
@@ -383,7 +406,7 @@ class Planner:
             micro_batch_size=self.micro_batch_size,
             groups=groups,
             virtual_stages=self.model.num_layers // groups,
-            micro_batches=micro_batches or self.micro_batches(groups),
+            micro_batches=micro_batches or self.micro_batches(groups, m),
             in_flight=in_flight,
             recompute=recompute,
             attn_gpus_per_group=m,
@@ -406,6 +429,7 @@ class Planner:
             solver=solver or self.options.solver,
             stage=stage,
             step_time_s=0.0,
+            global_batch=self.options.global_batch,
         )
         prof = profile or AnalyticProfile(self)
         return dataclasses.replace(plan, step_time_s=prof(plan))

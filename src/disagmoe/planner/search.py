@@ -73,6 +73,16 @@ def local_search(
     )
 
 
+def even_load_replicas(planner: Planner, plan: Plan) -> list[int]:
+    """The replica counts m of `plan`'s group whose n shards are the fewest that hold
+    the busiest shard's expert count (ceil(E/n)), or one expert less: shards as even as
+    that load allows, the rest of the group's GPUs attention replicas."""
+    experts = planner.model.num_experts
+    per_group = plan.attn_gpus_per_group + plan.ffn_gpus_per_group
+    load = -(-experts // plan.ffn_gpus_per_group)
+    return [per_group - -(-experts // target) for target in (load, load - 1) if target >= 1]
+
+
 def plan_mover(
     planner: Planner, profile: Profile, radius: int
 ) -> Callable[[Plan, random.Random], Plan | None]:
@@ -101,10 +111,7 @@ def plan_mover(
         )  # fmt: skip
         kind = rng.random()
         if kind < 0.15:  # the fewest shards at the busiest shard's load, or one expert less
-            per_group = m + plan.ffn_gpus_per_group
-            load = -(-planner.model.num_experts // plan.ffn_gpus_per_group)
-            target = rng.choice([c for c in (load, load - 1) if c >= 1])
-            m = per_group - -(-planner.model.num_experts // target)
+            m = rng.choice(even_load_replicas(planner, plan))
             if m == plan.attn_gpus_per_group:
                 return None
         elif kind < 0.5:

@@ -26,7 +26,11 @@ def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -
     else the attention memory limit, then halved while smaller K lets the FFN memory admit a
     split that the profile prefers (more attention GPUs for long sequences).
     """
-    want = min(planner.micro_batches(groups), ring_length(groups))
+    opts = planner.options
+    if opts.global_batch:  # the run holds what the memory admits, up to its replica's slots
+        want = opts.global_batch // planner.micro_batch_size
+    else:
+        want = min(planner.micro_batches(groups), ring_length(groups))
     if planner.options.roofline_only:
         k_attn = want
     else:
@@ -51,10 +55,15 @@ def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -
                 break
         else:
             why = "attention" if k == k_attn else "FFN"
+            slots = planner.micro_batches(groups, split.m)
             plan = planner.evaluate(
-                groups=groups, m=split.m, attn_nics=split.attn_nics, in_flight=k,
+                groups=groups, m=split.m, attn_nics=split.attn_nics, in_flight=min(k, slots),
                 recompute=recompute, profile=profile,
-                memory_binding=f"in-flight {k} of {want} ({why} memory)" if k < want else "",
+                memory_binding=(
+                    f"in-flight {k} of {min(want, slots)} ({why} memory)"
+                    if k < min(want, slots)
+                    else ""
+                ),
                 solver=split.solver,
             )  # fmt: skip
             assert plan is not None, "the solver returned a point that violates a constraint"

@@ -31,7 +31,7 @@ import math
 
 from disagmoe.config import split_backward_flag
 from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
-from disagmoe.planner.search import refine_plan
+from disagmoe.planner.search import even_load_replicas, refine_plan
 from disagmoe.planner.seed import seed_plans
 from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
 from disagmoe.simulator.costs import InstrCosts
@@ -96,7 +96,9 @@ class SimulatorProfile:
                 expert_workers=plan.ffn_gpus_per_group,
                 seq_len=pl.seq_len,
                 micro_batch_size=pl.micro_batch_size,
-                num_micro_batches=plan.micro_batches * m,
+                num_micro_batches=(
+                    pl.options.global_batch // pl.micro_batch_size or plan.micro_batches * m
+                ),
                 max_in_flight=plan.in_flight,
                 reduce=True,
                 costs=self.costs,
@@ -152,16 +154,48 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
         best = min(score(plan, plan.step_time_s) for plan in seeds)
         near = [plan for plan in seeds if score(plan, plan.step_time_s) <= SEED_BAND * best]
         small = [plan for plan in near if plan.micro_batches <= SEED_MAX_MICRO_BATCHES]
-        scored = [dataclasses.replace(plan, step_time_s=prof(plan)) for plan in small or near]
+        scored = [
+            dataclasses.replace(plan, step_time_s=prof(plan))
+            for plan in _with_even_shards(planner, small or near)
+        ]
         seed = min(scored, key=lambda plan: score(plan, plan.step_time_s))
     if not (opts.roofline_only or opts.search_moves == 0):
         seed = refine_plan(planner, seed, prof).best
-    if isinstance(prof, SimulatorProfile) and opts.batch_stage and not opts.micro_batches:
+    fixed_batch = opts.micro_batches or opts.global_batch
+    if isinstance(prof, SimulatorProfile) and opts.batch_stage and not fixed_batch:
         seed = grow_micro_batches(planner, seed, prof)
+    return _recorded(planner, name, seed)
+
+
+def _with_even_shards(planner: Planner, seeds: list[Plan]) -> list[Plan]:
+    """`seeds` and, for each, its split with shards as even as its busiest shard's expert
+    count allows (`search.even_load_replicas`): the MILP sizes n by a continuous share of
+    the experts, while a shard's work is its whole experts', so n a little off a divisor
+    of E leaves the busiest shard with twice the others' load. Scored by the simulator
+    before the search starts, so the choice of p sees each p's even split."""
+    out: list[Plan] = []
+    for plan in seeds:
+        out.append(plan)
+        for m in even_load_replicas(planner, plan):
+            if m == plan.attn_gpus_per_group:
+                continue
+            variant = planner.evaluate(
+                groups=plan.groups, m=m, attn_nics=plan.attn_nics_per_group,
+                in_flight=plan.in_flight, recompute=plan.recompute,
+                memory_binding=plan.memory_binding, solver=plan.solver, stage="search",
+            )  # fmt: skip
+            if variant is not None:
+                out.append(variant)
+    return out
+
+
+def _recorded(planner: Planner, name: str, plan: Plan) -> Plan:
+    """`plan` with the profile that scored it and the schedule it replayed."""
+    opts = planner.options
     replayed = f"{opts.order}, exchange chunks {opts.exchange_chunks or 'auto'}" + (
         f", split backward {opts.split_backward}" if opts.split_backward != "off" else ""
     )
-    return dataclasses.replace(seed, profile=name, schedule=replayed if name == "simulator" else "")
+    return dataclasses.replace(plan, profile=name, schedule=replayed if name == "simulator" else "")
 
 
 def step_over_bound(prof: SimulatorProfile, plan: Plan) -> float:
@@ -238,16 +272,14 @@ def sweep_plans(
     opts = planner.options
     modes = ["none", "full"] if opts.recompute == "auto" else [opts.recompute]
     prob = planner.problem(groups, 1, modes[0])
-    micro = planner.micro_batches(groups)
     out: list[Plan] = []
     for mode in modes:
-        top = min(micro, planner.max_in_flight_attn(groups, mode))
-        if top < 1:
-            continue
-        ks = list(range(1, top + 1))
-        if caps == "pow2":
-            ks = sorted({k for k in ks if k & (k - 1) == 0} | {top})
+        most = planner.max_in_flight_attn(groups, mode)
         for m in grid(1, prob.gpus - 1, m_points):
+            top = min(planner.micro_batches(groups, m), most)
+            ks = list(range(1, top + 1))
+            if caps == "pow2" and top >= 1:
+                ks = sorted({k for k in ks if k & (k - 1) == 0} | {top})
             for ma in grid(1, prob.nics - 1, nic_points):
                 for k in ks:
                     plan = planner.evaluate(

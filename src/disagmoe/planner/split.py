@@ -127,6 +127,7 @@ def planned_split(
     plan = plan_for(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
         groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
+        global_batch=micro_batches * micro_batch_size, profile="auto",
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
