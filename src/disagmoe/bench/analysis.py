@@ -167,6 +167,7 @@ def emulated_network(
         nic_bytes_per_s=nic_gbps * ranks_per_node / nics * 1e9 / 8 * TCP_EFFICIENCY,
         nvlink_bytes_per_s=LOOPBACK_BYTES_PER_S,
         latency_s=100e-6,
+        shared_connection=True,  # gloo: one TCP connection per pair and process group
     )
 
 
@@ -284,9 +285,18 @@ class _FittedEP:
 
 
 def predict_ep(
-    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fifo"
 ) -> float:
-    """Simulated step seconds of an ep-* run: measured compute rate, emulated network."""
+    """Simulated step seconds of an ep-* run: measured compute rate, emulated network.
+
+    Every rank is simulated and, by default, a NIC carries one pipeline message at a time
+    (`fifo`): an emulated NIC is a token bucket with a queue of about two jumbo frames, and
+    a flow that holds it keeps it while a newcomer's packets are dropped, so the dp
+    replicas of a stage that share a node's NIC take it in turn. In the runs each cross-node
+    activation moves at the node's whole rate (262144 bytes in 0.080 s at 3.1 MB/s,
+    `--nic-gbit 0.4` at 8 workers) and the replicas run one message apart (0.085 s at 16
+    workers, 131072 bytes at 1.56 MB/s); fair sharing in lockstep put ep-1f1b's step 41%
+    over the measured one at 16 workers."""
     from ..baselines.layout import EPLayout
 
     workload = _workload(cfg)
@@ -342,7 +352,7 @@ def predict_ep(
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
         num_micro_batches=cfg.train.num_micro_batches, chunks=cfg.parallel.virtual_stages,
         overlap_chunks=cfg.parallel.overlap_chunks, sync=False, costs=costs, net=net,
-        link_model=link_model,
+        link_model=link_model, act_bytes=workload.act_bytes, every_rank=True,
     )  # fmt: skip
     return sim.step_time_s + _sync_step_s(events)
 
@@ -357,11 +367,11 @@ def predict(
     overheads: bool = False,
 ) -> float:
     """Simulator's step seconds for a measured run (events of its measured steps only);
-    `link_model` as in `simulator.links`; `replay` and `overheads` (AF-Pipe runs) as in
-    `predict_disagg`."""
+    `link_model` (AF-Pipe runs: ep-* runs take `predict_ep`'s) as in `simulator.links`;
+    `replay` and `overheads` (AF-Pipe runs) as in `predict_disagg`."""
     if cfg.parallel.runtime == "disagg":
         return predict_disagg(cfg, world, events, net, link_model, replay, overheads)
-    return predict_ep(cfg, world, events, net, link_model)
+    return predict_ep(cfg, world, events, net)
 
 
 __all__ = [

@@ -148,6 +148,8 @@ def simulate_ep(
     link_model: LinkModel = "fair",
     recompute: str = "none",
     overlap_sync: bool = True,
+    act_bytes: int = 2,
+    every_rank: bool = False,
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
@@ -155,13 +157,17 @@ def simulate_ep(
     `memory_gib_per_gpu` (the fullest rank's peak, `ep_memory`) and `gpu_memory_gib` (the
     cluster's); a layout over it is simulated all the same (`simulate` refuses it).
     `overlap_sync` (`parallel.overlap_grad_sync`): the dense gradients all-reduced in
-    per-layer buckets during each stage's last backward, as the runtime does."""
+    per-layer buckets during each stage's last backward, as the runtime does. `act_bytes`:
+    bytes per activation element on the wire (bf16; a float32 run, as the bench's: 4).
+    `every_rank`: simulate every rank, not one representative per pipeline rank (the same
+    step under fair links; under `fifo` links the dp replicas that share a NIC take it in
+    turn instead of in lockstep)."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
     )
     per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
-    workload = Workload(model, seq_len, micro_batch_size)
+    workload = Workload(model, seq_len, micro_batch_size, act_bytes)
     net = net or Network.from_cluster(cluster)
     model_costs: EPCostModel = costs or analytic_ep_costs(lay, workload, cluster, net, recompute)
     memory = predict_ep_memory(
@@ -171,14 +177,14 @@ def simulate_ep(
     schedule = build_baseline_schedule(
         lay,
         model,
-        representatives=True,
+        representatives=not every_rank,
         a2a_chunks=overlap_chunks if runtime == "ep-overlap" else 1,
     )
-    symmetry = Symmetry.representatives(lay)
+    symmetry = Symmetry.identity(gpus) if every_rank else Symmetry.representatives(lay)
     pricing = _ep_pricing(lay, model, workload, net, model_costs, symmetry, sync, overlap_sync)
     prog = lower(schedule, pricing, symmetry)
     timeline = run_program(prog, link_model=link_model)
-    roles = [f"EP(stage {r})" for r in range(pp)]
+    roles = [f"EP(stage {lay.coords(symmetry.real(r))[0]})" for r in range(prog.num_ranks)]
     tokens = num_micro_batches * workload.tokens
     cfg = {
         "model": model.name,
@@ -204,7 +210,7 @@ def simulate_ep(
         timeline,
         tokens_per_step=tokens,
         roles=roles,
-        real_ranks=[symmetry.real(r) for r in range(pp)],
+        real_ranks=[symmetry.real(r) for r in range(prog.num_ranks)],
         config=cfg,
     )
 
@@ -245,7 +251,7 @@ def _ep_pricing(
     """Prices of the representatives' lists: computes from `model_costs`, one activation per
     pipeline message, a rank's all-to-all by its pipeline rank, the gradient all-reduces by
     `_ep_sync_prices` (`overlap_sync`: dense buckets during the backward)."""
-    pp_of = {symmetry.real(r): r for r in range(lay.pp)}
+    pp_of = {real: lay.coords(real)[0] for real in map(symmetry.real, range(symmetry.num_ranks))}
     sync_s, bucket_s, experts_s = _ep_sync_prices(lay, workload, net, model)
     return Pricing(
         compute_s=lambda ins, kind: (
