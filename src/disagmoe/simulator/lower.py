@@ -37,7 +37,9 @@ operations, through one path for both executions:
   `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
   instead, on its "sync" lane one after another, each once its issuing BWD has ended,
   and SYNC (the wait for them, and `sync_rest_s`: what no bucket holds) ends after every
-  op and bucket.
+  op and bucket. A bucket is a collective on the rank's network (`engine.A2A`): it
+  shares it with the all-to-alls in flight beside it, as the runtime's bucket
+  all-reduces and the backward's all-to-alls share the NIC.
 
 `Symmetry` says which real workers a simulated rank stands for
 (`simulator.symmetry`); the identity when every rank is simulated.
@@ -366,7 +368,8 @@ class _Lowering:
     def buckets(self, rank: int, real: int) -> list[int]:
         """The all-reduce ops of a rank's buckets (`schedule.sync`; on an in-order EP rank
         one per A layer, issued as `baselines.grad_buckets` does), one after another on
-        its "sync" lane; none without `Pricing.bucket_s` or on a rank without A backward."""
+        its "sync" lane, sharing its network with its all-to-alls; none without
+        `Pricing.bucket_s` or on a rank without A backward."""
         bucket_s, rp = self.pricing.bucket_s, self.programs.get(rank)
         if bucket_s is None:
             return []
@@ -380,7 +383,7 @@ class _Lowering:
             after = [issue, *ops[-1:]]
             ops.append(
                 self.prog.add(
-                    DELAY,
+                    A2A,
                     rank,
                     "sync",
                     bucket_s(real, layer),
