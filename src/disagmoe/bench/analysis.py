@@ -22,7 +22,10 @@ instruction its median over the measured steps and each message its measured byt
 `replay="own"`, the default — or one median per (op, component, layer kind) and the
 workload's average bytes, `"pooled"`; ep-*: seconds per FLOP of forward and of backward
 fitted over the stage computations), the network is the emulated one (the tbf rate per
-NIC, loopback inside a node), and the measured median SYNC + STEP is added.
+NIC, loopback inside a node). AF-Pipe: the measured median SYNC + STEP is added
+(`_sync_step_s`); ep-*: the gradient all-reduces are simulated (the buckets on the
+network beside the all-to-alls, SYNC after every rank's last op), and the optimizer's own
+STEP is added (`_least_step_s`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from ..trace import (
     total_length,
     union_intervals,
 )
+from ..training.precision import param_dtype_name
 from .overheads import fit_message_overheads
 
 Event = dict[str, Any]
@@ -134,9 +138,12 @@ def _flights(events: list[Event]) -> dict[tuple[int, int], list[Interval]]:
 
 
 def _sync_step_s(events: list[Event]) -> float:
-    """Median over steps of the slowest rank's SYNC + STEP seconds: what runs after the
-    rank's last op (a bucket all-reduce that overlapped the backward, `runtime.grad_sync`,
-    is not in it; SYNC holds what of it was still in flight)."""
+    """Median over steps of the slowest rank's SYNC + STEP seconds (a bucket all-reduce
+    that overlapped the backward, `runtime.grad_sync`, is not in it; SYNC holds what of it
+    was still in flight). AF-Pipe's replay adds it to its makespan. STEP all-reduces over
+    the world, so the slowest rank's STEP holds its wait for the last rank to finish,
+    which the replay's makespan already places: the sum counts that wait twice (1-12% of
+    the step on the saved emulated benches)."""
     per: dict[tuple[int, int], float] = defaultdict(float)
     for e in events:
         if e["cat"] == "sync" and not e["name"].startswith(BUCKET_EVENT):
@@ -145,6 +152,19 @@ def _sync_step_s(events: list[Event]) -> float:
     for (step, _), s in per.items():
         steps[step] = max(steps[step], s)
     return statistics.median(steps.values()) if steps else 0.0
+
+
+def _least_step_s(events: list[Event]) -> float:
+    """Median over steps of the least STEP over ranks: the optimizer's own time. STEP
+    all-reduces the gradient norm and the losses over the world, so a rank that finishes
+    early waits inside it for the last one; the last rank's STEP (the least) does not
+    wait (`bench.bound.trace_bound` takes the same)."""
+    least: dict[int, float] = {}
+    for e in events:
+        if e["cat"] == "sync" and e["name"] == "STEP":
+            step, seconds = e["args"].get("step", -1), e["dur"] / 1e6
+            least[step] = min(least.get(step, seconds), seconds)
+    return statistics.median(least.values()) if least else 0.0
 
 
 def emulated_network(
@@ -296,7 +316,15 @@ def predict_ep(
     activation moves at the node's whole rate (262144 bytes in 0.080 s at 3.1 MB/s,
     `--nic-gbit 0.4` at 8 workers) and the replicas run one message apart (0.085 s at 16
     workers, 131072 bytes at 1.56 MB/s); fair sharing in lockstep put ep-1f1b's step 41%
-    over the measured one at 16 workers."""
+    over the measured one at 16 workers.
+
+    The gradient all-reduces are simulated as the runtime runs them, in the run's weight
+    dtype (float32 gradients: 205824 bytes per `small` layer bucket in the traces): the
+    dense buckets during each stage's last backward, sharing the rank's network with its
+    all-to-alls, and the expert shards' at SYNC, after the rank's last op. The step ends
+    at the last rank's SYNC plus the optimizer's own STEP (`_least_step_s`): a rank that
+    finishes early waits for the last one inside STEP's world all-reduce, and that wait
+    is the replay's own."""
     from ..baselines.layout import EPLayout
 
     workload = _workload(cfg)
@@ -351,10 +379,12 @@ def predict_ep(
         cfg.parallel.runtime, model, ClusterConfig(), gpus=world, pp=lay.pp, ep=lay.ep,
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
         num_micro_batches=cfg.train.num_micro_batches, chunks=cfg.parallel.virtual_stages,
-        overlap_chunks=cfg.parallel.overlap_chunks, sync=False, costs=costs, net=net,
+        overlap_chunks=cfg.parallel.overlap_chunks, sync=True, costs=costs, net=net,
         link_model=link_model, act_bytes=workload.act_bytes, every_rank=True,
+        overlap_sync=cfg.parallel.overlap_grad_sync,
+        grad_bytes={"float64": 8, "float32": 4}.get(param_dtype_name(cfg.train), 2),
     )  # fmt: skip
-    return sim.step_time_s + _sync_step_s(events)
+    return sim.step_time_s + _least_step_s(events)
 
 
 def predict(
