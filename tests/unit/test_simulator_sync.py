@@ -119,3 +119,23 @@ def test_the_step_adds_the_least_step_over_ranks() -> None:
 
     events = [ev(0, 1, 0.1), ev(1, 1, 2.1), ev(0, 2, 0.3), ev(1, 2, 2.0), ev(0, 3, 0.2)]
     assert _least_step_s(events) == pytest.approx(0.2)  # median of 0.1, 0.3, 0.2
+
+
+def test_the_compute_fit_takes_the_computations_that_ran_alone() -> None:
+    """An F&B pair takes turns on its rank's one device, so each span holds both
+    computations' work: a forward of 1 s and a backward of 3 s alone, then a pair whose
+    spans are both 4 s long; the fit is 1 s per forward and 3 s per backward FLOP count."""
+    from disagmoe.bench.analysis import _seconds_per_flop
+
+    def ev(name: str, cat: str, t0: float, t1: float) -> dict:
+        return {"cat": cat, "name": name, "pid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
+                "args": {"stage": 0, "step": 1}}  # fmt: skip
+
+    events = [
+        ev("F s0 mb0", "fwd", 0.0, 1.0),
+        ev("B s0 mb0", "bwd", 2.0, 5.0),
+        ev("F s0 mb1", "fwd", 6.0, 10.0),
+        ev("B s0 mb1", "bwd", 6.0, 10.0),
+    ]
+    rates = _seconds_per_flop(events, lambda stage, kind: 10.0 if kind == "F" else 20.0)
+    assert rates == pytest.approx({"F": 0.1, "B": 0.15})

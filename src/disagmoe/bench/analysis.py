@@ -304,6 +304,51 @@ class _FittedEP:
         return self.base.experts(kind) * self.s_per_flop["F" if kind == "F" else "B"]
 
 
+def _seconds_per_flop(
+    events: list[Event], stage_flops: Callable[[int, str], float]
+) -> dict[str, float]:
+    """Seconds per FLOP of an ep-* run's forward ("F") and backward ("B": B, I, W) stage
+    computations: their spans less the blocking all-to-alls inside them, over their FLOPs
+    (`stage_flops(stage, kind)`)."""
+    blocking: dict[int, list[Interval]] = defaultdict(list)
+    for e in events:
+        if e["args"].get("blocking"):
+            blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
+    waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
+    # Two computations of one rank in flight at once (an F&B pair of ep-combined /
+    # ep-dualpipev) take turns on its one device, so each span holds the other's work:
+    # the fit takes the computations that ran alone (all of a kind that never did).
+    stage_events = [e for e in events if e["cat"] in ("fwd", "bwd", "wgt") and "stage" in e["args"]]
+    by_rank: dict[int, list[Event]] = defaultdict(list)
+    for e in stage_events:
+        by_rank[e["pid"]].append(e)
+
+    def alone(e: Event) -> bool:
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        return not any(
+            f is not e and f["ts"] < t1 and t0 < f["ts"] + f["dur"] for f in by_rank[e["pid"]]
+        )
+
+    fit: dict[str, list[Event]] = defaultdict(list)
+    for e in stage_events:
+        fit[_family(e)].append(e)
+    seconds: dict[str, float] = defaultdict(float)
+    work: dict[str, float] = defaultdict(float)
+    for fam, group in fit.items():
+        solo = [e for e in group if alone(e)]
+        for e in solo or group:
+            span = [(e["ts"], e["ts"] + e["dur"])]
+            own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
+            seconds[fam] += own
+            work[fam] += stage_flops(e["args"]["stage"], parse_event_name(e["name"]).what)
+    return {f: seconds[f] / work[f] if work[f] else 0.0 for f in ("F", "B")}
+
+
+def _family(e: Event) -> str:
+    """The fitted rate an ep-* stage computation takes: forward ("F") or backward ("B")."""
+    return "F" if parse_event_name(e["name"]).what == "F" else "B"
+
+
 def predict_ep(
     cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fifo"
 ) -> float:
@@ -341,23 +386,7 @@ def predict_ep(
             total += flops.attn(model.num_layers, kind)
         return total
 
-    blocking: dict[int, list[Interval]] = defaultdict(list)
-    for e in events:
-        if e["args"].get("blocking"):
-            blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
-    waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
-    seconds: dict[str, float] = defaultdict(float)
-    work: dict[str, float] = defaultdict(float)
-    for e in events:
-        if e["cat"] not in ("fwd", "bwd", "wgt") or "stage" not in e["args"]:
-            continue
-        kind = parse_event_name(e["name"]).what
-        span = [(e["ts"], e["ts"] + e["dur"])]
-        own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
-        fam = "F" if kind == "F" else "B"
-        seconds[fam] += own
-        work[fam] += stage_flops(e["args"]["stage"], kind)
-    s_per_flop = {f: seconds[f] / work[f] if work[f] else 0.0 for f in ("F", "B")}
+    s_per_flop = _seconds_per_flop(events, stage_flops)
     # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
     per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
     a2a = []
