@@ -139,3 +139,22 @@ def test_the_compute_fit_takes_the_computations_that_ran_alone() -> None:
     ]
     rates = _seconds_per_flop(events, lambda stage, kind: 10.0 if kind == "F" else 20.0)
     assert rates == pytest.approx({"F": 0.1, "B": 0.15})
+
+
+def test_an_emulated_split_backward_waits_in_its_input_gradient() -> None:
+    """Emulated compute waits on the input-gradient path: the replay of an emulated run
+    prices a split backward's I as the whole backward and its W as free; a real run's
+    I and W split the backward's FLOPs."""
+    from disagmoe.bench.analysis import _FittedEP
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep import EPCosts
+
+    base = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
+    rates = {"F": 2.0, "B": 3.0}
+    emulated, real = _FittedEP(base, rates, [0.0], emulated=True), _FittedEP(base, rates, [0.0])
+    for cost, whole in ((lambda m, k: m.attn(1, k), base.attn(1, "B")),
+                        (lambda m, k: m.experts(k), base.experts("B"))):  # fmt: skip
+        assert cost(emulated, "I") == pytest.approx(3.0 * whole)
+        assert cost(emulated, "W") == 0.0
+        assert cost(emulated, "B") == cost(real, "B") == pytest.approx(3.0 * whole)
+        assert 0.0 < cost(real, "I") < cost(real, "B") and cost(real, "W") > 0.0

@@ -291,17 +291,37 @@ def _message_bytes(events: list[Event]) -> Callable[[Msg], float | None]:
 
 @dataclass(frozen=True)
 class _FittedEP:
-    """`EPCostModel` with analytic FLOPs times fitted seconds per FLOP (forward, backward)."""
+    """`EPCostModel` with analytic FLOPs times fitted seconds per FLOP (forward, backward).
+
+    `emulated`: the run's compute was emulated (`models.emulated`), whose backward wait
+    is an autograd node on the input-gradient path: a split backward's I (the input
+    gradient, `stage_backward_input`) holds the whole backward and its W nothing
+    (ep-dualpipev at `pp 4`, 0.4 Gbit/s: I 0.275 s, W 0.000 s on every stage but the first,
+    whose I has no input to reach and whose W holds it all, trace seconds). The replay
+    prices I as the whole backward and W as free; on the first stage that puts the
+    backward in I instead of W, which no other rank waits for."""
 
     base: EPCosts
     s_per_flop: dict[str, float]
     a2a_s: list[float]
+    emulated: bool = False
+
+    def _kind(self, kind: str) -> str:
+        return "B" if self.emulated and kind == "I" else kind
 
     def attn(self, layer: int, kind: str) -> float:
-        return self.base.attn(layer, kind) * self.s_per_flop["F" if kind == "F" else "B"]
+        if self.emulated and kind == "W":
+            return 0.0
+        return self.base.attn(layer, self._kind(kind)) * self.s_per_flop[_rate_of(kind)]
 
     def experts(self, kind: str) -> float:
-        return self.base.experts(kind) * self.s_per_flop["F" if kind == "F" else "B"]
+        if self.emulated and kind == "W":
+            return 0.0
+        return self.base.experts(self._kind(kind)) * self.s_per_flop[_rate_of(kind)]
+
+
+def _rate_of(kind: str) -> str:
+    return "F" if kind == "F" else "B"
 
 
 def _seconds_per_flop(
@@ -403,7 +423,7 @@ def predict_ep(
             if peers
             else 0.0
         )
-    costs = _FittedEP(flops, s_per_flop, a2a)
+    costs = _FittedEP(flops, s_per_flop, a2a, emulated=bool(cfg.train.emulate_compute))
     sim = simulate_ep(
         cfg.parallel.runtime, model, ClusterConfig(), gpus=world, pp=lay.pp, ep=lay.ep,
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
