@@ -380,8 +380,15 @@ def predict_ep(
     replicas of a stage that share a node's NIC take it in turn. In the runs each cross-node
     activation moves at the node's whole rate (262144 bytes in 0.080 s at 3.1 MB/s,
     `--nic-gbit 0.4` at 8 workers) and the replicas run one message apart (0.085 s at 16
-    workers, 131072 bytes at 1.56 MB/s); fair sharing in lockstep put ep-1f1b's step 41%
-    over the measured one at 16 workers.
+    workers, 131072 bytes at 1.56 MB/s); fair sharing in lockstep puts ep-1f1b's step 38%
+    over the measured one at 16 workers. AF-Pipe's replay shares links fairly: its
+    executor posts every message of a compute at once (`isend` on a process group per
+    channel and direction, so a dispatch keeps a TCP connection per receiver busy on the
+    sender's NIC together); a pipeline message of an ep-* run is one payload on the
+    pair's one gloo connection, moving only after the receiver's notice (rendezvous,
+    `simulator.lower`), so a NIC holds a flow or two at a time. At `--nic-gbit 0.1` two
+    such flows do share a node's egress, with losses (docs/simulator.md, "Fidelity of
+    the EP replay"), which neither discipline models.
 
     The gradient all-reduces are simulated as the runtime runs them, in the run's weight
     dtype (float32 gradients: 205824 bytes per `small` layer bucket in the traces): the
