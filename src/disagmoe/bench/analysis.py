@@ -22,7 +22,10 @@ instruction its median over the measured steps and each message its measured byt
 `replay="own"`, the default — or one median per (op, component, layer kind) and the
 workload's average bytes, `"pooled"`; ep-*: seconds per FLOP of forward and of backward
 fitted over the stage computations), the network is the emulated one (the tbf rate per
-NIC, loopback inside a node), and the measured median SYNC + STEP is added.
+NIC, loopback inside a node). AF-Pipe: the measured median SYNC + STEP is added
+(`_sync_step_s`); ep-*: the gradient all-reduces are simulated (the buckets on the
+network beside the all-to-alls, SYNC after every rank's last op), and the optimizer's own
+STEP is added (`_least_step_s`).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ from ..trace import (
     total_length,
     union_intervals,
 )
+from ..training.precision import param_dtype_name
 from .overheads import fit_message_overheads
 
 Event = dict[str, Any]
@@ -134,9 +138,12 @@ def _flights(events: list[Event]) -> dict[tuple[int, int], list[Interval]]:
 
 
 def _sync_step_s(events: list[Event]) -> float:
-    """Median over steps of the slowest rank's SYNC + STEP seconds: what runs after the
-    rank's last op (a bucket all-reduce that overlapped the backward, `runtime.grad_sync`,
-    is not in it; SYNC holds what of it was still in flight)."""
+    """Median over steps of the slowest rank's SYNC + STEP seconds (a bucket all-reduce
+    that overlapped the backward, `runtime.grad_sync`, is not in it; SYNC holds what of it
+    was still in flight). AF-Pipe's replay adds it to its makespan. STEP all-reduces over
+    the world, so the slowest rank's STEP holds its wait for the last rank to finish,
+    which the replay's makespan already places: the sum counts that wait twice (1-12% of
+    the step on the saved emulated benches)."""
     per: dict[tuple[int, int], float] = defaultdict(float)
     for e in events:
         if e["cat"] == "sync" and not e["name"].startswith(BUCKET_EVENT):
@@ -145,6 +152,19 @@ def _sync_step_s(events: list[Event]) -> float:
     for (step, _), s in per.items():
         steps[step] = max(steps[step], s)
     return statistics.median(steps.values()) if steps else 0.0
+
+
+def _least_step_s(events: list[Event]) -> float:
+    """Median over steps of the least STEP over ranks: the optimizer's own time. STEP
+    all-reduces the gradient norm and the losses over the world, so a rank that finishes
+    early waits inside it for the last one; the last rank's STEP (the least) does not
+    wait (`bench.bound.trace_bound` takes the same)."""
+    least: dict[int, float] = {}
+    for e in events:
+        if e["cat"] == "sync" and e["name"] == "STEP":
+            step, seconds = e["args"].get("step", -1), e["dur"] / 1e6
+            least[step] = min(least.get(step, seconds), seconds)
+    return statistics.median(least.values()) if least else 0.0
 
 
 def emulated_network(
@@ -167,6 +187,7 @@ def emulated_network(
         nic_bytes_per_s=nic_gbps * ranks_per_node / nics * 1e9 / 8 * TCP_EFFICIENCY,
         nvlink_bytes_per_s=LOOPBACK_BYTES_PER_S,
         latency_s=100e-6,
+        shared_connection=True,  # gloo: one TCP connection per pair and process group
     )
 
 
@@ -270,23 +291,112 @@ def _message_bytes(events: list[Event]) -> Callable[[Msg], float | None]:
 
 @dataclass(frozen=True)
 class _FittedEP:
-    """`EPCostModel` with analytic FLOPs times fitted seconds per FLOP (forward, backward)."""
+    """`EPCostModel` with analytic FLOPs times fitted seconds per FLOP (forward, backward).
+
+    `emulated`: the run's compute was emulated (`models.emulated`), whose backward wait
+    is an autograd node on the input-gradient path: a split backward's I (the input
+    gradient, `stage_backward_input`) holds the whole backward and its W nothing
+    (ep-dualpipev at `pp 4`, 0.4 Gbit/s: I 0.275 s, W 0.000 s on every stage but the first,
+    whose I has no input to reach and whose W holds it all, trace seconds). The replay
+    prices I as the whole backward and W as free; on the first stage that puts the
+    backward in I instead of W, which no other rank waits for."""
 
     base: EPCosts
     s_per_flop: dict[str, float]
     a2a_s: list[float]
+    emulated: bool = False
+
+    def _kind(self, kind: str) -> str:
+        return "B" if self.emulated and kind == "I" else kind
 
     def attn(self, layer: int, kind: str) -> float:
-        return self.base.attn(layer, kind) * self.s_per_flop["F" if kind == "F" else "B"]
+        if self.emulated and kind == "W":
+            return 0.0
+        return self.base.attn(layer, self._kind(kind)) * self.s_per_flop[_rate_of(kind)]
 
     def experts(self, kind: str) -> float:
-        return self.base.experts(kind) * self.s_per_flop["F" if kind == "F" else "B"]
+        if self.emulated and kind == "W":
+            return 0.0
+        return self.base.experts(self._kind(kind)) * self.s_per_flop[_rate_of(kind)]
+
+
+def _rate_of(kind: str) -> str:
+    return "F" if kind == "F" else "B"
+
+
+def _seconds_per_flop(
+    events: list[Event], stage_flops: Callable[[int, str], float]
+) -> dict[str, float]:
+    """Seconds per FLOP of an ep-* run's forward ("F") and backward ("B": B, I, W) stage
+    computations: their spans less the blocking all-to-alls inside them, over their FLOPs
+    (`stage_flops(stage, kind)`)."""
+    blocking: dict[int, list[Interval]] = defaultdict(list)
+    for e in events:
+        if e["args"].get("blocking"):
+            blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
+    waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
+    # Two computations of one rank in flight at once (an F&B pair of ep-combined /
+    # ep-dualpipev) take turns on its one device, so each span holds the other's work:
+    # the fit takes the computations that ran alone (all of a kind that never did).
+    stage_events = [e for e in events if e["cat"] in ("fwd", "bwd", "wgt") and "stage" in e["args"]]
+    by_rank: dict[int, list[Event]] = defaultdict(list)
+    for e in stage_events:
+        by_rank[e["pid"]].append(e)
+
+    def alone(e: Event) -> bool:
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        return not any(
+            f is not e and f["ts"] < t1 and t0 < f["ts"] + f["dur"] for f in by_rank[e["pid"]]
+        )
+
+    fit: dict[str, list[Event]] = defaultdict(list)
+    for e in stage_events:
+        fit[_family(e)].append(e)
+    seconds: dict[str, float] = defaultdict(float)
+    work: dict[str, float] = defaultdict(float)
+    for fam, group in fit.items():
+        solo = [e for e in group if alone(e)]
+        for e in solo or group:
+            span = [(e["ts"], e["ts"] + e["dur"])]
+            own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
+            seconds[fam] += own
+            work[fam] += stage_flops(e["args"]["stage"], parse_event_name(e["name"]).what)
+    return {f: seconds[f] / work[f] if work[f] else 0.0 for f in ("F", "B")}
+
+
+def _family(e: Event) -> str:
+    """The fitted rate an ep-* stage computation takes: forward ("F") or backward ("B")."""
+    return "F" if parse_event_name(e["name"]).what == "F" else "B"
 
 
 def predict_ep(
-    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fair"
+    cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fifo"
 ) -> float:
-    """Simulated step seconds of an ep-* run: measured compute rate, emulated network."""
+    """Simulated step seconds of an ep-* run: measured compute rate, emulated network.
+
+    Every rank is simulated and, by default, a NIC carries one pipeline message at a time
+    (`fifo`): an emulated NIC is a token bucket with a queue of about two jumbo frames, and
+    a flow that holds it keeps it while a newcomer's packets are dropped, so the dp
+    replicas of a stage that share a node's NIC take it in turn. In the runs each cross-node
+    activation moves at the node's whole rate (262144 bytes in 0.080 s at 3.1 MB/s,
+    `--nic-gbit 0.4` at 8 workers) and the replicas run one message apart (0.085 s at 16
+    workers, 131072 bytes at 1.56 MB/s); fair sharing in lockstep puts ep-1f1b's step 38%
+    over the measured one at 16 workers. AF-Pipe's replay shares links fairly: its
+    executor posts every message of a compute at once (`isend` on a process group per
+    channel and direction, so a dispatch keeps a TCP connection per receiver busy on the
+    sender's NIC together); a pipeline message of an ep-* run is one payload on the
+    pair's one gloo connection, moving only after the receiver's notice (rendezvous,
+    `simulator.lower`), so a NIC holds a flow or two at a time. At `--nic-gbit 0.1` two
+    such flows do share a node's egress, with losses (docs/simulator.md, "Fidelity of
+    the EP replay"), which neither discipline models.
+
+    The gradient all-reduces are simulated as the runtime runs them, in the run's weight
+    dtype (float32 gradients: 205824 bytes per `small` layer bucket in the traces): the
+    dense buckets during each stage's last backward, sharing the rank's network with its
+    all-to-alls, and the expert shards' at SYNC, after the rank's last op. The step ends
+    at the last rank's SYNC plus the optimizer's own STEP (`_least_step_s`): a rank that
+    finishes early waits for the last one inside STEP's world all-reduce, and that wait
+    is the replay's own."""
     from ..baselines.layout import EPLayout
 
     workload = _workload(cfg)
@@ -303,23 +413,7 @@ def predict_ep(
             total += flops.attn(model.num_layers, kind)
         return total
 
-    blocking: dict[int, list[Interval]] = defaultdict(list)
-    for e in events:
-        if e["args"].get("blocking"):
-            blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
-    waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
-    seconds: dict[str, float] = defaultdict(float)
-    work: dict[str, float] = defaultdict(float)
-    for e in events:
-        if e["cat"] not in ("fwd", "bwd", "wgt") or "stage" not in e["args"]:
-            continue
-        kind = parse_event_name(e["name"]).what
-        span = [(e["ts"], e["ts"] + e["dur"])]
-        own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
-        fam = "F" if kind == "F" else "B"
-        seconds[fam] += own
-        work[fam] += stage_flops(e["args"]["stage"], kind)
-    s_per_flop = {f: seconds[f] / work[f] if work[f] else 0.0 for f in ("F", "B")}
+    s_per_flop = _seconds_per_flop(events, stage_flops)
     # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
     per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
     a2a = []
@@ -336,15 +430,17 @@ def predict_ep(
             if peers
             else 0.0
         )
-    costs = _FittedEP(flops, s_per_flop, a2a)
+    costs = _FittedEP(flops, s_per_flop, a2a, emulated=bool(cfg.train.emulate_compute))
     sim = simulate_ep(
         cfg.parallel.runtime, model, ClusterConfig(), gpus=world, pp=lay.pp, ep=lay.ep,
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
         num_micro_batches=cfg.train.num_micro_batches, chunks=cfg.parallel.virtual_stages,
-        overlap_chunks=cfg.parallel.overlap_chunks, sync=False, costs=costs, net=net,
-        link_model=link_model,
+        overlap_chunks=cfg.parallel.overlap_chunks, sync=True, costs=costs, net=net,
+        link_model=link_model, act_bytes=workload.act_bytes, every_rank=True,
+        overlap_sync=cfg.parallel.overlap_grad_sync,
+        grad_bytes={"float64": 8, "float32": 4}.get(param_dtype_name(cfg.train), 2),
     )  # fmt: skip
-    return sim.step_time_s + _sync_step_s(events)
+    return sim.step_time_s + _least_step_s(events)
 
 
 def predict(
@@ -357,11 +453,11 @@ def predict(
     overheads: bool = False,
 ) -> float:
     """Simulator's step seconds for a measured run (events of its measured steps only);
-    `link_model` as in `simulator.links`; `replay` and `overheads` (AF-Pipe runs) as in
-    `predict_disagg`."""
+    `link_model` (AF-Pipe runs: ep-* runs take `predict_ep`'s) as in `simulator.links`;
+    `replay` and `overheads` (AF-Pipe runs) as in `predict_disagg`."""
     if cfg.parallel.runtime == "disagg":
         return predict_disagg(cfg, world, events, net, link_model, replay, overheads)
-    return predict_ep(cfg, world, events, net, link_model)
+    return predict_ep(cfg, world, events, net)
 
 
 __all__ = [

@@ -88,6 +88,11 @@ def _expand(
     return out
 
 
+# runtimes run by PyTorch's `Schedule1F1B`: each receive posted where its RECV stands
+# (`schedule.ir`), fused with the sends of the compute before it
+RECEIVES_AT_RECV = ("ep-1f1b", "ep-overlap")
+
+
 def build_baseline_schedule(
     layout: EPLayout, model: ModelConfig, *, representatives: bool = False, a2a_chunks: int = 1
 ) -> Schedule:
@@ -157,5 +162,6 @@ def build_baseline_schedule(
             "style": layout.style,
             "a2a_chunks": a2a_chunks,
             "representatives": int(representatives),
+            "receives_at_recv": int(layout.runtime in RECEIVES_AT_RECV),
         },
     )

@@ -20,11 +20,26 @@ operations, through one path for both executions:
   own, `simulator.links`; arrival = transfer end + latency) or, without
   a network, arrives `latency_s` after it is posted; on lanes a message waits for the
   previous one of its stream;
+* rendezvous (in order, over a network, where the runtime posts a receive at its RECV:
+  `Schedule.meta["receives_at_recv"]`, ep-1f1b and ep-overlap, `schedule.ir`): neither
+  gloo nor NCCL moves a payload before the receiver has posted its receive and the
+  receiver's ready-to-receive notice has reached the sender. PyTorch's `Schedule1F1B`
+  posts it when the compute before the RECV ends (with that compute's sends), so a
+  message leaves at the later of its SEND and that notice, which takes one latency.
+  With `Network.shared_connection` (gloo: one TCP connection per pair of ranks carries
+  both directions) the notice arrives only after the payloads the receiver is already
+  sending the sender on that connection (`Program.behind`): in 1F1B's steady state a
+  stage's gradient to the stage before goes first, then the notice, then that stage's
+  next activation. The other in-order schedules post receives ahead of need, and AF-Pipe
+  posts a payload's receive once its header is in, on a process group per channel and
+  direction: their messages leave when posted;
 * SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank; with
   `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
   instead, on its "sync" lane one after another, each once its issuing BWD has ended,
   and SYNC (the wait for them, and `sync_rest_s`: what no bucket holds) ends after every
-  op and bucket.
+  op and bucket. A bucket is a collective on the rank's network (`engine.A2A`): it
+  shares it with the all-to-alls in flight beside it, as the runtime's bucket
+  all-reduces and the backward's all-to-alls share the NIC.
 
 `Symmetry` says which real workers a simulated rank stands for
 (`simulator.symmetry`); the identity when every rank is simulated.
@@ -105,6 +120,10 @@ class _Lowering:
         self.over = pricing.overheads if pricing.overheads and pricing.overheads.any else None
         self.source: dict[Msg, int] = {}  # the op whose end posts a message
         self.needs: dict[Msg, int] = {}  # the op that waits for a message
+        # in order, receives posted at their RECV (module doc, "rendezvous"): the op after
+        # which each is posted
+        self.recv_posted: dict[Msg, int] = {}
+        self.at_recv = bool(schedule.meta.get("receives_at_recv", 0))
         self.barriers: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
         self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
         self.task_ops: dict[int, dict[TaskKey, int]] = {}  # rank -> task -> op
@@ -174,13 +193,15 @@ class _Lowering:
             for lane, tasks in seg.lanes:
                 last = prev
                 for task in tasks:
-                    first = len(self.prog)
+                    first, before = len(self.prog), last
                     last = self.task(rank, lane, task, last, op)
                     work = task.work
                     if task.kind in ("B", "W") and isinstance(work, Instr) and work.comp == "A":
                         self.final_grads.setdefault(rank, {})[work.layer] = last
                     for msg in task.waits:
                         self.needs[msg] = first
+                        if self.at_recv:
+                            self.recv_posted[msg] = before
                     last = self.post(rank, lane, last, task.posts, {"step": 0})
                 ends.append(last)
             if seg.is_pair:
@@ -274,9 +295,13 @@ class _Lowering:
                     loads, unit = load_cache[key]
                     real = {"src": self.symmetry.real(msg.src), "dst": self.symmetry.real(msg.dst)}
                     label = message_label(msg.kind, msg.layer, msg.slot, msg.chunk)
+                    if msg in self.recv_posted:
+                        deps.append(self.notice(msg, ports.net, label, args))
                     xop = prog.add_xfer(
                         msg.src, msg.dst, loads, label, deps, args | real, unit=unit
                     )
+                    if ports.net.shared_connection:
+                        prog.xfer_conn[xop] = (msg.src, msg.dst)
                 else:
                     name = message_event_name("send", str(msg))
                     xop = prog.add(
@@ -301,6 +326,18 @@ class _Lowering:
                 prog.deps[self.needs.pop(msg)].append(ready)
         for msg in self.needs:
             raise ValueError(f"RECV of {msg} has no matching SEND")
+
+    def notice(self, msg: Msg, net: Network, label: str, args: dict) -> int:
+        """The receiver's ready-to-receive notice of `msg` (module doc, "rendezvous"): one
+        latency after its receive is posted, behind the payloads the receiver is sending
+        the sender when the two share a connection."""
+        op = self.prog.add(
+            DELAY, msg.dst, "recv", net.latency_s, "comm", f"ready {label}",
+            [self.recv_posted[msg]], args,
+        )  # fmt: skip
+        if net.shared_connection:
+            self.prog.behind[op] = (msg.dst, msg.src)
+        return op
 
     def sync(self) -> None:
         """SYNC after every op of the rank (and its buckets), then STEP."""
@@ -331,7 +368,8 @@ class _Lowering:
     def buckets(self, rank: int, real: int) -> list[int]:
         """The all-reduce ops of a rank's buckets (`schedule.sync`; on an in-order EP rank
         one per A layer, issued as `baselines.grad_buckets` does), one after another on
-        its "sync" lane; none without `Pricing.bucket_s` or on a rank without A backward."""
+        its "sync" lane, sharing its network with its all-to-alls; none without
+        `Pricing.bucket_s` or on a rank without A backward."""
         bucket_s, rp = self.pricing.bucket_s, self.programs.get(rank)
         if bucket_s is None:
             return []
@@ -345,7 +383,7 @@ class _Lowering:
             after = [issue, *ops[-1:]]
             ops.append(
                 self.prog.add(
-                    DELAY,
+                    A2A,
                     rank,
                     "sync",
                     bucket_s(real, layer),

@@ -31,6 +31,11 @@ class Network:
     nvlink_bytes_per_s: float  # one GPU, one direction
     latency_s: float
     nic_share: tuple[float, ...] = ()  # per rank NIC bytes/s per direction (empty: fair share)
+    # One connection per pair of ranks carries both directions (gloo's TCP pairs): a
+    # receive's ready-to-receive notice queues behind the payloads the receiver is sending
+    # to the sender (`simulator.lower`, "Rendezvous"). False: a connection per direction
+    # (NCCL's send and receive connections), the notice never waits behind a payload.
+    shared_connection: bool = False
 
     @classmethod
     def from_cluster(cls, cluster: ClusterConfig) -> Network:
@@ -73,12 +78,36 @@ class Network:
         )
 
     def allreduce_s(self, ranks: list[int], nbytes: float) -> float:
-        """Ring all-reduce of `nbytes` over `ranks`: 2(k-1)/k of the bytes over the slowest hop."""
+        """Ring all-reduce of `nbytes` over `ranks`: 2(k-1)/k of the bytes over the slowest
+        hop, latency per hop.
+
+        The ring visits `ranks` in order (gloo's ring and NCCL's follow the group's rank
+        order), so node-mates that are neighbours in it talk over NVLink and only the
+        hops that leave a node load its NICs. A NIC is shared by the ring's hops that
+        leave through it and by those of the groups its other GPUs are in, assumed shaped
+        alike and run at the same time: a group that holds every GPU of a NIC has it to
+        itself (a dp group over all ranks, node-mates adjacent: one hop per node), one
+        that holds one GPU of two shares it with the other's group. With a NIC split
+        (`nic_share`) a hop runs at its ranks' rates."""
         k = len(ranks)
         if k <= 1 or nbytes <= 0:
             return 0.0
         nodes = {self.node_of(r) for r in ranks}
-        bw = self.nvlink_bytes_per_s if len(nodes) == 1 else min(self.nic_bw(r) for r in ranks)
+        if len(nodes) == 1:
+            bw = self.nvlink_bytes_per_s
+        elif self.nic_share:
+            bw = min(self.nic_bw(r) for r in ranks)
+        else:
+            gpus_per_nic = max(self.gpus_per_node // self.nics_per_node, 1)
+            per_nic = self.nic_bytes_per_s * max(self.nics_per_node // self.gpus_per_node, 1)
+            hops: dict[int, int] = {}  # NIC -> ring hops leaving the node through it
+            members: dict[int, int] = {}  # NIC -> ranks of the group on it
+            for i, r in enumerate(ranks):
+                members[self.nic_of(r)] = members.get(self.nic_of(r), 0) + 1
+                if not self.same_node(r, ranks[(i + 1) % k]):
+                    hops[self.nic_of(r)] = hops.get(self.nic_of(r), 0) + 1
+            load = max(n * gpus_per_nic / members[nic] for nic, n in hops.items())
+            bw = per_nic / load
         return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.latency_s
 
     def a2a_s(self, ranks: list[int], me: int, bytes_per_peer: float) -> float:

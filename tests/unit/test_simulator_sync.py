@@ -1,0 +1,160 @@
+"""The EP replay's gradient all-reduces and step end: ring hops over shared NICs
+(`simulator.network`), gradients in the weights' dtype (`simulate_ep(grad_bytes=)`),
+buckets on the rank's network (`simulator.lower`), the optimizer's own STEP
+(`bench.analysis`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from disagmoe.config import ModelConfig
+from disagmoe.presets import CLUSTER_PRESETS
+from disagmoe.simulator import Network, simulate_ep
+from disagmoe.simulator.engine import A2A
+
+H800 = CLUSTER_PRESETS["h800"]
+MODEL = ModelConfig(num_layers=4, num_experts=8, dim=16)
+
+
+def _net(gpus_per_node: int, nics_per_node: int) -> Network:
+    return Network(
+        gpus_per_node=gpus_per_node,
+        nics_per_node=nics_per_node,
+        nic_bytes_per_s=1e6,
+        nvlink_bytes_per_s=1e9,
+        latency_s=0.0,
+    )
+
+
+def test_a_ring_crosses_a_shared_nic_once_per_node_when_node_mates_are_adjacent() -> None:
+    """4 nodes of 2 GPUs, one NIC each (the emulated cluster): the ring over every rank
+    leaves each node once (1 -> 2, 3 -> 4, ...) and has the NIC to itself; a ring over
+    one GPU per node shares each NIC with the other GPU's ring; with a NIC per GPU a hop
+    runs at its GPU's NIC either way."""
+    shared = _net(2, 1)
+    hop = 2 * 7 / 8 * 8e6  # bytes a rank sends in a ring all-reduce of 8 MB over 8
+    assert shared.allreduce_s(list(range(8)), 8e6) == pytest.approx(hop / 1e6)
+    assert shared.allreduce_s([0, 2, 4, 6], 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 0.5e6)
+    assert shared.allreduce_s([0, 1, 4, 5], 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 1e6)
+    own = _net(2, 2)
+    assert own.allreduce_s(list(range(8)), 8e6) == pytest.approx(hop / 1e6)
+    assert own.allreduce_s([0, 2, 4, 6], 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 1e6)
+    assert shared.allreduce_s([0, 1], 8e6) == pytest.approx(8e6 / 1e9)  # NVLink
+
+
+@dataclasses.dataclass
+class Costs:
+    """Attention F / B costs, experts free, one all-to-all cost for the one pp rank."""
+
+    a2a: float
+
+    @property
+    def a2a_s(self) -> list[float]:
+        return [self.a2a]
+
+    def attn(self, layer: int, kind: str) -> float:
+        return 1e-3 if kind == "F" else 2e-3
+
+    def experts(self, kind: str) -> float:
+        return 0.0
+
+
+def _run(grad_bytes: int = 2, a2a: float = 0.0):
+    return simulate_ep(
+        "ep-1f1b", MODEL, H800, gpus=4, pp=1, ep=2, seq_len=8, micro_batch_size=1,
+        num_micro_batches=8, sync=True, costs=Costs(a2a), net=_net(1, 1),
+        grad_bytes=grad_bytes, every_rank=True,
+    )  # fmt: skip
+
+
+def _ops(result, prefix: str) -> list[int]:
+    prog = result.program
+    return [op for op in range(len(prog)) if prog.label[op].startswith(prefix)]
+
+
+def test_ep_gradients_are_all_reduced_in_the_weights_dtype() -> None:
+    """float32 weights all-reduce 4-byte gradients: every bucket and the expert
+    all-reduce at SYNC take twice their bf16 time (no latency here)."""
+    bf16, fp32 = _run(2), _run(4)
+    for prefix in ("allreduce", "SYNC"):
+        a, b = _ops(bf16, prefix), _ops(fp32, prefix)
+        assert a and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert fp32.program.work[y] == pytest.approx(2 * bf16.program.work[x])
+            assert bf16.program.work[x] > 0.0
+
+
+def test_a_bucket_shares_the_rank_network_with_the_all_to_alls_beside_it() -> None:
+    """The buckets of the last backward are collectives on the rank's network: while an
+    all-to-all of the same backward is in flight, a bucket moves at half its rate."""
+    result = _run(4, a2a=5e-3)
+    prog, tl = result.program, result.timeline
+    buckets = [op for op in _ops(result, "allreduce") if prog.rank[op] == 0]
+    assert buckets and all(prog.kind[op] == A2A for op in buckets)
+    a2as = [
+        op
+        for op in range(len(prog))
+        if prog.rank[op] == 0 and prog.kind[op] == A2A and op not in buckets
+    ]
+
+    def overlaps(op: int) -> bool:
+        return any(tl.start[x] < tl.end[op] and tl.start[op] < tl.end[x] for x in a2as)
+
+    stretched = [op for op in buckets if overlaps(op)]
+    assert stretched
+    for op in stretched:
+        assert tl.end[op] - tl.start[op] > prog.work[op] * (1 + 1e-9)
+
+
+def test_the_step_adds_the_least_step_over_ranks() -> None:
+    """STEP all-reduces over the world: rank 1 finished early and waited 2 s inside it;
+    the optimizer's own time is the last rank's STEP."""
+    from disagmoe.bench.analysis import _least_step_s
+
+    def ev(rank: int, step: int, dur_s: float) -> dict:
+        return {"cat": "sync", "name": "STEP", "pid": rank, "dur": dur_s * 1e6,
+                "args": {"step": step}}  # fmt: skip
+
+    events = [ev(0, 1, 0.1), ev(1, 1, 2.1), ev(0, 2, 0.3), ev(1, 2, 2.0), ev(0, 3, 0.2)]
+    assert _least_step_s(events) == pytest.approx(0.2)  # median of 0.1, 0.3, 0.2
+
+
+def test_the_compute_fit_takes_the_computations_that_ran_alone() -> None:
+    """An F&B pair takes turns on its rank's one device, so each span holds both
+    computations' work: a forward of 1 s and a backward of 3 s alone, then a pair whose
+    spans are both 4 s long; the fit is 1 s per forward and 3 s per backward FLOP count."""
+    from disagmoe.bench.analysis import _seconds_per_flop
+
+    def ev(name: str, cat: str, t0: float, t1: float) -> dict:
+        return {"cat": cat, "name": name, "pid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
+                "args": {"stage": 0, "step": 1}}  # fmt: skip
+
+    events = [
+        ev("F s0 mb0", "fwd", 0.0, 1.0),
+        ev("B s0 mb0", "bwd", 2.0, 5.0),
+        ev("F s0 mb1", "fwd", 6.0, 10.0),
+        ev("B s0 mb1", "bwd", 6.0, 10.0),
+    ]
+    rates = _seconds_per_flop(events, lambda stage, kind: 10.0 if kind == "F" else 20.0)
+    assert rates == pytest.approx({"F": 0.1, "B": 0.15})
+
+
+def test_an_emulated_split_backward_waits_in_its_input_gradient() -> None:
+    """Emulated compute waits on the input-gradient path: the replay of an emulated run
+    prices a split backward's I as the whole backward and its W as free; a real run's
+    I and W split the backward's FLOPs."""
+    from disagmoe.bench.analysis import _FittedEP
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep import EPCosts
+
+    base = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
+    rates = {"F": 2.0, "B": 3.0}
+    emulated, real = _FittedEP(base, rates, [0.0], emulated=True), _FittedEP(base, rates, [0.0])
+    for cost, whole in ((lambda m, k: m.attn(1, k), base.attn(1, "B")),
+                        (lambda m, k: m.experts(k), base.experts("B"))):  # fmt: skip
+        assert cost(emulated, "I") == pytest.approx(3.0 * whole)
+        assert cost(emulated, "W") == 0.0
+        assert cost(emulated, "B") == cost(real, "B") == pytest.approx(3.0 * whole)
+        assert 0.0 < cost(real, "I") < cost(real, "B") and cost(real, "W") > 0.0
