@@ -34,6 +34,7 @@ from .train_config import (
     LR_SCHEDULES,
     RECOMPUTE,
     TrainConfig,
+    check_loss_chunk_tokens,
 )
 
 MAX_EXCHANGE_CHUNKS = 16  # schedule.exchange_chunks: 1 .. this, or 0 (auto)
@@ -48,6 +49,7 @@ __all__ = [
     "ClusterConfig",
     "ModelConfig",
     "TrainConfig",
+    "check_loss_chunk_tokens",
     "flag",
 ]
 

@@ -18,6 +18,7 @@ from .config import (
     ClusterConfig,
     ModelConfig,
     TrainConfig,
+    check_loss_chunk_tokens,
     split_backward_flag,
 )
 from .config_io import add_config_flag
@@ -49,6 +50,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
     add_config_flag(parser, "train.seq_len", default=8192)
     add_config_flag(parser, "train.micro_batch_size", default=1)
+    add_config_flag(parser, "train.loss_chunk_tokens")
     parser.add_argument(
         "--micro-batches",
         type=int,
@@ -180,6 +182,7 @@ def _check_args(args: argparse.Namespace, model: ModelConfig) -> None:
     for name in ("nodes", "seq_len", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    check_loss_chunk_tokens(args.loss_chunk_tokens)
     if not 0 <= args.exchange_chunks <= MAX_EXCHANGE_CHUNKS:
         raise ValueError(
             f"--exchange-chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
@@ -223,6 +226,7 @@ def _resolve_disagg(
             model, cluster, gpus=gpus, seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size, groups=args.groups,
             micro_batches=args.micro_batches, split_backward=split_backward, recompute=given,
+            loss_chunk_tokens=args.loss_chunk_tokens,
         )  # fmt: skip
         p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
         modes = (split.recompute,)
@@ -235,7 +239,7 @@ def _resolve_disagg(
         )
     planner = split_planner(
         model, cluster, gpus=gpus, seq_len=args.seq_len, micro_batch_size=args.micro_batch_size,
-        groups=p, split_backward=split_backward,
+        groups=p, split_backward=split_backward, loss_chunk_tokens=args.loss_chunk_tokens,
     )  # fmt: skip
     need = max(1, args.max_in_flight)  # -1 (no cap) asks for no check beyond one
     for recompute in modes:
@@ -296,6 +300,7 @@ def _resolve_ep(
                 args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
                 micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
                 chunks=args.virtual_stages, recompute=recompute,
+                loss_chunk_tokens=args.loss_chunk_tokens,
             )  # fmt: skip
         except ValueError:
             if i < len(modes):  # the layout asked for (or the default) is itself impossible
@@ -324,9 +329,12 @@ def _searched_ep(
     train = TrainConfig(
         seq_len=args.seq_len, global_batch_size=micro * args.micro_batch_size,
         micro_batch_size=args.micro_batch_size, dtype="bfloat16",
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )  # fmt: skip
     net = Network.from_cluster(cluster)
-    workload = Workload(model, args.seq_len, args.micro_batch_size)
+    workload = Workload(
+        model, args.seq_len, args.micro_batch_size, loss_chunk_tokens=args.loss_chunk_tokens
+    )
     found = search_ep_layouts(
         args.runtime, model, train, gpus,
         costs_for=lambda lay, rc: analytic_ep_costs(lay, workload, cluster, net, rc),
@@ -401,6 +409,7 @@ def _simulate_resolved(args: argparse.Namespace) -> SimResult:
         micro_batch_size=args.micro_batch_size,
         num_micro_batches=r["micro_batches"],
         link_model=args.link_model,
+        loss_chunk_tokens=args.loss_chunk_tokens,
     )
     if args.runtime == "disagg":
         reduce = {"auto": None, "on": True, "off": False}[args.reduce]

@@ -22,12 +22,23 @@ DTYPES = ("float32", "float64", "bfloat16")
 DATA_DTYPES = ("uint16", "uint32")
 LR_SCHEDULES = ("constant", "cosine", "wsd")  # training.objective.lr_at
 RECOMPUTE = ("none", "attn", "full")  # attn: attention core only; full: whole stage
-# train.loss_chunk_tokens's default; what `plan` and `simulate` price a run's loss head with
+# train.loss_chunk_tokens's default; what `plan`, `simulate` and `schedule` price a run's loss
+# head with unless given --loss-chunk-tokens
 LOSS_CHUNK_TOKENS = 4096
 # Points of a checkpoint save where `train.fail_in_save` kills a rank (training.checkpoint):
 # after its shards are written; rank 0 after meta.json, after the manifest, after the
 # rename to step-N, after `latest` moved.
 SAVE_KILL_POINTS = ("shards", "meta", "manifest", "renamed", "latest")
+
+
+def check_loss_chunk_tokens(tokens: int) -> None:
+    """`train.loss_chunk_tokens`' range, for every command that prices or runs a loss head
+    (`TrainConfig`, the planner's `PlanOptions`, `disagmoe simulate`)."""
+    _require(
+        tokens >= 0,
+        "train.loss_chunk_tokens (--loss-chunk-tokens) must be >= 0 (0: the unchunked "
+        f"loss head), got {tokens}",
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -229,11 +240,7 @@ class TrainConfig:
         )
         _require(self.seq_len >= 1, "train.seq_len must be >= 1")
         _require(self.micro_batch_size >= 1, "train.micro_batch_size must be >= 1")
-        _require(
-            self.loss_chunk_tokens >= 0,
-            "train.loss_chunk_tokens (--loss-chunk-tokens) must be >= 0 (0: the unchunked "
-            f"loss head), got {self.loss_chunk_tokens}",
-        )
+        check_loss_chunk_tokens(self.loss_chunk_tokens)
         _require(
             self.global_batch_size >= 1 and self.global_batch_size % self.micro_batch_size == 0,
             f"train.global_batch_size ({self.global_batch_size}) must be a positive multiple of "

@@ -2,7 +2,7 @@
 
 A cluster preset (`--cluster`) gives the hardware defaults; explicit flags override them
 (`add_cluster_arguments`, shared with `disagmoe simulate`). Flags that set a config field
-(`--seq-len`, `--order`, `--costs-file`, ...) are built from the field's declaration
+(`--seq-len`, `--loss-chunk-tokens`, `--order`, `--costs-file`, ...) are built from the field's declaration
 (`config_io.add_config_flag`), with the planner's own default where it chooses.
 Infeasible requests raise ValueError naming the binding constraint (the caller prints it).
 """
@@ -68,6 +68,7 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     add_config_flag(parser, "train.seq_len", default=4096)
     add_config_flag(parser, "train.micro_batch_size", default=1, note="per attention replica")
+    add_config_flag(parser, "train.loss_chunk_tokens")
     parser.add_argument("--top-k", type=int, help="override the model's top-k")
     parser.add_argument("--roofline-only", action="store_true",
                         help="the paper's two-stage problem only (p=1, nominal peaks, no memory)")  # fmt: skip
@@ -113,6 +114,7 @@ def run_plan(args: argparse.Namespace) -> int:
         gpus=args.gpus,
         seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size,
+        loss_chunk_tokens=args.loss_chunk_tokens,
         roofline_only=args.roofline_only,
         groups=args.groups,
         micro_batches=args.micro_batches,

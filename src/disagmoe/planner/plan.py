@@ -30,6 +30,7 @@ from disagmoe.config import (
     SPLIT_BACKWARD,
     ClusterConfig,
     ModelConfig,
+    check_loss_chunk_tokens,
 )
 from disagmoe.costs import flops
 from disagmoe.planner.milp import SplitProblem
@@ -103,6 +104,7 @@ class PlanOptions:
             raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
         if self.search_radius < 1 or not 0 < self.bubble_target < 1:
             raise ValueError("search_radius must be >= 1 and bubble_target in (0, 1)")
+        check_loss_chunk_tokens(self.loss_chunk_tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +117,7 @@ class Plan:
     nics: int
     seq_len: int
     micro_batch_size: int
+    loss_chunk_tokens: int  # train.loss_chunk_tokens priced (PlanOptions'; 0: unchunked head)
     groups: int
     virtual_stages: int
     micro_batches: int
@@ -404,6 +407,7 @@ class Planner:
             nics=self.total_nics,
             seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size,
+            loss_chunk_tokens=self.options.loss_chunk_tokens,
             groups=groups,
             virtual_stages=self.model.num_layers // groups,
             micro_batches=micro_batches or self.micro_batches(groups, m),

@@ -107,6 +107,7 @@ class SimulatorProfile:
                 recompute=plan.recompute,
                 order=pl.options.order,
                 exchange_chunks=pl.options.exchange_chunks,
+                loss_chunk_tokens=pl.options.loss_chunk_tokens,
                 # a recomputing run keeps its backwards whole (the runtime's rule)
                 split_backward=(
                     split_backward_flag(pl.options.split_backward)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ClusterConfig, ModelConfig
+from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,15 +42,20 @@ def split_planner(
     micro_batch_size: int,
     groups: int,
     split_backward: bool = False,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> Any:
     """A `Planner` of p = `groups` whose memory model (`worker_memory`, `max_in_flight`)
-    prices a given split; `split_backward`: with room for deferred weight gradients."""
+    prices a given split; `split_backward`: with room for deferred weight gradients;
+    `loss_chunk_tokens`: the run's `train.loss_chunk_tokens`."""
     from .plan import Planner, PlanOptions
 
+    options = PlanOptions(
+        groups=groups, split_backward="on" if split_backward else "off",
+        loss_chunk_tokens=loss_chunk_tokens,
+    )  # fmt: skip
     return Planner(
         model=model, cluster=cluster, gpus=gpus, seq_len=seq_len,
-        micro_batch_size=micro_batch_size,
-        options=PlanOptions(groups=groups, split_backward="on" if split_backward else "off"),
+        micro_batch_size=micro_batch_size, options=options,
     )  # fmt: skip
 
 
@@ -111,13 +116,15 @@ def planned_split(
     micro_batches: int = 0,
     split_backward: bool = False,
     recompute: str = "auto",
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> PlannedSplit:
     """The planner's (p, m, n, M_a, M_f), in-flight cap and recompute choice.
 
     The split is the planner's own (its MILP keeps n <= E; the runtime runs uneven
     shards and replicas); `micro_batches`, when given, must leave every one of the m
     replicas at least one; `split_backward`: room for deferred weight gradients;
-    `recompute`: the planner's choice (auto) or the one given. In
+    `recompute`: the planner's choice (auto) or the one given; `loss_chunk_tokens`: the
+    run's `train.loss_chunk_tokens`, which the memory model prices. In
     flight: the most micro-batches that split holds by the runtime's memory model. (The plan's own `in_flight` stops at its ring length 2p — enough to
     keep the 2p compute components busy, but AF-Pipe also has 2p exchange stages to
     overlap.)
@@ -128,6 +135,7 @@ def planned_split(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
         groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
         global_batch=micro_batches * micro_batch_size, profile="auto",
+        loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
@@ -139,7 +147,7 @@ def planned_split(
     assert n <= model.num_experts, (n, model.num_experts)  # the MILP's constraint
     planner = split_planner(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
-        groups=p, split_backward=split_backward,
+        groups=p, split_backward=split_backward, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     k = memory_in_flight(planner, p, m, plan.recompute)
     return PlannedSplit(

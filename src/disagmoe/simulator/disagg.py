@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ClusterConfig, ModelConfig, ParallelConfig
+from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, ParallelConfig
 from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe, reduced_layout
 from ..schedule.ir import Schedule
@@ -83,6 +83,7 @@ def simulate_disagg(
     overlap_sync: bool = True,
     exchange_chunks: int = 1,
     split_backward: bool | None = False,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -107,7 +108,8 @@ def simulate_disagg(
     (`schedule.split_backward`): every backward defers its weight gradients to a W
     (`schedule.semantics`); None: `choose` tries both — whole backwards only under
     recompute, which the runtime cannot split (`RunConfig.split_backward_blocker`), and
-    True with recompute is a `ValueError`.
+    True with recompute is a `ValueError`. `loss_chunk_tokens` (`train.loss_chunk_tokens`):
+    the loss head's chunks, > 0 pricing the rerun of each chunk's logits in its backward.
     """
     layout, slots = _checked_layout(
         model, cluster, groups, attn_workers, expert_workers, placement, num_micro_batches,
@@ -115,7 +117,7 @@ def simulate_disagg(
     )  # fmt: skip
     if reduce is None:
         reduce = _many_messages(layout, num_micro_batches, exchange_chunks)
-    workload = Workload(model, seq_len, micro_batch_size)
+    workload = Workload(model, seq_len, micro_batch_size, loss_chunk_tokens=loss_chunk_tokens)
     costs = _layout_costs(costs, workload, cluster, attn_workers, expert_workers, recompute)
     net = _network(cluster, layout, placement, nic_split)
     pick = _pick(
@@ -131,8 +133,7 @@ def simulate_disagg(
         pick.exchange_chunks, pick.split_backward,
     )  # fmt: skip
     cfg = _step_config(
-        model, cluster, layout, seq_len, micro_batch_size, num_micro_batches, nic_split,
-        recompute, link_model, pick,
+        cluster, layout, workload, num_micro_batches, nic_split, recompute, link_model, pick,
     )  # fmt: skip
     return simulate_schedule(
         schedule, run_layout, costs, workload, net, full=layout if reduce else None,
@@ -274,11 +275,9 @@ def _pick(
 
 
 def _step_config(
-    model: ModelConfig,
     cluster: ClusterConfig,
     layout: Layout,
-    seq_len: int,
-    micro_batch_size: int,
+    workload: Workload,
     num_micro_batches: int,
     nic_split: tuple[int, int] | None,
     recompute: str,
@@ -287,13 +286,14 @@ def _step_config(
 ) -> dict[str, Any]:
     """The result's config: the request, then what it resolved to (`pick`)."""
     return {
-        "model": model.name,
+        "model": workload.model.name,
         "cluster": cluster.name,
         "groups": layout.groups,
         "attn_workers": layout.attn_workers,
         "expert_workers": layout.expert_workers,
-        "seq_len": seq_len,
-        "micro_batch_size": micro_batch_size,
+        "seq_len": workload.seq_len,
+        "micro_batch_size": workload.micro_batch_size,
+        "loss_chunk_tokens": workload.loss_chunk_tokens,
         "micro_batches": num_micro_batches,
         "placement": layout.placement,
         "nic_split": list(nic_split) if nic_split else None,

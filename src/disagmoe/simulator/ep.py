@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..config import EP_RUNTIMES, ClusterConfig, ModelConfig
+from ..config import EP_RUNTIMES, LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
 from ..costs import costmodel as cm
 from ..costs.flops import CORE_BACKWARD, GEMM_BACKWARD, backward_factors, expert_flops
 from ..distributed.ep_layout import EPLayout, split_layers
@@ -116,16 +116,17 @@ def ep_memory(
     chunks: int = 2,
     recompute: str = "none",
     prec: cm.Precision = GPU_PRECISION,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> list[cm.MemoryBreakdown]:
     """Peak bytes of every pipeline rank of a layout (`training.ep_budget`), after the same
-    size checks as `simulate_ep`."""
+    size checks as `simulate_ep`; `loss_chunk_tokens`: `train.loss_chunk_tokens`."""
     _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
     )
     return predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
-        prec=prec,
+        prec=prec, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
 
 
@@ -151,6 +152,7 @@ def simulate_ep(
     act_bytes: int = 2,
     grad_bytes: int = 2,
     every_rank: bool = False,
+    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
@@ -164,18 +166,22 @@ def simulate_ep(
     float32 weights, as mixed precision and the bench's float32 runs keep them).
     `every_rank`: simulate every rank, not one representative per pipeline rank (the same
     step under fair links; under `fifo` links the dp replicas that share a NIC take it in
-    turn instead of in lockstep)."""
+    turn instead of in lockstep).
+    `loss_chunk_tokens` (`train.loss_chunk_tokens`): the loss head's chunks, as the memory
+    model keeps them (`ep_memory`) and in the result's workload."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
     )
     per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
-    workload = Workload(model, seq_len, micro_batch_size, act_bytes)
+    workload = Workload(
+        model, seq_len, micro_batch_size, act_bytes, loss_chunk_tokens=loss_chunk_tokens
+    )
     net = net or Network.from_cluster(cluster)
     model_costs: EPCostModel = costs or analytic_ep_costs(lay, workload, cluster, net, recompute)
     memory = predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
-        prec=GPU_PRECISION,
+        prec=GPU_PRECISION, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     schedule = build_baseline_schedule(
         lay,
@@ -200,6 +206,7 @@ def simulate_ep(
         "ep": ep,
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
+        "loss_chunk_tokens": loss_chunk_tokens,
         "micro_batches": num_micro_batches,
         "micro_batches_per_pipeline": per_pipe,
         "stages": num_stages,

@@ -112,7 +112,7 @@ def search_ep_layouts(
         for recompute in recomputes:
             memory = predict_ep_memory(
                 lay, model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
-                recompute=recompute, prec=prec,
+                recompute=recompute, prec=prec, loss_chunk_tokens=train.loss_chunk_tokens,
             )  # fmt: skip
             gib = max(m.total for m in memory) / cm.GIB
             if memory_gib > 0 and gib > memory_gib:
@@ -132,7 +132,7 @@ def search_ep_layouts(
                 seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
                 num_micro_batches=train.num_micro_batches, chunks=v,
                 overlap_chunks=overlap_chunks, sync=True, costs=costs_for(lay, recompute),
-                net=net, recompute=recompute,
+                net=net, recompute=recompute, loss_chunk_tokens=train.loss_chunk_tokens,
             )  # fmt: skip
             found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
                                      recompute, gib))  # fmt: skip
