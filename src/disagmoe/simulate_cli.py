@@ -374,9 +374,8 @@ def _gave_way(default: tuple[int, int, str], chosen: tuple[int, int, str]) -> st
 
 def simulate_from_args(args: argparse.Namespace) -> SimResult:
     """The step `args` describe; AF-Pipe at the planner's split with recompute auto: the
-    planner's plan for each recompute mode that fits, simulated, the faster kept (its
-    analytic model cannot rank a mode that holds few slots in flight against one that
-    recomputes; the EP runtimes' layout search also simulates every mode)."""
+    planner's plan for each recompute mode that fits, simulated at the memory's in-flight
+    cap, the faster kept (the EP runtimes' layout search also simulates every mode)."""
     planned = not (args.attn_workers and args.expert_workers)
     if args.runtime != "disagg" or args.recompute != "auto" or not planned:
         return _simulate_resolved(args)
