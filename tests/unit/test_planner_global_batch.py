@@ -59,3 +59,21 @@ def test_the_split_is_planned_for_the_runs_batch() -> None:
     assert 1 <= small.attn_workers <= 2  # two micro-batches feed at most two replicas
     plan = plan_for(model, H800, global_batch=2, profile="simulator", **kw)  # type: ignore[arg-type]
     assert plan.sequences_per_step == 2 and plan.attn_gpus_per_group <= 2
+
+
+def test_a_replica_holds_at_most_its_share_in_flight() -> None:
+    planner = _planner(global_batch=64)
+    plan = planner.evaluate(groups=1, m=5, attn_nics=2, in_flight=16, recompute="full")
+    assert plan is not None and plan.micro_batches == 7 and plan.in_flight == 7
+
+
+def test_too_small_a_batch_for_the_group_is_named() -> None:
+    from disagmoe.planner.milp import explain_infeasible
+
+    # 64 GPUs in one group, 8 micro-batches: at most 8 replicas and 32 shards (gpt-oss: 32 experts)
+    planner = Planner(
+        model=model_preset("gpt-oss-20b"), cluster=H800, gpus=64, seq_len=4096,
+        micro_batch_size=1, options=PlanOptions(global_batch=8, groups=1),
+    )  # fmt: skip
+    why = explain_infeasible(planner.problem(1, 1, "full"))
+    assert why.startswith("batch: 8 micro-batches per step feed at most 8 attention replicas")

@@ -266,8 +266,17 @@ def solve_enumerate(p: SplitProblem, *, eps: float = 0.02) -> Split:
 def explain_infeasible(p: SplitProblem) -> str:
     """Name the first constraint family that empties the feasible set."""
     _check_basic(p)
+    ffn_most = p.gpus if p.max_ffn_gpus is None else p.max_ffn_gpus
+    if p.max_attn_gpus is not None and p.max_attn_gpus + ffn_most < p.gpus:
+        return (
+            f"batch: {p.max_attn_gpus} micro-batches per step feed at most {p.max_attn_gpus} "
+            f"attention replicas and {p.max_ffn_gpus} experts at most as many shards, fewer than "
+            f"the group's {p.gpus} GPUs; give more micro-batches or use more groups"
+        )
     if not _grid(dataclasses.replace(p, ffn_mem=None))[-1].any():
         r = p.nics_per_gpu
+        if r is None:
+            return "no split gives both components a GPU and a NIC (unexpected; please report)"
         return (
             f"NIC locality: with {r:g} NICs per GPU, a group of {p.gpus} GPUs cannot give both "
             f"components a NIC of their own out of its {p.nics}; use more GPUs per group or "

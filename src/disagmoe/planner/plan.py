@@ -64,8 +64,8 @@ class PlanOptions:
     exchange_chunks: int = 1
     # schedule.split_backward the simulator profile replays: off | on | auto (both, per plan)
     split_backward: str = "off"
-    # stage 4 (sim_profile.grow_micro_batches): with the simulator profile and micro_batches
-    # 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
+    # stage 4 (sim_profile.grow_micro_batches): with the simulator profile, micro_batches 0
+    # and global_batch 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
     batch_stage: bool = True
     seed: int = 0
     # train.loss_chunk_tokens of the run planned for: the loss head's memory (0: unchunked)
@@ -257,7 +257,8 @@ class Planner:
         if self.options.micro_batches:
             return self.options.micro_batches
         if self.options.global_batch:
-            assert m >= 1, "a global batch is shared by the m replicas: give m"
+            if m < 1:
+                raise ValueError("a global batch is shared by the m replicas: give m >= 1")
             return -(-self.options.global_batch // (m * self.micro_batch_size))
         v = self.model.num_layers // groups
         need = (2 * groups - 1) / (v * self.options.bubble_target)
@@ -389,6 +390,9 @@ class Planner:
         r = prob.nics_per_gpu
         if r is not None and (attn_nics > r * m + 1e-9 or mf > r * n + 1e-9):
             return None
+        micro_batches = micro_batches or self.micro_batches(groups, m)
+        if self.options.global_batch:  # a replica holds at most its share of the batch
+            in_flight = min(in_flight, micro_batches)
         attn_mem, ffn_mem = self.worker_memory(groups, m, in_flight, recompute)
         mem_a, mem_f = attn_mem.total, ffn_mem.total
         if not self.options.roofline_only and max(mem_a, mem_f) > self.cap_bytes * (1 + 1e-12):
@@ -410,7 +414,7 @@ class Planner:
             loss_chunk_tokens=self.options.loss_chunk_tokens,
             groups=groups,
             virtual_stages=self.model.num_layers // groups,
-            micro_batches=micro_batches or self.micro_batches(groups, m),
+            micro_batches=micro_batches,
             in_flight=in_flight,
             recompute=recompute,
             attn_gpus_per_group=m,

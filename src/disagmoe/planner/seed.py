@@ -19,12 +19,23 @@ def _solve(planner: Planner, prob: SplitProblem) -> Split:
     return solve_milp(prob, eps=opts.epsilon, time_limit_s=opts.time_limit_s, mip_gap=opts.mip_gap)
 
 
+def batch_in_flight(planner: Planner, groups: int, m: int, recompute: str) -> tuple[int, str]:
+    """For a run's global batch: the micro-batches a replica of the split (p = `groups`, m
+    replicas) holds in flight, as the run holds them (what the memory admits, at most its
+    share of the batch), and the plan's memory note."""
+    slots = planner.micro_batches(groups, m)
+    held = min(slots, planner.max_in_flight(groups, m, recompute))
+    return max(held, 1), f"in-flight {held} of {slots} (memory)" if held < slots else ""
+
+
 def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -> Plan:
     """Stages 1-2 for fixed p and recompute mode.
 
     The in-flight count K trades memory for pipeline occupancy: K = min(ring, N) if it fits,
     else the attention memory limit, then halved while smaller K lets the FFN memory admit a
-    split that the profile prefers (more attention GPUs for long sequences).
+    split that the profile prefers (more attention GPUs for long sequences). For a run's
+    global batch the plan holds what its split's memory admits (`batch_in_flight`), as the
+    run does; K then only sizes the FFN memory the solver plans for.
     """
     opts = planner.options
     if opts.global_batch:  # the run holds what the memory admits, up to its replica's slots
@@ -55,15 +66,14 @@ def _seed_for(planner: Planner, groups: int, recompute: str, profile: Profile) -
                 break
         else:
             why = "attention" if k == k_attn else "FFN"
-            slots = planner.micro_batches(groups, split.m)
+            if opts.global_batch:
+                held, binding = batch_in_flight(planner, groups, split.m, recompute)
+            else:
+                held = k
+                binding = f"in-flight {k} of {want} ({why} memory)" if k < want else ""
             plan = planner.evaluate(
-                groups=groups, m=split.m, attn_nics=split.attn_nics, in_flight=min(k, slots),
-                recompute=recompute, profile=profile,
-                memory_binding=(
-                    f"in-flight {k} of {min(want, slots)} ({why} memory)"
-                    if k < min(want, slots)
-                    else ""
-                ),
+                groups=groups, m=split.m, attn_nics=split.attn_nics, in_flight=held,
+                recompute=recompute, profile=profile, memory_binding=binding,
                 solver=split.solver,
             )  # fmt: skip
             assert plan is not None, "the solver returned a point that violates a constraint"

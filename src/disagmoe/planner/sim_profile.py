@@ -8,7 +8,8 @@ simulated seconds per step:
   replica slot counts as the runtime runs them);
 * the plan's micro-batches: `Plan.micro_batches` counts group micro-batches of m*b
   sequences, the simulator counts the global batch in per-replica micro-batches of b,
-  so it gets `micro_batches * m` (every replica runs `micro_batches` slots);
+  so it gets `micro_batches * m` (every replica runs `micro_batches` slots), or, planned
+  for a run's batch (`PlanOptions.global_batch`), exactly that batch's global_batch / b;
 * the in-flight cap (`max_in_flight`), the recompute mode, node-aware placement and the
   planner's NIC split M_a : M_f of the group's NIC bandwidth (`simulator.placement`);
 * the symmetry-reduced replay (one replica per class, one shard per group; exact for
@@ -32,7 +33,7 @@ import math
 from disagmoe.config import split_backward_flag
 from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
 from disagmoe.planner.search import even_load_replicas, refine_plan
-from disagmoe.planner.seed import seed_plans
+from disagmoe.planner.seed import batch_in_flight, seed_plans
 from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
 from disagmoe.simulator.costs import InstrCosts
 
@@ -178,12 +179,16 @@ def _with_even_shards(planner: Planner, seeds: list[Plan]) -> list[Plan]:
     for plan in seeds:
         out.append(plan)
         for m in even_load_replicas(planner, plan):
-            if m == plan.attn_gpus_per_group:
+            if m == plan.attn_gpus_per_group or m < 1:
                 continue
+            if planner.options.global_batch:
+                held, binding = batch_in_flight(planner, plan.groups, m, plan.recompute)
+            else:
+                held, binding = plan.in_flight, plan.memory_binding
             variant = planner.evaluate(
                 groups=plan.groups, m=m, attn_nics=plan.attn_nics_per_group,
-                in_flight=plan.in_flight, recompute=plan.recompute,
-                memory_binding=plan.memory_binding, solver=plan.solver, stage="search",
+                in_flight=held, recompute=plan.recompute,
+                memory_binding=binding, solver=plan.solver, stage="search",
             )  # fmt: skip
             if variant is not None:
                 out.append(variant)

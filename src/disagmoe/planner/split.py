@@ -121,29 +121,26 @@ def planned_split(
     """The planner's (p, m, n, M_a, M_f), in-flight cap and recompute choice.
 
     The split is the planner's own (its MILP keeps n <= E; the runtime runs uneven
-    shards and replicas); `micro_batches`, when given, must leave every one of the m
-    replicas at least one; `split_backward`: room for deferred weight gradients;
-    `recompute`: the planner's choice (auto) or the one given; `loss_chunk_tokens`: the
-    run's `train.loss_chunk_tokens`, which the memory model prices. In
-    flight: the most micro-batches that split holds by the runtime's memory model. (The plan's own `in_flight` stops at its ring length 2p — enough to
-    keep the 2p compute components busy, but AF-Pipe also has 2p exchange stages to
-    overlap.)
+    shards and replicas). `micro_batches` (the run's global count), when given, is planned
+    for: the simulator profile (`sim_profile`) scores each plan at that batch with the
+    in-flight count the memory admits, and m never exceeds it (docs/planner.md "For a
+    run's batch"); without it the analytic profile plans at the planner's own count.
+    `split_backward`: room for deferred weight gradients; `recompute`: the planner's
+    choice (auto) or the one given; `loss_chunk_tokens`: the run's
+    `train.loss_chunk_tokens`, which the memory model prices. In flight: the most
+    micro-batches that split holds by the runtime's memory model.
     """
     from . import plan_for
 
     plan = plan_for(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
         groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
-        global_batch=micro_batches * micro_batch_size, profile="auto",
-        loss_chunk_tokens=loss_chunk_tokens,
+        global_batch=micro_batches * micro_batch_size,
+        profile="auto" if micro_batches else "analytic", loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
-    if micro_batches and micro_batches < m:
-        raise ValueError(
-            f"the planner's split has m={m} attention replicas per group but there are only "
-            f"{micro_batches} micro-batches; give at least {m} (--micro-batches)"
-        )
+    assert not micro_batches or m <= micro_batches, (m, micro_batches)  # the MILP's bound
     assert n <= model.num_experts, (n, model.num_experts)  # the MILP's constraint
     planner = split_planner(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
