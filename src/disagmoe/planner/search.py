@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
+from disagmoe.planner.seed import batch_in_flight
 from disagmoe.planner.split import memory_in_flight
 
 T = TypeVar("T")
@@ -130,6 +131,9 @@ def plan_mover(
             k = min(k, most_in_flight(plan, mode))
         else:
             return None
+        binding = plan.memory_binding
+        if planner.options.global_batch and m >= 1:  # the run holds what its split admits
+            k, binding = batch_in_flight(planner, plan.groups, m, mode)
         key = (plan.groups, m, ma, k, mode)
         if key not in cache:  # each point is profiled at most once
             cache[key] = planner.evaluate(
@@ -139,7 +143,7 @@ def plan_mover(
                 in_flight=k,
                 recompute=mode,
                 profile=profile,
-                memory_binding=plan.memory_binding,
+                memory_binding=binding,
                 solver=plan.solver,
                 stage="search",
             )
