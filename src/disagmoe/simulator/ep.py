@@ -197,33 +197,17 @@ def simulate_ep(
     timeline = run_program(prog, link_model=link_model)
     roles = [f"EP(stage {lay.coords(symmetry.real(r))[0]})" for r in range(prog.num_ranks)]
     tokens = num_micro_batches * workload.tokens
-    cfg = {
-        "model": model.name,
-        "cluster": cluster.name,
-        "gpus": gpus,
-        "pp": pp,
-        "dp": dp,
-        "ep": ep,
-        "seq_len": seq_len,
-        "micro_batch_size": micro_batch_size,
-        "loss_chunk_tokens": loss_chunk_tokens,
-        "micro_batches": num_micro_batches,
-        "micro_batches_per_pipeline": per_pipe,
-        "stages": num_stages,
-        "a2a_s": model_costs.a2a_s[0],
-        "recompute": recompute,
-        "overlap_grad_sync": overlap_sync,
-        "memory_gib_per_gpu": max(m.total for m in memory) / cm.GIB,
-        "gpu_memory_gib": cluster.gpu_mem_gib,
-    }
+    cfg = dict(
+        model=model.name, cluster=cluster.name, gpus=gpus, pp=pp, dp=dp, ep=ep, seq_len=seq_len,
+        micro_batch_size=micro_batch_size, loss_chunk_tokens=loss_chunk_tokens,
+        micro_batches=num_micro_batches, micro_batches_per_pipeline=per_pipe, stages=num_stages,
+        a2a_s=model_costs.a2a_s[0], recompute=recompute, overlap_grad_sync=overlap_sync,
+        memory_gib_per_gpu=max(m.total for m in memory) / cm.GIB,
+        gpu_memory_gib=cluster.gpu_mem_gib,
+    )  # fmt: skip
+    real = [symmetry.real(r) for r in range(prog.num_ranks)]
     return summarize(
-        runtime,
-        prog,
-        timeline,
-        tokens_per_step=tokens,
-        roles=roles,
-        real_ranks=[symmetry.real(r) for r in range(prog.num_ranks)],
-        config=cfg,
+        runtime, prog, timeline, tokens_per_step=tokens, roles=roles, real_ranks=real, config=cfg
     )
 
 
