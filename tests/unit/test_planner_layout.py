@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 
 from disagmoe.config import RunConfig, TrainConfig
-from disagmoe.planner.layout_plan import auto_layout, runnable_layouts
+from disagmoe.planner import plan_for
+from disagmoe.planner.layout_plan import auto_layout
 from disagmoe.presets import MODEL_PRESETS
 
 
@@ -20,19 +21,39 @@ def _cfg(**model: object) -> RunConfig:
     )
 
 
-def test_runnable_layouts_respect_runtime_constraints() -> None:
-    cfg = _cfg()
-    layouts = runnable_layouts(cfg, 12)
-    assert layouts
-    for p, m, n in layouts:
-        assert p * (m + n) == 12 and cfg.model.num_layers % p == 0
-        assert n <= cfg.model.num_experts and m <= cfg.train.num_micro_batches
-    # uneven splits run: 5 replicas share 16 micro-batches, 7 shards hold 16 experts
-    assert (1, 4, 8) in layouts and (1, 5, 7) in layouts
-    few = dataclasses.replace(
-        cfg, train=TrainConfig(seq_len=1024, global_batch_size=4, micro_batch_size=1)
+def _runnable(cfg: RunConfig, world: int) -> None:
+    par = cfg.parallel
+    m, n = par.attn_workers, par.expert_workers
+    assert par.groups * (m + n) == world and cfg.model.num_layers % par.groups == 0
+    assert 1 <= n <= cfg.model.num_experts and 1 <= m <= cfg.train.num_micro_batches
+
+
+def test_auto_layout_plans_only_runnable_layouts_for_the_runs_batch() -> None:
+    for batch in (4, 16, 64):
+        train = TrainConfig(seq_len=1024, global_batch_size=batch, micro_batch_size=1)
+        cfg, plan = auto_layout(dataclasses.replace(_cfg(), train=train), 12)
+        _runnable(cfg, 12)
+        assert plan.sequences_per_step == batch and plan.profile == "simulator"
+        assert plan.micro_batches == -(-batch // cfg.parallel.attn_workers)
+    # the run's default (4 local workers): experts as even as the search's moves leave them
+    cfg, _ = auto_layout(RunConfig(), 4)
+    _runnable(cfg, 4)
+
+
+def test_auto_layout_is_the_plan_command_for_the_same_batch() -> None:
+    cfg = dataclasses.replace(
+        _cfg(), train=TrainConfig(seq_len=2048, global_batch_size=32, micro_batch_size=2)
     )
-    assert (1, 5, 7) not in runnable_layouts(few, 12)  # a replica without a micro-batch
+    run, plan = auto_layout(cfg, 12)
+    same = plan_for(
+        cfg.model, cfg.cluster, gpus=12, seq_len=2048, micro_batch_size=2,
+        global_batch=32, profile="auto",
+    )  # fmt: skip
+    assert (same.groups, same.attn_gpus_per_group, same.in_flight, same.recompute) == (
+        run.parallel.groups, run.parallel.attn_workers, run.schedule.max_in_flight,
+        run.train.recompute,
+    )  # fmt: skip
+    assert plan.step_time_s == same.step_time_s
 
 
 def test_split_follows_the_workload() -> None:
@@ -56,7 +77,7 @@ def test_no_runnable_layout_is_a_clear_error() -> None:
         _cfg(num_experts=1, top_k=1),
         train=TrainConfig(seq_len=64, global_batch_size=1, micro_batch_size=1),
     )
-    with pytest.raises(ValueError, match="no runnable disaggregated layout for 3 workers"):
+    with pytest.raises(ValueError, match="no disaggregated layout for 3 workers.*yourself"):
         auto_layout(cfg, 3)
 
 

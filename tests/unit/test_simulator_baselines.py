@@ -197,3 +197,27 @@ def test_dense_gradients_all_reduce_in_buckets_during_the_backward(runtime: str)
         assert bucket_on[rank] > 0 and sync_on[rank] < flat
         # the same bytes; each bucket's all-reduce pays its own latency
         assert flat < bucket_on[rank] + sync_on[rank] < 1.05 * flat
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_ep_prices_the_chunked_loss_heads_rerun_as_afpipe_does(recompute: str) -> None:
+    """The EP stages' loss head runs in chunks too (`train.loss_chunk_tokens`), its
+    backward rerunning each chunk's logits GEMM: the EP costs of the head's backward are
+    AF-Pipe's analytic ones, and one head forward more than the unchunked head's."""
+    from disagmoe.schedule.ir import Op
+    from disagmoe.simulator.costs import AnalyticCosts, Workload
+    from disagmoe.simulator.ep import EPCosts
+
+    model = MODEL_PRESETS["small"]
+    rate = H800.peak_tflops * 1e12 * H800.mfu
+    head = model.num_layers
+
+    def ep(chunk: int) -> EPCosts:
+        return EPCosts(Workload(model, 256, 2, loss_chunk_tokens=chunk), rate, [0.0], recompute)
+
+    af = AnalyticCosts(Workload(model, 256, 2, loss_chunk_tokens=128), rate, recompute=recompute)
+    assert ep(128).attn(head, "B") == pytest.approx(af.compute_s(Op.BWD, "A", head))
+    extra = ep(128).attn(head, "F")  # the logits GEMM (the head has no attention core)
+    assert ep(128).attn(head, "B") == pytest.approx(ep(0).attn(head, "B") + extra)
+    assert ep(128).attn(head, "I") == pytest.approx(ep(0).attn(head, "I") + extra)
+    assert ep(128).attn(head - 1, "B") == pytest.approx(ep(0).attn(head - 1, "B"))

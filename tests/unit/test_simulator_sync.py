@@ -158,3 +158,34 @@ def test_an_emulated_split_backward_waits_in_its_input_gradient() -> None:
         assert cost(emulated, "W") == 0.0
         assert cost(emulated, "B") == cost(real, "B") == pytest.approx(3.0 * whole)
         assert 0.0 < cost(real, "I") < cost(real, "B") and cost(real, "W") > 0.0
+
+
+def test_by_default_both_simulators_all_reduce_float32_gradients() -> None:
+    """`simulate` and the planner run mixed precision (float32 master weights), so an
+    unspecified `grad_bytes` is 4 in the EP replay and in AF-Pipe's SYNC prices."""
+    from disagmoe.config import ParallelConfig
+    from disagmoe.distributed.layout import Layout
+    from disagmoe.simulator.costs import AnalyticCosts, Workload
+    from disagmoe.simulator.replay import afpipe_pricing
+
+    default = simulate_ep(
+        "ep-1f1b", MODEL, H800, gpus=4, pp=1, ep=2, seq_len=8, micro_batch_size=1,
+        num_micro_batches=8, sync=True, costs=Costs(0.0), net=_net(1, 1), every_rank=True,
+    )  # fmt: skip
+    fp32 = _run(4)
+    for prefix in ("allreduce", "SYNC"):
+        assert [default.program.work[op] for op in _ops(default, prefix)] == pytest.approx(
+            [fp32.program.work[op] for op in _ops(fp32, prefix)]
+        )
+    layout = Layout.build(MODEL, ParallelConfig(groups=1, attn_workers=2, expert_workers=2))
+    workload = Workload(MODEL, 8, 1)
+    costs = AnalyticCosts.for_cluster(workload, H800)
+
+    def sync_s(**kw: int) -> float:
+        pricing = afpipe_pricing(layout, costs, workload, _net(1, 1), overlap_sync=False, **kw)
+        assert pricing.sync_s is not None
+        return pricing.sync_s(0)
+
+    assert sync_s() > 0.0
+    assert sync_s() == pytest.approx(sync_s(grad_bytes=4))
+    assert sync_s() == pytest.approx(2 * sync_s(grad_bytes=2))

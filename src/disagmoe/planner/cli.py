@@ -73,7 +73,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roofline-only", action="store_true",
                         help="the paper's two-stage problem only (p=1, nominal peaks, no memory)")  # fmt: skip
     add_config_flag(parser, "parallel.groups", default=0, note="0: the planner chooses")
-    parser.add_argument("--micro-batches", type=int, default=0, help="per step (default: auto)")
+    parser.add_argument("--micro-batches", type=int, default=0,
+                        help="per attention replica (default: auto)")  # fmt: skip
+    add_config_flag(parser, "train.global_batch_size", default=0,
+                    note="plan for this batch, as train --plan auto does (0: the planner's "
+                    "own micro-batch count)")  # fmt: skip
     add_config_flag(parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),
                     note="auto: the planner chooses")  # fmt: skip
     parser.add_argument("--solver", choices=("milp", "enumerate"), default="milp")
@@ -118,6 +122,7 @@ def run_plan(args: argparse.Namespace) -> int:
         roofline_only=args.roofline_only,
         groups=args.groups,
         micro_batches=args.micro_batches,
+        global_batch=args.global_batch_size,
         recompute=args.recompute,
         solver=args.solver,
         epsilon=args.epsilon,

@@ -32,7 +32,13 @@ from typing import Protocol
 
 from ..config import EP_RUNTIMES, LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
 from ..costs import costmodel as cm
-from ..costs.flops import CORE_BACKWARD, GEMM_BACKWARD, backward_factors, expert_flops
+from ..costs.flops import (
+    CORE_BACKWARD,
+    GEMM_BACKWARD,
+    backward_factors,
+    expert_flops,
+    head_backward_extra,
+)
 from ..distributed.ep_layout import EPLayout, split_layers
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Instr, Msg, Schedule
@@ -66,7 +72,8 @@ class EPCostModel(Protocol):
 class EPCosts:
     """Analytic `EPCostModel`: FLOPs at `flops_per_s`, all-to-alls priced by the network;
     `recompute` (`train.recompute`) adds to a backward's first half (B, or I of a split one)
-    one forward of what it recomputes (`flops.backward_factors`)."""
+    one forward of what it recomputes (`flops.backward_factors`), and a chunked loss head
+    (`Workload.loss_chunk_tokens`) one forward of its GEMM, as `AnalyticCosts` prices it."""
 
     workload: Workload
     flops_per_s: float
@@ -78,6 +85,8 @@ class EPCosts:
         if kind == "F":
             return (gemm + core) / self.flops_per_s
         gemm_bwd, core_bwd = backward_factors(self.recompute)
+        if layer == self.workload.model.num_layers:  # a chunked loss head reruns its GEMM
+            gemm_bwd += head_backward_extra(self.workload.loss_chunk_tokens)
         rerun = (gemm_bwd - GEMM_BACKWARD) * gemm + (core_bwd - CORE_BACKWARD) * core
         grad_in = gemm + CORE_BACKWARD * core + rerun  # dX of the GEMMs and the whole core
         grad_w = (GEMM_BACKWARD - 1.0) * gemm
@@ -150,7 +159,7 @@ def simulate_ep(
     recompute: str = "none",
     overlap_sync: bool = True,
     act_bytes: int = 2,
-    grad_bytes: int = 2,
+    grad_bytes: int = 4,
     every_rank: bool = False,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
 ) -> SimResult:
@@ -162,8 +171,9 @@ def simulate_ep(
     `overlap_sync` (`parallel.overlap_grad_sync`): the dense gradients all-reduced in
     per-layer buckets during each stage's last backward, as the runtime does. `act_bytes`:
     bytes per activation element on the wire (bf16; a float32 run, as the bench's: 4);
-    `grad_bytes`: per gradient element in the all-reduces (the weights' dtype: 4 for
-    float32 weights, as mixed precision and the bench's float32 runs keep them).
+    `grad_bytes`: per gradient element in the all-reduces (the weights' dtype: 4, the
+    default, for float32 weights, as mixed precision and the bench's float32 runs keep them;
+    2 for pure bf16).
     `every_rank`: simulate every rank, not one representative per pipeline rank (the same
     step under fair links; under `fifo` links the dp replicas that share a NIC take it in
     turn instead of in lockstep).
@@ -243,7 +253,7 @@ def _ep_pricing(
     symmetry: Symmetry,
     sync: bool,
     overlap_sync: bool,
-    grad_bytes: int = 2,
+    grad_bytes: int = 4,
 ) -> Pricing:
     """Prices of the representatives' lists: computes from `model_costs`, one activation per
     pipeline message, a rank's all-to-all by its pipeline rank, the gradient all-reduces by
@@ -264,7 +274,7 @@ def _ep_pricing(
 
 
 def _ep_sync_prices(
-    lay: EPLayout, workload: Workload, net: Network, model: ModelConfig, grad_bytes: int = 2
+    lay: EPLayout, workload: Workload, net: Network, model: ModelConfig, grad_bytes: int = 4
 ) -> tuple[Callable[[int], float], Callable[[int, int], float], Callable[[int], float]]:
     """A real rank's gradient all-reduces, as the EP runtime runs them: its stages' dense
     parameters over the stage's dp GPUs (all of them at SYNC, or one layer's bucket: the

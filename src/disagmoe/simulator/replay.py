@@ -47,7 +47,7 @@ def afpipe_pricing(
     *,
     sync: bool = True,
     step_s: float = 0.0,
-    grad_bytes: int = 2,
+    grad_bytes: int = 4,
     overheads: MessageOverheads | None = None,
     num_micro_batches: int = 0,
     overlap_sync: bool = True,
@@ -56,7 +56,8 @@ def afpipe_pricing(
     measured_bytes: Callable[[Msg], float | None] | None = None,
 ) -> Pricing:
     """AF-Pipe's prices on `layout` (the real one): compute from `costs`, messages over
-    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas; with
+    `net`, SYNC = ring all-reduce of a group's A gradients over its m replicas (`grad_bytes`
+    per element: the weights' dtype, float32 under mixed precision, 2 for pure bf16); with
     `overlap_sync` (`parallel.overlap_grad_sync`) one ring all-reduce per layer bucket,
     issued during the backward (`schedule.sync`).
 
