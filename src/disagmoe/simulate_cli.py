@@ -226,7 +226,9 @@ def _resolve_disagg(
             model, cluster, gpus=gpus, seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size, groups=args.groups,
             micro_batches=args.micro_batches, split_backward=split_backward, recompute=given,
-            loss_chunk_tokens=args.loss_chunk_tokens,
+            loss_chunk_tokens=args.loss_chunk_tokens, order=args.order,
+            exchange_chunks=args.exchange_chunks,
+            costs=MeasuredCosts.load(args.costs_file) if args.costs_file else None,
         )  # fmt: skip
         p, m, n, note = split.groups, split.attn_workers, split.expert_workers, split.note
         modes = (split.recompute,)

@@ -77,3 +77,25 @@ def test_too_small_a_batch_for_the_group_is_named() -> None:
     )  # fmt: skip
     why = explain_infeasible(planner.problem(1, 1, "full"))
     assert why.startswith("batch: 8 micro-batches per step feed at most 8 attention replicas")
+
+
+def test_simulate_plans_with_the_order_and_chunks_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`simulate --order depth --exchange-chunks 2 --micro-batches N`: the planner's
+    simulator profile replays what the run will (`Plan.schedule` names it)."""
+    import disagmoe.planner as planner_pkg
+
+    seen: list[str] = []
+
+    def recording(*args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+        plan = plan_for(*args, **kwargs)  # type: ignore[arg-type]
+        seen.append(plan.schedule)
+        return plan
+
+    monkeypatch.setattr(planner_pkg, "plan_for", recording)
+    from disagmoe.cli import main
+
+    rc = main(
+        ["simulate", "--model", "tiny", "--nodes", "1", "--seq-len", "64", "--micro-batches",
+         "8", "--order", "depth", "--exchange-chunks", "2", "--json"]
+    )  # fmt: skip
+    assert rc == 0 and seen and all("depth" in s and "2" in s for s in seen), seen

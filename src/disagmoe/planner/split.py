@@ -117,6 +117,9 @@ def planned_split(
     split_backward: bool = False,
     recompute: str = "auto",
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    order: str = "breadth",
+    exchange_chunks: int = 1,
+    costs: Any = None,
 ) -> PlannedSplit:
     """The planner's (p, m, n, M_a, M_f), in-flight cap and recompute choice.
 
@@ -127,8 +130,10 @@ def planned_split(
     run's batch"); without it the analytic profile plans at the planner's own count.
     `split_backward`: room for deferred weight gradients; `recompute`: the planner's
     choice (auto) or the one given; `loss_chunk_tokens`: the run's
-    `train.loss_chunk_tokens`, which the memory model prices. In flight: the most
-    micro-batches that split holds by the runtime's memory model.
+    `train.loss_chunk_tokens`, which the memory model prices; `order`, `exchange_chunks`
+    (`schedule.*`) and `costs` (measured per-op costs, `schedule.costs_file`): what the
+    simulator profile replays, the run's own. In flight: the most micro-batches that split
+    holds by the runtime's memory model.
     """
     from . import plan_for
 
@@ -137,6 +142,7 @@ def planned_split(
         groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
         global_batch=micro_batches * micro_batch_size,
         profile="auto" if micro_batches else "analytic", loss_chunk_tokens=loss_chunk_tokens,
+        order=order, exchange_chunks=exchange_chunks, costs=costs if micro_batches else None,
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
