@@ -58,6 +58,7 @@ def summary(result: SimResult) -> dict[str, Any]:
         )
     else:
         v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""
+        v += f" chunks {cfg['overlap_chunks']}" if "overlap_chunks" in cfg else ""
         layout = f"pp {cfg['pp']} ep {cfg['ep']}{v}, recompute {cfg.get('recompute', 'none')}"
     seconds = bound.seconds if bound else 0.0
     return {

@@ -90,7 +90,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(parser, "parallel.ep", default=0, note="0: auto")
     add_config_flag(parser, "parallel.virtual_stages")
     add_renamed_flag(parser, "--chunks", "--virtual-stages", "ep-interleaved: stages per rank")
-    add_config_flag(parser, "parallel.overlap_chunks")
+    add_config_flag(parser, "parallel.overlap_chunks", default=0,
+                    note="0: the layout search tries 1, 2, 4 and 8 (a layout given: 2)")  # fmt: skip
     parser.add_argument(
         "--reduce",
         choices=("auto", "on", "off"),
@@ -358,7 +359,8 @@ def _searched_ep(
         f"({skipped_for_memory(found)} over memory)"
     )
     return {"pp": best.pp, "ep": best.ep, "micro_batches": micro, "recompute": best.recompute,
-            "virtual_stages": best.virtual_stages, "layout_note": note}  # fmt: skip
+            "virtual_stages": best.virtual_stages, "layout_note": note,
+            "overlap_chunks": best.overlap_chunks}  # fmt: skip
 
 
 def _default_ep(args: argparse.Namespace, model: ModelConfig, gpus: int, pp: int) -> int:
@@ -450,7 +452,7 @@ def _simulate_resolved(args: argparse.Namespace) -> SimResult:
         pp=r["pp"],
         ep=r["ep"],
         chunks=r.get("virtual_stages", args.virtual_stages),
-        overlap_chunks=args.overlap_chunks,
+        overlap_chunks=r.get("overlap_chunks") or args.overlap_chunks or 2,
         recompute=r["recompute"],
         overlap_sync=args.overlap_grad_sync,
         **common,

@@ -111,6 +111,9 @@ def _worker(cases: list[tuple[RunConfig, int]], run_dir: str) -> list[dict[str, 
                     _forward_beside_backward(trainer.tracer.step_events(s)) for s in range(STEPS)
                 ),
                 "early_buckets": _buckets_in_backward(trainer.tracer.step_events(STEPS - 1)),
+                "early_expert_buckets": _buckets_in_backward(
+                    trainer.tracer.step_events(STEPS - 1), "experts"
+                ),
             }
         )
     if run_dir:  # the runner with the outputs a user sees
@@ -135,11 +138,15 @@ def _forward_beside_backward(events: list[dict[str, Any]]) -> bool:
     return any(f0 < b1 and b0 < f1 for f0, f1 in spans["fwd"] for b0, b1 in spans["bwd"])
 
 
-def _buckets_in_backward(events: list[dict[str, Any]]) -> bool:
-    """Whether this rank's first dense gradient bucket started before its last backward
-    all-to-all (the backward's way out of the first layer): during the backward, not
-    after it."""
-    starts = [e["ts"] for e in events if e["cat"] == "sync" and e["name"].startswith("allreduce")]
+def _buckets_in_backward(events: list[dict[str, Any]], suffix: str = "") -> bool:
+    """Whether this rank's first gradient bucket (named with `suffix`: "experts", an expert
+    shard's) started before its last backward all-to-all (the backward's way out of the
+    first layer): during the backward, not after it."""
+    starts = [
+        e["ts"]
+        for e in events
+        if e["cat"] == "sync" and e["name"].startswith("allreduce") and e["name"].endswith(suffix)
+    ]
     a2a = [e["ts"] for e in events if e["name"].startswith("a2a ") and ".bwd" in e["name"]]
     return bool(starts and a2a) and min(starts) < max(a2a)
 
@@ -160,6 +167,9 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
             early = [res[k]["early_buckets"] for res in results]
             # (a rank whose stages' only buckets sit behind their last all-to-all shows none)
             assert any(early), f"{what}: buckets started in the backward {early}"
+        if lay.dp // lay.ep > 1:  # expert shards too, over their EDP groups
+            early = [res[k]["early_expert_buckets"] for res in results]
+            assert any(early), f"{what}: expert buckets started in the backward {early}"
         if cfg.train.recompute == "none":  # a recomputed forward routes again: not counted here
             ranks = {rank: res[k] for rank, res in enumerate(results)}
             want = expected_sends(cfg, len(results), ranks, chunks)

@@ -298,3 +298,43 @@ def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> No
     assert over and skipped_for_memory(some) == len(over)
     assert all(c.memory_gib > budget and "needs" in c.refused for c in over)
     assert all(c.memory_gib <= budget for c in some if not c.refused)
+
+
+def test_ep_overlap_search_tries_each_chunk_count() -> None:
+    """`overlap_chunks` 0: ep-overlap's search simulates every layout at each of
+    `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get); a
+    count given is the only one; the other runtimes have none to search."""
+    from disagmoe.bench.cli import emulated_cluster
+    from disagmoe.bench.ep_layouts import EmulatedEPCosts
+    from disagmoe.costs.compute import ComputeCosts, Linear
+    from disagmoe.distributed.ep_layout import EPLayout
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep_search import OVERLAP_CHUNKS, search_ep_layouts
+
+    costs = ComputeCosts(
+        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
+    )
+    spec = dataclasses.replace(SPEC, global_batch_size=64)
+    model, cluster = model_preset(spec.model), emulated_cluster(spec)
+    workload = Workload(model, spec.seq_len, spec.micro_batch_size)
+
+    def costs_for(lay: EPLayout, recompute: str) -> EmulatedEPCosts:
+        return EmulatedEPCosts(costs, workload, [1e-2] * lay.pp, recompute)
+
+    train = TrainConfig(seq_len=spec.seq_len, global_batch_size=64,
+                        micro_batch_size=spec.micro_batch_size)  # fmt: skip
+    kw = {"costs_for": costs_for, "net": Network.from_cluster(cluster), "cluster": cluster}
+    every = [c for c in search_ep_layouts("ep-overlap", model, train, spec.world,
+             overlap_chunks=0, **kw) if not c.refused]  # type: ignore[arg-type]  # fmt: skip
+    by_layout: dict[tuple[int, int], dict[int, float]] = {}
+    for c in every:
+        by_layout.setdefault((c.pp, c.ep), {})[c.overlap_chunks] = c.step_s
+        assert f"overlap-chunks {c.overlap_chunks}" in c.label
+    assert by_layout and all(set(v) == set(OVERLAP_CHUNKS) for v in by_layout.values())
+    assert every[0].step_s == min(c.step_s for c in every)
+    # where the all-to-all costs something, chunking changes the step
+    assert any(len(set(v.values())) > 1 for v in by_layout.values())
+    given = search_ep_layouts("ep-overlap", model, train, spec.world, overlap_chunks=2, **kw)  # type: ignore[arg-type]
+    assert {c.overlap_chunks for c in given if not c.refused} == {2}
+    plain = search_ep_layouts("ep-1f1b", model, train, spec.world, overlap_chunks=0, **kw)  # type: ignore[arg-type]
+    assert {c.overlap_chunks for c in plain} == {0}

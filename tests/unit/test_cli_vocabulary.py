@@ -64,6 +64,8 @@ OWN_DEFAULTS: dict[str, str] = {
     "--ranks-per-node": "bench: an emulated node has no torchrun local world size",
     "--nic-gbit": "plan: the cluster preset's NIC; bench: a slow emulated NIC",
     "--format": "what the command writes: schedule text|csv lists, export an hf checkpoint",
+    "--overlap-chunks": "simulate: 0, the ep-overlap layout search tries each count (as "
+    "--exchange-chunks 0 does for AF-Pipe); a run needs its count",
 }
 
 UNIT = re.compile(

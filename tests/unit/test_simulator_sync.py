@@ -75,15 +75,33 @@ def _ops(result, prefix: str) -> list[int]:
 
 
 def test_ep_gradients_are_all_reduced_in_the_weights_dtype() -> None:
-    """float32 weights all-reduce 4-byte gradients: every bucket and the expert
-    all-reduce at SYNC take twice their bf16 time (no latency here)."""
+    """float32 weights all-reduce 4-byte gradients: every bucket takes twice its bf16
+    time (no latency here)."""
     bf16, fp32 = _run(2), _run(4)
-    for prefix in ("allreduce", "SYNC"):
-        a, b = _ops(bf16, prefix), _ops(fp32, prefix)
-        assert a and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert fp32.program.work[y] == pytest.approx(2 * bf16.program.work[x])
-            assert bf16.program.work[x] > 0.0
+    a, b = _ops(bf16, "allreduce"), _ops(fp32, "allreduce")
+    assert a and len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert fp32.program.work[y] == pytest.approx(2 * bf16.program.work[x])
+        assert bf16.program.work[x] > 0.0
+
+
+def test_ep_expert_gradients_ride_the_layer_buckets() -> None:
+    """As `baselines.grad_buckets` runs them: with overlap the expert shards' all-reduce
+    over their dp/ep replicas is in each MoE layer's bucket (nothing is left for SYNC), and
+    the buckets move what one flat all-reduce at SYNC moves without overlap."""
+    buckets = _run(4)
+    flat = simulate_ep(
+        "ep-1f1b", MODEL, H800, gpus=4, pp=1, ep=2, seq_len=8, micro_batch_size=1,
+        num_micro_batches=8, sync=True, costs=Costs(0.0), net=_net(1, 1), every_rank=True,
+        overlap_sync=False,
+    )  # fmt: skip
+    for rank in range(4):
+        mine = [op for op in _ops(buckets, "allreduce") if buckets.program.rank[op] == rank]
+        (sync,) = [op for op in _ops(buckets, "SYNC") if buckets.program.rank[op] == rank]
+        (alone,) = [op for op in _ops(flat, "SYNC") if flat.program.rank[op] == rank]
+        assert buckets.program.work[sync] == 0.0
+        total = sum(buckets.program.work[op] for op in mine)
+        assert total == pytest.approx(flat.program.work[alone])  # experts included
 
 
 def test_a_bucket_shares_the_rank_network_with_the_all_to_alls_beside_it() -> None:

@@ -1,4 +1,4 @@
-"""Dense gradients of an `ep-*` rank all-reduced in buckets during its last backward.
+"""Gradients of an `ep-*` rank all-reduced in buckets during its last backward.
 
 DDP-style overlap for the expert-parallel baselines (`parallel.overlap_grad_sync`, as
 AF-Pipe's attention replicas do it in `runtime.grad_sync`): the dense parameters
@@ -23,8 +23,12 @@ waiting and tracing are `training.grad_buckets`', the mechanism AF-Pipe's attent
 replicas use too (`runtime.grad_sync`). `finish`
 (before the optimizer step) waits for them in that order, copies the sums back and traces
 each bucket on the "sync" lane ("allreduce s<stage> l<layer>"): its bytes and peers count
-in the bench's bound. Expert shards are reduced over their expert-data-parallel group after
-the pipeline, as before (their gradients may come from any micro-batch's routing).
+in the bench's bound. A MoE layer's expert shard has its own bucket of the same position
+("allreduce s<stage> l<layer> experts"), all-reduced over the expert-data-parallel group
+(the ranks holding the same shard in other EP groups) where there is one: the layer's
+mark is reached once every operation of the layer has run backward, its experts' weight
+gradients included, so the shard's gradients are final too, whichever micro-batches routed
+to it. The two groups' buckets run side by side, each group's in its own order.
 
 A forward-only pass (evaluation) and every backward but a stage's last start nothing.
 """
@@ -63,7 +67,7 @@ class _Mark(torch.autograd.Function):
 class StageBuckets:
     """The buckets of one stage, in the order its backward finishes them; marks within."""
 
-    def __init__(self, owner: DenseGradBuckets, stage: int, num_mb: int) -> None:
+    def __init__(self, owner: EPGradBuckets, stage: int, num_mb: int) -> None:
         self.owner, self.stage, self.num_mb = owner, stage, num_mb
         self.backwards = 0  # B / I actions of this stage this step
         self.live = False  # inside the stage's last full backward: marks start buckets
@@ -95,8 +99,10 @@ class StageBuckets:
             self.owner.start_through(self.stage, EMBED)
 
 
-class DenseGradBuckets:
-    """Every stage's dense buckets of one rank, started in one order (module doc)."""
+class EPGradBuckets:
+    """Every stage's buckets of one rank, started in one order (module doc): the dense ones
+    over `group` (`peers`), the expert shards' over `experts` (the EDP group and its ranks;
+    None: the experts are reduced by the caller)."""
 
     def __init__(
         self,
@@ -105,8 +111,10 @@ class DenseGradBuckets:
         peers: list[int],
         tracer: Tracer,
         num_mb: int,
+        experts: tuple[dist.ProcessGroup, list[int]] | None = None,
     ) -> None:
         buckets: list[GradBucket] = []
+        shards: list[GradBucket] = []  # the expert bucket at each dense bucket's position
         self.position: dict[tuple[int, int], int] = {}  # (stage, key) -> its bucket
         self.stage_end: dict[int, int] = {}  # stage -> its last bucket
         home: dict[int, int] = {}  # id(param) -> its bucket (the later one when shared)
@@ -118,6 +126,9 @@ class DenseGradBuckets:
             for key in keys:
                 name = {HEAD: "head", EMBED: "embed"}.get(key, f"l{key}")
                 buckets.append(GradBucket(f"{BUCKET_EVENT} s{module.stage} {name}"))
+                shards.append(GradBucket(f"{BUCKET_EVENT} s{module.stage} {name} experts"))
+                if key >= 0 and f"layers.{key}.experts" in module:
+                    shards[-1].params.extend(module[f"layers.{key}.experts"].parameters())
                 self.position[(module.stage, key)] = self.stage_end[module.stage] = len(buckets) - 1
                 for p in self._params_of(module, key):
                     home[id(p)] = len(buckets) - 1
@@ -126,6 +137,9 @@ class DenseGradBuckets:
             buckets[k].params.append(params[pid])
         self.stages = {m.stage: StageBuckets(self, m.stage, num_mb) for m in modules}
         self.all_reduce = BucketedAllReduce(buckets, group, peers, tracer)
+        self.expert_reduce = (
+            BucketedAllReduce(shards, experts[0], experts[1], tracer) if experts else None
+        )
 
     @staticmethod
     def _params_of(module: Any, key: int) -> list[nn.Parameter]:
@@ -142,6 +156,8 @@ class DenseGradBuckets:
         through the stage's last bucket (the stage's backward is done)."""
         position = self.position[(stage, key)] if key != EMBED else self.stage_end[stage]
         self.all_reduce.start_through(position)
+        if self.expert_reduce is not None:
+            self.expert_reduce.start_through(position)
 
     def reset(self) -> None:
         """At the start of a step."""
@@ -152,3 +168,5 @@ class DenseGradBuckets:
         """Before the optimizer step: start what has not started, wait for every bucket in
         order, the sums into the gradients, one trace event per bucket."""
         self.all_reduce.finish(step)
+        if self.expert_reduce is not None:
+            self.expert_reduce.finish(step)

@@ -10,10 +10,10 @@ Per optimizer step, on every rank:
    `ScheduleDualPipeV`; `scale_grads=False` because `LossScale` already
    weights every micro-batch) runs forward/backward of this rank's stages,
    with the EP all-to-alls inside each MoE layer;
-3. gradients: dense parameters all-reduced over the DP group — per layer bucket during
-   the stage's last backward (`baselines.grad_buckets`, `parallel.overlap_grad_sync`),
-   else one flat all-reduce after the pipeline — and expert shards over the
-   expert-data-parallel group (one flat all-reduce after the pipeline);
+3. gradients: dense parameters all-reduced over the DP group and expert shards over the
+   expert-data-parallel group — per layer bucket during the stage's last backward
+   (`baselines.grad_buckets`, `parallel.overlap_grad_sync`), else one flat all-reduce
+   each after the pipeline;
 4. global gradient norm (each parameter counted on one rank), clipping,
    AdamW on this rank's parameters; losses reduced over the world.
 
@@ -59,7 +59,7 @@ from ..training.objective import (
 from ..training.precision import param_dtype_name
 from ..training.setup import apply_variants, build_data, set_threads
 from .fb_overlap import ScheduleCombined1F1B, enable_fb_overlap
-from .grad_buckets import DenseGradBuckets
+from .grad_buckets import EPGradBuckets
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
 from .stage import StageModule, TracedStage, build_stage_modules
@@ -106,14 +106,16 @@ class EPTrainer:
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
         self.counted = [(self.edp_rank == 0) if e else (self.dp_rank == 0) for e in self.is_expert]
         self.optimizer = build_optimizer(self.named_params, cfg.train)
-        self.dense_sync: DenseGradBuckets | None = None  # dense grads reduced in the backward
+        self.dense_sync: EPGradBuckets | None = None  # grads reduced in the backward
         if cfg.parallel.overlap_grad_sync and self.groups.dp is not None:
-            self.dense_sync = DenseGradBuckets(
+            edp = self.groups.edp
+            self.dense_sync = EPGradBuckets(
                 self.modules,
                 self.groups.dp,
                 self.layout.dp_group_ranks(self.pp_rank),
                 self.tracer,
                 self.layout.num_local_micro_batches,
+                None if edp is None else (edp, dist.get_process_group_ranks(edp)),
             )
             for m in self.modules:
                 m.grad_buckets = self.dense_sync.stages[m.stage]
@@ -230,11 +232,12 @@ class EPTrainer:
                 self.groups.dp,
                 "dense",
             )
-        self._all_reduce(
-            [p for p, e in zip(self.params, self.is_expert, strict=True) if e],
-            self.groups.edp,
-            "experts",
-        )
+        if self.dense_sync is None:  # else in its buckets, with the dense ones
+            self._all_reduce(
+                [p for p, e in zip(self.params, self.is_expert, strict=True) if e],
+                self.groups.edp,
+                "experts",
+            )
         t0 = Tracer.now_us()
         reduced = 0  # bytes of STEP's all-reduces over the world: the norm and the losses
 

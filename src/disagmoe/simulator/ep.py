@@ -193,11 +193,9 @@ def simulate_ep(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
         prec=GPU_PRECISION, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
+    chunks_a2a = overlap_chunks if runtime == "ep-overlap" else 0
     schedule = build_baseline_schedule(
-        lay,
-        model,
-        representatives=not every_rank,
-        a2a_chunks=overlap_chunks if runtime == "ep-overlap" else 1,
+        lay, model, representatives=not every_rank, a2a_chunks=chunks_a2a or 1
     )
     symmetry = Symmetry.identity(gpus) if every_rank else Symmetry.representatives(lay)
     pricing = _ep_pricing(
@@ -214,6 +212,7 @@ def simulate_ep(
         a2a_s=model_costs.a2a_s[0], recompute=recompute, overlap_grad_sync=overlap_sync,
         memory_gib_per_gpu=max(m.total for m in memory) / cm.GIB,
         gpu_memory_gib=cluster.gpu_mem_gib,
+        **({"overlap_chunks": chunks_a2a} if chunks_a2a else {}),
     )  # fmt: skip
     real = [symmetry.real(r) for r in range(prog.num_ranks)]
     return summarize(
@@ -257,9 +256,9 @@ def _ep_pricing(
 ) -> Pricing:
     """Prices of the representatives' lists: computes from `model_costs`, one activation per
     pipeline message, a rank's all-to-all by its pipeline rank, the gradient all-reduces by
-    `_ep_sync_prices` (`overlap_sync`: dense buckets during the backward)."""
+    `_ep_sync_prices` (`overlap_sync`: a bucket per layer during the backward)."""
     pp_of = {real: lay.coords(real)[0] for real in map(symmetry.real, range(symmetry.num_ranks))}
-    sync_s, bucket_s, experts_s = _ep_sync_prices(lay, workload, net, model, grad_bytes)
+    sync_s, bucket_s = _ep_sync_prices(lay, workload, net, model, grad_bytes)
     return Pricing(
         compute_s=lambda ins, kind: (
             model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
@@ -269,18 +268,19 @@ def _ep_pricing(
         a2a_s=lambda real, ins: model_costs.a2a_s[pp_of[real]],
         sync_s=sync_s if sync else None,
         bucket_s=bucket_s if sync and overlap_sync else None,
-        sync_rest_s=experts_s,
     )
 
 
 def _ep_sync_prices(
     lay: EPLayout, workload: Workload, net: Network, model: ModelConfig, grad_bytes: int = 4
-) -> tuple[Callable[[int], float], Callable[[int, int], float], Callable[[int], float]]:
+) -> tuple[Callable[[int], float], Callable[[int, int], float]]:
     """A real rank's gradient all-reduces, as the EP runtime runs them: its stages' dense
-    parameters over the stage's dp GPUs (all of them at SYNC, or one layer's bucket: the
-    final norm and LM head under layer L, the embedding under layer 0,
-    `baselines.grad_buckets`) and its expert shards over their dp/ep replicas, at SYNC
-    either way. Returns (everything at SYNC, one layer's bucket, the experts alone)."""
+    parameters over the stage's dp GPUs and its expert shards over their dp/ep replicas,
+    all of them at SYNC, or one layer's bucket each (the final norm and LM head under layer
+    L, the embedding under layer 0; a MoE layer's dense and expert buckets, which the
+    runtime all-reduces over its two groups side by side on the rank's network, as one
+    op of their summed seconds; `baselines.grad_buckets`). Returns (everything at SYNC,
+    one layer's buckets)."""
     stages = split_layers(model.num_layers, lay.num_stages)
     owner = lay.stage_to_pp_rank()
 
@@ -293,18 +293,18 @@ def _ep_sync_prices(
         params = sum(workload.attn_param_count(l) for l in layers)
         return net.allreduce_s(lay.dp_group_ranks(lay.coords(real)[0]), params * grad_bytes)
 
-    def experts_s(real: int) -> float:
-        moe = sum(1 for l in layers_of(real) if l < model.num_layers and model.is_moe_layer(l))
+    def experts_s(real: int, layers: list[int]) -> float:
+        moe = sum(1 for l in layers if l < model.num_layers and model.is_moe_layer(l))
         grads = moe * workload.expert_param_count() // lay.ep * grad_bytes
         return net.allreduce_s(lay.edp_group_ranks(lay.coords(real)[0], 0), grads)
 
     def sync_s(real: int) -> float:
-        return dense_s(real, layers_of(real)) + experts_s(real)
+        return dense_s(real, layers_of(real)) + experts_s(real, layers_of(real))
 
     def bucket_s(real: int, layer: int) -> float:
-        return dense_s(real, [layer])
+        return dense_s(real, [layer]) + experts_s(real, [layer])
 
-    return sync_s, bucket_s, experts_s
+    return sync_s, bucket_s
 
 
 def simulate_baseline_schedule(

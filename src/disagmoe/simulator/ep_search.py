@@ -30,6 +30,7 @@ from .ep import EPCostModel, simulate_ep
 from .network import Network
 
 VIRTUAL_STAGES = (2, 3, 4)  # ep-interleaved: stages per pipeline rank tried
+OVERLAP_CHUNKS = (1, 2, 4, 8)  # ep-overlap with overlap_chunks 0: expert compute chunks tried
 
 
 @dataclass(frozen=True)
@@ -44,12 +45,14 @@ class EPCandidate:
     refused: str = ""
     recompute: str = "none"
     memory_gib: float = 0.0  # the fullest rank's peak (0: not modelled, refused)
+    overlap_chunks: int = 0  # ep-overlap's expert compute chunks (0: another runtime)
 
     @property
     def label(self) -> str:
         v = f" virtual-stages {self.virtual_stages}" if self.runtime == "ep-interleaved" else ""
+        c = f" overlap-chunks {self.overlap_chunks}" if self.overlap_chunks else ""
         r = f" recompute {self.recompute}" if self.recompute != "none" else ""
-        return f"pp {self.pp} ep {self.ep}{v}{r}"
+        return f"pp {self.pp} ep {self.ep}{v}{c}{r}"
 
     @property
     def over_memory(self) -> bool:
@@ -101,8 +104,14 @@ def search_ep_layouts(
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
     its gradient all-reduces as the runtime runs them (the dense ones in buckets during the
     backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
-    `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout."""
+    `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
+    `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's): 0 tries each of
+    `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does."""
     prec = run_precision(train)
+    chunkings = (
+        (overlap_chunks or OVERLAP_CHUNKS[1],) if runtime != "ep-overlap" else
+        (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
+    )  # fmt: skip
     found: list[EPCandidate] = []
     for parallel, lay in candidate_layouts(runtime, model, train, world):
         v = parallel.virtual_stages
@@ -127,13 +136,16 @@ def search_ep_layouts(
                 for c in found
             ):  # fits already with less recompute: more only adds compute
                 continue
-            sim = simulate_ep(
-                runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
-                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
-                num_micro_batches=train.num_micro_batches, chunks=v,
-                overlap_chunks=overlap_chunks, sync=True, costs=costs_for(lay, recompute),
-                net=net, recompute=recompute, loss_chunk_tokens=train.loss_chunk_tokens,
-            )  # fmt: skip
-            found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
-                                     recompute, gib))  # fmt: skip
-    return sorted(found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages))
+            costs = costs_for(lay, recompute)
+            for k in chunkings:
+                sim = simulate_ep(
+                    runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
+                    seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+                    num_micro_batches=train.num_micro_batches, chunks=v,
+                    overlap_chunks=k, sync=True, costs=costs, net=net, recompute=recompute,
+                    loss_chunk_tokens=train.loss_chunk_tokens,
+                )  # fmt: skip
+                chunked = k if runtime == "ep-overlap" else 0
+                found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
+                                         recompute, gib, chunked))  # fmt: skip
+    return sorted(found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages, c.overlap_chunks))

@@ -36,8 +36,7 @@ operations, through one path for both executions:
 * SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank; with
   `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
   instead, on its "sync" lane one after another, each once its issuing BWD has ended,
-  and SYNC (the wait for them, and `sync_rest_s`: what no bucket holds) ends after every
-  op and bucket. A bucket is a collective on the rank's network (`engine.A2A`): it
+  and SYNC (the wait for them) ends after every op and bucket. A bucket is a collective on the rank's network (`engine.A2A`): it
   shares it with the all-to-alls in flight beside it, as the runtime's bucket
   all-reduces and the backward's all-to-alls share the NIC.
 
@@ -84,9 +83,6 @@ class Pricing:
     # Seconds of the all-reduce of A layer l's bucket on a real rank (`schedule.sync`);
     # None: SYNC all-reduces everything after the rank's last op
     bucket_s: Callable[[int, int], float] | None = None
-    # With buckets: seconds of what SYNC still all-reduces on a real rank (an EP rank's
-    # expert shards over their expert-data-parallel group); None: nothing
-    sync_rest_s: Callable[[int], float] | None = None
     step_s: float = 0.0
     overheads: MessageOverheads | None = None
     # Seconds of a compute on a real rank, overriding `compute_s` where it gives a number
@@ -351,8 +347,7 @@ class _Lowering:
         for rank in range(prog.num_ranks):
             real = self.symmetry.real(rank)
             buckets = self.buckets(rank, real)
-            rest = self.pricing.sync_rest_s
-            seconds = (rest(real) if rest else 0.0) if buckets else sync_s(real)
+            seconds = 0.0 if buckets else sync_s(real)
             done = prog.add(
                 DELAY,
                 rank,
