@@ -227,9 +227,9 @@ def test_the_walk_finds_planted_disagreements() -> None:
     units = _pair([("--nic-gbit", {"help": "GB/s per NIC"})], [("--nic-gbit", {"help": "Gbit/s"})])
     assert [p[:3] for p in disagreements(units)] == ["(c)"]
     # train-style None is the config's 2; a command defaulting to 4 disagrees, to 2 agrees
-    differ = _pair([("--overlap-chunks", {"type": int})], [("--overlap-chunks", {"default": 4})])
+    differ = _pair([("--virtual-stages", {"type": int})], [("--virtual-stages", {"default": 4})])
     assert [p[:3] for p in disagreements(differ)] == ["(d)"]
-    agree = _pair([("--overlap-chunks", {"type": int})], [("--overlap-chunks", {"default": 2})])
+    agree = _pair([("--virtual-stages", {"type": int})], [("--virtual-stages", {"default": 2})])
     assert disagreements(agree) == []
     assert disagreements(_pair([("--seq-len", {})], [("--seq-len", {"default": 9})])) == []
     renamed = _pair([("--nic-gbit", {})], [])
