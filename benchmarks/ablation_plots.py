@@ -50,7 +50,7 @@ def _runtimes(ax: Any, rows: list[dict[str, Any]], x_key: str) -> None:
     ):
         line = ax.plot(xs, [r[key]["tokens_per_s_per_gpu"] / 1e3 for r in rows], style, label=label)
         for x, r in zip(xs, rows, strict=True):
-            if not r[key].get("fits", True):  # EP: its states alone exceed the memory
+            if not r[key].get("fits", True):  # EP: over the GPU's memory
                 ax.plot(x, r[key]["tokens_per_s_per_gpu"] / 1e3, "rx", ms=12)
         ax.plot(
             xs,

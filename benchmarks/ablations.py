@@ -16,7 +16,9 @@ analytic per-op costs; no GPU measurement). One sequence per micro-batch.
   `SimulatorProfile`). Splits the memory model rules out are left out.
 * **EP 1F1B** (`simulator.simulate_ep`, "ep-1f1b") runs on the same GPUs with about the
   same global batch as the planner's plan; pp = the largest divisor of L <= nodes that
-  divides the GPUs, ep = the largest divisor of dp and E (as benchmarks/simulate_sweeps.py).
+  divides the GPUs, ep = the largest divisor of dp and E (as benchmarks/simulate_sweeps.py);
+  `memory_gib` is its fullest rank's peak by the runtime's memory model (`simulate_ep`),
+  and `fits` whether that is within the GPU's memory (the point is simulated either way).
 * Throughput is tokens/s per GPU; "vs EP" divides by EP 1F1B's. The bound of a point is
   `tokens / bound_s` (`simulator.bound`): what its hardware allows for that layout.
 """
@@ -31,13 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe.config import ModelConfig
-from disagmoe.costs import flops
 from disagmoe.planner import Plan, Planner, PlanOptions, plan_for
 from disagmoe.planner.sim_profile import SimulatorProfile
 from disagmoe.planner.split import memory_in_flight
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.simulator import SimResult, simulate_ep
-from disagmoe.training.budget import GPU_PRECISION
 
 H800 = CLUSTER_PRESETS["h800"]
 MODEL = "qwen3-30b-a3b"
@@ -99,26 +99,11 @@ class Case:
             runtime, self.model, H800, gpus=self.gpus, pp=pp, ep=ep, seq_len=self.seq_len,
             micro_batch_size=1, num_micro_batches=micro, chunks=2,
         )  # fmt: skip
-        states = ep_states_gib(self.model, pp, ep)
+        gib = result.config["memory_gib_per_gpu"]
         return {
-            "runtime": runtime, "pp": pp, "ep": ep, "states_gib": states,
-            "fits": states <= self.planner.cap_bytes / 1024**3, **_per_gpu(result, self.gpus),
+            "runtime": runtime, "pp": pp, "ep": ep, "memory_gib": gib,
+            "fits": gib <= self.planner.cap_bytes / 1024**3, **_per_gpu(result, self.gpus),
         }  # fmt: skip
-
-
-def ep_states_gib(model: ModelConfig, pp: int, ep: int) -> float:
-    """Weights, gradients and optimizer states on an EP rank of the first stage (mixed bf16,
-    the planner's precision, `GPU_PRECISION`): its layers' attention and 1/ep of their experts, embedding and
-    head. A lower bound on its memory (activations excluded); the EP simulator does not
-    check memory, so this says which EP points could not run."""
-    layers = range(model.num_layers // pp)
-    params = sum(
-        flops.attn_params(model, layer)
-        + (flops.expert_params(model) / ep if model.is_moe_layer(layer) else 0)
-        for layer in layers
-    )
-    params += flops.head_params(model)
-    return params * GPU_PRECISION.state / 1024**3
 
 
 def _per_gpu(result: SimResult, gpus: int) -> dict[str, Any]:
@@ -238,8 +223,8 @@ def _line(label: str, rows: dict[str, Any]) -> str:
         f"  {label:18s} disagg {d['tokens_per_s_per_gpu']:7.0f} tok/s/GPU "
         f"(step/bound {d['step_time_s'] / d['bound_s']:.2f}, p={d['groups']} "
         f"{d['attn_workers']}:{d['expert_workers']})  ep-1f1b pp{e['pp']} ep{e['ep']} "
-        f"{e['tokens_per_s_per_gpu']:7.0f} ({e['states_gib']:.0f} GiB states)  pp1 ep{w['ep']} "
-        f"{w['tokens_per_s_per_gpu']:7.0f} ({w['states_gib']:.0f} GiB)"
+        f"{e['tokens_per_s_per_gpu']:7.0f} ({e['memory_gib']:.0f} GiB)  pp1 ep{w['ep']} "
+        f"{w['tokens_per_s_per_gpu']:7.0f} ({w['memory_gib']:.0f} GiB)"
     )
 
 

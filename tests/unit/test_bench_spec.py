@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -259,15 +260,14 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
     assert flags[flags.index("--pp") + 1] == "1" and flags[flags.index("--ep") + 1] == "8"
 
 
-def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> None:
-    """A budget below some layouts' peak refuses them (not simulated, counted); recompute
-    is a dimension of its own, full priced slower and smaller."""
+def _ep_search_setting(a2a_s: float) -> tuple[Any, Any, TrainConfig, dict[str, Any]]:
+    """The bench's 8-worker setting at a batch of 64 for `search_ep_layouts`: (spec, model,
+    train, keyword arguments) with linear compute costs and `a2a_s` per all-to-all."""
     from disagmoe.bench.cli import emulated_cluster
     from disagmoe.bench.ep_layouts import EmulatedEPCosts
     from disagmoe.costs.compute import ComputeCosts, Linear
     from disagmoe.distributed.ep_layout import EPLayout
     from disagmoe.simulator import Workload
-    from disagmoe.simulator.ep_search import search_ep_layouts, skipped_for_memory
 
     costs = ComputeCosts(
         Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
@@ -277,11 +277,20 @@ def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> No
     workload = Workload(model, spec.seq_len, spec.micro_batch_size)
 
     def costs_for(lay: EPLayout, recompute: str) -> EmulatedEPCosts:
-        return EmulatedEPCosts(costs, workload, [1e-3] * lay.pp, recompute)
+        return EmulatedEPCosts(costs, workload, [a2a_s] * lay.pp, recompute)
 
     train = TrainConfig(seq_len=spec.seq_len, global_batch_size=64,
                         micro_batch_size=spec.micro_batch_size)  # fmt: skip
     kw = {"costs_for": costs_for, "net": Network.from_cluster(cluster), "cluster": cluster}
+    return spec, model, train, kw
+
+
+def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> None:
+    """A budget below some layouts' peak refuses them (not simulated, counted); recompute
+    is a dimension of its own, full priced slower and smaller."""
+    from disagmoe.simulator.ep_search import search_ep_layouts, skipped_for_memory
+
+    spec, model, train, kw = _ep_search_setting(a2a_s=1e-3)
     every = search_ep_layouts("ep-1f1b", model, train, spec.world, recomputes=("none", "full"),
                               **kw)  # type: ignore[arg-type]  # fmt: skip
     fit = [c for c in every if not c.refused]
@@ -304,26 +313,9 @@ def test_ep_overlap_search_tries_each_chunk_count() -> None:
     """`overlap_chunks` 0: ep-overlap's search simulates every layout at each of
     `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get); a
     count given is the only one; the other runtimes have none to search."""
-    from disagmoe.bench.cli import emulated_cluster
-    from disagmoe.bench.ep_layouts import EmulatedEPCosts
-    from disagmoe.costs.compute import ComputeCosts, Linear
-    from disagmoe.distributed.ep_layout import EPLayout
-    from disagmoe.simulator import Workload
     from disagmoe.simulator.ep_search import OVERLAP_CHUNKS, search_ep_layouts
 
-    costs = ComputeCosts(
-        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
-    )
-    spec = dataclasses.replace(SPEC, global_batch_size=64)
-    model, cluster = model_preset(spec.model), emulated_cluster(spec)
-    workload = Workload(model, spec.seq_len, spec.micro_batch_size)
-
-    def costs_for(lay: EPLayout, recompute: str) -> EmulatedEPCosts:
-        return EmulatedEPCosts(costs, workload, [1e-2] * lay.pp, recompute)
-
-    train = TrainConfig(seq_len=spec.seq_len, global_batch_size=64,
-                        micro_batch_size=spec.micro_batch_size)  # fmt: skip
-    kw = {"costs_for": costs_for, "net": Network.from_cluster(cluster), "cluster": cluster}
+    spec, model, train, kw = _ep_search_setting(a2a_s=1e-2)
     every = [c for c in search_ep_layouts("ep-overlap", model, train, spec.world,
              overlap_chunks=0, **kw) if not c.refused]  # type: ignore[arg-type]  # fmt: skip
     by_layout: dict[tuple[int, int], dict[int, float]] = {}
