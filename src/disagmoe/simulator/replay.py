@@ -176,6 +176,7 @@ def simulate_schedule(
     overlap_sync: bool = True,
     rank_compute_s: Callable[[int, Instr], float | None] | None = None,
     measured_bytes: Callable[[Msg], float | None] | None = None,
+    grad_bytes: int = 4,
 ) -> SimResult:
     """Validate, lower and simulate an AF-Pipe schedule of `layout`.
 
@@ -186,7 +187,8 @@ def simulate_schedule(
     `engine.run_program`). `peak_in_flight`: the validator's answer when the caller
     validated `schedule` already (`checked_afpipe`; 0: validate here). `link_model`: how
     messages share ports (`simulator.links`). `overlap_sync`: the A gradients' all-reduce
-    runs per layer bucket during the backward (`parallel.overlap_grad_sync`), else at SYNC.
+    runs per layer bucket during the backward (`parallel.overlap_grad_sync`), else at SYNC;
+    `grad_bytes` per gradient element (`afpipe_pricing`).
     `rank_compute_s`, `measured_bytes`: a compute's seconds on a real rank and a message's
     bytes where they give them (a replay of a run's measured instructions and messages;
     real ranks, so with `full` unset), else `costs` and `workload`.
@@ -206,6 +208,7 @@ def simulate_schedule(
         overheads=overheads,
         num_micro_batches=num_micro,
         overlap_sync=overlap_sync,
+        grad_bytes=grad_bytes,
         exchange_chunks=int(schedule.meta.get("exchange_chunks", 1)),
         rank_compute_s=rank_compute_s,
         measured_bytes=measured_bytes,
