@@ -154,9 +154,9 @@ def main() -> int:
                 rows.append(row)
                 print(line(row), flush=True)
                 print(f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    if args.json:
-        write_json(args.json, {"rows": rows, "targets": {"af_step_over_bound": TARGET_BOUND,
-                                                         "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
+                if args.json:  # after every row: an interrupted run keeps what it measured
+                    write_json(args.json, {"rows": rows, "targets": {
+                        "af_step_over_bound": TARGET_BOUND, "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
     return 0
 
 
