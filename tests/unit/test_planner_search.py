@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from disagmoe.planner import AnalyticProfile, Plan, Planner, PlanOptions, refine_plan, seed_plan
-from disagmoe.planner.analytic import ring_length, score
+from disagmoe.planner.plan import ring_length, score
 from disagmoe.planner.search import local_search
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 

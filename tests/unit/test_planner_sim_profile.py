@@ -10,8 +10,8 @@ import json
 import pytest
 
 from disagmoe.planner import Plan, Planner, PlanOptions, plan_for, refine_plan, seed_plan
-from disagmoe.planner.analytic import score
 from disagmoe.planner.cli import add_plan_arguments, run_plan
+from disagmoe.planner.plan import score
 from disagmoe.planner.sim_profile import (
     AUTO_SIMULATOR_MAX_GPUS,
     MAX_MICRO_BATCHES_PER_REPLICA,

@@ -13,8 +13,7 @@ import dataclasses
 from typing import Any
 
 from disagmoe.config import ClusterConfig, ModelConfig
-from disagmoe.planner.analytic import AnalyticProfile
-from disagmoe.planner.plan import Plan, Planner, PlanOptions, Profile
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, PlanOptions, Profile
 from disagmoe.planner.search import SearchResult, local_search, refine_plan
 from disagmoe.planner.seed import seed_plan
 from disagmoe.planner.sim_profile import SimulatorProfile, plan_with_profile

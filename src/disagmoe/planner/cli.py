@@ -18,7 +18,7 @@ from disagmoe.config_io import add_config_flag
 from disagmoe.extras import require_extra
 from disagmoe.flags import add_renamed_flag
 from disagmoe.planner import Plan, plan_for
-from disagmoe.planner.plan import PROFILES, PlanOptions
+from disagmoe.planner.options import PROFILES, PlanOptions
 from disagmoe.planner.sim_profile import AUTO_SIMULATOR_MAX_GPUS
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, cluster_preset, model_preset
 from disagmoe.simulator.measured import MeasuredCosts

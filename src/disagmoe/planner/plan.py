@@ -1,5 +1,6 @@
-"""The `Plan`, its options and the `Planner` that checks and prices one (the analytic
-pipeline profile it scores with by default: `planner.analytic`).
+"""The `Plan`, the `Planner` that checks and prices one, and the analytic pipeline profile
+(stages 1-2 over groups / recompute choices: `planner.seed`); the options in
+`planner.options`.
 
 A plan fixes, for W GPUs of a cluster:
 * p groups (p divides the layer count and W), v = L/p virtual stages per group;
@@ -24,91 +25,16 @@ from typing import Any
 import disagmoe.costs.costmodel as cm
 import disagmoe.costs.runtime_memory as rm
 from disagmoe.config import (
-    LOSS_CHUNK_TOKENS,
-    MAX_EXCHANGE_CHUNKS,
-    SCHEDULE_ORDERS,
-    SPLIT_BACKWARD,
     ClusterConfig,
     ModelConfig,
-    check_loss_chunk_tokens,
 )
 from disagmoe.costs import flops
-from disagmoe.planner.analytic import AnalyticProfile, ring_length
 from disagmoe.planner.milp import SplitProblem
+from disagmoe.planner.options import PlanOptions
 
 from ..training.budget import GPU_PRECISION, most_in_flight
 
 Profile = Callable[["Plan"], float]  # seconds per training step of the plan
-PROFILES = ("auto", "analytic", "simulator")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanOptions:
-    roofline_only: bool = False  # the paper's problem: p = 1, sums + integrality, peaks
-    groups: int = 0  # 0: the planner chooses p
-    micro_batches: int = 0  # 0: smallest count with bubble <= bubble_target
-    # sequences per step of the run planned for (0: the planner sizes the batch): each plan
-    # runs ceil(global_batch / (m * b)) micro-batches per replica, as many in flight as the
-    # memory admits, and the simulator profile replays exactly global_batch / b of them
-    global_batch: int = 0
-    recompute: str = "auto"  # auto | none | full
-    solver: str = "milp"  # milp | enumerate
-    epsilon: float = 0.02  # stage 2 band around the stage 1 optimum
-    time_limit_s: float = 1.0  # per HiGHS solve
-    mip_gap: float = 1e-6
-    bubble_target: float = 0.1
-    search_moves: int = 64  # stage 3: K random moves (0 disables)
-    search_radius: int = 2  # stage 3: r, max change of m, M_a and the in-flight cap per move
-    profile: str = "analytic"  # auto | analytic | simulator (sim_profile.py); CLI default auto
-    order: str = "breadth"  # schedule.order the simulator profile replays (auto: best of all)
-    # schedule.exchange_chunks the simulator profile replays (0: auto's pick of 1, 2, 4 or 8)
-    exchange_chunks: int = 1
-    # schedule.split_backward the simulator profile replays: off | on | auto (both, per plan)
-    split_backward: str = "off"
-    # stage 4 (sim_profile.grow_micro_batches): with the simulator profile, micro_batches 0
-    # and global_batch 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
-    batch_stage: bool = True
-    seed: int = 0
-    # train.loss_chunk_tokens of the run planned for: the loss head's memory (0: unchunked)
-    loss_chunk_tokens: int = LOSS_CHUNK_TOKENS
-
-    def __post_init__(self) -> None:
-        if self.recompute not in ("auto", *cm.RECOMPUTE_MODES):
-            raise ValueError(
-                f"recompute must be auto, {', '.join(cm.RECOMPUTE_MODES)}, got {self.recompute!r}"
-            )
-        if self.profile not in PROFILES:
-            raise ValueError(f"profile must be {', '.join(PROFILES)}, got {self.profile!r}")
-        if self.profile == "simulator" and self.roofline_only:
-            raise ValueError("--roofline-only plans are scored by the roofline: use --profile auto")
-        if self.order not in SCHEDULE_ORDERS:
-            raise ValueError(
-                f"order must be one of {', '.join(SCHEDULE_ORDERS)}, got {self.order!r}"
-            )
-        if not 0 <= self.exchange_chunks <= MAX_EXCHANGE_CHUNKS:
-            raise ValueError(
-                f"exchange_chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto), "
-                f"got {self.exchange_chunks}"
-            )
-        if self.split_backward not in SPLIT_BACKWARD:
-            raise ValueError(
-                f"split_backward must be one of {', '.join(SPLIT_BACKWARD)}, "
-                f"got {self.split_backward!r}"
-            )
-        if self.solver not in ("milp", "enumerate"):
-            raise ValueError(f"solver must be milp or enumerate, got {self.solver!r}")
-        if min(self.groups, self.micro_batches, self.global_batch, self.search_moves) < 0:
-            raise ValueError("groups, micro_batches, global_batch and search_moves must be >= 0")
-        if self.global_batch and self.micro_batches:
-            raise ValueError(
-                "give micro_batches (--micro-batches, per replica) or global_batch "
-                "(--global-batch-size), not both"
-            )
-        if not 0 <= self.epsilon < 1:
-            raise ValueError(f"epsilon must be in [0, 1), got {self.epsilon}")
-        if self.search_radius < 1 or not 0 < self.bubble_target < 1:
-            raise ValueError("search_radius must be >= 1 and bubble_target in (0, 1)")
-        check_loss_chunk_tokens(self.loss_chunk_tokens)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,7 +136,7 @@ class Planner:
     gpus: int
     seq_len: int
     micro_batch_size: int
-    options: PlanOptions = PlanOptions()
+    options: PlanOptions = dataclasses.field(default_factory=PlanOptions)
 
     def __post_init__(self) -> None:
         if self.gpus < 2:
@@ -451,3 +377,61 @@ def prob_binding(prob: SplitProblem, m: int, n: int, ma: int, mf: int) -> str:
     terms = prob.terms(m, n, ma, mf)
     names = ("attention compute", "attention NICs", "FFN compute", "FFN NICs")
     return names[max(range(4), key=lambda i: terms[i])]
+
+
+def score(plan: Plan, seconds: float) -> float:
+    """What stage 3 and the choice of p minimise: profile seconds per sequence trained."""
+    return seconds / plan.sequences_per_step
+
+
+class AnalyticProfile:
+    """A stand-in for a measured run: the AF-Pipe pipeline model of docs/design.md §2.3.
+
+    Beyond the MILP's roofline it models (so stage 3 has something to find):
+    * optionally (`dedup=True`) dispatch de-duplication: a token goes once to each F-worker
+      holding >= 1 of its top-k experts, so wire bytes scale by E[distinct workers]/k under
+      uniform routing. Off by default: it rewards tiny FFN groups (n=2 -> 4x less traffic for
+      k=8) whose traffic would really stay inside a node on NVLink, which this model omits;
+      the design's V (k copies per token) is the conservative bound;
+    * per-message latency: each stage an A-replica exchanges with n F-workers and an F-worker
+      with m replicas, forward and backward (2 * peers * cluster.latency_us);
+    * the ring A0 -> F0 -> A1 -> ... -> F(p-1) has R = 2p compute components (the exchanges
+      overlap on their own lane); with K < R micro-batches in flight (memory) it runs R/K
+      slower;
+    * step = (R/K) * N * v * T + (2p - 1) * T + T_M2N  (fill/drain of 2p components; the
+      design's (2L-1) * max(T_a, T_f) + T_M2N when v = 1).
+    """
+
+    def __init__(self, planner: Planner, *, dedup: bool = False) -> None:
+        self.planner = planner
+        self.dedup = dedup
+
+    def __call__(self, plan: Plan) -> float:
+        pl = self.planner
+        model, cluster = pl.model, pl.cluster
+        m, n = plan.attn_gpus_per_group, plan.ffn_gpus_per_group
+        u = pl.units(plan.groups, plan.recompute)
+        dedup = (
+            cm.distinct_worker_fraction(model.num_experts, model.top_k, n) if self.dedup else 1.0
+        )
+        if pl.options.roofline_only:
+            attn_nic, ffn_nic = u.attn_nic * dedup, u.ffn_nic * dedup
+        else:
+            c = cm.detailed_costs(model, pl.seq_len, plan.groups)
+            attn_nic = 2.0 * (c.dispatch_bytes * dedup + c.hop_bytes) / u.bytes_per_s
+            ffn_nic = 2.0 * c.dispatch_bytes * dedup / u.bytes_per_s
+        seqs = m * pl.micro_batch_size
+        lat = 2.0 * cluster.latency_us * 1e-6
+        comm_a = seqs * attn_nic / plan.attn_nics_per_group
+        t_a = max(seqs * u.attn_gpu / m, comm_a) + lat * n
+        t_f = max(seqs * u.ffn_gpu / n, seqs * ffn_nic / plan.ffn_nics_per_group) + lat * m
+        t = max(t_a, t_f)
+        slow = max(1.0, ring_length(plan.groups) / plan.in_flight)
+        return (
+            slow * plan.micro_batches * plan.virtual_stages * t + (2 * plan.groups - 1) * t + comm_a
+        )
+
+
+def ring_length(groups: int) -> int:
+    """Micro-batches in flight that keep all 2p compute components of the ring busy."""
+    return 2 * groups

@@ -9,7 +9,7 @@ the seed under the profile it was given, and a fixed `seed` makes the walk repro
 the attention NICs M_a of every group (n and M_f follow from the group's totals), the
 in-flight cap, or the recompute mode, keeping p; infeasible moves (memory, locality, n > E)
 are skipped. The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe
-model (`analytic.AnalyticProfile`), the simulator (`sim_profile.SimulatorProfile`), or a
+model (`plan.AnalyticProfile`), the simulator (`sim_profile.SimulatorProfile`), or a
 measured short run; plans are compared by
 seconds per sequence trained (`plan.score`) because m changes the sequences per step.
 """
@@ -22,8 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from disagmoe.planner.analytic import AnalyticProfile, score
-from disagmoe.planner.plan import Plan, Planner, Profile
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
 from disagmoe.planner.seed import batch_in_flight
 from disagmoe.planner.split import memory_in_flight
 

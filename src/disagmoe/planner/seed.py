@@ -8,9 +8,8 @@ from __future__ import annotations
 import dataclasses
 
 import disagmoe.costs.costmodel as cm
-from disagmoe.planner.analytic import AnalyticProfile, ring_length, score
 from disagmoe.planner.milp import Split, SplitProblem, solve_enumerate, solve_milp
-from disagmoe.planner.plan import Plan, Planner, Profile
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, ring_length, score
 
 
 def _solve(planner: Planner, prob: SplitProblem) -> Split:

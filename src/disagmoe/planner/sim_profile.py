@@ -31,8 +31,7 @@ import dataclasses
 import math
 
 from disagmoe.config import split_backward_flag
-from disagmoe.planner.analytic import AnalyticProfile, score
-from disagmoe.planner.plan import Plan, Planner, Profile
+from disagmoe.planner.plan import AnalyticProfile, Plan, Planner, Profile, score
 from disagmoe.planner.search import even_load_replicas, refine_plan
 from disagmoe.planner.seed import batch_in_flight, seed_plans
 from disagmoe.simulator import ScheduleRejected, SimResult, simulate_disagg
