@@ -82,7 +82,7 @@ class StageModule(NamedParts):
         # ep-overlap's chunked layer where it has its async group, else the plain one
         self.moe = overlapped_moe if comm.overlap_group is not None else ep_moe
         self.aux_sum: torch.Tensor | float = 0.0  # a device tensor once a term was added
-        self.grad_buckets: StageBuckets | None = None  # overlapped dense gradient reduction
+        self.grad_buckets: StageBuckets | None = None  # overlapped gradient reduction
         if self.is_first:
             self.add("embed", model.embed)
         for l in self.layer_ids:
