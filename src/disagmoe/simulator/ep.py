@@ -169,8 +169,9 @@ def simulate_ep(
     `memory_gib_per_gpu` (the fullest rank's peak, `ep_memory`) and `gpu_memory_gib` (the
     cluster's); a layout over it is simulated all the same (`simulate` refuses it).
     `overlap_sync` (`parallel.overlap_grad_sync`): the dense and expert gradients
-    all-reduced in per-layer buckets during each stage's last backward, as the runtime does. `act_bytes`:
-    bytes per activation element on the wire (bf16; a float32 run, as the bench's: 4);
+    all-reduced in per-layer buckets during each stage's last backward, as the runtime
+    does. `act_bytes`: bytes per activation element on the wire (bf16; a float32 run, as
+    the bench's: 4);
     `grad_bytes`: per gradient element in the all-reduces (the weights' dtype: 4, the
     default, for float32 weights, as mixed precision and the bench's float32 runs keep them;
     2 for pure bf16).
