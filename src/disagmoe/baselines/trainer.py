@@ -106,10 +106,10 @@ class EPTrainer:
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
         self.counted = [(self.edp_rank == 0) if e else (self.dp_rank == 0) for e in self.is_expert]
         self.optimizer = build_optimizer(self.named_params, cfg.train)
-        self.dense_sync: EPGradBuckets | None = None  # grads reduced in the backward
+        self.grad_sync: EPGradBuckets | None = None  # grads reduced in the backward
         if cfg.parallel.overlap_grad_sync and self.groups.dp is not None:
             edp = self.groups.edp
-            self.dense_sync = EPGradBuckets(
+            self.grad_sync = EPGradBuckets(
                 self.modules,
                 self.groups.dp,
                 self.layout.dp_group_ranks(self.pp_rank),
@@ -118,7 +118,7 @@ class EPTrainer:
                 None if edp is None else (edp, dist.get_process_group_ranks(edp)),
             )
             for m in self.modules:
-                m.grad_buckets = self.dense_sync.stages[m.stage]
+                m.grad_buckets = self.grad_sync.stages[m.stage]
         self.has_first = 0 in self.stage_ids
         self.has_last = self.layout.num_stages - 1 in self.stage_ids
         self.batches = build_data(cfg) if self.has_first or self.has_last else None
@@ -210,8 +210,8 @@ class EPTrainer:
             st.step_index = step
         for m in self.modules:
             m.aux_sum = 0.0
-        if self.dense_sync is not None:
-            self.dense_sync.reset()
+        if self.grad_sync is not None:
+            self.grad_sync.reset()
         args: tuple[torch.Tensor, ...] = ()
         target = None
         if self.batches is not None:
@@ -223,16 +223,16 @@ class EPTrainer:
         self.pipeline.step(*args, target=target, losses=losses, return_outputs=False)
         for st in self.stages:
             st._close_p2p()
-        if self.dense_sync is not None:  # started during the backward: wait for them
-            self.dense_sync.finish(step)
+        if self.grad_sync is not None:  # started during the backward: wait for them
+            self.grad_sync.finish(step)
         fill_missing_grads(self.params)
-        if self.dense_sync is None:
+        if self.grad_sync is None:
             self._all_reduce(
                 [p for p, e in zip(self.params, self.is_expert, strict=True) if not e],
                 self.groups.dp,
                 "dense",
             )
-        if self.dense_sync is None:  # else in its buckets, with the dense ones
+        if self.grad_sync is None:  # else in its buckets, with the dense ones
             self._all_reduce(
                 [p for p, e in zip(self.params, self.is_expert, strict=True) if e],
                 self.groups.edp,

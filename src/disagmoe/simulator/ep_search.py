@@ -102,8 +102,8 @@ def search_ep_layouts(
     recomputes: Sequence[str] = ("none",),
 ) -> list[EPCandidate]:
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
-    its gradient all-reduces as the runtime runs them (the dense ones in buckets during the
-    backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
+    its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
+    buckets during the backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
     `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's): 0 tries each of
     `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does."""
