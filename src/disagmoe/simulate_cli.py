@@ -17,6 +17,7 @@ from .config import (
     RECOMPUTE,
     ClusterConfig,
     ModelConfig,
+    ParallelConfig,
     TrainConfig,
     check_loss_chunk_tokens,
     split_backward_flag,
@@ -452,7 +453,9 @@ def _simulate_resolved(args: argparse.Namespace) -> SimResult:
         pp=r["pp"],
         ep=r["ep"],
         chunks=r.get("virtual_stages", args.virtual_stages),
-        overlap_chunks=r.get("overlap_chunks") or args.overlap_chunks or 2,
+        overlap_chunks=r.get("overlap_chunks")
+        or args.overlap_chunks
+        or ParallelConfig().overlap_chunks,
         recompute=r["recompute"],
         overlap_sync=args.overlap_grad_sync,
         **common,

@@ -109,7 +109,7 @@ def search_ep_layouts(
     `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does."""
     prec = run_precision(train)
     chunkings = (
-        (overlap_chunks or OVERLAP_CHUNKS[1],) if runtime != "ep-overlap" else
+        (overlap_chunks or ParallelConfig().overlap_chunks,) if runtime != "ep-overlap" else
         (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
     )  # fmt: skip
     found: list[EPCandidate] = []
