@@ -339,6 +339,22 @@ TABLES: dict[str, Table] = {
             Col(head="solve s", get="solve_s", fmt=S3),
         ),
     ),
+    "af_levers": Table(
+        title="Where AF-Pipe's step goes: the LM head against a group's attention",
+        about="Nominal H800, 8 nodes, 8K, full recompute: per p, the LM head's seconds per "
+        "sequence (forward + backward) against a group's L / p layers of attention, and the "
+        "compute bound were every GPU equally busy; the JSON's `fill` holds the forward fill "
+        "of DeepSeek-MoE's default plan (docs/paper.md).",
+        rows=lambda p: list(p["heads"]),
+        cols=(
+            Col(head="model", get="model"),
+            Col(head="p", get="groups"),
+            Col(head="head s", get="head_s", fmt="{:.4f}"),
+            Col(head="group attention s", get="group_attn_s", fmt="{:.4f}"),
+            Col(head="head / group", get="head_over_group", fmt="{:.2f}"),
+            Col(head="balanced bound s", get="balanced_bound_s", fmt="{:.2f}"),
+        ),
+    ),
     "planner_vs_sweep": Table(
         title="The planner's plan against an exhaustive simulator sweep",
         about="Nominal H800; tokens/s of the planner's plan and of the best swept plan, both "
@@ -448,7 +464,7 @@ ORDER = (
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
     "uneven_splits", "exchange_overhead", "gloo_rendezvous", "tbf_goodput", "memory_model",
     "rank_memory", "recompute", "gc_pauses", "gc_pauses_8w", "link_faults",
-    "scale_table", "scale_groups",
+    "scale_table", "scale_groups", "af_levers",
 )  # fmt: skip
 
 
