@@ -9,7 +9,8 @@ Every point runs the default command a user would type, one global batch for eve
 runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
 
 * AF-Pipe: `disagmoe simulate --model M --nodes N --seq-len S --micro-batches B`: the
-  planner's split, in-flight cap and recompute, held to the runtime's memory model;
+  planner's split, in-flight cap and recompute, held to the runtime's memory model, with
+  the exchange chunks and whole or split backwards picked on that plan;
 * each EP runtime: the same with `--runtime R`: the fastest (pp, ep, virtual stages,
   recompute) that fits the GPU (`simulator.ep_search`).
 
@@ -54,7 +55,9 @@ def summary(result: SimResult) -> dict[str, Any]:
     if result.runtime == "disagg":
         layout = (
             f"p {cfg['groups']}, {cfg['attn_workers']}:{cfg['expert_workers']}, cap "
-            f"{cfg.get('max_in_flight', 0)}, recompute {cfg.get('recompute', 'none')}"
+            f"{cfg.get('max_in_flight', 0)}, recompute {cfg.get('recompute', 'none')}, "
+            f"chunks {cfg.get('exchange_chunks', 1)}"
+            + (", split backward" if cfg.get("split_backward") else "")
         )
     else:
         v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""

@@ -40,6 +40,10 @@ from .simulator.network import Network
 from .simulator.report import SimResult, format_result
 from .training.ep_budget import check_ep_fits
 
+# simulate's own defaults of schedule.exchange_chunks and schedule.split_backward (auto)
+SIM_EXCHANGE_CHUNKS = 0
+SIM_SPLIT_BACKWARD = "auto"
+
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `disagmoe simulate`; those of config fields as the fields declare them
@@ -76,8 +80,16 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_config_flag(parser, "schedule.order")
     add_config_flag(parser, "schedule.costs")
-    add_config_flag(parser, "schedule.exchange_chunks")
-    add_config_flag(parser, "schedule.split_backward")
+    # AF-Pipe's chunks and split chosen on the planned layout by default, as the ep-*
+    # search chooses --overlap-chunks (the planner ranks plans at one: `run_replays`)
+    add_config_flag(
+        parser, "schedule.exchange_chunks", default=SIM_EXCHANGE_CHUNKS,
+        note="simulate: 0, picked on the layout it runs",
+    )  # fmt: skip
+    add_config_flag(
+        parser, "schedule.split_backward", default=SIM_SPLIT_BACKWARD,
+        note="simulate: auto, picked on the layout it runs",
+    )  # fmt: skip
     add_config_flag(parser, "parallel.overlap_grad_sync")
     add_config_flag(parser, "parallel.placement", note="see docs/simulator.md")
     parser.add_argument(
@@ -195,9 +207,9 @@ def _check_args(args: argparse.Namespace, model: ModelConfig) -> None:
             f"--max-in-flight must be >= 1, 0 (from the memory budget) or -1 (no cap), "
             f"got {args.max_in_flight}"
         )
-    if args.split_backward != "off" and args.runtime != "disagg":
+    if args.split_backward != SIM_SPLIT_BACKWARD and args.runtime != "disagg":
         raise ValueError("--split-backward is AF-Pipe's: use it with --runtime disagg")
-    if args.exchange_chunks != 1 and args.runtime != "disagg":
+    if args.exchange_chunks != SIM_EXCHANGE_CHUNKS and args.runtime != "disagg":
         raise ValueError(
             "--exchange-chunks splits AF-Pipe's exchange: use it with --runtime disagg"
         )
@@ -380,30 +392,50 @@ def _gave_way(default: tuple[int, int, str], chosen: tuple[int, int, str]) -> st
 def simulate_from_args(args: argparse.Namespace) -> SimResult:
     """The step `args` describe; AF-Pipe at the planner's split with recompute auto: the
     planner's plan for each recompute mode that fits, simulated at the memory's in-flight
-    cap, the faster kept (the EP runtimes' layout search also simulates every mode)."""
+    cap, the faster kept (the EP runtimes' layout search also simulates every mode). With
+    `--split-backward auto` the plan without recompute is made twice, with room for the
+    deferred weight gradients (split backwards) and without (whole), as each admits its own
+    in-flight cap: `plan_variants`."""
     planned = not (args.attn_workers and args.expert_workers)
-    if args.runtime != "disagg" or args.recompute != "auto" or not planned:
+    if args.runtime != "disagg" or not planned:
         return _simulate_resolved(args)
-    if args.split_backward == "on":  # deferred weight gradients: never with recompute
-        return _simulate_resolved(argparse.Namespace(**{**vars(args), "recompute": "none"}))
+    variants = plan_variants(args.recompute, args.split_backward)
+    if len(variants) == 1:
+        return _simulate_resolved(argparse.Namespace(**{**vars(args), **variants[0][1]}))
     results: dict[str, SimResult] = {}
     errors: list[str] = []
-    for mode in ("none", "full"):
+    for name, flags in variants:
         try:
-            results[mode] = _simulate_resolved(
-                argparse.Namespace(**{**vars(args), "recompute": mode})
-            )
-        except ValueError as err:  # that mode does not fit
+            results[name] = _simulate_resolved(argparse.Namespace(**{**vars(args), **flags}))
+        except ValueError as err:  # that variant does not fit
             errors.append(str(err))
     if not results:
         raise ValueError(errors[-1])
-    best = min(results, key=lambda mode: results[mode].step_time_s)
+    best = min(results, key=lambda name: results[name].step_time_s)
     result = results[best]
     result.config["recompute_search"] = {
-        mode: round(results[mode].step_time_s, 6) if mode in results else "does not fit"
-        for mode in ("none", "full")
+        name: round(results[name].step_time_s, 6) if name in results else "does not fit"
+        for name, _ in variants
     }
     return result
+
+
+def plan_variants(recompute: str, split_backward: str) -> list[tuple[str, dict[str, str]]]:
+    """The (name, flags) AF-Pipe is planned and simulated with for `--recompute` (auto:
+    none and full) and `--split-backward` (auto: on and off without recompute; a run that
+    recomputes keeps its backwards whole, `RunConfig.split_backward_blocker`)."""
+    modes = ("none", "full") if recompute == "auto" else (recompute,)
+    if split_backward == "on" and recompute == "auto":  # deferred weight gradients: none
+        modes = ("none",)
+    out: list[tuple[str, dict[str, str]]] = []
+    for mode in modes:
+        if mode == "none" and split_backward == "auto":
+            out.append(("none", {"recompute": mode, "split_backward": "off"}))
+            out.append(("none, split backward", {"recompute": mode, "split_backward": "on"}))
+        else:
+            flags = {"recompute": mode}
+            out.append((mode, flags if mode == "none" else {**flags, "split_backward": "off"}))
+    return out
 
 
 def _simulate_resolved(args: argparse.Namespace) -> SimResult:

@@ -66,6 +66,9 @@ OWN_DEFAULTS: dict[str, str] = {
     "--format": "what the command writes: schedule text|csv lists, export an hf checkpoint",
     "--overlap-chunks": "simulate: 0, the ep-overlap layout search tries each count (as "
     "--exchange-chunks 0 does for AF-Pipe); a run needs its count",
+    "--exchange-chunks": "simulate: 0, the chunk count picked on the planned layout (as the "
+    "ep-* search picks --overlap-chunks); a run's default is one chunk",
+    "--split-backward": "simulate: auto, whole or split backwards picked on the planned layout",
 }
 
 UNIT = re.compile(

@@ -9,6 +9,7 @@ import pytest
 from disagmoe.config import RunConfig, TrainConfig
 from disagmoe.planner import plan_for
 from disagmoe.planner.layout_plan import auto_layout
+from disagmoe.planner.options import run_replays
 from disagmoe.presets import MODEL_PRESETS
 
 
@@ -54,6 +55,22 @@ def test_auto_layout_is_the_plan_command_for_the_same_batch() -> None:
         run.train.recompute,
     )  # fmt: skip
     assert plan.step_time_s == same.step_time_s
+
+
+def test_what_the_run_picks_itself_is_planned_at_one_replay() -> None:
+    """A run leaving exchange chunks and split backward to auto gets the plan ranked at one
+    chunk with split backwards (`options.run_replays`); the run picks both on that plan."""
+    cfg = _cfg()
+    auto = dataclasses.replace(
+        cfg, schedule=dataclasses.replace(cfg.schedule, exchange_chunks=0, split_backward="auto")
+    )
+    _, plan = auto_layout(auto, 12)
+    same = plan_for(
+        cfg.model, cfg.cluster, gpus=12, seq_len=1024, micro_batch_size=1, global_batch=16,
+        profile="auto", exchange_chunks=1, split_backward="on",
+    )  # fmt: skip
+    assert plan == same and plan.schedule == "breadth, exchange chunks 1, split backward on"
+    assert run_replays(0, "auto") == (1, "on") and run_replays(4, "off") == (4, "off")
 
 
 def test_split_follows_the_workload() -> None:

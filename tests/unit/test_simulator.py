@@ -376,3 +376,20 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
         steps = [s for s in search.values() if not isinstance(s, str)]
         assert out["step_time_s"] == pytest.approx(min(steps), abs=1e-6)
         assert ("does not fit" in search.values()) == (want == "full")
+        assert list(search) == ["none", "none, split backward", "full"]
+
+
+def test_plan_variants_follow_recompute_and_split_backward() -> None:
+    """What `simulate` plans AF-Pipe with: each recompute mode, and without recompute both
+    whole and split backwards where `--split-backward auto`; a recomputing plan whole."""
+    from disagmoe.simulate_cli import plan_variants
+
+    def names(recompute: str, split: str) -> list[str]:
+        return [name for name, _ in plan_variants(recompute, split)]
+
+    assert names("auto", "auto") == ["none", "none, split backward", "full"]
+    assert names("auto", "off") == ["none", "full"] and names("auto", "on") == ["none"]
+    assert names("full", "auto") == ["full"] and names("full", "on") == ["full"]
+    assert dict(plan_variants("auto", "auto"))["full"] == {
+        "recompute": "full", "split_backward": "off",
+    }  # fmt: skip

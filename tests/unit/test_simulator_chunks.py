@@ -171,19 +171,33 @@ def _args(*extra: str) -> argparse.Namespace:
 
 
 def test_simulate_flag_and_json() -> None:
-    plain = json.loads(simulate_from_args(_args()).to_json())
+    whole = ("--split-backward", "off")
+    plain = json.loads(simulate_from_args(_args("--exchange-chunks", "1", *whole)).to_json())
     assert plain["config"]["exchange_chunks"] == 1
-    two = json.loads(simulate_from_args(_args("--exchange-chunks", "2")).to_json())
+    two = json.loads(simulate_from_args(_args("--exchange-chunks", "2", *whole)).to_json())
     assert two["config"]["exchange_chunks"] == 2
     assert two["bound_s"] == pytest.approx(plain["bound_s"], rel=1e-9)
     assert two["step_time_s"] != plain["step_time_s"]
-    auto = simulate_from_args(_args("--exchange-chunks", "0")).to_dict()
-    assert auto["config"]["chunks_choice"] == "auto"
-    assert auto["config"]["exchange_chunks"] in CHUNK_CANDIDATES
-    assert {s[2] for s in auto["config"]["auto_steps"]} == set(CHUNK_CANDIDATES)
     for bad in (["--exchange-chunks", "-1"], ["--exchange-chunks", "99"]):
         with pytest.raises(ValueError, match="exchange-chunks"):
             simulate_from_args(_args(*bad))
+
+
+def test_simulate_picks_chunks_and_split_by_default() -> None:
+    """`simulate`'s own defaults (`--exchange-chunks 0 --split-backward auto`): every chunk
+    count, whole and split backwards replayed on the layout it runs, the fastest kept."""
+    auto = simulate_from_args(_args()).to_dict()
+    cfg = auto["config"]
+    assert (cfg["chunks_choice"], cfg["split_choice"]) == ("auto", "auto")
+    steps = {(s[2], s[4]): s[3] for s in cfg["auto_steps"]}
+    assert set(steps) == {(c, w) for c in CHUNK_CANDIDATES for w in (False, True)}
+    assert (cfg["exchange_chunks"], cfg["split_backward"]) == min(steps, key=steps.__getitem__)
+    assert auto["step_time_s"] == pytest.approx(min(steps.values()), rel=1e-9)
+    fixed = _args("--exchange-chunks", "1", "--split-backward", "off", "--runtime", "ep-1f1b")
+    with pytest.raises(ValueError, match="--runtime disagg"):  # AF-Pipe's flags, given
+        simulate_from_args(fixed)
+    ep = _args("--runtime", "ep-1f1b", "--pp", "1", "--ep", "8")
+    assert simulate_from_args(ep).runtime == "ep-1f1b"  # simulate's defaults pass for EP
 
 
 def test_schedule_command_shows_the_chunks(capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,7 +7,8 @@ plan shares the batch's micro-batches among its m replicas, the MILP keeps m <= 
 replica without a micro-batch would idle), every plan holds as many slots in flight as
 the `[cluster]`'s GPU memory admits by the runtime's memory model in bf16 mixed precision
 (`Planner.max_in_flight`), and the simulator replays the run's own AF-Pipe order,
-exchange chunks and split backward (`schedule.*`). Every plan is runnable: p | L,
+exchange chunks and split backward (`schedule.*`; what the run leaves to auto, the run
+picks on the plan: `options.run_replays`). Every plan is runnable: p | L,
 m + n = W / p, n <= E.
 
 The run gets the plan's p, m, n (`parallel.*`), its in-flight cap
@@ -20,6 +21,7 @@ import dataclasses
 
 from ..config import RunConfig
 from . import plan_for
+from .options import run_replays
 from .plan import Plan
 
 
@@ -27,6 +29,7 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
     """The run's config with `parallel.groups/attn_workers/expert_workers`, the in-flight
     cap and recompute from the planner's plan for `world_size` workers and the run's batch."""
     train, sched = cfg.train, cfg.schedule
+    chunks, split = run_replays(sched.exchange_chunks, sched.split_backward)
     try:
         plan = plan_for(
             cfg.model,
@@ -38,8 +41,8 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
             loss_chunk_tokens=train.loss_chunk_tokens,
             profile="auto",
             order=sched.order,
-            exchange_chunks=sched.exchange_chunks,
-            split_backward=sched.split_backward,
+            exchange_chunks=chunks,
+            split_backward=split,
         )
     except ValueError as err:
         raise ValueError(

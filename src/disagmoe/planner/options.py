@@ -84,3 +84,14 @@ class PlanOptions:
         if self.search_radius < 1 or not 0 < self.bubble_target < 1:
             raise ValueError("search_radius must be >= 1 and bubble_target in (0, 1)")
         check_loss_chunk_tokens(self.loss_chunk_tokens)
+
+
+def run_replays(exchange_chunks: int, split_backward: str) -> tuple[int, str]:
+    """The exchange chunks and split backward the planner replays each plan with for a run
+    (`simulate`, `train --plan auto`) given `schedule.exchange_chunks` and
+    `schedule.split_backward`. What the run leaves to auto the run itself picks on the plan
+    it runs (`simulator.choose`: 1, 2, 4 or 8 chunks, whole or split backwards), so the
+    planner ranks plans at one chunk and with split backwards where they may split (room
+    for the deferred weight gradients kept), one replay a plan instead of up to eight
+    (docs/planner.md "For a run's batch")."""
+    return exchange_chunks or 1, "on" if split_backward == "auto" else split_backward

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
+from .options import run_replays
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,8 +133,8 @@ def planned_split(
     choice (auto) or the one given; `loss_chunk_tokens`: the run's
     `train.loss_chunk_tokens`, which the memory model prices; `order`, `exchange_chunks`
     (`schedule.*`) and `costs` (measured per-op costs, `schedule.costs_file`): what the
-    simulator profile replays, the run's own. In flight: the most micro-batches that split
-    holds by the runtime's memory model.
+    simulator profile replays, the run's own (exchange chunks 0: one, `run_replays`). In
+    flight: the most micro-batches that split holds by the runtime's memory model.
     """
     from . import plan_for
 
@@ -142,7 +143,8 @@ def planned_split(
         groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
         global_batch=micro_batches * micro_batch_size,
         profile="auto" if micro_batches else "analytic", loss_chunk_tokens=loss_chunk_tokens,
-        order=order, exchange_chunks=exchange_chunks, costs=costs if micro_batches else None,
+        order=order, exchange_chunks=run_replays(exchange_chunks, "off")[0],
+        costs=costs if micro_batches else None,
     )  # fmt: skip
     p, m, ma = plan.groups, plan.attn_gpus_per_group, plan.attn_nics_per_group
     n = gpus // p - m
