@@ -390,33 +390,32 @@ def _gave_way(default: tuple[int, int, str], chosen: tuple[int, int, str]) -> st
 
 
 def simulate_from_args(args: argparse.Namespace) -> SimResult:
-    """The step `args` describe; AF-Pipe at the planner's split with recompute auto: the
+    """The step `args` describe; AF-Pipe with recompute auto at the planner's split: the
     planner's plan for each recompute mode that fits, simulated at the memory's in-flight
-    cap, the faster kept (the EP runtimes' layout search also simulates every mode). With
-    `--split-backward auto` the plan without recompute is made twice, with room for the
-    deferred weight gradients (split backwards) and without (whole), as each admits its own
-    in-flight cap: `plan_variants`."""
-    planned = not (args.attn_workers and args.expert_workers)
-    if args.runtime != "disagg" or not planned:
+    cap, the faster kept (the EP runtimes' layout search also simulates every mode); at a
+    split given, no recompute unless only full fits. With `--split-backward auto` no
+    recompute is tried twice, with room for the deferred weight gradients (split
+    backwards) and without (whole), as each admits its own in-flight cap (`plan_variants`)."""
+    if args.runtime != "disagg":
         return _simulate_resolved(args)
+    given = bool(args.attn_workers and args.expert_workers)
     variants = plan_variants(args.recompute, args.split_backward)
     if len(variants) == 1:
         return _simulate_resolved(argparse.Namespace(**{**vars(args), **variants[0][1]}))
     results: dict[str, SimResult] = {}
-    errors: list[str] = []
+    search: dict[str, Any] = {}
     for name, flags in variants:
+        if given and results and flags["recompute"] != "none":
+            break  # a split given: full only where no recompute does not fit
         try:
             results[name] = _simulate_resolved(argparse.Namespace(**{**vars(args), **flags}))
+            search[name] = round(results[name].step_time_s, 6)
         except ValueError as err:  # that variant does not fit
-            errors.append(str(err))
+            search[name], error = "does not fit", err
     if not results:
-        raise ValueError(errors[-1])
-    best = min(results, key=lambda name: results[name].step_time_s)
-    result = results[best]
-    result.config["recompute_search"] = {
-        name: round(results[name].step_time_s, 6) if name in results else "does not fit"
-        for name, _ in variants
-    }
+        raise error
+    result = results[min(results, key=lambda name: results[name].step_time_s)]
+    result.config["recompute_search"] = search
     return result
 
 

@@ -184,15 +184,23 @@ def test_simulate_flag_and_json() -> None:
 
 
 def test_simulate_picks_chunks_and_split_by_default() -> None:
-    """`simulate`'s own defaults (`--exchange-chunks 0 --split-backward auto`): every chunk
-    count, whole and split backwards replayed on the layout it runs, the fastest kept."""
+    """`simulate`'s own defaults (`--exchange-chunks 0 --split-backward auto`): whole and
+    split backwards each at the cap its memory admits, every chunk count replayed on the
+    layout it runs, the fastest kept."""
     auto = simulate_from_args(_args()).to_dict()
     cfg = auto["config"]
-    assert (cfg["chunks_choice"], cfg["split_choice"]) == ("auto", "auto")
-    steps = {(s[2], s[4]): s[3] for s in cfg["auto_steps"]}
-    assert set(steps) == {(c, w) for c in CHUNK_CANDIDATES for w in (False, True)}
-    assert (cfg["exchange_chunks"], cfg["split_backward"]) == min(steps, key=steps.__getitem__)
-    assert auto["step_time_s"] == pytest.approx(min(steps.values()), rel=1e-9)
+    assert cfg["chunks_choice"] == "auto"
+    steps = {s[2]: s[3] for s in cfg["auto_steps"]}
+    assert set(steps) == set(CHUNK_CANDIDATES)
+    search = cfg["recompute_search"]
+    assert list(search) == ["none", "none, split backward"]  # no recompute fits: no full
+    whole, split = (simulate_from_args(_args("--split-backward", w)) for w in ("off", "on"))
+    assert search == {
+        "none": pytest.approx(whole.step_time_s, abs=1e-6),
+        "none, split backward": pytest.approx(split.step_time_s, abs=1e-6),
+    }
+    assert auto["step_time_s"] == min(whole.step_time_s, split.step_time_s)
+    assert cfg["split_backward"] == (split.step_time_s < whole.step_time_s)
     fixed = _args("--exchange-chunks", "1", "--split-backward", "off", "--runtime", "ep-1f1b")
     with pytest.raises(ValueError, match="--runtime disagg"):  # AF-Pipe's flags, given
         simulate_from_args(fixed)

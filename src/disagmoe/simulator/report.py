@@ -221,8 +221,8 @@ def format_result(result: SimResult) -> str:
         *([f"layout      {cfg['layout_note']}"] if cfg.get("layout_note") else []),
         *(
             [
-                "recompute   auto, the faster simulated: "
-                + ", ".join(
+                "recompute   the fastest simulated of: "
+                + "; ".join(
                     f"{mode} {step if isinstance(step, str) else f'{step * 1e3:.2f} ms'}"
                     for mode, step in cfg["recompute_search"].items()
                 )
