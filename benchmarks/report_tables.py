@@ -433,6 +433,17 @@ TABLES: dict[str, Table] = {
             Col(head="error", get="error"),
         ),
     ),
+    "paper_figures": Table(
+        title="The paper's Figures 10, 11 and 14 beside ours (simulated)",
+        about="Derived from scale_table.json and scale_groups.json by "
+        "benchmarks/paper_figures.py; the verdict rules are in its docstring (docs/paper.md).",
+        cols=(
+            Col(head="paper", get="figure"),
+            Col(head="its claim", get="claim"),
+            Col(head="ours (simulated, nominal H800, runtime memory model)", get="ours"),
+            Col(head="verdict", get="verdict"),
+        ),
+    ),
 }
 TABLES["gc_pauses_8w"] = TABLES["gc_pauses"]
 TABLES["schedule_chain_head025"] = dataclasses.replace(
@@ -464,7 +475,7 @@ ORDER = (
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
     "uneven_splits", "exchange_overhead", "gloo_rendezvous", "tbf_goodput", "memory_model",
     "rank_memory", "recompute", "gc_pauses", "gc_pauses_8w", "link_faults",
-    "scale_table", "scale_groups", "af_levers",
+    "scale_table", "scale_groups", "paper_figures", "af_levers",
 )  # fmt: skip
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import sys
 import threading
 import time
@@ -82,3 +83,17 @@ def test_exchange_overhead_counts_each_threads_cpu_under_its_lane(
     assert spent["send"] >= 0.045
     assert "fwd" not in spent
     assert spent.get("main", 0.0) < 0.02  # it only waited while the lane spun
+
+
+def test_the_paper_figures_follow_from_the_scale_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """benchmarks/results/paper_figures.json is what paper_figures.py derives from the
+    scale table and the groups sweep as they are stored: re-running either means re-running
+    it, or this fails."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    figures = importlib.import_module("paper_figures")
+    results = BENCHMARKS / "results"
+    table = json.loads((results / "scale_table.json").read_text())["rows"]
+    groups = json.loads((results / "scale_groups.json").read_text())["rows"]
+    stored = json.loads((results / "paper_figures.json").read_text())["rows"]
+    derived = [figures.figure10(table), figures.figure11(table), figures.figure14(groups)]
+    assert stored == derived
