@@ -330,3 +330,23 @@ def test_ep_overlap_search_tries_each_chunk_count() -> None:
     assert {c.overlap_chunks for c in given if not c.refused} == {2}
     plain = search_ep_layouts("ep-1f1b", model, train, spec.world, overlap_chunks=0, **kw)  # type: ignore[arg-type]
     assert {c.overlap_chunks for c in plain} == {0}
+
+
+def test_ep_layout_search_sends_the_runs_dtype() -> None:
+    """The search prices a float32 run's pipeline activations at 4 bytes an element and a
+    bf16 run's at 2 (`Workload.of_train`): on the bench's slow NIC the float32 steps of
+    every pipelined layout are longer, the unpipelined ones (no activation on the NIC) not."""
+    from disagmoe.simulator.ep_search import search_ep_layouts
+
+    spec, model, train, kw = _ep_search_setting(a2a_s=1e-3)
+    steps = {}
+    for dtype in ("float32", "bfloat16"):
+        run = dataclasses.replace(train, dtype=dtype)
+        found = search_ep_layouts("ep-1f1b", model, run, spec.world, **kw)  # type: ignore[arg-type]
+        steps[dtype] = {(c.pp, c.ep): c.step_s for c in found if not c.refused}
+    assert steps["float32"].keys() == steps["bfloat16"].keys()
+    for (pp, ep), step in steps["float32"].items():
+        if pp > 1:
+            assert step > steps["bfloat16"][pp, ep], (pp, ep)
+        else:  # the all-to-all is priced by the costs given (`a2a_s`)
+            assert step == pytest.approx(steps["bfloat16"][pp, ep]), (pp, ep)

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, RunConfig
+from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, RunConfig, TrainConfig
 from ..costs import flops
 from ..schedule.ir import Op
 
@@ -64,9 +64,13 @@ class Workload:
         """The micro-batch a run of `cfg` moves: activations in its compute dtype, token ids,
         rows and expert ids as int64 (what `runtime.stages` puts on the wire); its loss head's
         chunks."""
-        t = cfg.train
+        return cls.of_train(cfg.model, cfg.train)
+
+    @classmethod
+    def of_train(cls, model: ModelConfig, t: TrainConfig) -> Workload:
+        """`of_run` for a model and a `[train]` table (what the EP layout search is given)."""
         act = {"float64": 8, "float32": 4}.get(t.dtype, 2)
-        return cls(cfg.model, t.seq_len, t.micro_batch_size, act, 8, t.loss_chunk_tokens)
+        return cls(model, t.seq_len, t.micro_batch_size, act, 8, t.loss_chunk_tokens)
 
     @property
     def tokens(self) -> int:

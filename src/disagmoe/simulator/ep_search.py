@@ -26,6 +26,8 @@ from ..costs import costmodel as cm
 from ..distributed.ep_layout import EPLayout
 from ..training.budget import run_precision
 from ..training.ep_budget import predict_ep_memory
+from ..training.precision import param_dtype_name
+from .costs import Workload
 from .ep import EPCostModel, simulate_ep
 from .network import Network
 
@@ -106,8 +108,12 @@ def search_ep_layouts(
     buckets during the backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
     `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's): 0 tries each of
-    `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does."""
+    `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. Activations move
+    in `train`'s compute dtype and gradients reduce in its parameter dtype, as the run's
+    (a float32 bench run sends 4 bytes per element, a bf16 cluster run 2)."""
     prec = run_precision(train)
+    act_bytes = Workload.of_train(model, train).act_bytes
+    grad_bytes = cm.DTYPE_BYTES[param_dtype_name(train)]
     chunkings = (
         (overlap_chunks or ParallelConfig().overlap_chunks,) if runtime != "ep-overlap" else
         (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
@@ -143,7 +149,8 @@ def search_ep_layouts(
                     seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
                     num_micro_batches=train.num_micro_batches, chunks=v,
                     overlap_chunks=k, sync=True, costs=costs, net=net, recompute=recompute,
-                    loss_chunk_tokens=train.loss_chunk_tokens,
+                    loss_chunk_tokens=train.loss_chunk_tokens, act_bytes=act_bytes,
+                    grad_bytes=grad_bytes,
                 )  # fmt: skip
                 chunked = k if runtime == "ep-overlap" else 0
                 found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
