@@ -147,3 +147,25 @@ def test_trace_bound_takes_the_least_step_and_adds_a_pipelines_fill() -> None:
     split += [_ev(0, "bwd", f"I s0 mb{mb}", 9e6, 0.5e6, stage=0, micro_batch=mb) for mb in (0, 1)]
     split += [_ev(0, "bwd", f"W s0 mb{mb}", 9e6, 1.5e6, stage=0, micro_batch=mb) for mb in (0, 1)]
     assert pipeline_fill(split)[2] == (3.0, 4.5)
+
+
+def test_the_fill_counts_each_hand_over_between_nodes() -> None:
+    """The fill of a 3-stage pipeline (one stage per rank and node) waits for each
+    hand-over as one message alone on the sending node's NIC: activations of 1 and 2 MB
+    at 1 MB/s forward, input gradients of 1 MB back. Inside one node they cost nothing."""
+    from disagmoe.bench.bound import pipeline_fill, trace_bound
+
+    events = []
+    for stage, (f, b) in enumerate(((1, 2), (2, 4), (3, 6))):
+        events.append(_ev(stage, "fwd", f"F s{stage} mb0", 0.0, f * 1e6, stage=stage))
+        events.append(_ev(stage, "bwd", f"B s{stage} mb0", 50e6, b * 1e6, stage=stage))
+    sends = (("act", 0, 1, 1e6), ("act", 1, 2, 2e6), ("grad", 2, 1, 1e6), ("grad", 1, 0, 1e6))
+    for kind, stage, dst, nbytes in sends:
+        events.append(_ev(stage, "send", f"send {kind} s{stage} mb0", 10e6, 1e3, stage=stage,
+                          bytes=nbytes, peers=[dst], peer_bytes=[nbytes]))  # fmt: skip
+    apart = trace_bound(events, {0: 99.0}, lambda r: r, [1e6] * 3, fill=True)
+    together = trace_bound(events, {0: 99.0}, lambda r: 0, [1e6], fill=True)
+    # rank 2: head 1 + 1 + 2 + 2, compute 3 + 6, tail 2 + 1 + 4 + 1
+    assert apart.seconds == pytest.approx(6.0 + 9.0 + 8.0) and apart.worker == "rank 2"
+    assert together.seconds == pytest.approx(3.0 + 9.0 + 6.0)
+    assert pipeline_fill(events)[2] == (3.0, 6.0)  # no hop given: transfers left out

@@ -46,17 +46,22 @@ def send_bytes(e: Event) -> list[tuple[int, float]]:
     ]
 
 
-def pipeline_fill(events: list[Event]) -> dict[int, tuple[float, float]]:
+def pipeline_fill(
+    events: list[Event], hop_s: Callable[[Event], float] | None = None
+) -> dict[int, tuple[float, float]]:
     """{rank: (head s, tail s)} of one step of a pipeline of stages (the ep-* runtimes'
     `stage` events; empty for a run without them).
 
     A rank whose first stage (in forward order: stage index) is f cannot start its
-    first forward before stages 0..f-1 have each run one micro-batch's forward, and the
-    step cannot end before, after its last backward, stages f-1..0 have each run one
-    micro-batch's input gradient (B, or I where the runtime splits the weight gradient W
-    off). Each stage's forward / backward is the least compute any of its micro-batches
-    took on any rank holding it (its own seconds: blocking waits inside excluded);
-    transfers between stages are left out. So head and tail hold under any order of the
+    first forward before stages 0..f-1 have each run one micro-batch's forward and handed
+    it on, and the step cannot end before, after its last backward, stages f..1 have each
+    handed an input gradient down and stages f-1..0 run it (B, or I where the runtime
+    splits the weight gradient W off). Each stage's forward / backward is the least
+    compute any of its micro-batches took on any rank holding it (its own seconds:
+    blocking waits inside excluded); each hand-over (`send act sK`: stage K to K + 1,
+    `send grad sK`: stage K to K - 1) the least `hop_s` of its sends: one message alone on
+    its link (None: transfers left out; a stage handing over on its own rank, a V turn,
+    sends nothing and costs nothing). So head and tail hold under any order of the
     runtime's operations at this layout and micro-batch count."""
     waits: dict[int, list[Interval]] = defaultdict(list)
     for e in events:
@@ -65,8 +70,14 @@ def pipeline_fill(events: list[Event]) -> dict[int, tuple[float, float]]:
     merged = {pid: union_intervals(spans) for pid, spans in waits.items()}
     fwd: dict[int, float] = {}
     bwd: dict[int, float] = {}
+    hops: dict[tuple[str, int], float] = {}
     stages: dict[int, set[int]] = defaultdict(set)
     for e in events:
+        if e["cat"] == "send" and hop_s is not None and "stage" in e["args"]:
+            kind = e["name"].split()[1] if e["name"].startswith("send ") else ""
+            if kind in ("act", "grad"):
+                key, t = (kind, int(e["args"]["stage"])), hop_s(e)
+                hops[key] = min(hops.get(key, t), t)
         if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
             continue
         what, stage = parse_event_name(e["name"]).what, int(e["args"]["stage"])
@@ -81,8 +92,8 @@ def pipeline_fill(events: list[Event]) -> dict[int, tuple[float, float]]:
     for rank, held in stages.items():
         first = min(held)
         out[rank] = (
-            sum(fwd.get(s, 0.0) for s in range(first)),
-            sum(bwd.get(s, 0.0) for s in range(first)),
+            sum(fwd.get(s, 0.0) + hops.get(("act", s), 0.0) for s in range(first)),
+            sum(bwd.get(s, 0.0) + hops.get(("grad", s + 1), 0.0) for s in range(first)),
         )
     return out
 
@@ -105,10 +116,18 @@ def trace_bound(
     a node (loopback) is not counted. Median over the steps of each step's bound.
 
     With `fill`, a pipeline rank's compute also waits for the pipeline to fill before it
-    and drain after it (`pipeline_fill`): head + compute + max(tail, STEP); the bound of
+    and drain after it (`pipeline_fill`, each hand-over between nodes at least its bytes
+    at the sending node's rate): head + compute + max(tail, STEP); the bound of
     the run's layout and micro-batch count, not of its hardware alone. Runs without
     pipeline stages (AF-Pipe) get the plain bound.
     """
+
+    def hop(e: Event) -> float:  # one pipeline message alone on its node's NIC
+        src = node_of(e["pid"])
+        return sum(
+            nbytes / node_bytes_per_s[src] for dst, nbytes in send_bytes(e) if node_of(dst) != src
+        )
+
     per_step: dict[int, list[Event]] = defaultdict(list)
     for e in events:
         step = e.get("args", {}).get("step")
@@ -144,7 +163,7 @@ def trace_bound(
         least = min((serial[r] for r in stepped), default=0.0)
         serial = {r: least if r in stepped else 0.0 for r in serial}
         if fill:  # worker_bound adds STEP: the drain counts where it outlasts it
-            for rank, (head, tail) in pipeline_fill(evs).items():
+            for rank, (head, tail) in pipeline_fill(evs, hop).items():
                 compute[rank] += head + max(tail - serial.get(rank, 0.0), 0.0)
         bounds.append(worker_bound(compute, network, serial))
     if not bounds:
