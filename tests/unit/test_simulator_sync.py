@@ -104,6 +104,33 @@ def test_ep_expert_gradients_ride_the_layer_buckets() -> None:
         assert total == pytest.approx(flat.program.work[alone])  # experts included
 
 
+def test_a_run_that_reduced_its_experts_at_sync_is_replayed_so() -> None:
+    """`expert_buckets=False` (a saved run whose trace has a "SYNC experts" with bytes,
+    `bench.analysis._experts_at_sync`): the buckets carry the dense gradients alone and
+    SYNC the expert shards', after the rank's last op; together they move what the
+    bucketed run moves."""
+    from disagmoe.bench.analysis import _experts_at_sync
+
+    buckets = _run(4)
+    late = simulate_ep(
+        "ep-1f1b", MODEL, H800, gpus=4, pp=1, ep=2, seq_len=8, micro_batch_size=1,
+        num_micro_batches=8, sync=True, costs=Costs(0.0), net=_net(1, 1), every_rank=True,
+        grad_bytes=4, expert_buckets=False,
+    )  # fmt: skip
+    for rank in range(4):
+        work = late.program.work
+        (sync,) = [op for op in _ops(late, "SYNC") if late.program.rank[op] == rank]
+        dense = sum(work[op] for op in _ops(late, "allreduce") if late.program.rank[op] == rank)
+        both = sum(
+            buckets.program.work[op]
+            for op in _ops(buckets, "allreduce")
+            if buckets.program.rank[op] == rank
+        )
+        assert work[sync] > 0.0 and dense + work[sync] == pytest.approx(both)
+    event = {"name": "SYNC experts", "args": {"bytes": 64}}
+    assert _experts_at_sync([event]) and not _experts_at_sync([{**event, "args": {"bytes": 0}}])
+
+
 def test_a_bucket_shares_the_rank_network_with_the_all_to_alls_beside_it() -> None:
     """The buckets of the last backward are collectives on the rank's network: while an
     all-to-all of the same backward is in flight, a bucket moves at half its rate."""

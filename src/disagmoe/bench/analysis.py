@@ -393,7 +393,9 @@ def predict_ep(
     The gradient all-reduces are simulated as the runtime runs them, in the run's weight
     dtype (float32 gradients: 205824 bytes per `small` layer bucket in the traces): the
     dense buckets during each stage's last backward, sharing the rank's network with its
-    all-to-alls, and the expert shards' at SYNC, after the rank's last op. The step ends
+    all-to-alls, and the expert shards' in the same buckets, or at SYNC after the rank's
+    last op where the trace shows a "SYNC experts" of its bytes (runs saved before the
+    runtime bucketed them: `_experts_at_sync`). The step ends
     at the last rank's SYNC plus the optimizer's own STEP (`_least_step_s`): a rank that
     finishes early waits for the last one inside STEP's world all-reduce, and that wait
     is the replay's own."""
@@ -439,8 +441,15 @@ def predict_ep(
         link_model=link_model, act_bytes=workload.act_bytes, every_rank=True,
         overlap_sync=cfg.parallel.overlap_grad_sync,
         grad_bytes={"float64": 8, "float32": 4}.get(param_dtype_name(cfg.train), 2),
+        expert_buckets=not _experts_at_sync(events),
     )  # fmt: skip
     return sim.step_time_s + _least_step_s(events)
+
+
+def _experts_at_sync(events: list[Event]) -> bool:
+    """Whether the run all-reduced its expert gradients at SYNC (a traced "SYNC experts"
+    with bytes), not in the backward's buckets."""
+    return any(e["name"] == "SYNC experts" and e["args"].get("bytes", 0) > 0 for e in events)
 
 
 def predict(

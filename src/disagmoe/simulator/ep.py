@@ -162,6 +162,7 @@ def simulate_ep(
     grad_bytes: int = 4,
     every_rank: bool = False,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    expert_buckets: bool = True,
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
@@ -179,7 +180,10 @@ def simulate_ep(
     step under fair links; under `fifo` links the dp replicas that share a NIC take it in
     turn instead of in lockstep).
     `loss_chunk_tokens` (`train.loss_chunk_tokens`): the loss head's chunks, as the memory
-    model keeps them (`ep_memory`) and in the result's workload."""
+    model keeps them (`ep_memory`) and in the result's workload. `expert_buckets` False:
+    with `overlap_sync` the expert shards still all-reduce at SYNC, after the rank's last
+    op (what runs saved before the runtime's expert buckets did; `bench.analysis.predict_ep`
+    reads it off a run's trace)."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
@@ -200,8 +204,9 @@ def simulate_ep(
     )
     symmetry = Symmetry.identity(gpus) if every_rank else Symmetry.representatives(lay)
     pricing = _ep_pricing(
-        lay, model, workload, net, model_costs, symmetry, sync, overlap_sync, grad_bytes
-    )
+        lay, model, workload, net, model_costs, symmetry, sync, overlap_sync, grad_bytes,
+        expert_buckets,
+    )  # fmt: skip
     prog = lower(schedule, pricing, symmetry)
     timeline = run_program(prog, link_model=link_model)
     roles = [f"EP(stage {lay.coords(symmetry.real(r))[0]})" for r in range(prog.num_ranks)]
@@ -254,12 +259,16 @@ def _ep_pricing(
     sync: bool,
     overlap_sync: bool,
     grad_bytes: int = 4,
+    expert_buckets: bool = True,
 ) -> Pricing:
     """Prices of the representatives' lists: computes from `model_costs`, one activation per
     pipeline message, a rank's all-to-all by its pipeline rank, the gradient all-reduces by
-    `_ep_sync_prices` (`overlap_sync`: a bucket per layer during the backward)."""
+    `_ep_sync_prices` (`overlap_sync`: a bucket per layer during the backward; without
+    `expert_buckets` the expert shards' at SYNC)."""
     pp_of = {real: lay.coords(real)[0] for real in map(symmetry.real, range(symmetry.num_ranks))}
-    sync_s, bucket_s = _ep_sync_prices(lay, workload, net, model, grad_bytes)
+    sync_s, bucket_s, experts_s = _ep_sync_prices(
+        lay, workload, net, model, grad_bytes, expert_buckets
+    )
     return Pricing(
         compute_s=lambda ins, kind: (
             model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
@@ -269,19 +278,26 @@ def _ep_pricing(
         a2a_s=lambda real, ins: model_costs.a2a_s[pp_of[real]],
         sync_s=sync_s if sync else None,
         bucket_s=bucket_s if sync and overlap_sync else None,
+        sync_rest_s=None if expert_buckets else experts_s,
     )
 
 
 def _ep_sync_prices(
-    lay: EPLayout, workload: Workload, net: Network, model: ModelConfig, grad_bytes: int = 4
-) -> tuple[Callable[[int], float], Callable[[int, int], float]]:
+    lay: EPLayout,
+    workload: Workload,
+    net: Network,
+    model: ModelConfig,
+    grad_bytes: int = 4,
+    expert_buckets: bool = True,
+) -> tuple[Callable[[int], float], Callable[[int, int], float], Callable[[int], float]]:
     """A real rank's gradient all-reduces, as the EP runtime runs them: its stages' dense
     parameters over the stage's dp GPUs and its expert shards over their dp/ep replicas,
     all of them at SYNC, or one layer's bucket each (the final norm and LM head under layer
     L, the embedding under layer 0; a MoE layer's dense and expert buckets, which the
     runtime all-reduces over its two groups side by side on the rank's network, as one
-    op of their summed seconds; `baselines.grad_buckets`). Returns (everything at SYNC,
-    one layer's buckets)."""
+    op of their summed seconds; `baselines.grad_buckets`; without `expert_buckets` a
+    bucket is the dense one alone). Returns (everything at SYNC, one layer's buckets, every
+    expert shard's at SYNC)."""
     stages = split_layers(model.num_layers, lay.num_stages)
     owner = lay.stage_to_pp_rank()
 
@@ -303,9 +319,9 @@ def _ep_sync_prices(
         return dense_s(real, layers_of(real)) + experts_s(real, layers_of(real))
 
     def bucket_s(real: int, layer: int) -> float:
-        return dense_s(real, [layer]) + experts_s(real, [layer])
+        return dense_s(real, [layer]) + (experts_s(real, [layer]) if expert_buckets else 0.0)
 
-    return sync_s, bucket_s
+    return sync_s, bucket_s, lambda real: experts_s(real, layers_of(real))
 
 
 def simulate_baseline_schedule(

@@ -83,6 +83,8 @@ class Pricing:
     # Seconds of the all-reduce of A layer l's bucket on a real rank (`schedule.sync`);
     # None: SYNC all-reduces everything after the rank's last op
     bucket_s: Callable[[int, int], float] | None = None
+    # With buckets: what SYNC still all-reduces after the rank's last op (None: nothing)
+    sync_rest_s: Callable[[int], float] | None = None
     step_s: float = 0.0
     overheads: MessageOverheads | None = None
     # Seconds of a compute on a real rank, overriding `compute_s` where it gives a number
@@ -347,7 +349,8 @@ class _Lowering:
         for rank in range(prog.num_ranks):
             real = self.symmetry.real(rank)
             buckets = self.buckets(rank, real)
-            seconds = 0.0 if buckets else sync_s(real)
+            rest = self.pricing.sync_rest_s
+            seconds = (rest(real) if rest else 0.0) if buckets else sync_s(real)
             done = prog.add(
                 DELAY,
                 rank,
