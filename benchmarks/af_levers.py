@@ -10,8 +10,8 @@ Two measurements, both on the nominal h800 preset (analytic per-op costs):
   `simulator.costs.AnalyticCosts`) against the attention seconds of the L / p layers a
   group holds, and the compute bound of a perfectly balanced step: every A and F second of
   the batch (8 sequences per GPU) spread over the GPUs.
-* **The forward fill at p = 1.** DeepSeek-MoE's default plan (p 1, 32:32, 14 slots in
-  flight, full recompute, breadth order) simulated with its trace: on attention replica
+* **The forward fill at p = 1.** DeepSeek-MoE's plan with one exchange chunk and whole
+  backwards (p 1, 32:32, 14 slots in flight, full recompute, breadth order) simulated with its trace: on attention replica
   0, when its first backward starts, how much of the time before it the replica
   computed, and the median seconds of its forward computes and of its dispatch sends.
 """
@@ -65,8 +65,9 @@ def head_rows(model_name: str) -> list[dict[str, Any]]:
 
 
 def fill_row() -> dict[str, Any]:
-    """DeepSeek-MoE's default plan at 8 nodes, 8K: attention replica 0 before its first
-    backward (module doc)."""
+    """DeepSeek-MoE's plan at 8 nodes, 8K with one exchange chunk and whole backwards
+    (`simulate --exchange-chunks 1 --split-backward off`): attention replica 0 before its
+    first backward (module doc)."""
     model = model_preset("deepseek-moe-16b")
     result = simulate_disagg(
         model, H800, groups=1, attn_workers=32, expert_workers=32, seq_len=SEQ,
@@ -105,7 +106,7 @@ def main() -> None:
               f"attention {r['group_attn_s']:.4f} s ({r['head_over_group']:.2f}x); balanced "
               f"compute bound {r['balanced_bound_s']:.2f} s")  # fmt: skip
     fill = fill_row()
-    print(f"forward fill, {fill['model']} default plan: step {fill['step_s']:.3f} s, bound "
+    print(f"forward fill, {fill['model']} one-chunk plan: step {fill['step_s']:.3f} s, bound "
           f"{fill['bound_s']:.3f} s; first backward at {fill['first_backward_s']:.3f} s, "
           f"computed {fill['computed_before_s']:.3f} s before it (idle "
           f"{fill['idle_before_s']:.3f} s); forward {fill['forward_median_s'] * 1e3:.2f} ms, "

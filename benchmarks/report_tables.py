@@ -344,7 +344,7 @@ TABLES: dict[str, Table] = {
         about="Nominal H800, 8 nodes, 8K, full recompute: per p, the LM head's seconds per "
         "sequence (forward + backward) against a group's L / p layers of attention, and the "
         "compute bound were every GPU equally busy; the JSON's `fill` holds the forward fill "
-        "of DeepSeek-MoE's default plan (docs/paper.md).",
+        "of DeepSeek-MoE's plan with one exchange chunk and whole backwards (docs/paper.md).",
         rows=lambda p: list(p["heads"]),
         cols=(
             Col(head="model", get="model"),
