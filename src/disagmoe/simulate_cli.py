@@ -80,16 +80,10 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     add_config_flag(parser, "schedule.order")
     add_config_flag(parser, "schedule.costs")
-    # AF-Pipe's chunks and split chosen on the planned layout by default, as the ep-*
-    # search chooses --overlap-chunks (the planner ranks plans at one: `run_replays`)
-    add_config_flag(
-        parser, "schedule.exchange_chunks", default=SIM_EXCHANGE_CHUNKS,
-        note="simulate: 0, picked on the layout it runs",
-    )  # fmt: skip
-    add_config_flag(
-        parser, "schedule.split_backward", default=SIM_SPLIT_BACKWARD,
-        note="simulate: auto, picked on the layout it runs",
-    )  # fmt: skip
+    # picked on the planned layout by default, as the ep-* search picks --overlap-chunks
+    for key, default in (("exchange_chunks", SIM_EXCHANGE_CHUNKS), ("split_backward", SIM_SPLIT_BACKWARD)):  # fmt: skip
+        add_config_flag(parser, f"schedule.{key}", default=default,
+                        note=f"simulate: {default}, picked on the layout it runs")  # fmt: skip
     add_config_flag(parser, "parallel.overlap_grad_sync")
     add_config_flag(parser, "parallel.placement", note="see docs/simulator.md")
     parser.add_argument(

@@ -171,19 +171,14 @@ def simulate_ep(
     cluster's); a layout over it is simulated all the same (`simulate` refuses it).
     `overlap_sync` (`parallel.overlap_grad_sync`): the dense and expert gradients
     all-reduced in per-layer buckets during each stage's last backward, as the runtime
-    does. `act_bytes`: bytes per activation element on the wire (bf16; a float32 run, as
-    the bench's: 4);
+    does. `act_bytes`: bytes per activation element on the wire (bf16; float32: 4);
     `grad_bytes`: per gradient element in the all-reduces (the weights' dtype: 4, the
     default, for float32 weights, as mixed precision and the bench's float32 runs keep them;
     2 for pure bf16).
-    `every_rank`: simulate every rank, not one representative per pipeline rank (the same
-    step under fair links; under `fifo` links the dp replicas that share a NIC take it in
-    turn instead of in lockstep).
+    `every_rank`: simulate every rank, not one representative per pipeline rank (under
+    `fifo` links the dp replicas that share a NIC take it in turn, not in lockstep).
     `loss_chunk_tokens` (`train.loss_chunk_tokens`): the loss head's chunks, as the memory
-    model keeps them (`ep_memory`) and in the result's workload. `expert_buckets` False:
-    with `overlap_sync` the expert shards still all-reduce at SYNC, after the rank's last
-    op (what runs saved before the runtime's expert buckets did; `bench.analysis.predict_ep`
-    reads it off a run's trace)."""
+    model keeps them. `expert_buckets` False: experts all-reduced at SYNC (`_ep_pricing`)."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
@@ -264,7 +259,8 @@ def _ep_pricing(
     """Prices of the representatives' lists: computes from `model_costs`, one activation per
     pipeline message, a rank's all-to-all by its pipeline rank, the gradient all-reduces by
     `_ep_sync_prices` (`overlap_sync`: a bucket per layer during the backward; without
-    `expert_buckets` the expert shards' at SYNC)."""
+    `expert_buckets` the expert shards' at SYNC, after the rank's last op, as runs saved
+    before the runtime's expert buckets did: `bench.analysis._experts_at_sync`)."""
     pp_of = {real: lay.coords(real)[0] for real in map(symmetry.real, range(symmetry.num_ranks))}
     sync_s, bucket_s, experts_s = _ep_sync_prices(
         lay, workload, net, model, grad_bytes, expert_buckets
