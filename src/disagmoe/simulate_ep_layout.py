@@ -1,0 +1,124 @@
+"""`disagmoe simulate`'s layout for an EP runtime (`--runtime ep-*`): the layout given,
+checked against the GPU's memory by the runtime's model, or without `--pp` / `--ep` the
+fastest that fits (`simulator.ep_search`, the search effort AF-Pipe's planner gets)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from .config import RECOMPUTE, ClusterConfig, ModelConfig, TrainConfig
+from .costs import costmodel as cm
+from .distributed.ep_layout import EPLayout
+from .simulator.costs import Workload
+from .simulator.ep import analytic_ep_costs, ep_memory
+from .simulator.ep_search import search_ep_layouts, skipped_for_memory
+from .simulator.network import Network
+from .training.ep_budget import check_ep_fits
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def resolve_ep(
+    args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
+) -> dict[str, Any]:
+    """An EP runtime's pp, ep, micro-batches and recompute that fit the GPU's memory
+    (`training.ep_budget`). Neither --pp nor --ep: the searched best (`searched_ep`).
+    A layout or recompute given is refused when it does not fit; with one of --pp / --ep
+    given, the other is its default, and when that does not fit it gives way to the
+    first of (recompute full, then more pipeline ranks) that fits, and the note says so
+    (the result's `layout_note`)."""
+    if not (args.pp or args.ep):
+        return searched_ep(args, model, cluster, gpus)
+    default_pp = max(d for d in divisors(model.num_layers) if d <= args.nodes and gpus % d == 0)
+    pp = args.pp or default_pp
+    if gpus % pp:
+        raise ValueError(f"--pp {pp} must divide the {gpus} GPUs")
+    modes = ("none", "full") if args.recompute == "auto" else (args.recompute,)
+    first = (pp, _default_ep(args, model, gpus, pp), modes[0])
+    tries = [first, *((pp, first[1], m) for m in modes[1:])]
+    if not (args.pp or args.ep):  # the default layout may give way to more pipeline ranks
+        more = [d for d in divisors(model.num_layers) if d > pp and gpus % d == 0]
+        tries += [(p, _default_ep(args, model, gpus, p), m) for p in more for m in modes]
+    micro = args.micro_batches or 8 * gpus
+    refused: tuple[EPLayout, list[cm.MemoryBreakdown], str] | None = None
+    for i, (p, ep, recompute) in enumerate(tries):
+        try:
+            mems = ep_memory(
+                args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
+                micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
+                chunks=args.virtual_stages, recompute=recompute,
+                loss_chunk_tokens=args.loss_chunk_tokens,
+            )  # fmt: skip
+        except ValueError:
+            if i < len(modes):  # the layout asked for (or the default) is itself impossible
+                raise
+            continue
+        if max(m.total for m in mems) <= cluster.gpu_mem_gib * cm.GIB:
+            note = _gave_way(first, (p, ep, recompute)) if i > 0 else ""
+            return {"pp": p, "ep": ep, "micro_batches": micro, "recompute": recompute,
+                    "layout_note": note}  # fmt: skip
+        if i == len(modes) - 1:  # the layout asked for (or the default), its last recompute
+            lay = EPLayout.of(args.runtime, model, world=gpus, pp=p, ep=ep,
+                              num_micro_batches=micro, v=args.virtual_stages)  # fmt: skip
+            refused = (lay, mems, recompute)
+    assert refused is not None
+    check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2])
+    raise AssertionError("a layout over the GPU's memory passed the check")
+
+
+def searched_ep(
+    args: argparse.Namespace, model: ModelConfig, cluster: ClusterConfig, gpus: int
+) -> dict[str, Any]:
+    """The fastest layout of the runtime that fits the GPU's memory: every (pp, ep, virtual
+    stages) it accepts and each recompute mode (`--recompute`, auto: all), simulated with
+    the nominal costs (`simulator.ep_search`: the search effort AF-Pipe's planner gets)."""
+    micro = args.micro_batches or 8 * gpus
+    train = TrainConfig(
+        seq_len=args.seq_len, global_batch_size=micro * args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, dtype="bfloat16",
+        loss_chunk_tokens=args.loss_chunk_tokens,
+    )  # fmt: skip
+    net = Network.from_cluster(cluster)
+    workload = Workload(
+        model, args.seq_len, args.micro_batch_size, loss_chunk_tokens=args.loss_chunk_tokens
+    )
+    found = search_ep_layouts(
+        args.runtime, model, train, gpus,
+        costs_for=lambda lay, rc: analytic_ep_costs(lay, workload, cluster, net, rc),
+        net=net, cluster=cluster, overlap_chunks=args.overlap_chunks,
+        memory_gib=cluster.gpu_mem_gib,
+        recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,),
+    )  # fmt: skip
+    ran = [c for c in found if not c.refused]
+    if not ran:
+        over = skipped_for_memory(found)
+        raise ValueError(
+            f"no layout of {args.runtime} on {gpus} GPUs fits the GPU's "
+            f"{cluster.gpu_mem_gib:g} GiB ({over} over memory, {len(found) - over} refused); "
+            "use more --nodes, a smaller --micro-batch-size or --seq-len"
+        )
+    best = ran[0]
+    note = (
+        f"searched: {best.label}, the fastest of {len(ran)} layouts that fit "
+        f"({skipped_for_memory(found)} over memory)"
+    )
+    return {"pp": best.pp, "ep": best.ep, "micro_batches": micro, "recompute": best.recompute,
+            "virtual_stages": best.virtual_stages, "layout_note": note,
+            "overlap_chunks": best.overlap_chunks}  # fmt: skip
+
+
+def _default_ep(args: argparse.Namespace, model: ModelConfig, gpus: int, pp: int) -> int:
+    """`--ep`, else the largest EP group the data-parallel size and the experts allow."""
+    return args.ep or max(divisors(math.gcd(gpus // pp, model.num_experts)))
+
+
+def _gave_way(default: tuple[int, int, str], chosen: tuple[int, int, str]) -> str:
+    return (
+        f"pp {default[0]} ep {default[1]} with recompute {default[2]} does not fit the GPU's "
+        "memory; "
+        f"runs pp {chosen[0]} ep {chosen[1]} with recompute {chosen[2]}"
+    )
