@@ -169,3 +169,36 @@ def test_the_fill_counts_each_hand_over_between_nodes() -> None:
     assert apart.seconds == pytest.approx(6.0 + 9.0 + 8.0) and apart.worker == "rank 2"
     assert together.seconds == pytest.approx(3.0 + 9.0 + 6.0)
     assert pipeline_fill(events)[2] == (3.0, 6.0)  # no hop given: transfers left out
+
+
+def test_the_fill_bound_waits_for_the_buckets_the_final_backward_completes() -> None:
+    """Data-parallel replicas of one stage, on different nodes (1 MB/s NICs), each with a
+    3 s forward and backward, all-reduce per-layer buckets over the pair (a ring of two:
+    each sends the bucket once). Layer 1's bucket may overlap the backward; layer 0's, the
+    embedding's and layer 0's expert shard's (2 MB) start only when it ends. A weight
+    gradient of another stage (W s1) need not precede them."""
+    from disagmoe.bench.bound import last_buckets, trace_bound
+
+    def replica(rank: int, peer: int) -> list[dict]:
+        out = [_ev(rank, "fwd", "F s0 mb0", 0, 1e6, stage=0),
+               _ev(rank, "bwd", "B s0 mb0", 1e6, 2e6, stage=0)]  # fmt: skip
+        for name, nbytes in (("l1", 0.0), ("l0", 1e6), ("embed", 0.5e6), ("l0 experts", 0.5e6)):
+            out.append(_ev(rank, "sync", f"allreduce s0 {name}", 3e6, 1e3, bytes=nbytes,
+                           peers=sorted((rank, peer))))  # fmt: skip
+        return [*out, _ev(rank, "sync", "STEP", 6e6, 0.5e6)]
+
+    events = replica(0, 1) + replica(1, 0) + [_ev(0, "bwd", "W s1 mb0", 3e6, 1e6, stage=1)]
+    last, stage = last_buckets([e for e in events if e["pid"] == 0])
+    assert stage == 0 and sorted(e["name"] for e in last) == [
+        "allreduce s0 embed", "allreduce s0 l0", "allreduce s0 l0 experts"]  # fmt: skip
+    apart = {0: 9.0}, (lambda r: r), [1e6, 1e6]
+    assert trace_bound(events, *apart).seconds == pytest.approx(4.0 + 0.5)  # rank 0's W
+    # rank 0: 3 s before its last buckets, then 2 MB at 1 MB/s, then STEP
+    assert trace_bound(events, *apart, fill=True).seconds == pytest.approx(3.0 + 2.0 + 0.5)
+    # two replicas on each of two nodes: a node's NIC carries both ranks' last buckets
+    four = replica(0, 2) + replica(2, 0) + replica(1, 3) + replica(3, 1)
+    paired = trace_bound(four, {0: 9.0}, lambda r: r // 2, [1e6, 1e6], fill=True)
+    assert paired.seconds == pytest.approx(3.0 + 4.0 + 0.5)
+    # AF-Pipe's attention replicas: no stage; layer 0's bucket holds the embedding
+    af = [_ev(0, "sync", f"allreduce l{l}", 0, 1, bytes=1, peers=[0, 1]) for l in (2, 1, 0)]
+    assert [e["name"] for e in last_buckets(af)[0]] == ["allreduce l0"]

@@ -1,16 +1,21 @@
 """The step-time lower bound of a measured run, from its trace (`simulator.bound`'s terms):
 what each rank sent to whom (`send_bytes`), what it computed, and, for a pipeline of
-stages, the fill and drain its layout cannot avoid (`pipeline_fill`, `trace_bound(fill=True)`).
+stages, the fill and drain its layout cannot avoid (`pipeline_fill`), and for data-parallel
+replicas the gradient reduction no order can start before the final backward
+(`last_buckets`; both in `trace_bound(fill=True)`).
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from ..simulator.bound import Bound, worker_bound
 from ..trace import (
+    BUCKET_EVENT,
     COMPUTE_LANES,
     Interval,
     event_spans,
@@ -98,6 +103,93 @@ def pipeline_fill(
     return out
 
 
+def _bucket(name: str) -> tuple[int, float] | None:
+    """(stage, key) of a gradient bucket's event, "allreduce [s<stage>] <l<layer> | embed |
+    head> [experts]" (`baselines.grad_buckets`, `runtime.grad_sync`): stage -1 where the
+    name has none, key -1 for the embedding and infinity for the head; None for any other
+    event."""
+    words = name.split()
+    if len(words) < 2 or words[0] != BUCKET_EVENT:
+        return None
+    stage = -1
+    if len(words) > 2 and words[1][:1] == "s" and words[1][1:].isdigit():
+        stage, words = int(words[1][1:]), words[1:]
+    key = words[1]
+    if key in ("embed", "head"):
+        return stage, -1.0 if key == "embed" else math.inf
+    return (stage, float(key[1:])) if key[:1] == "l" and key[1:].isdigit() else None
+
+
+def last_buckets(mine: list[Event]) -> tuple[list[Event], int]:
+    """The gradient buckets of one rank's step that only its final backward completes,
+    and the stage that backward is of (-1: no stages).
+
+    That is the rank's lowest stage (a micro-batch's backward leaves it last): its first
+    layer's bucket and the embedding's, with their expert shards'. No bucket is final before
+    every micro-batch's backward has left its layer, and these layers are the last any
+    backward of the rank leaves, so no order of its computations starts their all-reduce
+    before every forward and backward of the rank (weight gradients of its other stages
+    aside) has run."""
+    keyed = [(k, e) for e in mine if e["cat"] == "sync" and (k := _bucket(e["name"])) is not None]
+    if not keyed:
+        return [], -1
+    low = min(stage for (stage, _), _ in keyed)
+    first = min(key for (stage, key), _ in keyed if stage == low and key >= 0)
+    return [e for (stage, key), e in keyed if stage == low and key in (-1.0, first)], low
+
+
+def _before_last_buckets(e: Event, stage: int) -> bool:
+    """Whether a computation must end before `last_buckets` of its rank start: every one
+    but a weight gradient of another stage (W) or on AF-Pipe's background "wgt" lane."""
+    if e["cat"] == "wgt":
+        return False
+    if e["name"].startswith("W ") and "stage" in e["args"]:
+        return int(e["args"]["stage"]) == stage
+    return True
+
+
+def _compute_s(mine: list[Event], keep: Callable[[Event], bool] = lambda e: True) -> float:
+    """Seconds of a rank's computations (those `keep` takes) less its blocking waits."""
+    spans = event_spans(e for e in mine if e["cat"] in COMPUTE_LANES and keep(e))
+    waits = event_spans(e for e in mine if e["args"].get("blocking"))
+    return total_length(subtract_intervals(spans, waits)) / 1e6
+
+
+def _add_drains(
+    evs: list[Event],
+    by_rank: dict[int, list[Event]],
+    compute: dict[int, float],
+    serial: dict[int, float],
+    hop: Callable[[Event], float],
+    node_of: Callable[[int], int],
+    node_bytes_per_s: Sequence[float],
+) -> None:
+    """`trace_bound(fill=True)`'s waits, into each rank's compute (`worker_bound` adds STEP
+    after it): the pipeline's fill before the rank and its drain after it, where the drain
+    outlasts STEP (`pipeline_fill`); and the all-reduce of its `last_buckets`, after every
+    computation that precedes them, at its bytes to other nodes over its node's rate, alone
+    or with the last buckets of the node's other ranks (from the earliest of them)."""
+    fills = pipeline_fill(evs, hop)
+    ready: dict[int, float] = {}  # rank -> the earliest its last buckets can start
+    sent: dict[int, float] = {}  # rank -> their bytes to other nodes
+    for rank, mine in by_rank.items():
+        head, tail = fills.get(rank, (0.0, 0.0))
+        compute[rank] += head + max(tail - serial.get(rank, 0.0), 0.0)
+        last, stage = last_buckets(mine)
+        if last:
+            src = node_of(rank)
+            ready[rank] = head + _compute_s(mine, partial(_before_last_buckets, stage=stage))
+            sent[rank] = sum(n for e in last for dst, n in send_bytes(e) if node_of(dst) != src)
+    nodes: dict[int, list[int]] = defaultdict(list)
+    for rank in ready:
+        nodes[node_of(rank)].append(rank)
+    for node, ranks in nodes.items():
+        rate = node_bytes_per_s[node]
+        together = min(ready[r] for r in ranks) + sum(sent[r] for r in ranks) / rate
+        for r in ranks:
+            compute[r] = max(compute[r], ready[r] + sent[r] / rate, together)
+
+
 def trace_bound(
     events: list[Event],
     step_times: dict[int, float],
@@ -117,9 +209,12 @@ def trace_bound(
 
     With `fill`, a pipeline rank's compute also waits for the pipeline to fill before it
     and drain after it (`pipeline_fill`, each hand-over between nodes at least its bytes
-    at the sending node's rate): head + compute + max(tail, STEP); the bound of
-    the run's layout and micro-batch count, not of its hardware alone. Runs without
-    pipeline stages (AF-Pipe) get the plain bound.
+    at the sending node's rate): head + compute + max(tail, STEP); and a data-parallel
+    replica's step cannot end before the all-reduce of the gradient buckets its final
+    backward completes (`last_buckets`) has run after it, then STEP (`_add_drains`). The
+    bound of the run's layout and micro-batch count, not of its hardware alone. Runs
+    without pipeline stages (AF-Pipe) have no fill; their attention replicas' last bucket
+    counts the same way.
     """
 
     def hop(e: Event) -> float:  # one pipeline message alone on its node's NIC
@@ -147,11 +242,7 @@ def trace_bound(
                     into[dst_node] += nbytes
         compute, network, serial = {}, {}, {}
         for rank, mine in by_rank.items():
-            spans = event_spans(e for e in mine if e["cat"] in COMPUTE_LANES)
-            spans = subtract_intervals(
-                spans, event_spans(e for e in mine if e["args"].get("blocking"))
-            )
-            compute[rank] = total_length(spans) / 1e6
+            compute[rank] = _compute_s(mine)
             serial[rank] = (
                 sum(e["dur"] for e in mine if e["cat"] == "sync" and e["name"] == "STEP") / 1e6
             )
@@ -162,13 +253,12 @@ def trace_bound(
         stepped = {e["pid"] for e in evs if e["cat"] == "sync" and e["name"] == "STEP"}
         least = min((serial[r] for r in stepped), default=0.0)
         serial = {r: least if r in stepped else 0.0 for r in serial}
-        if fill:  # worker_bound adds STEP: the drain counts where it outlasts it
-            for rank, (head, tail) in pipeline_fill(evs, hop).items():
-                compute[rank] += head + max(tail - serial.get(rank, 0.0), 0.0)
+        if fill:
+            _add_drains(evs, by_rank, compute, serial, hop, node_of, node_bytes_per_s)
         bounds.append(worker_bound(compute, network, serial))
     if not bounds:
         return Bound(0.0, "compute", "-", 0.0, 0.0, 0.0)
     return sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
 
 
-__all__ = ["pipeline_fill", "send_bytes", "trace_bound"]
+__all__ = ["last_buckets", "pipeline_fill", "send_bytes", "trace_bound"]
