@@ -75,12 +75,15 @@ def test_interleaved_bubble_shrinks_by_chunks(pp: int, mb: int, chunks: int) -> 
 
 
 @pytest.mark.parametrize(("pp", "mb"), [(2, 4), (2, 8), (3, 12), (4, 8), (4, 16), (5, 20)])
-def test_dualpipev_bubble_matches_published_formula(pp: int, mb: int) -> None:
+def test_dualpipev_bubble_is_below_the_published_formula(pp: int, mb: int) -> None:
     """DualPipe README: bubble (PP/2 - 1)(F&B + B - 3W), PP = 2p stages on p ranks, in its
-    setting F = W = B/2; an F&B pair on one GPU takes F + B (compute shared, no comm)."""
+    setting F = W = B/2; an F&B pair on one GPU takes F + B (compute shared, no comm). The
+    formula hands a pair's outputs on when the pair ends; the runtime sends each half's
+    output when that half ends (`baselines.fb_overlap`), so the next stage starts sooner."""
     F, B, W = 1.0, 2.0, 1.0
     got = _step("ep-dualpipev", pp, mb, 2 * pp, F, B, W)
-    assert got - 2 * mb * (F + B) == pytest.approx((pp - 1) * ((F + B) + B - 3 * W))
+    published = (pp - 1) * ((F + B) + B - 3 * W)
+    assert 0 < got - 2 * mb * (F + B) < published - 1e-9
 
 
 def test_orders_cover_every_action_once() -> None:

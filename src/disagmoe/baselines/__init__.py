@@ -2,16 +2,18 @@
 
 Every worker holds attention (data parallel) and a shard of experts (expert
 parallel, all-to-all dispatch/combine); layers are split into pipeline stages
-run by PyTorch's `torch.distributed.pipelining` schedules:
+run by PyTorch's `torch.distributed.pipelining` runtime, in the orders of
+`schedule.pipelines` (pipeline sends and receives posted ahead of need, sends waited for
+at the step's end):
 
-* `ep-1f1b`        — Megatron-LM 1F1B (`Schedule1F1B`),
+* `ep-1f1b`        — Megatron-LM 1F1B (`fb_overlap.ScheduleOrdered`),
 * `ep-combined`    — Megatron-LM combined 1F1B / DeepSeek-V3 two-micro-batch overlap: 1F1B
                      whose steady-state forward and backward run at once, each one's
                      all-to-alls under the other's compute (`baselines.fb_overlap`),
 * `ep-interleaved` — Megatron-LM interleaved 1F1B (`ScheduleInterleaved1F1B`),
 * `ep-dualpipev`   — DeepSeek's DualPipeV (`ScheduleDualPipeV`, its F&B pairs at once),
 * `ep-overlap`     — Tutel/Comet-style chunked expert compute overlapped with
-                     async all-to-all, under 1F1B.
+                     async all-to-all, under the same 1F1B.
 
 See docs/baselines.md for the supported layouts.
 """

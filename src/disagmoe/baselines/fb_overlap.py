@@ -22,15 +22,20 @@ What makes two concurrent halves safe:
 
 The two halves mirror what PyTorch's runtime does for a FORWARD and a FULL_BACKWARD action
 (wait for the pipeline receive, compute, hand a V turn's output to the neighbouring stage
-on this rank); the pipeline sends stay separate actions of the list, after the pair.
+on this rank). Each half posts its own pipeline send as it ends (`TracedStage.send_early`),
+not after the pair, where the list's SEND actions stand: the forward's as soon as the
+forward is done, the backward's as soon as the backward is done, or, where both go to the
+same rank (DualPipeV: both of a pair's neighbours are on the next rank), once both are
+done, so that rank receives them in the list's order (one connection, matched in order).
 """
 
 from __future__ import annotations
 
 import threading
+from functools import partial
 from typing import Any
 
-from ..schedule.pipelines import Overlap, Step, combined_1f1b
+from ..schedule.pipelines import Overlap, Step, pipeline_order
 from ..torch_private import (
     FORWARD,
     FULL_BACKWARD,
@@ -58,6 +63,8 @@ def _forward(sched: PipelineScheduleRuntime, action: Action, ctx: PipelineContex
     compute_loss(sched, stage, output, ctx.target_mbs, mb)
     if action.stage_index + 1 in stages:  # the V turn: the next stage is on this rank
         stages[action.stage_index + 1].set_local_fwd_input(output, mb)
+    elif not stage.is_last:
+        stage.send_early("act", mb)
 
 
 def _backward(sched: PipelineScheduleRuntime, action: Action) -> None:
@@ -74,8 +81,16 @@ def _backward(sched: PipelineScheduleRuntime, action: Action) -> None:
         stages[action.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
 
 
-def run_overlapped(action: Action, ctx: PipelineContext) -> None:
-    """An `OVERLAP_F_B` action: its forward on a thread of its own, its backward here."""
+def _remote(stage_to_rank: list[int], stage: int, to: int) -> int | None:
+    """The rank a pipeline send from `stage` to stage `to` goes to (None: none, or this rank)."""
+    if not 0 <= to < len(stage_to_rank) or stage_to_rank[to] == stage_to_rank[stage]:
+        return None
+    return stage_to_rank[to]
+
+
+def run_overlapped(action: Action, ctx: PipelineContext, stage_to_rank: list[int]) -> None:
+    """An `OVERLAP_F_B` action: its forward on a thread of its own, its backward here, each
+    half's pipeline send posted as it ends (module doc)."""
     sched = ctx.schedule_ref
     assert isinstance(sched, PipelineScheduleRuntime) and action.sub_actions is not None
     fwd, bwd = action.sub_actions
@@ -92,19 +107,32 @@ def run_overlapped(action: Action, ctx: PipelineContext) -> None:
         except BaseException as err:  # re-raised on the calling thread
             failed.append(err)
 
+    to = _remote(stage_to_rank, bwd.stage_index, bwd.stage_index - 1)
+    after_forward = to is not None and to == _remote(
+        stage_to_rank, fwd.stage_index, fwd.stage_index + 1
+    )
+    stage = next(s for s in schedule_stages(sched) if s.stage_index == bwd.stage_index)
+    assert isinstance(stage, TracedStage) and bwd.microbatch_index is not None
     thread = threading.Thread(target=forward, name="fwd", daemon=True)
     thread.start()
     try:
         _backward(sched, bwd)
+        if to is not None and not after_forward:
+            stage.send_early("grad", bwd.microbatch_index)
     finally:
         thread.join()
     if failed:
         raise failed[0]
+    if after_forward:
+        stage.send_early("grad", bwd.microbatch_index)
 
 
-def enable_fb_overlap(schedule: PipelineScheduleRuntime) -> None:
-    """Run `schedule`'s OVERLAP_F_B actions with their halves at once (module doc)."""
-    schedule.register_custom_function(OVERLAP_F_B, run_overlapped)
+def enable_fb_overlap(schedule: PipelineScheduleRuntime, stage_to_rank: list[int]) -> None:
+    """Run `schedule`'s OVERLAP_F_B actions with their halves at once (module doc);
+    `stage_to_rank`: the pipeline rank of every stage."""
+    schedule.register_custom_function(
+        OVERLAP_F_B, partial(run_overlapped, stage_to_rank=stage_to_rank)
+    )
 
 
 def _torch_action(step: Step) -> Action:
@@ -116,18 +144,27 @@ def _torch_action(step: Step) -> Action:
     return Action(step.stage, kind, step.mb)
 
 
-class ScheduleCombined1F1B(PipelineScheduleRuntime):
-    """`ep-combined`: one stage per rank, run in `schedule.pipelines.combined_1f1b`'s order
-    (the order as data, lowered to PyTorch's runtime with its pipeline sends and
-    receives), with its F&B pairs at once."""
+class ScheduleOrdered(PipelineScheduleRuntime):
+    """One stage per rank, run in the order `schedule.pipelines.pipeline_order` gives the
+    runtime (`ep-1f1b` and `ep-overlap`: 1F1B; `ep-combined`: combined 1F1B), lowered to
+    PyTorch's runtime with its pipeline sends and receives: a receive is posted where the
+    lowering places it, as soon as its sender's computation is in the list, not after this
+    rank's computation before it (as `Schedule1F1B` does), and a send is waited for at the
+    step's end only, so messages move under the computations between. F&B pairs run at
+    once."""
 
     def __init__(
-        self, stage: TracedStage, n_microbatches: int, loss_fn: Any, scale_grads: bool = False
+        self,
+        stage: TracedStage,
+        n_microbatches: int,
+        loss_fn: Any,
+        runtime: str,
+        scale_grads: bool = False,
     ) -> None:
         super().__init__([stage], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-        order = combined_1f1b(stage.group_size, n_microbatches)
+        order = pipeline_order(runtime, stage.group_size, n_microbatches, 1)
         self.pipeline_order: dict[int, list[Action | None]] = {
             rank: [_torch_action(step) for step in steps] for rank, steps in enumerate(order)
         }
         prepare_schedule_with_comms(self, self.pipeline_order)
-        enable_fb_overlap(self)
+        enable_fb_overlap(self, list(range(stage.group_size)))

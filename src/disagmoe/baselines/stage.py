@@ -15,10 +15,12 @@ gradients equal the reference objective's without the schedule knowing.
 
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 
 from ..config import RunConfig
@@ -179,6 +181,10 @@ class TracedStage(PipelineStage):
     PyTorch's schedules post p2p ops and wait for them later without exposing
     completion, so a p2p event spans from posting to the start of the next
     computation on this rank (an upper bound of its time in flight).
+
+    Inside an F&B pair a half posts its own pipeline send as it ends (`send_early`,
+    `baselines.fb_overlap`); the list's SEND action for it then finds nothing to send.
+    The two halves run on two threads, so what they share is taken under a lock.
     """
 
     def __init__(
@@ -199,6 +205,9 @@ class TracedStage(PipelineStage):
         self.pending: list[tuple[str, str, float, int, int, list[int], list[int]]] = []
         self.step_index = 0
         self.recorded: set[tuple[str, int]] = set()  # (kind, micro-batch) already in `order`
+        self.lock = threading.Lock()  # `pending`, `sent_early`, `early_works`
+        self.sent_early: set[tuple[str, int]] = set()  # ("act" / "grad", micro-batch)
+        self.early_works: list[Any] = []  # their sends, waited for at the step's end
 
     def record(self, kind: str, mb: int) -> None:
         """Put a computation into the executed order ahead of running it (an overlapped pair
@@ -208,7 +217,9 @@ class TracedStage(PipelineStage):
 
     def _close_p2p(self) -> None:
         now = Tracer.now_us()
-        for name, lane, t0, mb, nbytes, peers, peer_bytes in self.pending:
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for name, lane, t0, mb, nbytes, peers, peer_bytes in pending:
             self.tracer.add(
                 name,
                 lane,
@@ -221,15 +232,40 @@ class TracedStage(PipelineStage):
                 peers=peers,
                 peer_bytes=peer_bytes,
             )
-        self.pending.clear()
 
     def _p2p(self, ops: list[Any], kind: str, lane: str, mb: int) -> list[Any]:
         if ops:
             sizes = [op.tensor.numel() * op.tensor.element_size() for op in ops]
             name = message_event_name(lane, stage_event_name(kind, self.stage_index, mb))
             peers = [int(op.peer) for op in ops]
-            self.pending.append((name, lane, Tracer.now_us(), mb, sum(sizes), peers, sizes))
+            with self.lock:
+                self.pending.append((name, lane, Tracer.now_us(), mb, sum(sizes), peers, sizes))
         return ops
+
+    def send_early(self, kind: str, mb: int) -> None:
+        """Post the pipeline send of this stage's forward ("act") or backward ("grad") of
+        micro-batch `mb` now (class doc)."""
+        ops = self.get_fwd_send_ops(mb) if kind == "act" else self.get_bwd_send_ops(mb)
+        works = [dist.isend(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        with self.lock:
+            self.sent_early.add((kind, mb))
+            self.early_works += works
+
+    def finish_early_sends(self) -> None:
+        """At the step's end: wait for the sends `send_early` posted."""
+        with self.lock:
+            works, self.early_works = self.early_works, []
+            self.sent_early.clear()
+        for work in works:
+            work.wait()
+
+    def _taken(self, kind: str, mb: int) -> bool:
+        """Whether `send_early` has already sent it (and forget it: asked once)."""
+        with self.lock:
+            if (kind, mb) in self.sent_early:
+                self.sent_early.discard((kind, mb))
+                return True
+        return False
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[Any]:
         return self._p2p(super().get_fwd_recv_ops(fwd_chunk_id), "act", "recv", fwd_chunk_id)
@@ -238,9 +274,13 @@ class TracedStage(PipelineStage):
         return self._p2p(super().get_bwd_recv_ops(bwd_chunk_id), "grad", "recv", bwd_chunk_id)
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[Any]:
+        if self._taken("act", fwd_chunk_id):
+            return []
         return self._p2p(super().get_fwd_send_ops(fwd_chunk_id), "act", "send", fwd_chunk_id)
 
     def get_bwd_send_ops(self, bwd_chunk_id: int) -> list[Any]:
+        if self._taken("grad", bwd_chunk_id):
+            return []
         return self._p2p(super().get_bwd_send_ops(bwd_chunk_id), "grad", "send", bwd_chunk_id)
 
     def _run(self, kind: str, mb: int, fn: Any) -> Any:

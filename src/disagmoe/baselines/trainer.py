@@ -6,9 +6,10 @@ Per optimizer step, on every rank:
 1. replica `dp_rank` takes global micro-batches `s*dp + dp_rank` (the
    reference's numbering); the rank holding stage 0 feeds their tokens, the
    rank holding the last stage their targets;
-2. PyTorch's schedule (`Schedule1F1B`, `ScheduleInterleaved1F1B`,
-   `ScheduleDualPipeV`; `scale_grads=False` because `LossScale` already
-   weights every micro-batch) runs forward/backward of this rank's stages,
+2. PyTorch's pipeline runtime (`baselines.fb_overlap.ScheduleOrdered` for the
+   one-stage-per-rank orders, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`;
+   `scale_grads=False` because `LossScale` already weights every micro-batch) runs
+   forward/backward of this rank's stages,
    with the EP all-to-alls inside each MoE layer;
 3. gradients: dense parameters all-reduced over the DP group and expert shards over the
    expert-data-parallel group — per layer bucket during the stage's last backward
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import Schedule1F1B, ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
 
 from ..config import RunConfig
 from ..data import inputs_targets, split_micro_batches
@@ -58,7 +59,7 @@ from ..training.objective import (
 )
 from ..training.precision import param_dtype_name
 from ..training.setup import apply_variants, build_data, set_threads
-from .fb_overlap import ScheduleCombined1F1B, enable_fb_overlap
+from .fb_overlap import ScheduleOrdered, enable_fb_overlap
 from .grad_buckets import EPGradBuckets
 from .layout import EPGroups, EPLayout
 from .moe import EPComm
@@ -166,14 +167,13 @@ class EPTrainer:
         runtime = self.layout.runtime
         loss_fn = self._loss
         stages: list[PipelineStageBase] = list(self.stages)
-        if runtime in ("ep-1f1b", "ep-overlap"):
-            return Schedule1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
-        if runtime == "ep-combined":
-            return ScheduleCombined1F1B(self.stages[0], n, loss_fn=loss_fn, scale_grads=False)
+        if runtime in ("ep-1f1b", "ep-overlap", "ep-combined"):
+            return ScheduleOrdered(self.stages[0], n, loss_fn, runtime, scale_grads=False)
         if runtime == "ep-interleaved":
             return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
         schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
-        enable_fb_overlap(schedule)  # its F&B pairs run at once (baselines.fb_overlap)
+        # its F&B pairs run at once (baselines.fb_overlap)
+        enable_fb_overlap(schedule, self.layout.stage_to_pp_rank())
         return schedule
 
     def _local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -222,6 +222,7 @@ class EPTrainer:
         self.meter.start_step()
         self.pipeline.step(*args, target=target, losses=losses, return_outputs=False)
         for st in self.stages:
+            st.finish_early_sends()
             st._close_p2p()
         if self.grad_sync is not None:  # started during the backward: wait for them
             self.grad_sync.finish(step)

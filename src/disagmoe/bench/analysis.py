@@ -187,7 +187,6 @@ def emulated_network(
         nic_bytes_per_s=nic_gbps * ranks_per_node / nics * 1e9 / 8 * TCP_EFFICIENCY,
         nvlink_bytes_per_s=LOOPBACK_BYTES_PER_S,
         latency_s=100e-6,
-        shared_connection=True,  # gloo: one TCP connection per pair and process group
     )
 
 
@@ -385,8 +384,7 @@ def predict_ep(
     executor posts every message of a compute at once (`isend` on a process group per
     channel and direction, so a dispatch keeps a TCP connection per receiver busy on the
     sender's NIC together); a pipeline message of an ep-* run is one payload on the
-    pair's one gloo connection, moving only after the receiver's notice (rendezvous,
-    `simulator.lower`), so a NIC holds a flow or two at a time. At `--nic-gbit 0.1` two
+    pair's one gloo connection, so a NIC holds a flow or two at a time. At `--nic-gbit 0.1` two
     such flows do share a node's egress, with losses (docs/simulator.md, "Fidelity of
     the EP replay"), which neither discipline models.
 

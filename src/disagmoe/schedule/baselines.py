@@ -2,9 +2,10 @@
 
 Compute order per pipeline rank — a list of `(stage, kind, micro-batch)` with
 kind F (forward), B (full backward), I (backward for inputs) or W (weight
-gradients) — is `schedule.pipelines`' statement of the order PyTorch's
-`Schedule1F1B` / `ScheduleInterleaved1F1B` / `ScheduleDualPipeV` run (overlapped
-F/B pairs of DualPipeV flattened in execution order); tests pin it to PyTorch.
+gradients) — is `schedule.pipelines`' statement of the order the runtimes run
+(`baselines.fb_overlap.ScheduleOrdered`, PyTorch's `ScheduleInterleaved1F1B` /
+`ScheduleDualPipeV`; overlapped F/B pairs flattened in execution order); tests pin it to
+PyTorch's.
 
 `build_baseline_schedule` expands each stage computation into per-layer
 instructions of every rank (all DP replicas run the same list):
@@ -88,11 +89,6 @@ def _expand(
     return out
 
 
-# runtimes run by PyTorch's `Schedule1F1B`: each receive posted where its RECV stands
-# (`schedule.ir`), fused with the sends of the compute before it
-RECEIVES_AT_RECV = ("ep-1f1b", "ep-overlap")
-
-
 def build_baseline_schedule(
     layout: EPLayout, model: ModelConfig, *, representatives: bool = False, a2a_chunks: int = 1
 ) -> Schedule:
@@ -162,6 +158,5 @@ def build_baseline_schedule(
             "style": layout.style,
             "a2a_chunks": a2a_chunks,
             "representatives": int(representatives),
-            "receives_at_recv": int(layout.runtime in RECEIVES_AT_RECV),
         },
     )

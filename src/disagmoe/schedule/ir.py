@@ -29,13 +29,10 @@ A compute produces or consumes every chunk of its exchange. Unchunked schedules 
 
 Two more facts of the baselines are data too: `Instr.pair` marks the
 instructions of one overlapped forward/backward pair (DualPipeV's
-`OVERLAP_F_B`), `Schedule.meta["a2a_chunks"]` says into how many chunks
-ep-overlap splits each expert compute and the all-to-alls around it, and
-`Schedule.meta["receives_at_recv"]` (1 for ep-1f1b and ep-overlap) that the runtime
-posts each receive where its RECV stands: PyTorch's `Schedule1F1B` fires a compute's
-sends together with the next compute's receives and waits for them; the other
-schedules (`_PipelineScheduleRuntime`: ep-interleaved, ep-dualpipev, ep-combined) post a
-receive when their plan issues the sender's compute (`_add_send_recv`), ahead of need.
+`OVERLAP_F_B`), and `Schedule.meta["a2a_chunks"]` says into how many chunks
+ep-overlap splits each expert compute and the all-to-alls around it. Every baseline runs
+on PyTorch's pipeline runtime (`_PipelineScheduleRuntime`), which posts a receive when its
+plan issues the sender's compute (`_add_send_recv`), ahead of need.
 
 Every message kind declares itself in `MESSAGE_KINDS`: its channel, the compute
 that produces it, the compute that consumes it, and what it carries. Each

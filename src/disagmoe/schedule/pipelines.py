@@ -1,7 +1,8 @@
 """Pipeline orders of the expert-parallel baselines, defined once as pure functions.
 
 The `ep-*` runtimes execute PyTorch's `torch.distributed.pipelining` schedules
-(`Schedule1F1B`, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`); this module
+(`baselines.fb_overlap.ScheduleOrdered`, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`,
+all on PyTorch's pipeline runtime); this module
 states the order each of them runs, with no process group or stage object, for
 the baselines' IR export (`schedule.baselines`) and the simulator
 (`simulator.simulate_ep`). `tests/unit/test_baseline_schedules.py` pins every order to
@@ -101,7 +102,8 @@ def pipeline_order(runtime: str, pp: int, num_mb: int, virtual_stages: int) -> l
 
 
 def one_f_one_b(num_ranks: int, num_mb: int) -> list[list[Step]]:
-    """1F1B (Schedule1F1B's loop): rank r warms up with p-1-r forwards, alternates F/B, drains."""
+    """1F1B (the order of PyTorch's Schedule1F1B loop): rank r warms up with p-1-r
+    forwards, alternates F/B, drains."""
     orders: list[list[Step]] = []
     for rank in range(num_ranks):
         warmup = min(num_ranks - 1 - rank, num_mb)

@@ -69,8 +69,10 @@ Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs the
   member of its group reached the same (phase, layer, slot) all-to-all.
 * **Overlapped pairs.** The instructions of one pair (`Instr.pair`, DualPipeV's F&B)
   run their forward half on the "fwd" lane and their backward half (a W too) on the "bwd" lane
-  from the same start; the pair's SENDs leave, and the list continues, when both
-  halves are done.
+  from the same start; each half's SEND leaves when its half is done, a backward's that
+  goes to the rank its forward also sends to when both are (the runtime keeps the list's
+  order on that connection: `baselines.fb_overlap`); the list continues when both halves
+  are done.
 * **Chunked all-to-all.** With `meta["a2a_chunks"]` = c > 1 (ep-overlap) an A2A, the
   expert compute after it and the A2A after that run as c pipelined chunks:
   dispatch chunks on the "send" lane, compute chunks on the compute lane, combine
@@ -78,7 +80,9 @@ Execution "in-order" (the EP baselines, as PyTorch's pipelining runtime runs the
 * **Split backward.** A BWD whose task also has a W on the rank computes input
   gradients only (kind "I"); the W computes the weight gradients.
 * **Streams.** A receiver takes a peer's messages in list order (one stream per
-  (sender, receiver)); a message does not wait for the previous one of its stream.
+  (sender, receiver): the pipeline's process group has one connection per pair of
+  ranks, a byte stream), so a message moves only after the previous one of its stream
+  arrived.
 
 Both executions: SYNC and STEP run after every compute and message of the rank.
 """
@@ -88,7 +92,6 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from .ir import MESSAGE_KINDS, Endpoint, Instr, Msg, Op, Schedule
 
@@ -150,7 +153,6 @@ class RankProgram:
     local: dict[TaskKey, list[TaskKey]] = field(default_factory=dict)  # local dependencies
     # (comp, layer, slot) of the backwards whose weight gradients a W computes
     split: set[tuple[str, int, int]] = field(default_factory=set)
-    SERIAL_STREAMS: ClassVar[bool] = True  # see "Streams" in the module doc
 
     @staticmethod
     def stream(msg: Msg) -> tuple[int, int, str]:
@@ -315,7 +317,8 @@ class Segment:
     "compute") or an overlapped pair ("fwd" and "bwd" lanes, joined when both are done)."""
 
     lanes: list[tuple[str, list[Task]]]
-    posts: list[Msg] = field(default_factory=list)  # a pair's SENDs: posted at the join
+    # a pair's SENDs posted at the join: a backward's to the rank its forward sends to too
+    posts: list[Msg] = field(default_factory=list)
 
     @property
     def is_pair(self) -> bool:
@@ -329,7 +332,6 @@ class InOrderProgram:
     rank: int
     segments: list[Segment]
     finals: list[Instr]  # SYNC / STEP in list order
-    SERIAL_STREAMS: ClassVar[bool] = False  # see "Streams" in the module doc
 
     @staticmethod
     def stream(msg: Msg) -> tuple[int, int, str]:
@@ -359,7 +361,8 @@ class InOrderProgram:
                 seg = Segment([(lane, []) for lane in PAIR_LANES])
                 for lane, tasks in seg.lanes:
                     half = [i for i in run if (i.lane if i.op is not Op.WGT else "bwd") == lane]
-                    prog._tasks(half, tasks, chunks, split, waits, seg, pair=True)
+                    prog._tasks(half, tasks, chunks, split, waits, None)
+                _join_same_rank_sends(seg)
                 poster = seg
             prog.segments.append(seg)
         if waits:
@@ -374,10 +377,9 @@ class InOrderProgram:
         split: set[tuple[str, int, int]],
         waits: list[Msg],
         poster: Task | Segment | None,
-        pair: bool = False,
     ) -> Task | Segment | None:
         """Append the tasks of consecutive instructions of one lane; return what a SEND
-        after them follows (the last task; in a pair, always the pair)."""
+        after them follows (the last task)."""
         recv, send, a2a = Op.RECV, Op.SEND, Op.A2A  # local names: enum lookups are slow
         k = 0
         while k < len(run):
@@ -407,10 +409,19 @@ class InOrderProgram:
             else:
                 raise ValueError(f"rank {self.rank}: {ins} has no meaning in order")
             waits.clear()
-            if not pair:
-                poster = tasks[-1]
+            poster = tasks[-1]
             k += 1
         return poster
+
+
+def _join_same_rank_sends(pair: Segment) -> None:
+    """Move the backward half's SENDs to a rank the forward half also sends to onto the
+    pair's join (module doc, "Overlapped pairs")."""
+    lanes = dict(pair.lanes)
+    forward_to = {m.dst for task in lanes["fwd"] for m in task.posts}
+    for task in lanes["bwd"]:
+        pair.posts += [m for m in task.posts if m.dst in forward_to]
+        task.posts[:] = [m for m in task.posts if m.dst not in forward_to]
 
 
 CompiledRank = RankProgram | InOrderProgram

@@ -19,13 +19,7 @@ A `Program` is what every front end (AF-Pipe replay, EP baselines) lowers to:
   serves one message at a time in readiness order (`"fifo"`, for comparison).
   Alone, a message takes `max(bytes / bandwidth)` over its ports. Arrival =
   transfer end + latency.
-* `DELAY` — a fixed wait (gradient all-reduce, latency-only steps). A delay *behind a
-  connection* (`Program.behind`: a receive's ready-to-receive notice, `simulator.lower`)
-  starts its wait only once every message of that connection (`Program.xfer_conn`)
-  that had begun when it became ready has arrived: a byte stream (a TCP connection)
-  delivers what was written into it in order, so a small control message written after
-  a payload arrives after it. Messages that begin at the same instant count as begun
-  (PyTorch's `batch_isend_irecv` posts a batch's sends before its receives).
+* `DELAY` — a fixed wait (gradient all-reduce, latency-only steps).
 
 Lanes (in-order streams) and FIFO message streams are expressed as ordinary
 dependencies by the front ends. `run_program` returns start/end times; an op
@@ -78,10 +72,6 @@ class Program:
     # Fan-out: how many real workers each simulated rank stands for (symmetry reduction).
     multiplicity: list[int] = field(default_factory=list)
     background: set[int] = field(default_factory=set)  # COMPUTE ops that yield (module doc)
-    # XFER -> the connection (a key) whose byte stream carries it; DELAY -> the connection
-    # it waits behind (module doc)
-    xfer_conn: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    behind: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def add(
         self,
@@ -231,10 +221,6 @@ def run_program(
     capacities = [p.bytes_per_s for p in program.ports]
     links: Links = FairLinks(capacities) if link_model == "fair" else FifoLinks(capacities)
     moving: set[int] = set()  # messages whose bytes move now (links that release)
-    xfer_conn, behind = program.xfer_conn, program.behind
-    on_conn: dict[tuple[int, ...], set[int]] = {}  # connection -> its messages begun, not arrived
-    waiting: dict[int, set[int]] = {}  # DELAY behind a connection -> the messages it waits for
-    waiters: dict[int, list[int]] = {}  # message -> the delays waiting for it
     unsettled = False  # the links changed at `now` and have not been settled yet
     now = 0.0
     kinds, work, ranks = program.kind, program.work, program.rank
@@ -254,16 +240,7 @@ def run_program(
         nonlocal seq, unsettled
         start[op] = now
         kind = kinds[op]
-        if kind == DELAY and op in behind:
-            ahead = on_conn.get(behind[op])
-            if ahead:  # wait for them to arrive (`release`), then the delay itself
-                waiting[op] = set(ahead)
-                for x in ahead:
-                    waiters.setdefault(x, []).append(op)
-                return
         if kind == XFER:
-            if op in xfer_conn:
-                on_conn.setdefault(xfer_conn[op], set()).add(op)
             loads = program.xfer_ports[op]
             xfer_begin[op] = now
             if not loads:
@@ -288,23 +265,10 @@ def run_program(
         seq += 1
         heapq.heappush(heap, (finish, seq, op, version[op]))
 
-    deferred: list[int] = []  # delays behind a connection, begun once the instant's messages are
-
-    def ready(op: int, now: float) -> None:
-        if op in behind:
-            deferred.append(op)
-        else:
-            begin(op, now)
-
     for op in range(n):
         if remaining[op] == 0:
-            ready(op, 0.0)
-    while heap or unsettled or deferred:
-        if deferred and (not heap or heap[0][0] > now):
-            for op in deferred:
-                begin(op, now)
-            deferred.clear()
-            continue
+            begin(op, 0.0)
+    while heap or unsettled:
         if unsettled and (not heap or heap[0][0] > now):  # every change of `now` is in
             push(links.settle(now))
             unsettled = False
@@ -320,14 +284,6 @@ def run_program(
             continue
         end[op] = now
         kind = kinds[op]
-        if kind == XFER and op in xfer_conn:
-            on_conn[xfer_conn[op]].discard(op)
-            for delay in waiters.pop(op, ()):
-                waiting[delay].discard(op)
-                if not waiting[delay]:
-                    del waiting[delay]
-                    seq += 1
-                    heapq.heappush(heap, (now + work[delay], seq, delay, version[delay]))
         if kind == A2A or (kind == COMPUTE and share_compute):
             res = (gpus if kind == COMPUTE else nets)[ranks[op]]
             res.change(now, remove=op)
@@ -335,7 +291,7 @@ def run_program(
         for nxt in dependents[op]:
             remaining[nxt] -= 1
             if remaining[nxt] == 0:
-                ready(nxt, now)
+                begin(nxt, now)
     stuck = [op for op in range(n) if end[op] < 0.0]
     if stuck:
         names = ", ".join(f"rank {ranks[op]} {program.label[op]}" for op in stuck[:4])

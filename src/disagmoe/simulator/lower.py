@@ -18,21 +18,11 @@ operations, through one path for both executions:
 * a message moves over the network's ports (`Symmetry.loads`: one message or the
   bundle a representative stands for, whose real messages share ports as flows of their
   own, `simulator.links`; arrival = transfer end + latency) or, without
-  a network, arrives `latency_s` after it is posted; on lanes a message waits for the
+  a network, arrives `latency_s` after it is posted; a message waits for the
   previous one of its stream;
-* rendezvous (in order, over a network, where the runtime posts a receive at its RECV:
-  `Schedule.meta["receives_at_recv"]`, ep-1f1b and ep-overlap, `schedule.ir`): neither
-  gloo nor NCCL moves a payload before the receiver has posted its receive and the
-  receiver's ready-to-receive notice has reached the sender. PyTorch's `Schedule1F1B`
-  posts it when the compute before the RECV ends (with that compute's sends), so a
-  message leaves at the later of its SEND and that notice, which takes one latency.
-  With `Network.shared_connection` (gloo: one TCP connection per pair of ranks carries
-  both directions) the notice arrives only after the payloads the receiver is already
-  sending the sender on that connection (`Program.behind`): in 1F1B's steady state a
-  stage's gradient to the stage before goes first, then the notice, then that stage's
-  next activation. The other in-order schedules post receives ahead of need, and AF-Pipe
-  posts a payload's receive once its header is in, on a process group per channel and
-  direction: their messages leave when posted;
+* a message leaves when posted: the EP runtimes post receives ahead of need (PyTorch's
+  pipeline runtime, `schedule.ir`), and AF-Pipe posts a payload's receive once its header
+  is in, on a process group per channel and direction;
 * SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank; with
   `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
   instead, on its "sync" lane one after another, each once its issuing BWD has ended,
@@ -118,10 +108,6 @@ class _Lowering:
         self.over = pricing.overheads if pricing.overheads and pricing.overheads.any else None
         self.source: dict[Msg, int] = {}  # the op whose end posts a message
         self.needs: dict[Msg, int] = {}  # the op that waits for a message
-        # in order, receives posted at their RECV (module doc, "rendezvous"): the op after
-        # which each is posted
-        self.recv_posted: dict[Msg, int] = {}
-        self.at_recv = bool(schedule.meta.get("receives_at_recv", 0))
         self.barriers: dict[tuple[str, int, int, tuple[int, ...]], int] = {}
         self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
         self.task_ops: dict[int, dict[TaskKey, int]] = {}  # rank -> task -> op
@@ -191,15 +177,13 @@ class _Lowering:
             for lane, tasks in seg.lanes:
                 last = prev
                 for task in tasks:
-                    first, before = len(self.prog), last
+                    first = len(self.prog)
                     last = self.task(rank, lane, task, last, op)
                     work = task.work
                     if task.kind in ("B", "W") and isinstance(work, Instr) and work.comp == "A":
                         self.final_grads.setdefault(rank, {})[work.layer] = last
                     for msg in task.waits:
                         self.needs[msg] = first
-                        if self.at_recv:
-                            self.recv_posted[msg] = before
                     last = self.post(rank, lane, last, task.posts, {"step": 0})
                 ends.append(last)
             if seg.is_pair:
@@ -266,8 +250,9 @@ class _Lowering:
 
     # -- messages, SYNC, STEP ----------------------------------------------------------
 
-    def messages(self, serial: bool, stream_of: Callable[[Msg], tuple[int, int, str]]) -> None:
-        """Every SEND, in the senders' list order, from its source op to the op that needs it."""
+    def messages(self, stream_of: Callable[[Msg], tuple[int, int, str]]) -> None:
+        """Every SEND, in the senders' list order, from its source op to the op that needs it,
+        after the previous message of its stream (`schedule.semantics`, "Streams")."""
         prog, pricing, over = self.prog, self.pricing, self.over
         ports = Ports(prog, pricing.net) if pricing.net is not None else None
         stream_last: dict[tuple[int, int, str], int] = {}
@@ -280,7 +265,7 @@ class _Lowering:
                 msg = ins.msg
                 deps = [self.source[msg]]
                 stream = stream_of(msg)
-                if serial and stream in stream_last:
+                if stream in stream_last:
                     deps.append(stream_last[stream])
                 args = {"kind": msg.kind, "layer": msg.layer, "slot": msg.slot, "step": 0}
                 if msg.chunk >= 0:
@@ -293,13 +278,9 @@ class _Lowering:
                     loads, unit = load_cache[key]
                     real = {"src": self.symmetry.real(msg.src), "dst": self.symmetry.real(msg.dst)}
                     label = message_label(msg.kind, msg.layer, msg.slot, msg.chunk)
-                    if msg in self.recv_posted:
-                        deps.append(self.notice(msg, ports.net, label, args))
                     xop = prog.add_xfer(
                         msg.src, msg.dst, loads, label, deps, args | real, unit=unit
                     )
-                    if ports.net.shared_connection:
-                        prog.xfer_conn[xop] = (msg.src, msg.dst)
                 else:
                     name = message_event_name("send", str(msg))
                     xop = prog.add(
@@ -324,18 +305,6 @@ class _Lowering:
                 prog.deps[self.needs.pop(msg)].append(ready)
         for msg in self.needs:
             raise ValueError(f"RECV of {msg} has no matching SEND")
-
-    def notice(self, msg: Msg, net: Network, label: str, args: dict) -> int:
-        """The receiver's ready-to-receive notice of `msg` (module doc, "rendezvous"): one
-        latency after its receive is posted, behind the payloads the receiver is sending
-        the sender when the two share a connection."""
-        op = self.prog.add(
-            DELAY, msg.dst, "recv", net.latency_s, "comm", f"ready {label}",
-            [self.recv_posted[msg]], args,
-        )  # fmt: skip
-        if net.shared_connection:
-            self.prog.behind[op] = (msg.dst, msg.src)
-        return op
 
     def sync(self) -> None:
         """SYNC after every op of the rank (and its buckets), then STEP."""
@@ -399,14 +368,14 @@ def lower(schedule: Schedule, pricing: Pricing, symmetry: Symmetry | None = None
     symmetry = symmetry or Symmetry.identity(schedule.num_ranks)
     assert symmetry.num_ranks == schedule.num_ranks, "one symmetry class per simulated rank"
     low = _Lowering(schedule, pricing, symmetry)
-    serial, stream_of = True, RankProgram.stream
+    stream_of = RankProgram.stream
     for rank in range(schedule.num_ranks):
         compiled = compile_program(schedule, rank)
         if isinstance(compiled, InOrderProgram):
             low.in_order(compiled)
-            serial, stream_of = InOrderProgram.SERIAL_STREAMS, InOrderProgram.stream
+            stream_of = InOrderProgram.stream
         else:
             low.lanes(compiled)
-    low.messages(serial, stream_of)
+    low.messages(stream_of)
     low.sync()
     return low.prog

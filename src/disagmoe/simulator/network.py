@@ -31,11 +31,6 @@ class Network:
     nvlink_bytes_per_s: float  # one GPU, one direction
     latency_s: float
     nic_share: tuple[float, ...] = ()  # per rank NIC bytes/s per direction (empty: fair share)
-    # One connection per pair of ranks carries both directions (gloo's TCP pairs): a
-    # receive's ready-to-receive notice queues behind the payloads the receiver is sending
-    # to the sender (`simulator.lower`, "Rendezvous"). False: a connection per direction
-    # (NCCL's send and receive connections), the notice never waits behind a payload.
-    shared_connection: bool = False
 
     @classmethod
     def from_cluster(cls, cluster: ClusterConfig) -> Network:

@@ -94,18 +94,20 @@ def __getattr__(name: str) -> Any:
     """The pipeline runtime's private classes and constants under public names:
 
     * `Action` (`_Action`): one entry of a rank's action list (stage, computation type,
-      micro-batch, sub-actions); `baselines.fb_overlap` builds `ep-combined`'s lists from it.
+      micro-batch, sub-actions); `baselines.fb_overlap` builds the one-stage-per-rank
+      runtimes' lists from it.
     * `PipelineContext` (`_PipelineContext`): what the runtime passes a custom function
       (the schedule, the micro-batches' args and targets); `run_overlapped` reads it.
     * `PipelineScheduleRuntime` (`_PipelineScheduleRuntime`): the runtime that runs action
-      lists and custom functions; `ScheduleCombined1F1B` subclasses it, and `ep-combined`
-      and `ep-dualpipev` run their F&B pairs at once through it.
+      lists and custom functions; `ScheduleOrdered` subclasses it (`ep-1f1b`, `ep-overlap`,
+      `ep-combined`), and `ep-combined` and `ep-dualpipev` run their F&B pairs at once
+      through it.
     * `PipelineSchedule`, `PipelineStageBase`: the base classes, as `baselines.trainer`'s
       type hints.
     * `FORWARD`, `FULL_BACKWARD`, `OVERLAP_F_B`: computation types (values "F", "B", ...),
       which `baselines.fb_overlap` builds actions of and records as our kind letters.
 
-    Gone or changed, the `ep-combined` and `ep-dualpipev` baselines fail to build or run.
+    Gone or changed, every `ep-*` baseline but `ep-interleaved` fails to build or run.
     """
     if name in _LAZY:
         module, attr = _LAZY[name]
