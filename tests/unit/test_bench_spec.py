@@ -350,3 +350,35 @@ def test_ep_layout_search_sends_the_runs_dtype() -> None:
             assert step > steps["bfloat16"][pp, ep], (pp, ep)
         else:  # the all-to-all is priced by the costs given (`a2a_s`)
             assert step == pytest.approx(steps["bfloat16"][pp, ep]), (pp, ep)
+
+
+def test_the_layout_search_prices_all_to_alls_in_the_runs_dtype() -> None:
+    """The rows run in float32 (the bench's dtype): the search's all-to-alls carry 4-byte
+    elements, as the runtime sends them, not the simulator's bf16 default."""
+    from unittest import mock
+
+    from disagmoe.bench import ep_layouts
+    from disagmoe.bench.analysis import emulated_network
+    from disagmoe.bench.cli import emulated_cluster
+    from disagmoe.costs.compute import ComputeCosts, Linear
+    from disagmoe.simulator import Workload
+
+    costs = ComputeCosts(
+        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
+    )
+    spec = dataclasses.replace(SPEC, runtimes=("ep-1f1b",), global_batch_size=64)
+    priced: list[ep_layouts.EmulatedEPCosts] = []
+    real = ep_layouts.EmulatedEPCosts
+    with mock.patch.object(ep_layouts, "EmulatedEPCosts", side_effect=lambda *a: priced.append(
+            real(*a)) or priced[-1]):  # fmt: skip
+        ep_layouts.search(spec, "ep-1f1b", costs, emulated_cluster(spec))
+    assert TrainConfig().dtype == "float32" and priced
+    workload = priced[0].workload
+    assert workload.act_bytes == 4
+    net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
+    bf16 = Workload(workload.model, spec.seq_len, spec.micro_batch_size)
+    group = list(range(spec.world))  # pp 1, ep 8 is a candidate
+    assert net.a2a_s(group, 0, workload.a2a_bytes_per_peer(8)) > net.a2a_s(
+        group, 0, bf16.a2a_bytes_per_peer(8)
+    )
+    assert any(c.a2a_s == [net.a2a_s(group, 0, workload.a2a_bytes_per_peer(8))] for c in priced)

@@ -68,7 +68,13 @@ def search(
     (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`)."""
     model = model_preset(spec.model)
     net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
-    workload = Workload(model, spec.seq_len, spec.micro_batch_size)
+    train = TrainConfig(
+        seq_len=spec.seq_len,
+        global_batch_size=spec.global_batch_size,
+        micro_batch_size=spec.micro_batch_size,
+        steps=spec.steps,
+    )
+    workload = Workload.of_train(model, train)  # all-to-alls in the run's dtype, as it sends
 
     def costs_for(lay: EPLayout, recompute: str) -> EmulatedEPCosts:
         per_peer = workload.a2a_bytes_per_peer(lay.ep)
@@ -77,12 +83,6 @@ def search(
         ]
         return EmulatedEPCosts(costs, workload, a2a, recompute)
 
-    train = TrainConfig(
-        seq_len=spec.seq_len,
-        global_batch_size=spec.global_batch_size,
-        micro_batch_size=spec.micro_batch_size,
-        steps=spec.steps,
-    )
     return search_ep_layouts(
         runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster,
         memory_gib=cluster.gpu_mem_gib,
