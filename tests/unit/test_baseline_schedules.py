@@ -260,3 +260,31 @@ def test_combined_1f1b_pairs_1f1bs_steady_state(pp: int, n: int) -> None:
             for k in range(len(flat))
         )
         assert in_flight == warmup + (1 if n > warmup else 0)  # 1F1B's + 1 at most
+
+
+def _ordered_actions(runtime: str, pp: int, n: int, rank: int) -> list[str]:
+    """The action list (compute and pipeline p2p) `ScheduleOrdered` runs on `rank`."""
+    from disagmoe.baselines.fb_overlap import ScheduleOrdered
+
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.num_stages = rank, pp, pp
+    stage.stage_index, stage.is_first, stage.is_last = rank, rank == 0, rank == pp - 1
+    sched = ScheduleOrdered(stage, n, None, runtime)
+    return [str(a) for a in sched.pipeline_order_with_comms[rank]]
+
+
+@pytest.mark.parametrize("runtime", ["ep-1f1b", "ep-overlap"])
+def test_1f1b_runs_its_order_with_receives_ahead_of_need(runtime: str) -> None:
+    """`ep-1f1b` runs 1F1B's order on PyTorch's pipeline runtime: the last stage posts the
+    next activation's receive before its backward (`Schedule1F1B` posts it after that
+    backward, fused with the backward's send, and waits for both)."""
+    pp, n = 2, 4
+    for rank in range(pp):
+        acts = _ordered_actions(runtime, pp, n, rank)
+        computes = [
+            (rank, a[1], int(a[2:])) for a in acts if a[1:2] in ("F", "B") and a[2:].isdigit()
+        ]
+        assert computes == _flat(one_f_one_b(pp, n))[rank]
+    last = _ordered_actions(runtime, pp, n, pp - 1)
+    for mb in range(1, n):
+        assert last.index(f"1RECV_F{mb}") < last.index(f"1B{mb - 1}")
