@@ -24,7 +24,6 @@ goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`
 from __future__ import annotations
 
 import argparse
-import re
 import subprocess
 import sys
 import time
@@ -88,17 +87,6 @@ threads = [threading.Thread(target=send, args=(d,)) for d in dests]
 for t in threads: t.start()
 for t in threads: t.join()
 """.replace("PORT", str(PORT))
-
-
-def _drops(cluster: EmulatedCluster) -> int:
-    """Packets the cluster's token buckets have dropped so far (`tc -s qdisc show`)."""
-    total = 0
-    for ns in [cluster.hub, *(cluster.node(k) for k in range(cluster.num_nodes))]:
-        out = subprocess.run(
-            ["tc", "-s", "-n", ns, "qdisc", "show"], capture_output=True, text=True, check=False
-        ).stdout
-        total += sum(int(n) for n in re.findall(r"dropped (\d+)", out))
-    return total
 
 
 def _measure(
@@ -167,9 +155,9 @@ def main() -> int:
     print(f"{'pattern':12s} {'flows':>5s} {'goodput / rate':>15s} {'tbf drops':>10s}")
     with EmulatedCluster([args.mbit] * 4, queue_ms=args.queue_ms) as cluster:
         for name, flows, kw in patterns:
-            before = _drops(cluster)
+            before = cluster.drops()
             ratio = _measure(cluster, flows, args.seconds, **kw)
-            drops = _drops(cluster) - before
+            drops = cluster.drops() - before
             count = sum(len(d) for d in flows.values())
             rows.append(
                 {"pattern": name, "flows": count, "goodput_ratio": round(ratio, 3), "drops": drops}

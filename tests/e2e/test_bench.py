@@ -117,6 +117,23 @@ def test_nic_rates_change_in_place_between_runs() -> None:
     assert list_namespaces(f"{name}-") == []
 
 
+UDP_BURST = """
+import socket, sys
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for _ in range(400):
+    s.sendto(bytes(8000), (sys.argv[1], 9))
+"""
+
+
+def test_drops_counts_what_the_token_buckets_drop() -> None:
+    # 3.2 MB of datagrams at once into a 1 Mbit/s bucket with a 5 ms queue: most are dropped
+    with EmulatedCluster([1.0, 1.0], mtu=9000, queue_ms=5.0) as cluster:
+        assert cluster.drops() == 0
+        argv = cluster.wrap(0, [sys.executable, "-c", UDP_BURST, cluster.addr(1)])
+        subprocess.run(argv, check=True, timeout=60)
+        assert cluster.drops() > 300
+
+
 def test_a_failing_run_is_reported_and_cleaned_up(tmp_path: Path) -> None:
     # rank 0 is SIGKILLed before step 2 (fault injection): node 0's torchrun fails
     proc = bench("--runtimes", "ep-1f1b", "--steps", "3", "--warmup", "1", "--out",

@@ -206,6 +206,14 @@ class EmulatedCluster:
         """Kill this process group on cleanup (start it with `start_new_session=True`)."""
         self._procs.append(proc)
 
+    def drops(self) -> int:
+        """Packets the cluster's token buckets have dropped so far (`tc -s qdisc show`)."""
+        total = 0
+        for ns in self._created:
+            out = _run("tc", "-s", "-n", ns, "qdisc", "show", check=False).stdout
+            total += sum(int(n) for n in re.findall(r"dropped (\d+)", out))
+        return total
+
     def qdiscs(self) -> list[str]:
         """`tc qdisc show` lines of every namespace of this cluster (for reports and tests)."""
         lines = []
@@ -271,6 +279,10 @@ class LoopbackCluster:
 
     def qdiscs(self) -> list[str]:
         return []
+
+    def drops(self) -> int:
+        """Nothing is rate-limited, so nothing is dropped."""
+        return 0
 
     def set_rates(self, node_mbit: list[float]) -> None:
         """Nothing to limit on loopback."""

@@ -59,6 +59,7 @@ class RunOutcome:
     error: str = ""
     wall_s: float = 0.0
     step_times: dict[int, float] = field(default_factory=dict)  # trace step -> seconds
+    drops: int = 0  # packets the NICs' token buckets dropped during the run
 
 
 Cluster = EmulatedCluster | LoopbackCluster
@@ -176,8 +177,10 @@ def run_all(spec: BenchSpec, cluster: Cluster, log: Any = None) -> list[RunOutco
             if log:
                 log(f"bench: {runtime} (repeat {rep + 1}/{spec.repeats}) -> {run_dir}")
             cluster.set_rates(spec.node_mbit(runtime))
+            before = cluster.drops()
             ok, error = launch(cluster, spec, runtime, run_dir)
             out = RunOutcome(runtime, rep, run_dir, ok, error, time.perf_counter() - t0)
+            out.drops = cluster.drops() - before
             if ok:
                 out.step_times = read_steps(run_dir, spec.warmup)
             elif log:
@@ -203,6 +206,7 @@ class RuntimeResult:
     prediction_error: float = 0.0
     bound: Bound | None = None  # the step-time lower bound from the run's trace
     fill_bound: Bound | None = None  # the same with its pipeline's fill and drain
+    nic_drops: int = 0  # packets the NICs' token buckets dropped, all repetitions
     run_dirs: list[str] = field(default_factory=list)
 
     @property
@@ -240,6 +244,7 @@ class RuntimeResult:
             "binding": self.bound.describe() if self.ok and self.bound else None,
             "fill_bound_s": self.fill_bound.seconds if self.ok and self.fill_bound else None,
             "step_over_fill_bound": self.step_over_fill_bound,
+            "nic_drops": self.nic_drops,
             "run_dirs": self.run_dirs,
         }
 
@@ -279,6 +284,7 @@ def summarize(
             results.append(res)
             continue
         res.ok = True
+        res.nic_drops = sum(o.drops for o in mine)
         res.layout += _schedule_note(good[0].run_dir)
         times = [t / k for o in good for t in o.step_times.values()]
         res.step_time_s = statistics.median(times)
