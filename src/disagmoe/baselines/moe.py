@@ -6,8 +6,9 @@ micro-batch, then:
 * dispatch — `split_by_owner` gives, per EP peer j, the tokens routed to j's
   experts (each token at most once per peer) and the (row, local expert,
   weight) assignments. Counts are exchanged first with one int64
-  all-to-all, then the payloads: one float all-to-all (token rows and combine
-  weights, differentiable) and one int64 all-to-all (rows, expert ids).
+  all-to-all, then the payload in one byte all-to-all (`Dispatch`): per peer the
+  token rows and combine weights (floats, differentiable) followed by the
+  assignments' (row, expert id) int64 pairs.
   Dropless: every routed token is sent, however uneven the counts (zero too).
   Every exchange (counts and ints too) is traced with its peers and the bytes sent to
   each (`peer_bytes`), so the bench's bound counts every byte a rank sends.
@@ -16,9 +17,9 @@ micro-batch, then:
 * combine  — the weighted expert outputs go back with a float all-to-all
   (split sizes swapped) and are summed into the sender's token rows.
 
-Gradients: `AllToAll` is an autograd Function whose backward is the reverse
-all-to-all, so the expert shard's weight gradients sum the tokens of all `ep`
-peers, and the peers get the gradients of their dispatched rows and weights.
+Gradients: `Dispatch` and `AllToAll` are autograd Functions whose backward is the
+reverse all-to-all of the floats, so the expert shard's weight gradients sum the tokens
+of all `ep` peers, and the peers get the gradients of their dispatched rows and weights.
 
 `ep-overlap`'s chunked variant (Tutel/Comet style) is `baselines.moe_overlap`.
 
@@ -177,6 +178,61 @@ class AllToAll(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+class Dispatch(torch.autograd.Function):
+    """One all-to-all of floats (differentiable) and int64s (not) per peer: each peer's
+    bytes are its float piece, then its int piece (`f_splits` / `i_splits`: elements per
+    peer, sent; `f_recv` / `i_recv`: received). Returns the float piece received from each
+    peer, then the int pieces concatenated. The float pieces are views of the received
+    bytes (every piece is a whole number of floats, so their offsets are aligned); the int
+    pieces are copied out (their offsets need not be multiples of 8). The backward sends
+    the floats' gradient back in a float all-to-all."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        ints: torch.Tensor,
+        splits: tuple[list[int], list[int], list[int], list[int]],
+        comm: EPComm,
+        layer: int,
+    ) -> tuple[torch.Tensor, ...]:
+        f_splits, i_splits, f_recv, i_recv = splits
+        step, mb = comm.step, comm.micro_batch
+        ctx.meta = (f_recv, f_splits, comm, layer, step, mb, x.new_zeros(0))
+        fe, ie = x.element_size(), ints.element_size()
+        pieces, fpos, ipos = [], 0, 0
+        for f, i in zip(f_splits, i_splits, strict=True):
+            pieces += [_as_bytes(x[fpos : fpos + f]), _as_bytes(ints[ipos : ipos + i])]
+            fpos, ipos = fpos + f, ipos + i
+        send = torch.cat(pieces) if pieces else x.new_zeros(0, dtype=torch.uint8)
+        out_bytes = [f * fe + i * ie for f, i in zip(f_recv, i_recv, strict=True)]
+        in_bytes = [f * fe + i * ie for f, i in zip(f_splits, i_splits, strict=True)]
+        got = _traced_exchange(send, out_bytes, in_bytes, comm, "dispatch", layer, step, mb)
+        fs, is_, pos = [], [], 0
+        for f, i in zip(f_recv, i_recv, strict=True):
+            fs.append(got[pos : pos + f * fe].view(x.dtype))
+            is_.append(got[pos + f * fe : pos + f * fe + i * ie].clone().view(ints.dtype))
+            pos += f * fe + i * ie
+        recv_i = torch.cat(is_) if is_ else ints.new_zeros(0)
+        ctx.mark_non_differentiable(recv_i)
+        return (*fs, recv_i)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        f_recv, f_splits, comm, layer, step, mb, empty = ctx.meta
+        pieces = [
+            g.reshape(-1) if g is not None else empty.new_zeros(n)
+            for g, n in zip(grads[:-1], f_recv, strict=True)
+        ]
+        grad = torch.cat(pieces) if pieces else empty
+        g = _traced_exchange(grad, f_splits, f_recv, comm, "dispatch.bwd", layer, step, mb)
+        return g, None, None, None, None
+
+
 @dataclass
 class DispatchPlan:
     """Sender side of one MoE layer: per peer, its token ids and assignments."""
@@ -231,22 +287,15 @@ def ep_moe(
     d = plan_dispatch(routing, comm, layer)
     send_f = torch.cat([torch.cat([u_TH[p.token_ids].reshape(-1), p.weights_A]) for p in d.plans])
     send_i = torch.cat([torch.cat([p.rows_A, p.experts_A]) for p in d.plans])
-    recv_f = AllToAll.apply(
-        send_f,
-        [r * H + a for r, a in zip(d.recv_rows, d.recv_asg, strict=True)],
+    splits = (
         [r * H + a for r, a in zip(d.send_rows, d.send_asg, strict=True)],
-        comm,
-        "dispatch",
-        layer,
+        [2 * a for a in d.send_asg],
+        [r * H + a for r, a in zip(d.recv_rows, d.recv_asg, strict=True)],
+        [2 * a for a in d.recv_asg],
     )
-    recv_i = traced_exchange(
-        send_i, [2 * a for a in d.recv_asg], [2 * a for a in d.send_asg], comm, "ints", layer
-    )
-    xs, ws, pos = [], [], 0
-    for r, a in zip(d.recv_rows, d.recv_asg, strict=True):
-        xs.append(recv_f[pos : pos + r * H].view(r, H))
-        ws.append(recv_f[pos + r * H : pos + r * H + a])
-        pos += r * H + a
+    *recv_f, recv_i = Dispatch.apply(send_f, send_i, splits, comm, layer)
+    xs = [f[: r * H].view(r, H) for f, r in zip(recv_f, d.recv_rows, strict=True)]
+    ws = [f[r * H :] for f, r in zip(recv_f, d.recv_rows, strict=True)]
     plan = receiver_plan(d.recv_rows, d.recv_asg, recv_i, ws)
     y_RH = experts(torch.cat(xs), plan)
     back = AllToAll.apply(
