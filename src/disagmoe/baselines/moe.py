@@ -178,18 +178,37 @@ class AllToAll(torch.autograd.Function):
         return g, None, None, None, None, None
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+def pack_pieces(
+    floats: list[torch.Tensor], ints: list[torch.Tensor]
+) -> tuple[torch.Tensor, list[int]]:
+    """One byte buffer holding, per peer, its float piece then its int piece; (the
+    buffer, the bytes per peer)."""
+    parts, sizes = [], []
+    for f, i in zip(floats, ints, strict=True):
+        parts += [f.contiguous().view(torch.uint8), i.contiguous().view(torch.uint8)]
+        sizes.append(parts[-2].numel() + parts[-1].numel())
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8), sizes
+
+
+def unpack_pieces(
+    got: torch.Tensor, f_counts: list[int], i_counts: list[int], dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`pack_pieces` inverted on the received bytes: per peer its `f_counts` floats of
+    `dtype` (views: every piece is a whole number of floats, so the offsets are aligned)
+    and its `i_counts` int64s (copied out: their offsets need not be multiples of 8)."""
+    fe, floats, ints, pos = torch.empty(0, dtype=dtype).element_size(), [], [], 0
+    for f, i in zip(f_counts, i_counts, strict=True):
+        floats.append(got[pos : pos + f * fe].view(dtype))
+        ints.append(got[pos + f * fe : pos + f * fe + 8 * i].clone().view(torch.int64))
+        pos += f * fe + 8 * i
+    return floats, ints
 
 
 class Dispatch(torch.autograd.Function):
-    """One all-to-all of floats (differentiable) and int64s (not) per peer: each peer's
-    bytes are its float piece, then its int piece (`f_splits` / `i_splits`: elements per
-    peer, sent; `f_recv` / `i_recv`: received). Returns the float piece received from each
-    peer, then the int pieces concatenated. The float pieces are views of the received
-    bytes (every piece is a whole number of floats, so their offsets are aligned); the int
-    pieces are copied out (their offsets need not be multiples of 8). The backward sends
-    the floats' gradient back in a float all-to-all."""
+    """One byte all-to-all of floats (differentiable) and int64s (not), laid out by
+    `pack_pieces` (`splits`: floats and ints per peer, sent, then received). Returns the
+    float piece received from each peer, then the int pieces concatenated. The backward
+    sends the floats' gradient back in a float all-to-all."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -203,20 +222,13 @@ class Dispatch(torch.autograd.Function):
         f_splits, i_splits, f_recv, i_recv = splits
         step, mb = comm.step, comm.micro_batch
         ctx.meta = (f_recv, f_splits, comm, layer, step, mb, x.new_zeros(0))
-        fe, ie = x.element_size(), ints.element_size()
-        pieces, fpos, ipos = [], 0, 0
-        for f, i in zip(f_splits, i_splits, strict=True):
-            pieces += [_as_bytes(x[fpos : fpos + f]), _as_bytes(ints[ipos : ipos + i])]
-            fpos, ipos = fpos + f, ipos + i
-        send = torch.cat(pieces) if pieces else x.new_zeros(0, dtype=torch.uint8)
-        out_bytes = [f * fe + i * ie for f, i in zip(f_recv, i_recv, strict=True)]
-        in_bytes = [f * fe + i * ie for f, i in zip(f_splits, i_splits, strict=True)]
+        f_pieces = x.split(f_splits)
+        i_pieces = ints.split(i_splits)
+        send, in_bytes = pack_pieces(list(f_pieces), list(i_pieces))
+        fe = x.element_size()
+        out_bytes = [f * fe + 8 * i for f, i in zip(f_recv, i_recv, strict=True)]
         got = _traced_exchange(send, out_bytes, in_bytes, comm, "dispatch", layer, step, mb)
-        fs, is_, pos = [], [], 0
-        for f, i in zip(f_recv, i_recv, strict=True):
-            fs.append(got[pos : pos + f * fe].view(x.dtype))
-            is_.append(got[pos + f * fe : pos + f * fe + i * ie].clone().view(ints.dtype))
-            pos += f * fe + i * ie
+        fs, is_ = unpack_pieces(got, f_recv, i_recv, x.dtype)
         recv_i = torch.cat(is_) if is_ else ints.new_zeros(0)
         ctx.mark_non_differentiable(recv_i)
         return (*fs, recv_i)

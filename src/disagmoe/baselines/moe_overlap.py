@@ -1,7 +1,9 @@
 """`ep-overlap`'s MoE layer (Tutel / Comet operator-level overlap): `ep_moe` with the
 expert compute chunked and pipelined with asynchronous all-to-alls.
 
-`OverlappedExperts` splits the dispatched rows of every peer into `chunks` pieces: all
+`OverlappedExperts` splits the dispatched rows of every peer into `chunks` pieces, each
+chunk's dispatch carrying its rows, combine weights and assignment ints in one byte
+all-to-all (`baselines.moe.pack_pieces`, after one blocking exchange of the counts): all
 dispatch all-to-alls are posted asynchronously on a dedicated process group
 (`EPComm.overlap_group`), chunk c's expert GEMMs run while chunks c+1.. are in flight, and
 chunk c's combine is posted as soon as it is computed. Its backward pipelines the reverse
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from ..models import Assignments, Experts, Routing, split_by_owner, split_experts
 from ..trace import Tracer
-from .moe import EPComm, receiver_plan, traced_exchange
+from .moe import EPComm, pack_pieces, receiver_plan, traced_exchange, unpack_pieces
 
 
 def _chunk_bounds(rows: int, chunks: int) -> list[tuple[int, int]]:
@@ -79,21 +81,11 @@ def overlapped_moe(
     recv_counts = traced_exchange(
         send_counts.reshape(-1), [2 * C] * ep, [2 * C] * ep, comm, "counts", layer
     ).view(ep, C, 2)
-    send_ints = torch.cat(
-        [
-            torch.cat([pieces[j][c].rows_A, pieces[j][c].experts_A])
-            for j in range(ep)
-            for c in range(C)
-        ]
-    )
-    recv_ints = traced_exchange(
-        send_ints,
-        [2 * int(recv_counts[j, :, 1].sum()) for j in range(ep)],
-        [2 * sum(pieces[j][c].rows_A.numel() for c in range(C)) for j in range(ep)],
-        comm,
-        "ints",
-        layer,
-    )
+    # Each chunk's dispatch carries its assignments' (row, expert id) pairs too.
+    send_ints = [
+        [torch.cat([pieces[j][c].rows_A, pieces[j][c].experts_A]) for j in range(ep)]
+        for c in range(C)
+    ]
     # Differentiable send buffer laid out [chunk][peer][rows*H | weights].
     send_f = torch.cat(
         [
@@ -104,7 +96,7 @@ def overlapped_moe(
     )
     send_counts_v = send_counts.view(ep, C, 2)
     y_flat = OverlappedExperts.apply(
-        send_f, experts, comm, layer, send_counts_v, recv_counts, recv_ints, H
+        send_f, experts, comm, layer, send_counts_v, recv_counts, send_ints, H
     )
     token_ids = torch.cat([pieces[j][c].token_ids for c in range(C) for j in range(ep)])
     return u_TH.new_zeros(u_TH.shape).index_add(0, token_ids, y_flat.view(-1, H))
@@ -132,6 +124,25 @@ def _post(
     t_post = Tracer.now_us()
     work = dist.all_to_all_single(out, x, out_sizes, in_sizes, group=group, async_op=True)
     return _Posted(out, t_post, work, [n * x.element_size() for n in in_sizes])
+
+
+def _post_dispatch(
+    send_f: torch.Tensor,
+    ints: list[list[torch.Tensor]],
+    f_in: list[list[int]],
+    out_bytes: list[list[int]],
+    group: dist.ProcessGroup | None,
+) -> list[_Posted]:
+    """Every chunk's dispatch as one async byte all-to-all (`pack_pieces`: per peer its
+    floats, then its ints), all posted at once like `_post_chunks`: `send_f` is laid out
+    [chunk][peer] with `f_in[c][j]` floats each, `ints[c][j]` is its ints."""
+    pieces = send_f.split([n for sizes in f_in for n in sizes])
+    out, k = [], 0
+    for c, ints_c in enumerate(ints):
+        send, in_bytes = pack_pieces(list(pieces[k : k + len(ints_c)]), ints_c)
+        k += len(ints_c)
+        out.append(_post(send.new_empty(sum(out_bytes[c])), send, out_bytes[c], in_bytes, group))
+    return out
 
 
 def _post_chunks(
@@ -163,7 +174,7 @@ class OverlappedExperts(torch.autograd.Function):
         layer: int,
         send_counts: torch.Tensor,  # [ep, C, 2] rows, assignments I send to peer j in chunk c
         recv_counts: torch.Tensor,  # [ep, C, 2] rows, assignments peer j sends me in chunk c
-        recv_ints: torch.Tensor,
+        send_ints: list[list[torch.Tensor]],  # [chunk][peer] (row, expert id) pairs I send
         H: int,
     ) -> torch.Tensor:
         ep, C = send_counts.shape[0], send_counts.shape[1]
@@ -171,30 +182,28 @@ class OverlappedExperts(torch.autograd.Function):
         sc, rc = send_counts.tolist(), recv_counts.tolist()
         in_sizes = [[sc[j][c][0] * H + sc[j][c][1] for j in range(ep)] for c in range(C)]
         out_sizes = [[rc[j][c][0] * H + rc[j][c][1] for j in range(ep)] for c in range(C)]
+        fe = send_f.element_size()
+        out_bytes = [
+            [n * fe + 16 * rc[j][c][1] for j, n in enumerate(out_sizes[c])] for c in range(C)
+        ]
         where = (layer, comm.step, comm.micro_batch)
         tag = f"l{layer} mb{comm.micro_batch}"
         # Post every chunk's dispatch at once; they complete in order on the a2a group.
-        posted = _post_chunks(send_f.detach(), out_sizes, in_sizes, group)
-        # Assignment ints per (peer, chunk), in the sender's [peer][chunk] order.
-        ints_of: dict[tuple[int, int], torch.Tensor] = {}
-        pos = 0
-        for j in range(ep):
-            for c in range(C):
-                a = rc[j][c][1]
-                ints_of[(j, c)] = recv_ints[pos : pos + 2 * a]
-                pos += 2 * a
+        posted = _post_dispatch(send_f.detach(), send_ints, in_sizes, out_bytes, group)
         leaves, outs, combines = [], [], []
         for c in range(C):
             _wait(posted[c], comm, f"a2a dispatch {tag} c{c}", where)
-            leaf = posted[c].buf.detach().requires_grad_(True)
+            floats, ints = unpack_pieces(
+                posted[c].buf, out_sizes[c], [2 * rc[j][c][1] for j in range(ep)], send_f.dtype
+            )
+            leaf = torch.cat(floats).requires_grad_(True)
             t0 = Tracer.now_us()
             with torch.enable_grad():  # the chunk's own graph, backpropagated in `backward`
-                xs, ws, ints, off = [], [], [], 0
+                xs, ws, off = [], [], 0
                 for j in range(ep):
                     r, a = rc[j][c]
                     xs.append(leaf[off : off + r * H].view(r, H))
                     ws.append(leaf[off + r * H : off + r * H + a])
-                    ints.append(ints_of[(j, c)])
                     off += r * H + a
                 plan = receiver_plan(
                     [rc[j][c][0] for j in range(ep)],
