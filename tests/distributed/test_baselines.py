@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -260,7 +261,13 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
     assert lanes == {"compute", "fwd", "bwd", "send", "recv", "sync", "wgt"}  # every lane named
     cats = {e["cat"] for e in trace if e["ph"] == "X"}
     assert {"fwd", "bwd", "send", "sync"} <= cats
-    assert any(e["name"].startswith("a2a dispatch") for e in trace if e["ph"] == "X")
+    kinds = Counter(
+        e["name"].split()[1] for e in trace if e["ph"] == "X" and e["name"].startswith("a2a ")
+    )
+    # a MoE layer's forward: counts, then one dispatch carrying rows, weights and assignment
+    # ints (baselines.moe.Dispatch), then the combine; the backward reverses the last two
+    assert set(kinds) == {"counts", "dispatch", "combine", "dispatch.bwd", "combine.bwd"}
+    assert kinds["counts"] == kinds["dispatch"] == kinds["combine"] > 0
     assert "A2A dispatch" in (tmp_path / "schedule.txt").read_text()
 
 
