@@ -332,6 +332,36 @@ def test_ep_overlap_search_tries_each_chunk_count() -> None:
     assert {c.overlap_chunks for c in plain} == {0}
 
 
+def test_the_bench_runs_ep_overlap_at_its_searched_chunk_count() -> None:
+    """The bench's search gives ep-overlap every chunk count of `OVERLAP_CHUNKS` (a
+    `--set parallel.overlap_chunks=K` only K), and its row runs the chosen one."""
+    from disagmoe.bench.cli import emulated_cluster
+    from disagmoe.bench.ep_layouts import search
+    from disagmoe.costs.compute import ComputeCosts, Linear
+    from disagmoe.simulator.ep_search import OVERLAP_CHUNKS
+
+    costs = ComputeCosts(
+        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
+    )
+    spec = dataclasses.replace(SPEC, runtimes=("ep-overlap",), global_batch_size=64)
+    ranked = [c for c in search(spec, "ep-overlap", costs, emulated_cluster(spec)) if not c.refused]
+    assert {c.overlap_chunks for c in ranked} == set(OVERLAP_CHUNKS)
+    given = dataclasses.replace(spec, overrides=("parallel.overlap_chunks=4",))
+    fixed = search(given, "ep-overlap", costs, emulated_cluster(given))
+    assert {c.overlap_chunks for c in fixed if not c.refused} == {4}
+    best = ranked[0]
+    chosen = dataclasses.replace(
+        spec, pp=0, ep_layouts=(("ep-overlap", best.pp, best.ep, 1),),
+        ep_overlap_chunks=best.overlap_chunks,
+    )  # fmt: skip
+    flags = chosen.train_flags("ep-overlap", Path("r"))
+    assert flags[flags.index("--overlap-chunks") + 1] == str(best.overlap_chunks)
+    assert flags[flags.index("--pp") + 1] == str(best.pp)
+    assert "--overlap-chunks" not in dataclasses.replace(chosen, ep_overlap_chunks=0).train_flags(
+        "ep-overlap", Path("r")
+    )
+
+
 def test_ep_layout_search_sends_the_runs_dtype() -> None:
     """The search prices a float32 run's pipeline activations at 4 bytes an element and a
     bf16 run's at 2 (`Workload.of_train`): on the bench's slow NIC the float32 steps of

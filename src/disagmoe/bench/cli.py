@@ -375,7 +375,7 @@ def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
     from .ep_layouts import search
 
     costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
-    chosen = []
+    chosen, chunks = [], 0
     for runtime in spec.runtimes:
         if runtime == "disagg":
             continue
@@ -385,13 +385,14 @@ def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
         if best.refused:
             raise ValueError(f"{runtime}: no layout fits this bench: {best.refused}")
         chosen.append((runtime, best.pp, best.ep, best.virtual_stages))
+        chunks = best.overlap_chunks if runtime == "ep-overlap" else chunks
         if log:
             tried = ", ".join(f"{c.label} {c.step_s:.3f}" for c in ranked if not c.refused)
             over = skipped_for_memory(ranked)
             skipped = f"; {over} over {spec_gib:g} GiB skipped" if over else ""
             log(f"bench: {runtime} layout — simulated s/step: {tried}{skipped}; "
                 f"runs {best.label}")  # fmt: skip
-    return dataclasses.replace(spec, ep_layouts=tuple(chosen))
+    return dataclasses.replace(spec, ep_layouts=tuple(chosen), ep_overlap_chunks=chunks)
 
 
 def run_bench(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@
 effort AF-Pipe's planner gets: each layout the runtime accepts on the bench's world and
 batch (`simulator.ep_search`) is simulated on the emulated cluster (one NIC per node at
 the bench's rate, loopback inside a node) with the calibrated compute costs
-(`EmulatedEPCosts`), and the fastest runs.
+(`EmulatedEPCosts`), and the fastest runs; `ep-overlap` at each expert compute chunk
+count of `simulator.ep_search.OVERLAP_CHUNKS`, as `disagmoe simulate` searches it.
 """
 
 from __future__ import annotations
@@ -65,7 +66,9 @@ def search(
 ) -> list[EPCandidate]:
     """Every layout of `runtime` on the bench's cluster (`cluster`: as the planner sees it),
     simulated with `costs` (unscaled), fastest first; those over the cluster's GPU memory
-    (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`)."""
+    (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`);
+    ep-overlap's chunk counts are searched (module doc) unless the bench's `--set
+    parallel.overlap_chunks=K` gives one."""
     model = model_preset(spec.model)
     net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
     train = TrainConfig(
@@ -85,5 +88,15 @@ def search(
 
     return search_ep_layouts(
         runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster,
-        memory_gib=cluster.gpu_mem_gib,
+        overlap_chunks=_given_chunks(spec), memory_gib=cluster.gpu_mem_gib,
     )  # fmt: skip
+
+
+def _given_chunks(spec: BenchSpec) -> int:
+    """ep-overlap's chunk count the bench's `--set` overrides give (0: none, search them)."""
+    given = 0
+    for item in spec.overrides:
+        key, _, value = item.partition("=")
+        if key.strip() == "parallel.overlap_chunks":
+            given = int(value)
+    return given

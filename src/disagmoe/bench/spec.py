@@ -106,6 +106,8 @@ class BenchSpec:
     # ep-* rows: (runtime, pp, ep, virtual stages) each runs (`bench.ep_layouts`: the
     # simulator's best); a runtime not listed runs `pp` / `ep`
     ep_layouts: tuple[tuple[str, int, int, int], ...] = ()
+    # ep-overlap's expert compute chunks, with its searched layout (0: the config's)
+    ep_overlap_chunks: int = 0
 
     @property
     def world(self) -> int:
@@ -199,6 +201,8 @@ class BenchSpec:
         for runtime, pp, ep, v in self.ep_layouts:
             if runtime == e.runtime:
                 extra = ["--virtual-stages", str(v)] if runtime == "ep-interleaved" else []
+                if runtime == "ep-overlap" and self.ep_overlap_chunks:
+                    extra = ["--overlap-chunks", str(self.ep_overlap_chunks)]
                 return ["--pp", str(pp), "--ep", str(ep), *extra, "--world-size", str(self.world)]
         pp = self.pp or 1
         ep = self.ep or self.world // pp
