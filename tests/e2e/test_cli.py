@@ -127,6 +127,21 @@ def test_bench_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: 
     assert not (tmp_path / "b").exists()
 
 
+def test_bench_refuses_an_out_dir_holding_runs(tmp_path: Path) -> None:
+    """A second bench into the same --out is refused before any calibration or run (each
+    row would fail on its run dir), and the first bench's runs stay as they were."""
+    old = tmp_path / "b" / "disagg-even-r0"
+    old.mkdir(parents=True)
+    (old / "metrics.jsonl").write_text('{"step": 0}\n')
+    result = run_cli_in_process("bench", "--loopback", "--out", str(tmp_path / "b"))
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already holds a bench's runs" in lines[0], result.stderr
+    assert "disagg-even-r0" in lines[0]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["disagg-even-r0"]
+    assert (old / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
 def test_bench_bad_input_from_a_real_process(tmp_path: Path) -> None:
     """The table above as a shell meets it: exit code 2, one line, no traceback."""
     result = disagmoe("bench", "--mtu", "100", "--out", str(tmp_path / "b"), timeout=120)

@@ -244,6 +244,12 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise ValueError(f"--mtu must be in [1280, 65000], got {args.mtu}")
     model_preset(args.model)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    used = sorted(path.parent for path in out.glob("*/metrics.jsonl"))
+    if used:  # every row would fail on its run dir (`prepare_run_dir`) after the calibration
+        raise ValueError(
+            f"--out {str(out)!r} already holds a bench's runs ({used[0]}); choose another "
+            "--out or remove them"
+        )
     spec = BenchSpec(
         runtimes=runtimes, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
         nic_gbps=args.nic_gbit, model=args.model, seq_len=args.seq_len,
