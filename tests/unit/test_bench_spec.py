@@ -362,6 +362,36 @@ def test_the_bench_runs_ep_overlap_at_its_searched_chunk_count() -> None:
     )
 
 
+def test_the_bench_search_prices_each_expert_chunk_as_one_call() -> None:
+    """ep-overlap's c chunks are c expert calls, each paying the calibrated call's fixed
+    part (as each chunk's wait does in an emulated run): where that part is most of a
+    call, more chunks simulate slower at every layout with an all-to-all, and the search
+    does not pick 8."""
+    from disagmoe.bench.cli import emulated_cluster
+    from disagmoe.bench.ep_layouts import EmulatedEPCosts, search
+    from disagmoe.costs.compute import ComputeCosts, Linear
+    from disagmoe.simulator import Workload
+
+    fixed = 5e-3
+    costs = ComputeCosts(
+        Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(fixed, 1e-7), Linear(2 * fixed, 2e-7)
+    )
+    spec = dataclasses.replace(SPEC, runtimes=("ep-overlap",), global_batch_size=64)
+    train = TrainConfig(seq_len=spec.seq_len, global_batch_size=64,
+                        micro_batch_size=spec.micro_batch_size)  # fmt: skip
+    priced = EmulatedEPCosts(costs, Workload.of_train(model_preset(spec.model), train), [0.0])
+    for kind, call in (("F", fixed), ("B", 2 * fixed)):
+        whole, quarter = priced.experts(kind), priced.experts_chunk(kind, 4)
+        assert 4 * quarter - whole == pytest.approx(3 * call)
+    ranked = [c for c in search(spec, "ep-overlap", costs, emulated_cluster(spec)) if not c.refused]
+    steps: dict[tuple[int, int], dict[int, float]] = {}
+    for c in ranked:
+        steps.setdefault((c.pp, c.ep), {})[c.overlap_chunks] = c.step_s
+    exchanged = [v for (pp, ep), v in steps.items() if ep > 1]
+    assert exchanged and all(v[8] > v[4] > v[2] > v[1] for v in exchanged)
+    assert ranked[0].overlap_chunks != 8 or ranked[0].ep == 1
+
+
 def test_ep_layout_search_sends_the_runs_dtype() -> None:
     """The search prices a float32 run's pipeline activations at 4 bytes an element and a
     bf16 run's at 2 (`Workload.of_train`): on the bench's slow NIC the float32 steps of

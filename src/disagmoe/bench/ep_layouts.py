@@ -52,7 +52,12 @@ class EmulatedEPCosts:
         return forward_s if self.recompute == "full" and kind in ("B", "I") else 0.0
 
     def experts(self, kind: str) -> float:
-        pairs = self.workload.tokens * self.workload.model.top_k  # routing balanced
+        return self.experts_chunk(kind, 1)
+
+    def experts_chunk(self, kind: str, chunks: int) -> float:
+        """One of `chunks` expert calls over a micro-batch's assignments (ep-overlap's
+        chunks): each pays the call's fixed part, as each chunk's wait does in the run."""
+        pairs = self.workload.tokens * self.workload.model.top_k // chunks  # routing balanced
         if kind == "F":
             return self.costs.expert_fwd(pairs)
         share = {"B": 1.0, "I": 1.0 / GEMM_BACKWARD, "W": 1.0 - 1.0 / GEMM_BACKWARD}[kind]

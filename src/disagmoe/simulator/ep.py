@@ -275,7 +275,18 @@ def _ep_pricing(
         sync_s=sync_s if sync else None,
         bucket_s=bucket_s if sync and overlap_sync else None,
         sync_rest_s=None if expert_buckets else experts_s,
+        chunk_s=_chunk_pricing(model_costs),
     )
+
+
+def _chunk_pricing(model_costs: EPCostModel) -> Callable[[Instr, str, int], float] | None:
+    """One of c expert chunks, where the cost model prices a call's fixed part
+    (`experts_chunk`, e.g. the bench's emulated experts: each chunk is one call, as in the
+    runtime); None (a c-th of the whole) for one that does not."""
+    experts_chunk = getattr(model_costs, "experts_chunk", None)
+    if experts_chunk is None:
+        return None
+    return lambda ins, kind, chunks: experts_chunk(kind, chunks)
 
 
 def _ep_sync_prices(

@@ -80,6 +80,9 @@ class Pricing:
     # Seconds of a compute on a real rank, overriding `compute_s` where it gives a number
     # (a replay of measured instructions: `bench.analysis.predict_disagg`); lanes only
     rank_compute_s: Callable[[int, Instr], float | None] | None = None
+    # Seconds of one of c chunks of a compute (ep-overlap's expert chunks, `Chunked`);
+    # None: `compute_s` / c (no part of a call is paid once per call)
+    chunk_s: Callable[[Instr, str, int], float] | None = None
 
     def compute_on(self, real_rank: int, ins: Instr, kind: str) -> float:
         """`compute_s`, unless `rank_compute_s` prices this compute of this rank."""
@@ -219,7 +222,8 @@ class _Lowering:
         tag = f"l{ins.layer} s{ins.slot}"
         dispatch = self.a2a_s(rank, group.dispatch) / c
         combine = self.a2a_s(rank, group.combine) / c
-        compute = self.pricing.compute_s(ins, kind) / c
+        chunk_s = self.pricing.chunk_s
+        compute = chunk_s(ins, kind, c) if chunk_s else self.pricing.compute_s(ins, kind) / c
         ends = []
         for n in range(c):
             d = op(A2A, "send", dispatch, "comm", f"a2a {group.dispatch.comp} {tag} c{n}", [last])
