@@ -244,12 +244,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise ValueError(f"--mtu must be in [1280, 65000], got {args.mtu}")
     model_preset(args.model)
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
-    used = sorted(path.parent for path in out.glob("*/metrics.jsonl"))
-    if used:  # every row would fail on its run dir (`prepare_run_dir`) after the calibration
-        raise ValueError(
-            f"--out {str(out)!r} already holds a bench's runs ({used[0]}); choose another "
-            "--out or remove them"
-        )
+    _refuse_used(out)
     spec = BenchSpec(
         runtimes=runtimes, nodes=args.nodes, ranks_per_node=args.ranks_per_node,
         nic_gbps=args.nic_gbit, model=args.model, seq_len=args.seq_len,
@@ -281,6 +276,17 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
                     split_note=f"{spec.split_note}; it is the even split (one row)",
                 )
     return spec
+
+
+def _refuse_used(out: Path) -> None:
+    """A one-line error where `out` already holds a bench's runs: every row would fail on
+    its run dir (`prepare_run_dir`), after the calibration."""
+    used = sorted(path.parent for path in out.glob("*/metrics.jsonl"))
+    if used:
+        raise ValueError(
+            f"--out {str(out)!r} already holds a bench's runs ({used[0]}); choose another "
+            "--out or remove them"
+        )
 
 
 def _choices(flag: str, text: str, allowed: tuple[str, ...]) -> tuple[str, ...]:
