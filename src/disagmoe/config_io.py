@@ -152,6 +152,29 @@ def parse_override(text: str) -> tuple[str, str, str]:
     return section, key, value.strip()
 
 
+def check_overrides(overrides: list[str]) -> None:
+    """A one-line ValueError for a `--set` whose section, key or value (by the field's
+    type) is wrong; how the values combine with the rest of a config is not checked
+    (for a command that builds its configs later, e.g. a bench's rows)."""
+    for text in overrides:
+        section, key, value = parse_override(text)
+        if section not in SECTIONS:
+            raise ValueError(
+                f"unknown config section [{section}]; valid sections: {', '.join(SECTIONS)}"
+            )
+        if key == "preset" and section in ("model", "cluster"):
+            (model_preset if section == "model" else cluster_preset)(value)
+            continue
+        types_ = _field_types(SECTIONS[section])
+        if section == "train":
+            types_["min_lr_ratio"] = float  # an older key (`_migrate_train`)
+        if key not in types_:
+            raise ValueError(
+                f"unknown key {section}.{key}; valid keys: {', '.join(sorted(types_))}"
+            )
+        _coerce(value, types_[key], f"{section}.{key}")
+
+
 def apply_overrides(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     """Apply `--set section.key=value` strings (values are parsed by the field's type)."""
     nested: dict[str, dict[str, Any]] = {}

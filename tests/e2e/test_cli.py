@@ -117,6 +117,8 @@ def test_device_cuda_without_cuda_one_line_exit_2(runtime: str, tmp_path: Path) 
         (["--nodes", "99"], "would measure CPU contention"),
         (["--mtu", "100"], "--mtu must be in"),
         (["--placements", "packed,random"], "--placements must list"),
+        (["--set", "parallel.overlap_chunks=x"], "parallel.overlap_chunks must be an integer"),
+        (["--set", "parallel.bogus=3"], "unknown key parallel.bogus"),
     ],
 )
 def test_bench_bad_input_one_line_exit_2(args: list[str], match: str, tmp_path: Path) -> None:

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from disagmoe.config import ModelConfig, ParallelConfig, RunConfig, TrainConfig
-from disagmoe.config_io import apply_overrides, dump_toml, from_dict, load_toml, save_toml
+from disagmoe.config_io import (
+    apply_overrides,
+    check_overrides,
+    dump_toml,
+    from_dict,
+    load_toml,
+    save_toml,
+)
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS, model_preset
 
 
@@ -85,11 +92,25 @@ def test_overrides_parse_by_type() -> None:
         ("train.steps=many", "train.steps must be an integer"),
         ("train.progress=maybe", "true or false"),
         ("steps=3", "section.key=value"),
+        ("model.preset=nope", "unknown model preset 'nope'"),
+        ("train.min_lr_ratio=x", "train.min_lr_ratio must be a number"),
     ],
 )
 def test_bad_overrides(override: str, match: str) -> None:
+    """`check_overrides` (a bench's early check) refuses what applying them refuses."""
     with pytest.raises(ValueError, match=match):
         apply_overrides(RunConfig(), [override])
+    with pytest.raises(ValueError, match=match):
+        check_overrides([override])
+
+
+def test_check_overrides_leaves_how_values_combine_to_the_config() -> None:
+    """Each value alone is right; only the default batch (8) makes micro-batch 3 wrong, and a
+    bench gives its rows their own batch."""
+    both = ["train.micro_batch_size=3", "model.preset=small", "train.min_lr_ratio=0.1"]
+    check_overrides(both)
+    with pytest.raises(ValueError, match="multiple of train.micro_batch_size"):
+        apply_overrides(RunConfig(), both)
 
 
 def test_toml_preset_key_and_errors(tmp_path: Path) -> None:

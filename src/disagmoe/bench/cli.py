@@ -44,7 +44,7 @@ from ..config import (
     RECOMPUTE,
     ClusterConfig,
 )
-from ..config_io import add_config_flag
+from ..config_io import add_config_flag, check_overrides
 from ..extras import require_extra
 from ..flags import add_renamed_flag
 from ..presets import model_preset
@@ -243,6 +243,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     if not 1280 <= args.mtu <= 65000:
         raise ValueError(f"--mtu must be in [1280, 65000], got {args.mtu}")
     model_preset(args.model)
+    check_overrides(list(args.set))  # a bad --set fails before the calibration
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
     _refuse_used(out)
     spec = BenchSpec(
