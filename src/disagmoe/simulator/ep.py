@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from ..config import EP_RUNTIMES, LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
 from ..costs import costmodel as cm
@@ -66,6 +66,14 @@ class EPCostModel(Protocol):
 
     def attn(self, layer: int, kind: str) -> float: ...
     def experts(self, kind: str) -> float: ...
+
+
+@runtime_checkable
+class ChunkedEPCostModel(EPCostModel, Protocol):
+    """An `EPCostModel` that prices one of ep-overlap's expert chunks itself (a call's
+    fixed part paid by every chunk), rather than as a c-th of `experts`."""
+
+    def experts_chunk(self, kind: str, chunks: int) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,10 +291,9 @@ def _chunk_pricing(model_costs: EPCostModel) -> Callable[[Instr, str, int], floa
     """One of c expert chunks, where the cost model prices a call's fixed part
     (`experts_chunk`, e.g. the bench's emulated experts: each chunk is one call, as in the
     runtime); None (a c-th of the whole) for one that does not."""
-    experts_chunk = getattr(model_costs, "experts_chunk", None)
-    if experts_chunk is None:
+    if not isinstance(model_costs, ChunkedEPCostModel):
         return None
-    return lambda ins, kind, chunks: experts_chunk(kind, chunks)
+    return lambda ins, kind, chunks: model_costs.experts_chunk(kind, chunks)
 
 
 def _ep_sync_prices(
