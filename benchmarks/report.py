@@ -18,7 +18,8 @@ to what the benchmark scripts write, and `disagmoe bench` writes it into its ben
 (`disagmoe.bench.meta`); an older file without it gets it from `--stamp` (date: today,
 machine: this one). The tables of
 `disagmoe bench` reports are `bench_table.table`'s; every other file's columns are listed
-in `report_tables.py`, and a file not listed gets every scalar field of its rows.
+in `report_tables.py` (measured) and `tables_simulated.py` (simulated and planned), and a
+file not listed gets every scalar field of its rows.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SCRIPTS = sorted(p.stem for p in BENCHMARKS.glob("*.py"))
 # imported by the scripts, no command line
-LIBRARIES = {"results_io", "ablation_plots", "report_tables"}
+LIBRARIES = {"results_io", "ablation_plots", "report_tables", "report_columns", "tables_simulated"}
 
 
 def test_the_benchmark_folder_is_found() -> None:
