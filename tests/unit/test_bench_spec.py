@@ -311,8 +311,9 @@ def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> No
 
 def test_ep_overlap_search_tries_each_chunk_count() -> None:
     """`overlap_chunks` 0: ep-overlap's search simulates every layout at each of
-    `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get); a
-    count given is the only one; the other runtimes have none to search."""
+    `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get), an
+    `ep 1` layout (nothing exchanged, the runtime does not chunk) at one; a count given is
+    the only one; the other runtimes have none to search."""
     from disagmoe.simulator.ep_search import OVERLAP_CHUNKS, search_ep_layouts
 
     spec, model, train, kw = _ep_search_setting(a2a_s=1e-2)
@@ -322,7 +323,9 @@ def test_ep_overlap_search_tries_each_chunk_count() -> None:
     for c in every:
         by_layout.setdefault((c.pp, c.ep), {})[c.overlap_chunks] = c.step_s
         assert f"overlap-chunks {c.overlap_chunks}" in c.label
-    assert by_layout and all(set(v) == set(OVERLAP_CHUNKS) for v in by_layout.values())
+    assert any(ep > 1 for _, ep in by_layout) and any(ep == 1 for _, ep in by_layout)
+    for (_, ep), steps in by_layout.items():  # at ep 1 every expert is local: no chunks
+        assert set(steps) == (set(OVERLAP_CHUNKS) if ep > 1 else {1})
     assert every[0].step_s == min(c.step_s for c in every)
     # where the all-to-all costs something, chunking changes the step
     assert any(len(set(v.values())) > 1 for v in by_layout.values())

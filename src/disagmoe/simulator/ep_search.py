@@ -143,7 +143,7 @@ def search_ep_layouts(
             ):  # fits already with less recompute: more only adds compute
                 continue
             costs = costs_for(lay, recompute)
-            for k in chunkings:
+            for k in chunkings if lay.ep > 1 else chunkings[:1]:  # ep 1: nothing to chunk
                 sim = simulate_ep(
                     runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
                     seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
