@@ -166,9 +166,49 @@ def test_the_fill_counts_each_hand_over_between_nodes() -> None:
     apart = trace_bound(events, {0: 99.0}, lambda r: r, [1e6] * 3, fill=True)
     together = trace_bound(events, {0: 99.0}, lambda r: 0, [1e6], fill=True)
     # rank 2: head 1 + 1 + 2 + 2, compute 3 + 6, tail 2 + 1 + 4 + 1
-    assert apart.seconds == pytest.approx(6.0 + 9.0 + 8.0) and apart.worker == "rank 2"
+    # (node 0's NIC says the same: its activation leaves after 1 s, takes 1 s, and the
+    # rest of the micro-batch takes 21 s after it)
+    assert apart.seconds == pytest.approx(6.0 + 9.0 + 8.0)
     assert together.seconds == pytest.approx(3.0 + 9.0 + 6.0)
     assert pipeline_fill(events)[2] == (3.0, 6.0)  # no hop given: transfers left out
+
+
+def test_the_fill_keeps_a_nic_idle_before_its_first_hand_over_and_after_its_last() -> None:
+    """3 stages, one per node (1 MB/s NICs), two micro-batches: forwards of 1 s and
+    backwards of 2 s per stage, activations of 10 MB, input gradients of 1 MB. Node 0's
+    NIC sends 20 MB, from the end of the first forward (1 s) on; after the second
+    activation arrives, stage 1 forwards, sends it on (10 s), stage 2 forwards, and all
+    three run the backward with its two hand-overs (9 s): 1 + 20 + 20 = 41 s, where the
+    busiest NIC direction alone says 22 s (node 1: 20 + 2 MB out)."""
+    from disagmoe.bench.bound import _network_fills, hand_over_windows, trace_bound
+
+    events = []
+    for stage in range(3):
+        for mb in (0, 1):
+            events.append(_ev(stage, "fwd", f"F s{stage} mb{mb}", 0.0, 1e6, stage=stage))
+            events.append(_ev(stage, "bwd", f"B s{stage} mb{mb}", 60e6, 2e6, stage=stage))
+            sends = [("act", stage + 1, 10e6)] if stage < 2 else []
+            sends += [("grad", stage - 1, 1e6)] if stage > 0 else []
+            for kind, dst, nbytes in sends:
+                events.append(_ev(stage, "send", f"send {kind} s{stage} mb{mb}", 30e6, 1e3,
+                                  stage=stage, peers=[dst], peer_bytes=[nbytes]))  # fmt: skip
+    node, rates = (lambda r: r), [1e6] * 3
+    hop = lambda e: sum(e["args"]["peer_bytes"]) / 1e6  # noqa: E731
+    windows = hand_over_windows(events, hop)
+    assert windows["act", 0] == pytest.approx((1.0, 1 + 10 + 1 + 6 + 2))
+    assert windows["act", 1] == pytest.approx((1 + 10 + 1, 1 + 6 + 2))
+    assert windows["grad", 2] == pytest.approx((3 + 20 + 2, 1 + 2 + 2))
+    assert windows["grad", 1] == pytest.approx((3 + 20 + 4 + 1, 2.0))
+    idle = _network_fills(events, node, hop)
+    assert idle[0, "out"] == pytest.approx(1 + 20) and idle[0, "in"] == pytest.approx(28 + 2)
+    assert idle[1, "out"] == pytest.approx(12 + 2)  # acts from 12 s, a gradient's 2 s tail
+    plain = trace_bound(events, {0: 99.0}, node, rates)
+    assert plain.seconds == pytest.approx(22.0) and plain.binding == "network"
+    filled = trace_bound(events, {0: 99.0}, node, rates, fill=True)
+    assert filled.seconds == pytest.approx(41.0) and filled.worker == "rank 0"
+    # an all-to-all beside the hand-overs can start and end anywhere: no idle time
+    events.append(_ev(0, "send", "send dispatch", 0, 10, peers=[1], peer_bytes=[1e3]))
+    assert _network_fills(events, node, hop)[0, "out"] == 0.0
 
 
 def test_the_fill_bound_waits_for_the_buckets_the_final_backward_completes() -> None:

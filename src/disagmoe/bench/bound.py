@@ -1,6 +1,7 @@
 """The step-time lower bound of a measured run, from its trace (`simulator.bound`'s terms):
 what each rank sent to whom (`send_bytes`), what it computed, and, for a pipeline of
-stages, the fill and drain its layout cannot avoid (`pipeline_fill`), and for data-parallel
+stages, the fill and drain its layout cannot avoid (`pipeline_fill`, and on each NIC
+`hand_over_windows`), and for data-parallel
 replicas the gradient reduction no order can start before the final backward
 (`last_buckets`; both in `trace_bound(fill=True)`).
 """
@@ -68,6 +69,56 @@ def pipeline_fill(
     its link (None: transfers left out; a stage handing over on its own rank, a V turn,
     sends nothing and costs nothing). So head and tail hold under any order of the
     runtime's operations at this layout and micro-batch count."""
+    fwd, bwd, hops, stages = _stage_costs(events, hop_s)
+    out = {}
+    for rank, held in stages.items():
+        first = min(held)
+        out[rank] = (
+            sum(fwd.get(s, 0.0) + hops.get(("act", s), 0.0) for s in range(first)),
+            sum(bwd.get(s, 0.0) + hops.get(("grad", s + 1), 0.0) for s in range(first)),
+        )
+    return out
+
+
+def hand_over_windows(
+    events: list[Event], hop_s: Callable[[Event], float] | None = None
+) -> dict[tuple[str, int], tuple[float, float]]:
+    """{(kind, sending stage): (head s, tail s)} of a pipeline's hand-overs in one step
+    (`pipeline_fill`'s stages, least computes and hops), and ("sync", K) for the gradient
+    all-reduces of stage K (STEP's as K = 0). None of them can start before `head`: the
+    forwards that produce an activation (stage 0 up to K), for an input gradient all the
+    forwards and then the backwards from the last stage down to K, for an all-reduce down
+    to K's end; after any one arrives the step cannot end before `tail` more: the rest of
+    its micro-batch's forward and all of its backward (an activation), the backwards below
+    it (an input gradient), nothing (an all-reduce)."""
+    fwd, bwd, hops, _ = _stage_costs(events, hop_s)
+    n = max(fwd, default=-1) + 1
+
+    def run(kind: str, stages: range) -> float:  # computes and the hand-overs between them
+        costs, key = (fwd, "act") if kind == "F" else (bwd, "grad")
+        inner = stages[:-1] if kind == "F" else stages[1:]
+        return sum(costs.get(t, 0.0) for t in stages) + sum(hops.get((key, t), 0.0) for t in inner)
+
+    forward = run("F", range(n))
+    windows = {}
+    for k in range(n):
+        down_to = forward + run("B", range(k, n))
+        rest = run("F", range(k + 1, n)) + run("B", range(n))
+        windows["act", k] = (run("F", range(k + 1)), rest)
+        windows["grad", k] = (down_to, run("B", range(k)))
+        windows["sync", k] = (down_to, 0.0)
+    return windows
+
+
+_StageCosts = tuple[
+    dict[int, float], dict[int, float], dict[tuple[str, int], float], dict[int, set[int]]
+]
+
+
+def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) -> _StageCosts:
+    """`pipeline_fill`'s terms: each stage's least forward and backward (B or I) compute,
+    blocking waits excluded; each hand-over's least `hop_s` ({(kind, sending stage)}); the
+    stages each rank holds."""
     waits: dict[int, list[Interval]] = defaultdict(list)
     for e in events:
         if e["args"].get("blocking"):
@@ -93,14 +144,7 @@ def pipeline_fill(
             fwd[stage] = min(fwd.get(stage, own), own)
         elif what in ("B", "I"):
             bwd[stage] = min(bwd.get(stage, own), own)
-    out = {}
-    for rank, held in stages.items():
-        first = min(held)
-        out[rank] = (
-            sum(fwd.get(s, 0.0) + hops.get(("act", s), 0.0) for s in range(first)),
-            sum(bwd.get(s, 0.0) + hops.get(("grad", s + 1), 0.0) for s in range(first)),
-        )
-    return out
+    return fwd, bwd, hops, stages
 
 
 def _bucket(name: str) -> tuple[int, float] | None:
@@ -190,6 +234,38 @@ def _add_drains(
             compute[r] = max(compute[r], ready[r] + sent[r] / rate, together)
 
 
+def _network_fills(
+    evs: list[Event], node_of: Callable[[int], int], hop: Callable[[Event], float]
+) -> dict[tuple[int, str], float]:
+    """{(node, "out" / "in"): s} the node's NIC direction must stay idle in a step of a
+    pipeline of stages (`trace_bound(fill=True)`): before the first of its cross-node
+    transfers can start and after the last can arrive, the least head and least tail
+    (`hand_over_windows`) over the kinds it carries; 0 on a side where it carries any
+    other traffic (an all-to-all); empty for a run without stages."""
+    windows = hand_over_windows(evs, hop)
+    if not windows:
+        return {}
+    kinds: dict[tuple[int, str], set[tuple[str, int] | None]] = defaultdict(set)
+    for e in evs:
+        crossing = [d for d, _ in send_bytes(e) if node_of(d) != node_of(e["pid"])]
+        if not crossing:
+            continue
+        kind: tuple[str, int] | None = None
+        if e["cat"] == "send" and "stage" in e["args"] and e["name"].startswith("send "):
+            kind = (e["name"].split()[1], int(e["args"]["stage"]))
+        elif e["cat"] == "sync":
+            bucket = _bucket(e["name"])
+            kind = ("sync", max(bucket[0], 0) if bucket else 0)  # STEP: after stage 0's
+        kinds[node_of(e["pid"]), "out"].add(kind)
+        for d in crossing:
+            kinds[node_of(d), "in"].add(kind)
+    out = {}
+    for side, held in kinds.items():
+        spans = [windows.get(k, (0.0, 0.0)) if k else (0.0, 0.0) for k in held]
+        out[side] = min(h for h, _ in spans) + min(t for _, t in spans)
+    return out
+
+
 def trace_bound(
     events: list[Event],
     step_times: dict[int, float],
@@ -212,7 +288,9 @@ def trace_bound(
     at the sending node's rate): head + compute + max(tail, STEP); and a data-parallel
     replica's step cannot end before the all-reduce of the gradient buckets its final
     backward completes (`last_buckets`) has run after it, then STEP (`_add_drains`). The
-    bound of the run's layout and micro-batch count, not of its hardware alone. Runs
+    bound of the run's layout and micro-batch count, not of its hardware alone. A node's
+    NIC direction also stays idle before its first pipeline hand-over can leave and after
+    its last arrives (`_network_fills`): its bytes / rate comes with both. Runs
     without pipeline stages (AF-Pipe) have no fill; their attention replicas' last bucket
     counts the same way.
     """
@@ -241,13 +319,17 @@ def trace_bound(
                     out[src_node] += nbytes
                     into[dst_node] += nbytes
         compute, network, serial = {}, {}, {}
+        idle = _network_fills(evs, node_of, hop) if fill else {}
         for rank, mine in by_rank.items():
             compute[rank] = _compute_s(mine)
             serial[rank] = (
                 sum(e["dur"] for e in mine if e["cat"] == "sync" and e["name"] == "STEP") / 1e6
             )
-            node = node_of(rank)
-            network[rank] = max(out[node], into[node]) / node_bytes_per_s[node]
+            node, rate = node_of(rank), node_bytes_per_s[node_of(rank)]
+            network[rank] = max(
+                out[node] / rate + idle.get((node, "out"), 0.0),
+                into[node] / rate + idle.get((node, "in"), 0.0),
+            )
         # STEP holds the world's loss and norm reductions: a rank done early waits in it
         # for the last one. The step's least STEP (the last rank's) is the optimizer's own.
         stepped = {e["pid"] for e in evs if e["cat"] == "sync" and e["name"] == "STEP"}
@@ -261,4 +343,4 @@ def trace_bound(
     return sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
 
 
-__all__ = ["last_buckets", "pipeline_fill", "send_bytes", "trace_bound"]
+__all__ = ["hand_over_windows", "last_buckets", "pipeline_fill", "send_bytes", "trace_bound"]
