@@ -87,10 +87,10 @@ def hand_over_windows(
     (`pipeline_fill`'s stages, least computes and hops), and ("sync", K) for the gradient
     all-reduces of stage K (STEP's as K = 0). None of them can start before `head`: the
     forwards that produce an activation (stage 0 up to K), for an input gradient all the
-    forwards and then the backwards from the last stage down to K, for an all-reduce down
-    to K's end; after any one arrives the step cannot end before `tail` more: the rest of
-    its micro-batch's forward and all of its backward (an activation), the backwards below
-    it (an input gradient), nothing (an all-reduce)."""
+    forwards and then the backwards from the last stage down to K, for an all-reduce all
+    the forwards and the backwards above K; after any one arrives the step cannot end
+    before `tail` more: the rest of its micro-batch's forward and all of its backward (an
+    activation), the backwards below it (an input gradient), nothing (an all-reduce)."""
     fwd, bwd, hops, _ = _stage_costs(events, hop_s)
     n = max(fwd, default=-1) + 1
 
@@ -106,7 +106,10 @@ def hand_over_windows(
         rest = run("F", range(k + 1, n)) + run("B", range(n))
         windows["act", k] = (run("F", range(k + 1)), rest)
         windows["grad", k] = (down_to, run("B", range(k)))
-        windows["sync", k] = (down_to, 0.0)
+        # a stage's first gradient bucket is final early in its backward: only the stages
+        # above have run theirs
+        above = forward + run("B", range(k + 1, n)) + hops.get(("grad", k + 1), 0.0)
+        windows["sync", k] = (above, 0.0)
     return windows
 
 
