@@ -169,6 +169,8 @@ BENCH_TITLES = {
     "shared expert), best layouts",
     "bench8_tinyshared_nic01_searched": "8 emulated workers, tiny-shared at 0.1 Gbit/s NICs, "
     "best layouts",
+    "bench8_tiny_searched": "8 emulated workers, tiny (the default model), best layouts",
+    "bench8_tiny_nic01_searched": "8 emulated workers, tiny at 0.1 Gbit/s NICs, best layouts",
 }
 BENCH_ABOUT = (
     "`disagmoe bench` on the emulated cluster: every runtime beside the bound of its own run, "
@@ -177,6 +179,7 @@ BENCH_ABOUT = (
 ORDER = (
     "bench8_searched", "bench8_pp1", "bench8_nic01_searched", "bench16_searched",
     "bench8_tinyshared_searched", "bench8_tinyshared_nic01_searched",
+    "bench8_tiny_searched", "bench8_tiny_nic01_searched",
     "schedule_orders", "schedule_whatif", "schedule_chain", "schedule_chain_head025",
     "schedule_chain_plans",
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
