@@ -8,7 +8,7 @@ Columns: tokens/s; step s (median over measured steps); bound s (max over ranks 
 and its node's busier NIC direction, from the trace: `bench.bound.trace_bound`) and
 step/bound; the bound with the pipeline's fill and drain at the row's layout and
 micro-batch count (on compute and on each NIC) and the all-reduce of the gradient buckets the final backward completes
-(`bench.bound.trace_bound(fill=True)`; AF-Pipe has no fill) and step over it; what binds; exposed communication (s/step, mean over ranks); the simulator's
+(`bench.bound.trace_bound(fill=True)`) and step over it; what binds; exposed communication (s/step, mean over ranks); the simulator's
 error on the step; the layout the row ran; tokens/s against the fastest EP runtime.
 """
 

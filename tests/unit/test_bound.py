@@ -144,8 +144,10 @@ def test_trace_bound_takes_the_least_step_and_adds_a_pipelines_fill() -> None:
     assert filled.seconds == pytest.approx(3.0 + 18.0 + 6.0)  # the drain outlasts STEP
     # a weight gradient (W) is not on the drain's path; an input gradient (I) is
     split = [e for e in events if not (e["pid"] == 0 and e["cat"] == "bwd")]
-    split += [_ev(0, "bwd", f"I s0 mb{mb}", 9e6, 0.5e6, stage=0, micro_batch=mb) for mb in (0, 1)]
-    split += [_ev(0, "bwd", f"W s0 mb{mb}", 9e6, 1.5e6, stage=0, micro_batch=mb) for mb in (0, 1)]
+    for mb in (0, 1):  # one after another
+        t = (9 + 2 * mb) * 1e6
+        split.append(_ev(0, "bwd", f"I s0 mb{mb}", t, 0.5e6, stage=0, micro_batch=mb))
+        split.append(_ev(0, "bwd", f"W s0 mb{mb}", t + 0.5e6, 1.5e6, stage=0, micro_batch=mb))
     assert pipeline_fill(split)[2] == (3.0, 4.5)
 
 
@@ -185,8 +187,9 @@ def test_the_fill_keeps_a_nic_idle_before_its_first_hand_over_and_after_its_last
     events = []
     for stage in range(3):
         for mb in (0, 1):
-            events.append(_ev(stage, "fwd", f"F s{stage} mb{mb}", 0.0, 1e6, stage=stage))
-            events.append(_ev(stage, "bwd", f"B s{stage} mb{mb}", 60e6, 2e6, stage=stage))
+            events.append(_ev(stage, "fwd", f"F s{stage} mb{mb}", mb * 1e6, 1e6, stage=stage))
+            events.append(_ev(stage, "bwd", f"B s{stage} mb{mb}", 60e6 + mb * 2e6, 2e6,
+                              stage=stage))  # fmt: skip
             sends = [("act", stage + 1, 10e6)] if stage < 2 else []
             sends += [("grad", stage - 1, 1e6)] if stage > 0 else []
             for kind, dst, nbytes in sends:
@@ -242,3 +245,57 @@ def test_the_fill_bound_waits_for_the_buckets_the_final_backward_completes() -> 
     # AF-Pipe's attention replicas: no stage; layer 0's bucket holds the embedding
     af = [_ev(0, "sync", f"allreduce l{l}", 0, 1, bytes=1, peers=[0, 1]) for l in (2, 1, 0)]
     assert [e["name"] for e in last_buckets(af)[0]] == ["allreduce l0"]
+
+
+def test_the_fill_counts_only_what_a_computation_ran_alone() -> None:
+    """Two computations of one rank in flight at once take turns on its device, so each
+    span holds some of the other's work: a stage's least forward is its time alone. Stage
+    0's forwards of 2 s each, the second beside a 3 s backward for its last 1.5 s; stage 1
+    forwards only beside a backward (its span 4 s, 2.5 s of it alone); each backward runs
+    1.5 s of its 3 s alone."""
+    from disagmoe.bench.bound import pipeline_fill
+
+    events = [
+        _ev(0, "fwd", "F s0 mb0", 10e6, 2e6, stage=0),
+        _ev(0, "fwd", "F s0 mb1", 0.0, 2e6, stage=0),
+        _ev(0, "bwd", "B s0 mb0", 0.5e6, 3e6, stage=0),
+        _ev(1, "fwd", "F s1 mb0", 0.0, 4e6, stage=1),
+        _ev(1, "bwd", "B s1 mb0", 2.5e6, 3e6, stage=1),
+        _ev(2, "fwd", "F s2 mb0", 20e6, 1e6, stage=2),
+    ]
+    # forwards: stage 0 min(2, 0.5) s, stage 1 2.5 s; backwards 1.5 s each
+    assert pipeline_fill(events)[2] == pytest.approx((0.5 + 2.5, 1.5 + 1.5))
+
+
+def test_an_af_pipe_run_has_a_pipelines_fill() -> None:
+    """AF-Pipe's layers as a pipeline: attention of layer l is stage 2l, its experts 2l + 1.
+    An expert worker (rank 1, nodes of one rank, 1 MB/s) cannot start before layer 0's
+    attention (1 s) and its dispatch (1 MB: 1 s), and after its last backward the gradient
+    goes back (1 s) and attention's backward runs (2 s)."""
+    from disagmoe.bench.bound import _stage_view, pipeline_fill, trace_bound
+
+    events = [
+        _ev(0, "fwd", "FA l0 s0", 0.0, 1e6, layer=0, slot=0),
+        _ev(0, "send", "send dispatch l0 s0", 1e6, 1e3, dst=1, bytes=1e6),
+        _ev(1, "fwd", "FF l0 s0", 2e6, 1e6, layer=0, slot=0),
+        _ev(1, "send", "send combine l0 s0", 3e6, 1e3, dst=0, bytes=1e6),
+        _ev(0, "fwd", "FA l1 s0", 4e6, 1e6, layer=1, slot=0),
+        _ev(0, "bwd", "BA l1 s0", 5e6, 2e6, layer=1, slot=0),
+        _ev(0, "send", "send grad_combine l0 s0", 7e6, 1e3, dst=1, bytes=1e6),
+        _ev(1, "bwd", "BF l0 s0", 8e6, 2e6, layer=0, slot=0),
+        _ev(1, "send", "send grad_dispatch l0 s0", 10e6, 1e3, dst=0, bytes=1e6),
+        _ev(0, "bwd", "BA l0 s0", 11e6, 2e6, layer=0, slot=0),
+    ]
+    staged = _stage_view(events)
+    assert [e["name"] for e in staged][:4] == ["F s0 mb0", "send act s0 mb0", "F s1 mb0",
+                                               "send act s1 mb0"]  # fmt: skip
+    assert {e["name"] for e in staged if e["pid"] == 0 and e["cat"] == "send"} == {
+        "send act s0 mb0", "send grad s2 mb0"}  # fmt: skip
+    assert pipeline_fill(staged, lambda e: e["args"]["bytes"] / 1e6)[1] == (2.0, 3.0)
+    node = lambda r: r  # noqa: E731
+    plain = trace_bound(events, {0: 99.0}, node, [1e6, 1e6])
+    filled = trace_bound(events, {0: 99.0}, node, [1e6, 1e6], fill=True)
+    assert plain.seconds == pytest.approx(6.0)  # rank 0: 1 + 1 + 2 + 2 s of compute
+    # rank 1's 3 s, filled; node 0's NIC says the same: 2 MB after layer 0's attention,
+    # then the gradient's way down (2 + 1 + 2 s)
+    assert filled.seconds == pytest.approx(2.0 + 3.0 + 3.0)

@@ -80,12 +80,54 @@ def pipeline_fill(
     return out
 
 
+# AF-Pipe's hand-overs as a pipeline's (`_stage_view`): message kind -> (act / grad, stage of
+# its sender given the layer), where attention of layer l is stage 2l and its experts 2l + 1
+_AF_HAND_OVERS = {
+    "dispatch": ("act", lambda l: 2 * l),
+    "combine": ("act", lambda l: 2 * l + 1),
+    "grad_combine": ("grad", lambda l: 2 * l + 2),
+    "grad_dispatch": ("grad", lambda l: 2 * l + 1),
+}
+
+
+def _stage_view(events: list[Event]) -> list[Event]:
+    """An AF-Pipe run's events as a pipeline of stages (the ep-* runtimes' trace), for the
+    fill: one micro-batch runs attention of layer 0, its experts, attention of layer 1, ...,
+    the head (the last attention "layer"), and back, so attention of layer l is stage 2l
+    and its experts stage 2l + 1 ("FA l3 s1" is "F s6 mb1"), a dispatch of layer l the
+    activation stage 2l hands on, a combine that of 2l + 1, and the backward's messages
+    the gradients going down. A run with stages, and any other event, as it is."""
+    if any("stage" in e["args"] for e in events):
+        return events
+    out = []
+    for e in events:
+        try:
+            name = parse_event_name(e["name"])
+        except ValueError:
+            out.append(e)
+            continue
+        if name.layer is None or name.slot is None:
+            out.append(e)
+        elif e["cat"] in ("fwd", "bwd", "wgt") and name.comp in ("A", "F"):
+            stage = 2 * name.layer + (name.comp == "F")
+            out.append({**e, "name": f"{name.op} s{stage} mb{name.slot}",
+                        "args": {**e["args"], "stage": stage}})  # fmt: skip
+        elif name.side == "send" and name.what in _AF_HAND_OVERS:
+            kind, stage_of = _AF_HAND_OVERS[name.what]
+            stage = stage_of(name.layer)
+            out.append({**e, "name": f"send {kind} s{stage} mb{name.slot}",
+                        "args": {**e["args"], "stage": stage}})  # fmt: skip
+        else:
+            out.append(e)
+    return out
+
+
 def hand_over_windows(
     events: list[Event], hop_s: Callable[[Event], float] | None = None
 ) -> dict[tuple[str, int], tuple[float, float]]:
     """{(kind, sending stage): (head s, tail s)} of a pipeline's hand-overs in one step
     (`pipeline_fill`'s stages, least computes and hops), and ("sync", K) for the gradient
-    all-reduces of stage K (STEP's as K = 0). None of them can start before `head`: the
+    all-reduces of stage K (STEP's as K = 0, -1 where the bucket names no stage). None of them can start before `head`: the
     forwards that produce an activation (stage 0 up to K), for an input gradient all the
     forwards and then the backwards from the last stage down to K, for an all-reduce all
     the forwards and the backwards above K; after any one arrives the step cannot end
@@ -99,8 +141,10 @@ def hand_over_windows(
         inner = stages[:-1] if kind == "F" else stages[1:]
         return sum(costs.get(t, 0.0) for t in stages) + sum(hops.get((key, t), 0.0) for t in inner)
 
+    if n == 0:
+        return {}
     forward = run("F", range(n))
-    windows = {}
+    windows = {("sync", -1): (forward, 0.0)}
     for k in range(n):
         down_to = forward + run("B", range(k, n))
         rest = run("F", range(k + 1, n)) + run("B", range(n))
@@ -127,6 +171,10 @@ def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) ->
         if e["args"].get("blocking"):
             waits[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
     merged = {pid: union_intervals(spans) for pid, spans in waits.items()}
+    computes: dict[int, list[Event]] = defaultdict(list)
+    for e in events:
+        if e["cat"] in ("fwd", "bwd", "wgt") and "stage" in e["args"]:
+            computes[e["pid"]].append(e)
     fwd: dict[int, float] = {}
     bwd: dict[int, float] = {}
     hops: dict[tuple[str, int], float] = {}
@@ -140,14 +188,26 @@ def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) ->
         if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
             continue
         what, stage = parse_event_name(e["name"]).what, int(e["args"]["stage"])
-        span = [(e["ts"], e["ts"] + e["dur"])]
-        own = (total_length(span) - overlap_length(span, merged.get(e["pid"], []))) / 1e6
+        own = _alone_s(e, merged.get(e["pid"], []), computes[e["pid"]])
         if what == "F":
             stages[e["pid"]].add(stage)
             fwd[stage] = min(fwd.get(stage, own), own)
         elif what in ("B", "I"):
             bwd[stage] = min(bwd.get(stage, own), own)
     return fwd, bwd, hops, stages
+
+
+def _alone_s(e: Event, waits: list[Interval], others: list[Event]) -> float:
+    """A computation's seconds that are its own for sure: its span less its blocking waits
+    and the time another computation of its rank was in flight (two in flight take turns
+    on the one device: each span holds some of the other's work, and any wait for the
+    device)."""
+    t0, t1 = e["ts"], e["ts"] + e["dur"]
+    busy = [(f["ts"], f["ts"] + f["dur"]) for f in others if f is not e]
+    busy = [(max(a, t0), min(b, t1)) for a, b in busy if a < t1 and t0 < b]
+    away = union_intervals([*busy, *((a, b) for a, b in waits if a < t1 and t0 < b)])
+    span = [(t0, t1)]
+    return (total_length(span) - overlap_length(span, away)) / 1e6
 
 
 def _bucket(name: str) -> tuple[int, float] | None:
@@ -258,7 +318,9 @@ def _network_fills(
             kind = (e["name"].split()[1], int(e["args"]["stage"]))
         elif e["cat"] == "sync":
             bucket = _bucket(e["name"])
-            kind = ("sync", max(bucket[0], 0) if bucket else 0)  # STEP: after stage 0's
+            # STEP: after stage 0's backward; a bucket of no stage (AF-Pipe's): any time
+            # after a forward
+            kind = ("sync", bucket[0] if bucket else 0)
         kinds[node_of(e["pid"]), "out"].add(kind)
         for d in crossing:
             kinds[node_of(d), "in"].add(kind)
@@ -293,9 +355,9 @@ def trace_bound(
     backward completes (`last_buckets`) has run after it, then STEP (`_add_drains`). The
     bound of the run's layout and micro-batch count, not of its hardware alone. A node's
     NIC direction also stays idle before its first pipeline hand-over can leave and after
-    its last arrives (`_network_fills`): its bytes / rate comes with both. Runs
-    without pipeline stages (AF-Pipe) have no fill; their attention replicas' last bucket
-    counts the same way.
+    its last arrives (`_network_fills`): its bytes / rate comes with both. An AF-Pipe run
+    is a pipeline of its layers' attention and experts (`_stage_view`), and its attention
+    replicas' last bucket counts the same way.
     """
 
     def hop(e: Event) -> float:  # one pipeline message alone on its node's NIC
@@ -322,7 +384,8 @@ def trace_bound(
                     out[src_node] += nbytes
                     into[dst_node] += nbytes
         compute, network, serial = {}, {}, {}
-        idle = _network_fills(evs, node_of, hop) if fill else {}
+        staged = _stage_view(evs) if fill else evs
+        idle = _network_fills(staged, node_of, hop) if fill else {}
         for rank, mine in by_rank.items():
             compute[rank] = _compute_s(mine)
             serial[rank] = (
@@ -339,7 +402,7 @@ def trace_bound(
         least = min((serial[r] for r in stepped), default=0.0)
         serial = {r: least if r in stepped else 0.0 for r in serial}
         if fill:
-            _add_drains(evs, by_rank, compute, serial, hop, node_of, node_bytes_per_s)
+            _add_drains(staged, by_rank, compute, serial, hop, node_of, node_bytes_per_s)
         bounds.append(worker_bound(compute, network, serial))
     if not bounds:
         return Bound(0.0, "compute", "-", 0.0, 0.0, 0.0)
