@@ -157,6 +157,15 @@ def hand_over_windows(
     return windows
 
 
+def _hand_over(e: Event) -> tuple[str, int] | None:
+    """("act" / "grad", sending stage) of a pipeline's hand-over ("send act s3 mb1"), else
+    None."""
+    if e["cat"] != "send" or "stage" not in e["args"] or not e["name"].startswith("send "):
+        return None
+    kind = e["name"].split()[1]
+    return (kind, int(e["args"]["stage"])) if kind in ("act", "grad") else None
+
+
 _StageCosts = tuple[
     dict[int, float], dict[int, float], dict[tuple[str, int], float], dict[int, set[int]]
 ]
@@ -180,11 +189,10 @@ def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) ->
     hops: dict[tuple[str, int], float] = {}
     stages: dict[int, set[int]] = defaultdict(set)
     for e in events:
-        if e["cat"] == "send" and hop_s is not None and "stage" in e["args"]:
-            kind = e["name"].split()[1] if e["name"].startswith("send ") else ""
-            if kind in ("act", "grad"):
-                key, t = (kind, int(e["args"]["stage"])), hop_s(e)
-                hops[key] = min(hops.get(key, t), t)
+        key = _hand_over(e)
+        if key is not None and hop_s is not None:
+            t = hop_s(e)
+            hops[key] = min(hops.get(key, t), t)
         if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
             continue
         what, stage = parse_event_name(e["name"]).what, int(e["args"]["stage"])
@@ -313,10 +321,8 @@ def _network_fills(
         crossing = [d for d, _ in send_bytes(e) if node_of(d) != node_of(e["pid"])]
         if not crossing:
             continue
-        kind: tuple[str, int] | None = None
-        if e["cat"] == "send" and "stage" in e["args"] and e["name"].startswith("send "):
-            kind = (e["name"].split()[1], int(e["args"]["stage"]))
-        elif e["cat"] == "sync":
+        kind = _hand_over(e)
+        if e["cat"] == "sync":
             bucket = _bucket(e["name"])
             # STEP: after stage 0's backward; a bucket of no stage (AF-Pipe's): any time
             # after a forward
