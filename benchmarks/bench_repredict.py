@@ -60,14 +60,19 @@ def load_spec(out_dir: Path) -> tuple[BenchSpec, list[dict[str, Any]]]:
 
 
 def outcomes(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[RunOutcome]:
-    """One outcome per run dir of a row that measured steps (the bench's `RunOutcome`)."""
+    """One outcome per run dir of a row that measured steps (the bench's `RunOutcome`).
+    The report keeps a row's tbf drops summed over its runs: they go to its first run, so
+    the summary's sum is the measured one."""
     out = []
     for row in rows:
+        drops = int(row.get("nic_drops") or 0)
         for k, run_dir in enumerate(row.get("run_dirs") or []):
             path = Path(run_dir)
             if row.get("ok") and (path / "trace.json").exists():
                 steps = read_steps(path, spec.warmup)
-                out.append(RunOutcome(row["runtime"], k, path, True, step_times=steps))
+                run = RunOutcome(row["runtime"], k, path, True, step_times=steps, drops=drops)
+                out.append(run)
+                drops = 0
     return out
 
 

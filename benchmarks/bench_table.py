@@ -9,7 +9,9 @@ and its node's busier NIC direction, from the trace: `bench.bound.trace_bound`) 
 step/bound; the bound with the pipeline's fill and drain at the row's layout and
 micro-batch count (on compute and on each NIC) and the all-reduce of the gradient buckets the final backward completes
 (`bench.bound.trace_bound(fill=True)`) and step over it; what binds; exposed communication (s/step, mean over ranks); the simulator's
-error on the step; the layout the row ran; tokens/s against the fastest EP runtime.
+error on the step; the packets the NICs' token buckets dropped per step (over every step
+the row ran, warm-up and repeats included: docs/bench.md, "The emulated cluster"); the
+layout the row ran; tokens/s against the fastest EP runtime.
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ import json
 import sys
 from pathlib import Path
 from typing import Any
+
+
+def drops_per_step(report: dict[str, Any], row: dict[str, Any]) -> float:
+    """A row's tbf drops over the steps its runs ran (`nic_drops` sums its repeats)."""
+    spec = report["spec"]
+    return float(row.get("nic_drops") or 0) / (spec["steps"] * spec["repeats"])
 
 
 def table(report: dict[str, Any]) -> str:
@@ -34,8 +42,8 @@ def table(report: dict[str, Any]) -> str:
         head,
         "",
         "| runtime | tokens/s | step s | bound s | step/bound | with fill s | step/fill "
-        "| binds | exposed s | sim err | vs best EP | layout |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| binds | exposed s | sim err | drops/step | vs best EP | layout |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs = r["tokens_per_s"] / best_ep if best_ep else float("nan")
@@ -43,12 +51,13 @@ def table(report: dict[str, Any]) -> str:
             f"| {r['runtime']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} "
             f"| {r['bound_s']:.3f} | {r['step_over_bound']:.2f} | {r['fill_bound_s']:.3f} "
             f"| {r['step_over_fill_bound']:.2f} | {r['binding']} "
-            f"| {r['exposed_comm_s']:.3f} | {100 * r['prediction_error']:+.0f}% | {vs:.2f}x "
+            f"| {r['exposed_comm_s']:.3f} | {100 * r['prediction_error']:+.0f}% "
+            f"| {drops_per_step(report, r):.0f} | {vs:.2f}x "
             f"| {r['layout']} |"
         )
     for r in report["results"]:
         if not r["ok"]:
-            lines.append(f"| {r['runtime']} | FAILED: {r['error']} |||||||||||")
+            lines.append(f"| {r['runtime']} | FAILED: {r['error']} ||||||||||||")
     return "\n".join(lines)
 
 

@@ -306,7 +306,7 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
         f"x {spec.repeats} repeats ({compute_label(spec)})",
         f"{'runtime':{w}s} {'tokens/s':>9s} {'vs 1f1b':>8s} {'step s':>7s} {'exposed':>8s} "
         f"{'comm%':>6s} {'bubble':>7s} {'sim s':>7s} {'sim err':>8s} {'bound s':>8s} "
-        f"{'step/bd':>7s} {'w/ fill':>8s} {'step/fl':>7s} {'binds':16s} layout",
+        f"{'step/bd':>7s} {'w/ fill':>8s} {'step/fl':>7s} {'drops':>6s} {'binds':16s} layout",
     ]
     for r in results:
         if not r.ok:
@@ -320,11 +320,13 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
         binds = f"{r.bound.binding} {r.bound.worker}" if r.bound else "-"
         fill_s = r.fill_bound.seconds if r.fill_bound else 0.0
         over_fill = f"{r.step_over_fill_bound:.2f}x" if r.step_over_fill_bound else "-"
+        drops = r.nic_drops / (spec.steps * spec.repeats)
         lines.append(
             f"{r.runtime:{w}s} {r.tokens_per_s:9.0f} {ratio:>8s} {r.step_time_s:7.3f} "
             f"{b.exposed_comm_s:8.3f} {100 * b.exposed_comm_s / r.step_time_s:5.0f}% "
             f"{b.bubble_s:7.3f} {r.predicted_step_s:7.3f} {100 * r.prediction_error:+7.0f}% "
-            f"{bound_s:8.3f} {over:>7s} {fill_s:8.3f} {over_fill:>7s} {binds:16s} {r.layout}"
+            f"{bound_s:8.3f} {over:>7s} {fill_s:8.3f} {over_fill:>7s} {drops:6.0f} {binds:16s} "
+            f"{r.layout}"
         )
     lines.append("exposed = communication not covered by compute (s/step, mean over ranks); "
                  "comm% = exposed / step; sim = simulator replaying the run with its traced costs")  # fmt: skip
@@ -334,6 +336,8 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
                  "micro-batch count (on compute, and on each NIC before its first and after "
                  "its last hand-over) and the all-reduce of the gradient buckets the final "
                  "backward completes (bench.bound); step/fl = step / it")  # fmt: skip
+    lines.append("drops = packets the NICs' token buckets dropped per step (every step the "
+                 "row ran, warm-up included)")  # fmt: skip
     return "\n".join(lines)
 
 
