@@ -52,8 +52,12 @@ MEASURED: dict[str, Table] = {
     "tbf_goodput": Table(
         title="TCP goodput through the emulated NICs",
         about="Goodput per sending NIC over the tbf rate of the bench's token buckets, per "
-        "traffic pattern, and the packets they dropped.",
+        "rate, queue and traffic pattern, and the packets they dropped (queue: ms of emulated "
+        "time, x the time scale of wall clock, as the bench sets it).",
         cols=(
+            Col(head="Mbit/s per node", get="mbit", fmt="{:g}"),
+            Col(head="time scale", get="time_scale", fmt="{:g}"),
+            Col(head="queue ms", get="queue_ms", fmt="{:g}"),
             Col(head="pattern", get="pattern"),
             Col(head="flows", get="flows"),
             Col(head="goodput / rate", get="goodput_ratio"),

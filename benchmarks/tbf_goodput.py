@@ -1,24 +1,28 @@
 """TCP goodput through the emulated cluster's NICs, against the rate the bench assumes.
 
-    sudo .venv/bin/python benchmarks/tbf_goodput.py [--mbit 40] [--seconds 4] [--queue-ms 5]
-        [--json PATH]
+    sudo .venv/bin/python benchmarks/tbf_goodput.py [--setting MBIT:SCALE:QUEUE_MS ...]
+        [--seconds 8] [--json PATH]
 
 The bench's link model (`bench.analysis.emulated_network`, and the trace bound) takes a
 node's goodput as `TCP_EFFICIENCY` (0.94) x its tbf rate, shared max-min fairly by every
 flow in flight. This measures what TCP really gets through the same namespaces and token
-buckets (`bench.netns.EmulatedCluster`, the bench's queue and MTU), one pattern at a time:
+buckets (`bench.netns.EmulatedCluster`, the bench's MTU and queue: `QUEUE_MS` of
+emulated time, so `QUEUE_MS x` the time scale of wall clock, as `disagmoe bench` sets it),
+per setting (`--setting`; by default the bench's NIC rates at 8 and 16 workers) and one
+pattern at a time:
 
 * `1 flow`: node 0 -> node 1, one connection;
 * `4 flows`: node 0 -> node 1, four connections at once (a NIC shared by several streams);
 * `all to all`: 4 nodes, every node sending to every other at once (12 flows; each NIC
   carries 3 out and 3 in, as AF-Pipe's exchange does);
 * `on/off`: node 0 -> node 1, 64 KiB bursts with 2 ms pauses (a stream that goes idle
-  between messages, as per-layer exchanges do).
+  between messages, as per-layer exchanges do);
+* `all to all on/off`: the all-to-all's 12 flows as 64 KiB bursts with 2 ms pauses.
 
 Prints per pattern the goodput per sending NIC (bytes received, from the first byte's
 arrival to the last's at the receivers, over the sending nodes) over the tbf rate, and
-the packets the token buckets dropped; `--json PATH` writes `{"rows": [{pattern, flows,
-goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`.
+the packets the token buckets dropped; `--json PATH` writes `{"rows": [{mbit, time_scale,
+queue_ms, pattern, flows, goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def _measure(
     cluster: EmulatedCluster,
     flows: dict[int, list[int]],
     seconds: float,
-    burst: int = 1 << 20,
+    burst: float = 1 << 20,
     pause_ms: float = 0.0,
 ) -> float:
     """Goodput per sending NIC / tbf rate: `flows` = {sender node: [receiver nodes]}."""
@@ -112,57 +116,86 @@ def _measure(
     senders = []
     start_at = time.time() + 3.0  # after every sender process has started
     for node, dsts in flows.items():
-        args = [str(seconds), str(burst), str(pause_ms), str(start_at)]
+        args = [str(seconds), str(int(burst)), str(pause_ms), str(start_at)]
         args += [cluster.addr(d) for d in dsts]
-        proc = subprocess.Popen(cluster.wrap(node, [sys.executable, "-c", SENDER, *args]))
-        cluster.track(proc)
-        senders.append(proc)
-    for proc in senders:
-        proc.wait(timeout=seconds + 60)
+        sender = subprocess.Popen(cluster.wrap(node, [sys.executable, "-c", SENDER, *args]))
+        cluster.track(sender)
+        senders.append(sender)
+    for sender in senders:
+        sender.wait(timeout=seconds + 60)
     got, first, last = 0, float("inf"), 0.0
     for proc in receivers.values():
         out, _ = proc.communicate(timeout=60)
-        n, t0, t1 = out.strip().splitlines()[-1].split()
-        got, first, last = got + int(n), min(first, float(t0)), max(last, float(t1))
+        nbytes, t0, t1 = out.strip().splitlines()[-1].split()
+        got, first, last = got + int(nbytes), min(first, float(t0)), max(last, float(t1))
     rate = cluster.node_mbit[0] * 1e6 / 8
     return got / (last - first) / len(flows) / rate
 
 
+PATTERNS: list[tuple[str, dict[int, list[int]], dict[str, float]]] = [
+    ("1 flow", {0: [1]}, {}),
+    ("4 flows", {0: [1, 1, 1, 1]}, {}),
+    ("all to all", {k: [d for d in range(4) if d != k] for k in range(4)}, {}),
+    ("on/off", {0: [1]}, {"burst": 64 << 10, "pause_ms": 2.0}),
+    ("all to all on/off", {k: [d for d in range(4) if d != k] for k in range(4)},
+     {"burst": 64 << 10, "pause_ms": 2.0}),
+]  # fmt: skip
+
+
+# (Mbit/s per node of wall clock, time scale, queue in ms of emulated time): the bench's
+# NICs at 8 workers and 0.4 / 0.1 Gbit/s (2 ranks per node, 1/32), and at 16 workers and
+# 0.4 Gbit/s (1/64), each with the bench's queue (QUEUE_MS)
+BENCH_SETTINGS = ((25.0, 32.0, QUEUE_MS), (6.25, 32.0, QUEUE_MS), (12.5, 64.0, QUEUE_MS))
+
+
+def _setting(text: str) -> tuple[float, float, float]:
+    try:
+        mbit, scale, queue = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MBIT:SCALE:QUEUE_MS, got {text!r}") from None
+    return mbit, scale, queue
+
+
+def _run_setting(mbit: float, scale: float, queue_ms: float, seconds: float) -> list[dict]:
+    wall_ms = queue_ms * scale
+    print(
+        f"tbf {mbit:g} Mbit/s per node, queue {queue_ms:g} ms x {scale:g} = {wall_ms:g} ms "
+        f"of wall clock; the bench assumes {TCP_EFFICIENCY:.2f}"
+    )
+    print(f"{'pattern':18s} {'flows':>5s} {'goodput / rate':>15s} {'tbf drops':>10s}")
+    rows = []
+    with EmulatedCluster([mbit] * 4, queue_ms=wall_ms) as cluster:
+        for name, flows, kw in PATTERNS:
+            before = cluster.drops()
+            ratio = _measure(cluster, flows, seconds, **kw)
+            drops = cluster.drops() - before
+            count = sum(len(d) for d in flows.values())
+            rows.append(
+                {"mbit": mbit, "time_scale": scale, "queue_ms": queue_ms, "pattern": name,
+                 "flows": count, "goodput_ratio": round(ratio, 3), "drops": drops}
+            )  # fmt: skip
+            print(f"{name:18s} {count:5d} {ratio:15.3f} {drops:10d}")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--mbit", type=float, default=40.0, help="tbf rate per node, Mbit/s")
-    parser.add_argument("--seconds", type=float, default=4.0, help="per pattern")
     parser.add_argument(
-        "--queue-ms", type=float, default=QUEUE_MS, help="tbf queue (the bench's by default)"
-    )
+        "--setting", type=_setting, action="append", metavar="MBIT:SCALE:QUEUE_MS",
+        help="a tbf rate per node (Mbit/s of wall clock), the bench's time scale and a queue "
+        "in ms of emulated time (QUEUE_MS x SCALE of wall clock, as the bench sets it); "
+        "repeatable; by default the bench's three NIC settings with its queue"
+    )  # fmt: skip
+    parser.add_argument("--seconds", type=float, default=8.0, help="per pattern")
     parser.add_argument("--json", default="", help="write the rows to this JSON file")
     args = parser.parse_args()
     why = available()
     if why:
         print(f"tbf_goodput: needs network namespaces: {why}", file=sys.stderr)
         return 2
-    patterns = [
-        ("1 flow", {0: [1]}, {}),
-        ("4 flows", {0: [1, 1, 1, 1]}, {}),
-        ("all to all", {k: [d for d in range(4) if d != k] for k in range(4)}, {}),
-        ("on/off", {0: [1]}, {"burst": 64 << 10, "pause_ms": 2.0}),
-    ]
     rows = []
-    print(
-        f"tbf {args.mbit:g} Mbit/s per node, queue {args.queue_ms:g} ms; "
-        f"the bench assumes {TCP_EFFICIENCY:.2f}"
-    )
-    print(f"{'pattern':12s} {'flows':>5s} {'goodput / rate':>15s} {'tbf drops':>10s}")
-    with EmulatedCluster([args.mbit] * 4, queue_ms=args.queue_ms) as cluster:
-        for name, flows, kw in patterns:
-            before = cluster.drops()
-            ratio = _measure(cluster, flows, args.seconds, **kw)
-            drops = cluster.drops() - before
-            count = sum(len(d) for d in flows.values())
-            rows.append(
-                {"pattern": name, "flows": count, "goodput_ratio": round(ratio, 3), "drops": drops}
-            )
-            print(f"{name:12s} {count:5d} {ratio:15.3f} {drops:10d}")
+    for mbit, scale, queue_ms in args.setting or BENCH_SETTINGS:
+        rows += _run_setting(mbit, scale, queue_ms, args.seconds)
     if args.json:
         write_json(args.json, {"rows": rows})
     return 0
