@@ -178,7 +178,8 @@ def test_messages_arrive_whole_and_in_order(
 def test_stream_turns(received: tuple[list[str], list[tuple[int, int, str]]]) -> None:
     """Each step the receive lane takes the first header; after a message without a payload
     the consuming lane ("fwd") takes the stream's headers itself, and a message with a
-    payload hands them back to the receive lane ("recv0fwd")."""
+    payload hands them back to the receive lane ("recv0fwd"), which keeps them for the rest
+    of the step: the stream carries both kinds."""
     taken = received[1]
-    lanes = ["recv0fwd", "fwd", "fwd", "fwd", "recv0fwd", "recv0fwd", "fwd"]
+    lanes = ["recv0fwd", "fwd", "fwd", "fwd", "recv0fwd", "recv0fwd", "recv0fwd"]
     assert taken == [(step, layer, lanes[layer]) for step in range(2) for layer in range(7)]

@@ -68,9 +68,13 @@ class Turn:
     receive lane sets `pull` and parks: there is nothing to post early, and the consuming
     lane takes the stream's next headers itself when it waits for them, so such a message
     crosses no thread. A message with a payload taken that way hands the turn back
-    (`pull` false, the receive lane woken). Exactly one of the two calls `receiver.next`
-    at a time: the receive lane only while `pull` is false, the consumer only while it is
-    true, and each flips it only after its own take. Changed under `StepState.lock`.
+    (`pull` false, the receive lane woken) and marks the stream `mixed`: for the rest of
+    the step the receive lane keeps the turn after messages without a payload too, so a
+    stream whose messages straddle the inline limit (a dispatch of about 64 KiB) posts
+    every payload's receive as its header comes, not when the consumer asks for it. Exactly
+    one of the two calls `receiver.next` at a time: the receive lane only while `pull` is
+    false, the consumer only while it is true, and each flips it only after its own take.
+    Changed under `StepState.lock`.
     """
 
     msgs: list[Msg]  # the stream's messages this step, in FIFO order
@@ -79,6 +83,7 @@ class Turn:
     parked: threading.Condition  # on StepState.lock: the receive lane waits on it while `pull`
     next: int = 0  # index in `msgs` of the next header to take
     pull: bool = False  # the consuming lane takes the next header
+    mixed: bool = False  # a payload came after a message without one: the lane keeps the turn
 
     @property
     def done(self) -> bool:
@@ -116,15 +121,16 @@ class StepState:
     def deliver(self, turn: Turn, msg: Msg, incoming: Incoming, *, by_lane: bool) -> None:
         """Under `lock`: `msg` (the turn's next) into the mailbox, and the turn to whom takes
         the stream's next header: the receive lane after a message with a payload, the
-        consuming lane after one without (`Turn`). `by_lane`: the receive lane took it (and
-        wakes the consumer if it waits for it)."""
+        consuming lane after one without unless the stream is `mixed` (`Turn`). `by_lane`:
+        the receive lane took it (and wakes the consumer if it waits for it)."""
         turn.next += 1
         self.mailbox[msg] = incoming
         if incoming.works:
             if turn.pull:
                 turn.pull = False
+                turn.mixed = True
                 turn.parked.notify()
-        else:
+        elif not turn.mixed:
             turn.pull = True
         if turn.done and turn.pull:
             turn.parked.notify()  # (the receive lane ends its step)
