@@ -53,7 +53,7 @@ def test_bench_reports_every_runtime_and_cleans_up(tmp_path: Path) -> None:
         assert 0 < r["bound_s"] <= r["step_time_s"] * 1.05
         assert r["step_over_bound"] == pytest.approx(r["step_time_s"] / r["bound_s"])
     assert rows["ep-1f1b"]["ratio_vs_ep_1f1b"] == pytest.approx(1.0)
-    assert "Gbit/s NIC per worker (tbf, MTU 9000)" in report["network"]
+    assert "Gbit/s NIC per worker (tbf, MTU 9000, queue 500 kB)" in report["network"]
     assert report["emulated_compute"] is False
     assert ours(proc.pid) == []
     assert (tmp_path / "disagg-r0" / "trace.json").exists()

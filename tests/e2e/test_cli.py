@@ -116,7 +116,7 @@ def test_device_cuda_without_cuda_one_line_exit_2(runtime: str, tmp_path: Path) 
         (["--compute", "emulated", "--nodes", "40", "--ranks-per-node", "2"], "at most 64"),
         (["--nodes", "99"], "would measure CPU contention"),
         (["--mtu", "100"], "--mtu must be in"),
-        (["--queue-ms", "0"], "--queue-ms must be > 0"),
+        (["--queue-kb", "0"], "--queue-kb must be in"),
         (["--placements", "packed,random"], "--placements must list"),
         (["--set", "parallel.overlap_chunks=x"], "parallel.overlap_chunks must be an integer"),
         (["--set", "parallel.bogus=3"], "unknown key parallel.bogus"),

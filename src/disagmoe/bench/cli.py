@@ -49,7 +49,7 @@ from ..extras import require_extra
 from ..flags import add_renamed_flag
 from ..presets import model_preset
 from .meta import results_meta
-from .netns import QUEUE_MS, EmulatedCluster, LoopbackCluster, available
+from .netns import QUEUE_KB, EmulatedCluster, LoopbackCluster, available
 from .runner import RuntimeResult, run_all, summarize
 from .spec import SPLITS, BenchSpec, even_split
 
@@ -111,9 +111,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
                    help="emulated: run waits and transfers K times slower, report /K "
                    "(default 1 for real compute, 4 x ranks (at least 10) for emulated)")  # fmt: skip
     p.add_argument("--mtu", type=int, default=9000, help="emulated NICs' MTU (bytes)")
-    p.add_argument("--queue-ms", type=float, default=QUEUE_MS,
-                   help="emulated NICs' token-bucket queue, ms of emulated time (default "
-                   f"{QUEUE_MS:g}: DISAGMOE_BENCH_QUEUE_MS or 5)")  # fmt: skip
+    p.add_argument("--queue-kb", type=float, default=QUEUE_KB,
+                   help="emulated NICs' token-bucket queue, kB beyond the bucket, at every "
+                   f"rate (default {QUEUE_KB:g}: 5 ms at 2 x 0.4 Gbit/s)")  # fmt: skip
     p.add_argument("--placements", default="node-aware", metavar="P[,P]",
                    help="disagg: placements to run, one row each (node-aware, packed; "
                    "e.g. node-aware,packed)")  # fmt: skip
@@ -245,8 +245,8 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         raise ValueError(f"--time-scale must be >= 1, got {args.time_scale}")
     if not 1280 <= args.mtu <= 65000:
         raise ValueError(f"--mtu must be in [1280, 65000], got {args.mtu}")
-    if not (math.isfinite(args.queue_ms) and args.queue_ms > 0):
-        raise ValueError(f"--queue-ms must be > 0, got {args.queue_ms}")
+    if not (math.isfinite(args.queue_kb) and 1 <= args.queue_kb <= 1e6):
+        raise ValueError(f"--queue-kb must be in [1, 1000000], got {args.queue_kb}")
     model_preset(args.model)
     check_overrides(list(args.set))  # a bad --set fails before the calibration
     out = Path(args.out or f"runs/bench-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -258,7 +258,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         steps=args.steps, warmup=args.warmup, repeats=max(args.repeats, 1), groups=args.groups,
         attn_workers=args.attn_workers, expert_workers=args.expert_workers, pp=args.pp,
         ep=args.ep, out_dir=out, overrides=tuple(args.set), timeout_s=args.timeout,
-        loopback=args.loopback, mtu=args.mtu, queue_ms=args.queue_ms, compute=args.compute,
+        loopback=args.loopback, mtu=args.mtu, queue_kb=args.queue_kb, compute=args.compute,
         time_scale=time_scale, placements=placements, splits=splits, recomputes=recomputes,
         exchange_chunks=tuple(chunks),
     )  # fmt: skip
@@ -435,13 +435,13 @@ def run_bench(args: argparse.Namespace) -> int:
         cluster = EmulatedCluster(
             [spec.nic_gbps * 1000 * spec.ranks_per_node / k] * spec.nodes,
             mtu=spec.mtu,
-            queue_ms=spec.queue_ms * k,
+            queue_bytes=int(spec.queue_kb * 1000),
         )
         network = (
             f"{spec.nodes} nodes x {spec.ranks_per_node} ranks, "
             f"{spec.nic_gbps:g} Gbit/s NIC per worker (tbf"
             + (f" at 1/{k:g} of it" if k != 1 else "")
-            + f", MTU {spec.mtu}, queue {spec.queue_ms:g} ms)"
+            + f", MTU {spec.mtu}, queue {spec.queue_kb:g} kB)"
         )
         a, f = spec.nic_split
         if "disagg" in spec.runtimes and (a, f) != (1.0, 1.0):

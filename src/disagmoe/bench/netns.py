@@ -81,21 +81,26 @@ def reap_stale() -> list[str]:
     return removed
 
 
-QUEUE_MS = float(os.environ.get("DISAGMOE_BENCH_QUEUE_MS", "5"))
+QUEUE_MS = 5.0  # a link's queue, in time at its rate, unless given in bytes
+QUEUE_KB = 500.0  # the bench's queue: 5 ms at 0.8 Gbit/s (two ranks at 0.4), in any time scale
 MTU = 9000
 
 
-def tbf_args(mbit: float, queue_ms: float = QUEUE_MS, mtu: int = MTU) -> list[str]:
+def tbf_args(
+    mbit: float, queue_ms: float = QUEUE_MS, mtu: int = MTU, queue_bytes: int = 0
+) -> list[str]:
     """`tc` arguments of a token bucket at `mbit` Mbit/s: ~1 ms of burst, a short queue.
 
-    The queue is kept short (a few ms, like a switch port, not a 100 ms home router):
-    gloo's small control messages (and TCP acks) of one stream share a direction with
-    another stream's bulk data, and a deep FIFO would delay them by its whole length.
-    The bucket holds at least two frames of `mtu` bytes.
+    The queue is kept short (a switch port's, not a 100 ms home router's): gloo's small
+    control messages (and TCP acks) of one stream share a direction with another stream's
+    bulk data, and a deep FIFO would delay them by its whole length. It holds `queue_bytes`
+    beyond the bucket where given (a switch port's buffer is bytes, whatever the rate),
+    else `queue_ms` at the rate. The bucket holds at least two frames of `mtu` bytes.
     """
     rate_bytes = mbit * 1e6 / 8
     burst = max(int(rate_bytes * 1e-3), 16 * 1024, 2 * mtu)
-    return ["tbf", "rate", f"{mbit:.3f}mbit", "burst", str(burst), "latency", f"{queue_ms}ms"]
+    queue = ["limit", str(queue_bytes + burst)] if queue_bytes > 0 else ["latency", f"{queue_ms}ms"]
+    return ["tbf", "rate", f"{mbit:.3f}mbit", "burst", str(burst), *queue]
 
 
 @dataclass
@@ -105,6 +110,7 @@ class EmulatedCluster:
     node_mbit: list[float]
     mtu: int = MTU  # jumbo frames: a sixth of the packets (and kernel CPU) of 1500
     queue_ms: float = QUEUE_MS
+    queue_bytes: int = 0  # > 0: every NIC's queue in bytes, whatever its rate (`tbf_args`)
     name: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     kind: str = "netns"
     _procs: list[subprocess.Popen[Any]] = field(default_factory=list, repr=False)
@@ -172,7 +178,7 @@ class EmulatedCluster:
             _run("ip", "-n", ns, "addr", "add", f"{self.addr(k)}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")
             # egress of the node (its NIC sending) and egress of the hub port (NIC receiving)
-            tbf = tbf_args(mbit, self.queue_ms, self.mtu)
+            tbf = tbf_args(mbit, self.queue_ms, self.mtu, self.queue_bytes)
             _run("tc", "-n", ns, "qdisc", "add", "dev", "eth0", "root", *tbf)
             _run("tc", "-n", hub, "qdisc", "add", "dev", port, "root", *tbf)
 
@@ -183,7 +189,7 @@ class EmulatedCluster:
         for k, (old, new) in enumerate(zip(self.node_mbit, node_mbit, strict=True)):
             if abs(old - new) < 1e-9:
                 continue
-            tbf = tbf_args(new, self.queue_ms, self.mtu)
+            tbf = tbf_args(new, self.queue_ms, self.mtu, self.queue_bytes)
             _run("tc", "-n", self.node(k), "qdisc", "change", "dev", "eth0", "root", *tbf)
             _run("tc", "-n", self.hub, "qdisc", "change", "dev", f"v{k}", "root", *tbf)
         self.node_mbit = list(node_mbit)

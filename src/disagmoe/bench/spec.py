@@ -92,7 +92,7 @@ class BenchSpec:
     timeout_s: float = 300.0
     loopback: bool = False
     mtu: int = 9000
-    queue_ms: float = 5.0  # the NICs' tbf queue, ms of emulated time (x time_scale of wall)
+    queue_kb: float = 500.0  # the NICs' tbf queue, kB (bytes are not time-scaled)
     compute: str = "real"  # "real" | "emulated" (calibrated waits, see bench.emulation)
     time_scale: float = 1.0  # emulated: waits and transfers run this many times slower
     costs_path: str = ""  # emulated: the costs JSON every rank loads
