@@ -1,15 +1,14 @@
 """TCP goodput through the emulated cluster's NICs, against the rate the bench assumes.
 
-    sudo .venv/bin/python benchmarks/tbf_goodput.py [--setting MBIT:SCALE:QUEUE_MS ...]
+    sudo .venv/bin/python benchmarks/tbf_goodput.py [--setting MBIT:QUEUE_KB ...]
         [--seconds 8] [--json PATH]
 
 The bench's link model (`bench.analysis.emulated_network`, and the trace bound) takes a
 node's goodput as `TCP_EFFICIENCY` (0.94) x its tbf rate, shared max-min fairly by every
 flow in flight. This measures what TCP really gets through the same namespaces and token
-buckets (`bench.netns.EmulatedCluster`, the bench's MTU and queue: `QUEUE_MS` of
-emulated time, so `QUEUE_MS x` the time scale of wall clock, as `disagmoe bench` sets it),
-per setting (`--setting`; by default the bench's NIC rates at 8 and 16 workers) and one
-pattern at a time:
+buckets (`bench.netns.EmulatedCluster`, the bench's MTU and queue: `QUEUE_KB` beyond the
+bucket, at every rate), per setting (`--setting`; by default the bench's NIC rates at 8
+and 16 workers) and one pattern at a time:
 
 * `1 flow`: node 0 -> node 1, one connection;
 * `4 flows`: node 0 -> node 1, four connections at once (a NIC shared by several streams);
@@ -21,8 +20,8 @@ pattern at a time:
 
 Prints per pattern the goodput per sending NIC (bytes received, from the first byte's
 arrival to the last's at the receivers, over the sending nodes) over the tbf rate, and
-the packets the token buckets dropped; `--json PATH` writes `{"rows": [{mbit, time_scale,
-queue_ms, pattern, flows, goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`.
+the packets the token buckets dropped; `--json PATH` writes `{"rows": [{mbit, queue_kb,
+pattern, flows, goodput_ratio, drops}]}`. Needs root (network namespaces), like `disagmoe bench`.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ import time
 from results_io import write_json
 
 from disagmoe.bench.analysis import TCP_EFFICIENCY
-from disagmoe.bench.netns import QUEUE_MS, EmulatedCluster, available
+from disagmoe.bench.netns import QUEUE_KB, EmulatedCluster, available
 
 PORT = 47000
 
@@ -142,37 +141,37 @@ PATTERNS: list[tuple[str, dict[int, list[int]], dict[str, float]]] = [
 ]  # fmt: skip
 
 
-# (Mbit/s per node of wall clock, time scale, queue in ms of emulated time): the bench's
-# NICs at 8 workers and 0.4 / 0.1 Gbit/s (2 ranks per node, 1/32), and at 16 workers and
-# 0.4 Gbit/s (1/64), each with the bench's queue (QUEUE_MS)
-BENCH_SETTINGS = ((25.0, 32.0, QUEUE_MS), (6.25, 32.0, QUEUE_MS), (12.5, 64.0, QUEUE_MS))
+# (Mbit/s per node of wall clock, queue kB): the bench's NICs at 8 workers and 0.4 / 0.1
+# Gbit/s (2 ranks per node, time scale 32), and at 16 workers and 0.4 Gbit/s (64), with
+# the bench's queue (QUEUE_KB)
+BENCH_SETTINGS = ((25.0, QUEUE_KB), (6.25, QUEUE_KB), (12.5, QUEUE_KB))
 
 
-def _setting(text: str) -> tuple[float, float, float]:
+def _setting(text: str) -> tuple[float, float]:
     try:
-        mbit, scale, queue = (float(x) for x in text.split(":"))
+        mbit, queue_kb = (float(x) for x in text.split(":"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected MBIT:SCALE:QUEUE_MS, got {text!r}") from None
-    return mbit, scale, queue
+        raise argparse.ArgumentTypeError(f"expected MBIT:QUEUE_KB, got {text!r}") from None
+    return mbit, queue_kb
 
 
-def _run_setting(mbit: float, scale: float, queue_ms: float, seconds: float) -> list[dict]:
-    wall_ms = queue_ms * scale
+def _run_setting(mbit: float, queue_kb: float, seconds: float) -> list[dict]:
+    wall_ms = queue_kb * 8 / mbit
     print(
-        f"tbf {mbit:g} Mbit/s per node, queue {queue_ms:g} ms x {scale:g} = {wall_ms:g} ms "
-        f"of wall clock; the bench assumes {TCP_EFFICIENCY:.2f}"
+        f"tbf {mbit:g} Mbit/s per node, queue {queue_kb:g} kB ({wall_ms:.0f} ms at the rate); "
+        f"the bench assumes {TCP_EFFICIENCY:.2f}"
     )
     print(f"{'pattern':18s} {'flows':>5s} {'goodput / rate':>15s} {'tbf drops':>10s}")
     rows = []
-    with EmulatedCluster([mbit] * 4, queue_ms=wall_ms) as cluster:
+    with EmulatedCluster([mbit] * 4, queue_bytes=int(queue_kb * 1000)) as cluster:
         for name, flows, kw in PATTERNS:
             before = cluster.drops()
             ratio = _measure(cluster, flows, seconds, **kw)
             drops = cluster.drops() - before
             count = sum(len(d) for d in flows.values())
             rows.append(
-                {"mbit": mbit, "time_scale": scale, "queue_ms": queue_ms, "pattern": name,
-                 "flows": count, "goodput_ratio": round(ratio, 3), "drops": drops}
+                {"mbit": mbit, "queue_kb": queue_kb, "pattern": name, "flows": count,
+                 "goodput_ratio": round(ratio, 3), "drops": drops}
             )  # fmt: skip
             print(f"{name:18s} {count:5d} {ratio:15.3f} {drops:10d}")
     return rows
@@ -181,9 +180,8 @@ def _run_setting(mbit: float, scale: float, queue_ms: float, seconds: float) -> 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument(
-        "--setting", type=_setting, action="append", metavar="MBIT:SCALE:QUEUE_MS",
-        help="a tbf rate per node (Mbit/s of wall clock), the bench's time scale and a queue "
-        "in ms of emulated time (QUEUE_MS x SCALE of wall clock, as the bench sets it); "
+        "--setting", type=_setting, action="append", metavar="MBIT:QUEUE_KB",
+        help="a tbf rate per node (Mbit/s of wall clock) and queue (kB beyond the bucket); "
         "repeatable; by default the bench's three NIC settings with its queue"
     )  # fmt: skip
     parser.add_argument("--seconds", type=float, default=8.0, help="per pattern")
@@ -194,8 +192,8 @@ def main() -> int:
         print(f"tbf_goodput: needs network namespaces: {why}", file=sys.stderr)
         return 2
     rows = []
-    for mbit, scale, queue_ms in args.setting or BENCH_SETTINGS:
-        rows += _run_setting(mbit, scale, queue_ms, args.seconds)
+    for mbit, queue_kb in args.setting or BENCH_SETTINGS:
+        rows += _run_setting(mbit, queue_kb, args.seconds)
     if args.json:
         write_json(args.json, {"rows": rows})
     return 0

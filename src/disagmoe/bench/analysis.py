@@ -374,9 +374,9 @@ def predict_ep(
     """Simulated step seconds of an ep-* run: measured compute rate, emulated network.
 
     Every rank is simulated and, by default, a NIC carries one pipeline message at a time
-    (`fifo`): an emulated NIC is a token bucket with a queue of about two jumbo frames, and
-    a flow that holds it keeps it while a newcomer's packets are dropped, so the dp
-    replicas of a stage that share a node's NIC take it in turn. In the runs each cross-node
+    (`fifo`): an emulated NIC is a token bucket with a short FIFO queue (`bench.netns`),
+    and a flow that holds it keeps most of it against a newcomer, so the dp replicas of a
+    stage that share a node's NIC take it in turn. In the runs each cross-node
     activation moves at the node's whole rate (262144 bytes in 0.080 s at 3.1 MB/s,
     `--nic-gbit 0.4` at 8 workers) and the replicas run one message apart (0.085 s at 16
     workers, 131072 bytes at 1.56 MB/s); fair sharing in lockstep puts ep-1f1b's step 38%
@@ -385,8 +385,8 @@ def predict_ep(
     channel and direction, so a dispatch keeps a TCP connection per receiver busy on the
     sender's NIC together); a pipeline message of an ep-* run is one payload on the
     pair's one gloo connection, so a NIC holds a flow or two at a time. At `--nic-gbit 0.1` two
-    such flows do share a node's egress, with losses (docs/simulator.md, "Fidelity of
-    the EP replay"), which neither discipline models.
+    such flows do share a node's egress (docs/simulator.md, "Fidelity of the EP
+    replay"), which neither discipline models.
 
     The gradient all-reduces are simulated as the runtime runs them, in the run's weight
     dtype (float32 gradients: 205824 bytes per `small` layer bucket in the traces): the
