@@ -55,6 +55,8 @@ def test_bench_reports_every_runtime_and_cleans_up(tmp_path: Path) -> None:
     assert rows["ep-1f1b"]["ratio_vs_ep_1f1b"] == pytest.approx(1.0)
     assert "Gbit/s NIC per worker (tbf, MTU 9000, queue 500 kB)" in report["network"]
     assert report["emulated_compute"] is False
+    # no --pp with real compute either: the EP row ran the layout the search found best
+    assert [layout[0] for layout in report["spec"]["ep_layouts"]] == ["ep-1f1b"]
     assert ours(proc.pid) == []
     assert (tmp_path / "disagg-r0" / "trace.json").exists()
     # torchrun-launched ranks save the config they ran: the memory budget rank 0 resolved

@@ -45,6 +45,7 @@ from ..config import (
     ClusterConfig,
 )
 from ..config_io import add_config_flag, check_overrides
+from ..costs.compute import ComputeCosts
 from ..extras import require_extra
 from ..flags import add_renamed_flag
 from ..presets import model_preset
@@ -95,8 +96,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "parallel.attn_workers", default=0, note=planner)
     add_config_flag(p, "parallel.expert_workers", default=0, note=planner)
     add_config_flag(p, "parallel.pp", default=0,
-                    note="for every EP row; 0: with emulated compute each runtime's best "
-                    "layout by the simulator, else 1")  # fmt: skip
+                    note="for every EP row; 0: each runtime's best layout by the simulator, "
+                    "with this machine's measured compute")  # fmt: skip
     add_config_flag(p, "parallel.ep", default=0, note="0: W/pp")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every runtime (repeatable)")  # fmt: skip
@@ -367,8 +368,8 @@ def compute_label(spec: BenchSpec) -> str:
     )
 
 
-def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
-    """Measure this machine's compute once; every rank then waits those durations x scale."""
+def measure_compute(spec: BenchSpec, log: Any, what: str) -> ComputeCosts:
+    """This machine's attention and expert durations for the bench's model (`calibrate`)."""
     import torch
 
     from ..models import build_model
@@ -380,24 +381,31 @@ def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
     assignments = tokens * model.cfg.top_k
     if log:
         log(
-            f"bench: emulated compute per micro-batch and layer (measured here): attention "
+            f"bench: compute per micro-batch and layer (measured here, {what}): attention "
             f"{1e3 * costs.attn_fwd(tokens):.2f} / {1e3 * costs.attn_bwd(tokens):.2f} ms fwd/bwd, "
             f"experts {1e3 * costs.expert_fwd(assignments):.2f} / "
-            f"{1e3 * costs.expert_bwd(assignments):.2f} ms; run {spec.time_scale:g}x slower"
+            f"{1e3 * costs.expert_bwd(assignments):.2f} ms"
         )
+    return costs
+
+
+def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
+    """Measure this machine's compute once; every rank then waits those durations x scale."""
+    costs = measure_compute(spec, log, f"emulated {spec.time_scale:g}x slower")
     spec.out_dir.mkdir(parents=True, exist_ok=True)
     path = (spec.out_dir / "compute_costs.json").resolve()
     path.write_text(costs.scaled(spec.time_scale).to_json())
     return dataclasses.replace(spec, costs_path=str(path))
 
 
-def choose_ep_layouts(spec: BenchSpec, log: Any) -> BenchSpec:
-    """Every EP row's layout: the fastest the simulator finds (`bench.ep_layouts`)."""
-    from ..costs.compute import ComputeCosts
+def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = None) -> BenchSpec:
+    """Every EP row's layout: the fastest the simulator finds (`bench.ep_layouts`) with
+    `costs` (unscaled), by default the emulated compute's."""
     from ..simulator.ep_search import skipped_for_memory
     from .ep_layouts import search
 
-    costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
+    if costs is None:
+        costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
     chosen, chunks = [], 0
     for runtime in spec.runtimes:
         if runtime == "disagg":
@@ -454,6 +462,8 @@ def run_bench(args: argparse.Namespace) -> int:
         spec = prepare_emulation(spec, log)
         if not spec.pp:
             spec = choose_ep_layouts(spec, log)
+    elif not spec.pp:  # real compute: the layouts searched with this machine's measured costs
+        spec = choose_ep_layouts(spec, log, measure_compute(spec, log, "for the EP layouts"))
     with cluster:
         outcomes = run_all(spec, cluster, log)
     results = summarize(spec, outcomes)
