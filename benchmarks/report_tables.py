@@ -163,6 +163,7 @@ MEASURED: dict[str, Table] = {
 MEASURED["gc_pauses_8w"] = MEASURED["gc_pauses"]
 TABLES: dict[str, Table] = {**MEASURED, **SIMULATED}
 BENCH_TITLES = {
+    "bench2_default": "2 workers, real compute: `disagmoe bench` with its defaults",
     "bench8_searched": "8 emulated workers, each EP runtime at its best layout",
     "bench8_pp1": "8 emulated workers, experts sharded over every worker (pp 1)",
     "bench8_nic01_searched": "8 emulated workers at 0.1 Gbit/s NICs, best layouts",
@@ -181,7 +182,7 @@ BENCH_ABOUT = (
     "and against the fastest EP baseline (docs/bench.md)."
 )
 ORDER = (
-    "bench8_searched", "bench8_pp1", "bench8_nic01_searched", "bench16_searched",
+    "bench2_default", "bench8_searched", "bench8_pp1", "bench8_nic01_searched", "bench16_searched",
     "bench8_tinyshared_searched", "bench8_tinyshared_nic01_searched",
     "bench8_tiny_searched", "bench8_tiny_nic01_searched", "bench8_tiny_nic01_q125",
     "schedule_orders", "schedule_whatif", "schedule_chain", "schedule_chain_head025",
