@@ -42,7 +42,12 @@ from ..distributed.topology import allreduce_grads, world_sum
 from ..models.parts import unique_named_parameters
 from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Schedule
-from ..torch_private import PipelineSchedule, PipelineStageBase
+from ..torch_private import (
+    PipelineSchedule,
+    PipelineScheduleRuntime,
+    PipelineStageBase,
+    receives_first,
+)
 from ..trace import Tracer
 from ..training.budget import world_memory_budget
 from ..training.ep_budget import check_ep_run, peak_in_flight, predict_ep_run
@@ -167,13 +172,16 @@ class EPTrainer:
         runtime = self.layout.runtime
         loss_fn = self._loss
         stages: list[PipelineStageBase] = list(self.stages)
+        schedule: PipelineScheduleRuntime
         if runtime in ("ep-1f1b", "ep-overlap", "ep-combined"):
-            return ScheduleOrdered(self.stages[0], n, loss_fn, runtime, scale_grads=False)
-        if runtime == "ep-interleaved":
-            return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
-        schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
-        # its F&B pairs run at once (baselines.fb_overlap)
-        enable_fb_overlap(schedule, self.layout.stage_to_pp_rank())
+            schedule = ScheduleOrdered(self.stages[0], n, loss_fn, runtime, scale_grads=False)
+        elif runtime == "ep-interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+        else:
+            schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
+            # its F&B pairs run at once (baselines.fb_overlap)
+            enable_fb_overlap(schedule, self.layout.stage_to_pp_rank())
+        receives_first(schedule)
         return schedule
 
     def _local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

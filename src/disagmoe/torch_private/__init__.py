@@ -60,6 +60,7 @@ __all__ = [
     "load_pipelining",
     "module_parameters",
     "prepare_schedule_with_comms",
+    "receives_first",
     "schedule_num_microbatches",
     "schedule_stages",
     "stage_backward_weight",
@@ -267,6 +268,38 @@ def prepare_schedule_with_comms(
     """Lower every rank's compute-only action list to the one `schedule` runs, with its
     pipeline sends and receives (`_prepare_schedule_with_comms`)."""
     schedule._prepare_schedule_with_comms(actions)
+
+
+COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
+
+
+def receives_first(schedule: PipelineSchedule) -> None:
+    """In every run of consecutive pipeline sends and receives of `schedule`'s lowered
+    action lists (`pipeline_order_with_comms`, PyTorch's runtime only), the receives first.
+
+    gloo sends a payload only once its receiver has posted the receive, and the receiver's
+    notice travels on the pair's one connection, behind whatever that rank sends the peer:
+    a stage that posts the activation of micro-batch k + 1 and then the receive of k's
+    gradient makes the gradient wait for the activation's bytes to cross first. Every
+    send and receive is posted without waiting, so the order within a run changes no
+    matching and cannot hang."""
+    orders = getattr(schedule, "pipeline_order_with_comms", None)
+    if orders is None:
+        return
+    for rank, actions in orders.items():
+        out: list[Any] = []
+        run: list[Any] = []
+        for action in [*actions, None]:
+            kind = getattr(getattr(action, "computation_type", None), "name", None)
+            if kind in COMM_KINDS:
+                run.append(action)
+                continue
+            out += [a for a in run if a.computation_type.name.startswith("RECV")]
+            out += [a for a in run if a.computation_type.name.startswith("SEND")]
+            run = []
+            if action is not None:
+                out.append(action)
+        orders[rank] = out
 
 
 # The PipelineStage methods `baselines.stage.TracedStage` overrides (to trace them), with
