@@ -368,36 +368,6 @@ def compute_label(spec: BenchSpec) -> str:
     )
 
 
-def measure_compute(spec: BenchSpec, log: Any, what: str) -> ComputeCosts:
-    """This machine's attention and expert durations for the bench's model (`calibrate`)."""
-    import torch
-
-    from ..models import build_model
-    from .emulation import calibrate
-
-    model = build_model(model_preset(spec.model), seed=0, dtype=torch.float32)
-    costs = calibrate(model, seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size)
-    tokens = spec.seq_len * spec.micro_batch_size
-    assignments = tokens * model.cfg.top_k
-    if log:
-        log(
-            f"bench: compute per micro-batch and layer (measured here, {what}): attention "
-            f"{1e3 * costs.attn_fwd(tokens):.2f} / {1e3 * costs.attn_bwd(tokens):.2f} ms fwd/bwd, "
-            f"experts {1e3 * costs.expert_fwd(assignments):.2f} / "
-            f"{1e3 * costs.expert_bwd(assignments):.2f} ms"
-        )
-    return costs
-
-
-def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
-    """Measure this machine's compute once; every rank then waits those durations x scale."""
-    costs = measure_compute(spec, log, f"emulated {spec.time_scale:g}x slower")
-    spec.out_dir.mkdir(parents=True, exist_ok=True)
-    path = (spec.out_dir / "compute_costs.json").resolve()
-    path.write_text(costs.scaled(spec.time_scale).to_json())
-    return dataclasses.replace(spec, costs_path=str(path))
-
-
 def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = None) -> BenchSpec:
     """Every EP row's layout: the fastest the simulator finds (`bench.ep_layouts`) with
     `costs` (unscaled), by default the emulated compute's."""
@@ -458,6 +428,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 network += " (planner split, node-aware; other rows: even)"
     if log and spec.split_note:
         log(f"bench: disagg split — {spec.split_note}")
+    from .emulation import measure_compute, prepare_emulation  # torch: only when it runs
+
     if spec.compute == "emulated":
         spec = prepare_emulation(spec, log)
         if not spec.pp:

@@ -5,9 +5,11 @@ a model, as the four linear models (`costs.compute.ComputeCosts`) that emulated 
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -15,6 +17,8 @@ from ..costs.compute import ComputeCosts, Linear
 from ..device import device_name, is_accelerator, synchronize
 from ..models import MoETransformer, flatten_routing
 from ..models.emulated import EmulatedAttentionBlock, EmulatedExperts
+from ..presets import model_preset
+from .spec import BenchSpec
 
 
 def calibrate(
@@ -128,3 +132,30 @@ def _fit(rows: tuple[int, int], secs: tuple[float, float]) -> Linear:
         return Linear(0.0, s1 / max(r1, 1))
     per_row = max((s1 - s2) / (r1 - r2), 0.0)
     return Linear(max(s1 - per_row * r1, 0.0), per_row)
+
+
+def measure_compute(spec: BenchSpec, log: Any, what: str) -> ComputeCosts:
+    """This machine's attention and expert durations for the bench's model (`calibrate`)."""
+    from ..models import build_model
+
+    model = build_model(model_preset(spec.model), seed=0, dtype=torch.float32)
+    costs = calibrate(model, seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size)
+    tokens = spec.seq_len * spec.micro_batch_size
+    assignments = tokens * model.cfg.top_k
+    if log:
+        log(
+            f"bench: compute per micro-batch and layer (measured here, {what}): attention "
+            f"{1e3 * costs.attn_fwd(tokens):.2f} / {1e3 * costs.attn_bwd(tokens):.2f} ms fwd/bwd, "
+            f"experts {1e3 * costs.expert_fwd(assignments):.2f} / "
+            f"{1e3 * costs.expert_bwd(assignments):.2f} ms"
+        )
+    return costs
+
+
+def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
+    """Measure this machine's compute once; every rank then waits those durations x scale."""
+    costs = measure_compute(spec, log, f"emulated {spec.time_scale:g}x slower")
+    spec.out_dir.mkdir(parents=True, exist_ok=True)
+    path = (spec.out_dir / "compute_costs.json").resolve()
+    path.write_text(costs.scaled(spec.time_scale).to_json())
+    return dataclasses.replace(spec, costs_path=str(path))
