@@ -249,10 +249,11 @@ def test_the_fill_bound_waits_for_the_buckets_the_final_backward_completes() -> 
 
 def test_the_fill_counts_only_what_a_computation_ran_alone() -> None:
     """Two computations of one rank in flight at once take turns on its device, so each
-    span holds some of the other's work: a stage's least forward is its time alone. Stage
-    0's forwards of 2 s each, the second beside a 3 s backward for its last 1.5 s; stage 1
-    forwards only beside a backward (its span 4 s, 2.5 s of it alone); each backward runs
-    1.5 s of its 3 s alone."""
+    span holds some of the other's work: a stage's forward is the least of its runs with
+    the device to themselves, or where it has none, the least of its time alone. Stage 0's
+    forwards of 2 s each, the second beside a 3 s backward for its last 1.5 s: 2 s (the
+    first ran alone); stage 1 forwards only beside a backward (its span 4 s, 2.5 s of it
+    alone); each backward runs 1.5 s of its 3 s alone."""
     from disagmoe.bench.bound import pipeline_fill
 
     events = [
@@ -263,8 +264,43 @@ def test_the_fill_counts_only_what_a_computation_ran_alone() -> None:
         _ev(1, "bwd", "B s1 mb0", 2.5e6, 3e6, stage=1),
         _ev(2, "fwd", "F s2 mb0", 20e6, 1e6, stage=2),
     ]
-    # forwards: stage 0 min(2, 0.5) s, stage 1 2.5 s; backwards 1.5 s each
-    assert pipeline_fill(events)[2] == pytest.approx((0.5 + 2.5, 1.5 + 1.5))
+    # forwards: stage 0 2 s (alone), stage 1 2.5 s; backwards 1.5 s each
+    assert pipeline_fill(events)[2] == pytest.approx((2.0 + 2.5, 1.5 + 1.5))
+
+
+def test_the_last_buckets_wait_for_the_last_stage_and_the_drain_below_it() -> None:
+    """3 stages, one rank each, on one node; forwards of 1 s and backwards of 2 s, two
+    micro-batches. Stage 0's replica is on another node (1 MB/s NICs): its layer 0 bucket
+    (1 MB) is final when its last backward ends, its layer 1 bucket (3 MB) once that
+    backward has started. The last stage cannot start before 2 s (the fill) and computes
+    6 s, then its last micro-batch's gradient goes down through stage 1 (2 s): stage 0's
+    last backward runs from 10 s to 12 s at the earliest. So 12 + 1 s for layer 0's
+    bucket, 10 + 4 s for both, then STEP (0.5 s): 14.5 s, where each rank's own work and
+    fill say 12 s (the last stage: 2 + 6 + 4)."""
+    from disagmoe.bench.bound import drains_from_above, trace_bound
+
+    events = []
+    for stage in range(3):
+        t = 0.0
+        for what, mb, s in (("F", 0, 1), ("F", 1, 1), ("B", 0, 2), ("B", 1, 2)):
+            cat = "fwd" if what == "F" else "bwd"
+            events.append(_ev(stage, cat, f"{what} s{stage} mb{mb}", t, s * 1e6, stage=stage))
+            t += s * 1e6
+            if what == "F" and stage < 2:
+                events.append(_ev(stage, "send", f"send act s{stage} mb{mb}", t, 1e3,
+                                  stage=stage, peers=[stage + 1], peer_bytes=[1e3]))  # fmt: skip
+        events.append(_ev(stage, "sync", "STEP", 20e6, 0.5e6))
+    for layer, nbytes in ((1, 3e6), (0, 1e6)):
+        events.append(_ev(0, "sync", f"allreduce s0 l{layer}", 6e6, 1e3, bytes=nbytes,
+                          peers=[0, 3]))  # fmt: skip
+    node, rates = (lambda r: int(r == 3)), [1e6, 1e6]
+    by_rank = {r: [e for e in events if e["pid"] == r] for r in range(3)}
+    assert drains_from_above(events, by_rank) == {0: (10.0, 12.0), 1: (8.0, 10.0)}
+    assert trace_bound(events, {0: 99.0}, node, rates, fill=True).seconds == pytest.approx(14.5)
+    # a stage whose activations go to two ranks is no one pipeline (AF-Pipe's dispatch)
+    events.append(_ev(0, "send", "send act s0 mb0", 1e6, 1e3, stage=0, peers=[4],
+                      peer_bytes=[1e3]))  # fmt: skip
+    assert 0 not in drains_from_above(events, by_rank)
 
 
 def test_an_af_pipe_run_has_a_pipelines_fill() -> None:
@@ -272,7 +308,8 @@ def test_an_af_pipe_run_has_a_pipelines_fill() -> None:
     An expert worker (rank 1, nodes of one rank, 1 MB/s) cannot start before layer 0's
     attention (1 s) and its dispatch (1 MB: 1 s), and after its last backward the gradient
     goes back (1 s) and attention's backward runs (2 s)."""
-    from disagmoe.bench.bound import _stage_view, pipeline_fill, trace_bound
+    from disagmoe.bench.bound import pipeline_fill, trace_bound
+    from disagmoe.bench.stage_view import stage_view
 
     events = [
         _ev(0, "fwd", "FA l0 s0", 0.0, 1e6, layer=0, slot=0),
@@ -286,7 +323,7 @@ def test_an_af_pipe_run_has_a_pipelines_fill() -> None:
         _ev(1, "send", "send grad_dispatch l0 s0", 10e6, 1e3, dst=0, bytes=1e6),
         _ev(0, "bwd", "BA l0 s0", 11e6, 2e6, layer=0, slot=0),
     ]
-    staged = _stage_view(events)
+    staged = stage_view(events)
     assert [e["name"] for e in staged][:4] == ["F s0 mb0", "send act s0 mb0", "F s1 mb0",
                                                "send act s1 mb0"]  # fmt: skip
     assert {e["name"] for e in staged if e["pid"] == 0 and e["cat"] == "send"} == {

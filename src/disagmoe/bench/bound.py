@@ -3,7 +3,8 @@ what each rank sent to whom (`send_bytes`), what it computed, and, for a pipelin
 stages, the fill and drain its layout cannot avoid (`pipeline_fill`, and on each NIC
 `hand_over_windows`), and for data-parallel
 replicas the gradient reduction no order can start before the final backward
-(`last_buckets`; both in `trace_bound(fill=True)`).
+(`last_buckets`, after the drain from the stages above, `drains_from_above`; all in
+`trace_bound(fill=True)`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..trace import (
     total_length,
     union_intervals,
 )
+from .stage_view import stage_view
 
 Event = dict[str, Any]
 
@@ -63,8 +65,9 @@ def pipeline_fill(
     it on, and the step cannot end before, after its last backward, stages f..1 have each
     handed an input gradient down and stages f-1..0 run it (B, or I where the runtime
     splits the weight gradient W off). Each stage's forward / backward is the least
-    compute any of its micro-batches took on any rank holding it (its own seconds:
-    blocking waits inside excluded); each hand-over (`send act sK`: stage K to K + 1,
+    compute any of its micro-batches took on any rank holding it with the device to itself
+    (blocking waits inside excluded), or where none had, the least of their time alone
+    (`_alone_s`); each hand-over (`send act sK`: stage K to K + 1,
     `send grad sK`: stage K to K - 1) the least `hop_s` of its sends: one message alone on
     its link (None: transfers left out; a stage handing over on its own rank, a V turn,
     sends nothing and costs nothing). So head and tail hold under any order of the
@@ -77,48 +80,6 @@ def pipeline_fill(
             sum(fwd.get(s, 0.0) + hops.get(("act", s), 0.0) for s in range(first)),
             sum(bwd.get(s, 0.0) + hops.get(("grad", s + 1), 0.0) for s in range(first)),
         )
-    return out
-
-
-# AF-Pipe's hand-overs as a pipeline's (`_stage_view`): message kind -> (act / grad, stage of
-# its sender given the layer), where attention of layer l is stage 2l and its experts 2l + 1
-_AF_HAND_OVERS = {
-    "dispatch": ("act", lambda l: 2 * l),
-    "combine": ("act", lambda l: 2 * l + 1),
-    "grad_combine": ("grad", lambda l: 2 * l + 2),
-    "grad_dispatch": ("grad", lambda l: 2 * l + 1),
-}
-
-
-def _stage_view(events: list[Event]) -> list[Event]:
-    """An AF-Pipe run's events as a pipeline of stages (the ep-* runtimes' trace), for the
-    fill: one micro-batch runs attention of layer 0, its experts, attention of layer 1, ...,
-    the head (the last attention "layer"), and back, so attention of layer l is stage 2l
-    and its experts stage 2l + 1 ("FA l3 s1" is "F s6 mb1"), a dispatch of layer l the
-    activation stage 2l hands on, a combine that of 2l + 1, and the backward's messages
-    the gradients going down. A run with stages, and any other event, as it is."""
-    if any("stage" in e["args"] for e in events):
-        return events
-    out = []
-    for e in events:
-        try:
-            name = parse_event_name(e["name"])
-        except ValueError:
-            out.append(e)
-            continue
-        if name.layer is None or name.slot is None:
-            out.append(e)
-        elif e["cat"] in ("fwd", "bwd", "wgt") and name.comp in ("A", "F"):
-            stage = 2 * name.layer + (name.comp == "F")
-            out.append({**e, "name": f"{name.op} s{stage} mb{name.slot}",
-                        "args": {**e["args"], "stage": stage}})  # fmt: skip
-        elif name.side == "send" and name.what in _AF_HAND_OVERS:
-            kind, stage_of = _AF_HAND_OVERS[name.what]
-            stage = stage_of(name.layer)
-            out.append({**e, "name": f"send {kind} s{stage} mb{name.slot}",
-                        "args": {**e["args"], "stage": stage}})  # fmt: skip
-        else:
-            out.append(e)
     return out
 
 
@@ -173,7 +134,7 @@ _StageCosts = tuple[
 
 def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) -> _StageCosts:
     """`pipeline_fill`'s terms: each stage's least forward and backward (B or I) compute,
-    blocking waits excluded; each hand-over's least `hop_s` ({(kind, sending stage)}); the
+    blocking waits excluded, of the runs alone on their device if it has any; each hand-over's least `hop_s` ({(kind, sending stage)}); the
     stages each rank holds."""
     waits: dict[int, list[Interval]] = defaultdict(list)
     for e in events:
@@ -184,8 +145,7 @@ def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) ->
     for e in events:
         if e["cat"] in ("fwd", "bwd", "wgt") and "stage" in e["args"]:
             computes[e["pid"]].append(e)
-    fwd: dict[int, float] = {}
-    bwd: dict[int, float] = {}
+    least: dict[tuple[str, int, bool], float] = {}  # (F / B, stage, ran alone) -> least s
     hops: dict[tuple[str, int], float] = {}
     stages: dict[int, set[int]] = defaultdict(set)
     for e in events:
@@ -196,26 +156,32 @@ def _stage_costs(events: list[Event], hop_s: Callable[[Event], float] | None) ->
         if e["cat"] not in ("fwd", "bwd") or "stage" not in e["args"]:
             continue
         what, stage = parse_event_name(e["name"]).what, int(e["args"]["stage"])
-        own = _alone_s(e, merged.get(e["pid"], []), computes[e["pid"]])
+        if what not in ("F", "B", "I"):
+            continue
+        own, solo = _alone_s(e, merged.get(e["pid"], []), computes[e["pid"]])
         if what == "F":
             stages[e["pid"]].add(stage)
-            fwd[stage] = min(fwd.get(stage, own), own)
-        elif what in ("B", "I"):
-            bwd[stage] = min(bwd.get(stage, own), own)
-    return fwd, bwd, hops, stages
+        slot = ("F" if what == "F" else "B", stage, solo)
+        least[slot] = min(least.get(slot, own), own)
+
+    def cost(kind: str) -> dict[int, float]:  # a run alone if any, else the least own part
+        found = {s for k, s, _ in least if k == kind}
+        return {s: least.get((kind, s, True), least.get((kind, s, False), 0.0)) for s in found}
+
+    return cost("F"), cost("B"), hops, stages
 
 
-def _alone_s(e: Event, waits: list[Interval], others: list[Event]) -> float:
+def _alone_s(e: Event, waits: list[Interval], others: list[Event]) -> tuple[float, bool]:
     """A computation's seconds that are its own for sure: its span less its blocking waits
     and the time another computation of its rank was in flight (two in flight take turns
     on the one device: each span holds some of the other's work, and any wait for the
-    device)."""
+    device); and whether no other computation was in flight at any time of it."""
     t0, t1 = e["ts"], e["ts"] + e["dur"]
     busy = [(f["ts"], f["ts"] + f["dur"]) for f in others if f is not e]
     busy = [(max(a, t0), min(b, t1)) for a, b in busy if a < t1 and t0 < b]
     away = union_intervals([*busy, *((a, b) for a, b in waits if a < t1 and t0 < b)])
     span = [(t0, t1)]
-    return (total_length(span) - overlap_length(span, away)) / 1e6
+    return (total_length(span) - overlap_length(span, away)) / 1e6, not busy
 
 
 def _bucket(name: str) -> tuple[int, float] | None:
@@ -253,6 +219,15 @@ def last_buckets(mine: list[Event]) -> tuple[list[Event], int]:
     return [e for (stage, key), e in keyed if stage == low and key in (-1.0, first)], low
 
 
+def stage_buckets(mine: list[Event], stage: int) -> list[Event]:
+    """Every gradient bucket of one rank's step that names `stage` (`_bucket`)."""
+    return [
+        e
+        for e in mine
+        if e["cat"] == "sync" and (k := _bucket(e["name"])) is not None and k[0] == stage
+    ]
+
+
 def _before_last_buckets(e: Event, stage: int) -> bool:
     """Whether a computation must end before `last_buckets` of its rank start: every one
     but a weight gradient of another stage (W) or on AF-Pipe's background "wgt" lane."""
@@ -281,28 +256,99 @@ def _add_drains(
 ) -> None:
     """`trace_bound(fill=True)`'s waits, into each rank's compute (`worker_bound` adds STEP
     after it): the pipeline's fill before the rank and its drain after it, where the drain
-    outlasts STEP (`pipeline_fill`); and the all-reduce of its `last_buckets`, after every
-    computation that precedes them, at its bytes to other nodes over its node's rate, alone
-    or with the last buckets of the node's other ranks (from the earliest of them)."""
+    outlasts STEP (`pipeline_fill`), and its last backward's wait for the ranks above it
+    (`drains_from_above`). Then the all-reduces no order can start early, at their bytes to
+    other nodes over the node's rate, alone or with the same buckets of the node's other
+    ranks (from the earliest of them): the `last_buckets`, after every computation that
+    precedes them and after the final backward `drains_from_above` gives; and, where it
+    gives one, every bucket of that backward's stage, once that backward can start (each of
+    its layers' gradients takes the final micro-batch's share only then)."""
     fills = pipeline_fill(evs, hop)
-    ready: dict[int, float] = {}  # rank -> the earliest its last buckets can start
-    sent: dict[int, float] = {}  # rank -> their bytes to other nodes
+    above = drains_from_above(evs, by_rank, hop)
+    last_ready: dict[int, tuple[float, float]] = {}  # rank -> (earliest start, bytes out)
+    stage_ready: dict[int, tuple[float, float]] = {}
     for rank, mine in by_rank.items():
         head, tail = fills.get(rank, (0.0, 0.0))
         compute[rank] += head + max(tail - serial.get(rank, 0.0), 0.0)
+        arrive, end = above.get(rank, (0.0, 0.0))
+        compute[rank] = max(compute[rank], end)
         last, stage = last_buckets(mine)
-        if last:
-            src = node_of(rank)
-            ready[rank] = head + _compute_s(mine, partial(_before_last_buckets, stage=stage))
-            sent[rank] = sum(n for e in last for dst, n in send_bytes(e) if node_of(dst) != src)
-    nodes: dict[int, list[int]] = defaultdict(list)
-    for rank in ready:
-        nodes[node_of(rank)].append(rank)
-    for node, ranks in nodes.items():
-        rate = node_bytes_per_s[node]
-        together = min(ready[r] for r in ranks) + sum(sent[r] for r in ranks) / rate
-        for r in ranks:
-            compute[r] = max(compute[r], ready[r] + sent[r] / rate, together)
+        if not last:
+            continue
+        src = node_of(rank)
+
+        def out_bytes(buckets: list[Event], src: int = src) -> float:
+            return sum(n for e in buckets for dst, n in send_bytes(e) if node_of(dst) != src)
+
+        own = head + _compute_s(mine, partial(_before_last_buckets, stage=stage))
+        last_ready[rank] = (max(own, end), out_bytes(last))
+        if rank in above:
+            stage_ready[rank] = (arrive, out_bytes(stage_buckets(mine, stage)))
+    for ready in (last_ready, stage_ready):
+        nodes: dict[int, list[int]] = defaultdict(list)
+        for rank in ready:
+            nodes[node_of(rank)].append(rank)
+        for node, ranks in nodes.items():
+            rate = node_bytes_per_s[node]
+            together = min(ready[r][0] for r in ranks) + sum(ready[r][1] for r in ranks) / rate
+            for r in ranks:
+                compute[r] = max(compute[r], ready[r][0] + ready[r][1] / rate, together)
+
+
+def drains_from_above(
+    evs: list[Event],
+    by_rank: dict[int, list[Event]],
+    hop: Callable[[Event], float] | None = None,
+) -> dict[int, tuple[float, float]]:
+    """{rank: (s, s)}: the earliest the last backward of a rank's lowest stage f can start
+    and end, from the ranks above it in its own pipeline (empty for a run without stages).
+
+    Following the activations up from f: a rank q that holds the stage reached as its own
+    lowest stage g ends its last backward of g after all its forwards and backwards (each
+    micro-batch's backward of g is the last of q's work on it, and q has one device;
+    weight gradients W left out), which start after q's fill (`pipeline_fill`); from there
+    one micro-batch goes down to f: each stage's least backward and each input gradient's
+    hand-over (`hop`), then f's own least backward ends it. The walk follows a pipeline's
+    links only (one sender, one receiver: q's micro-batches are all the rank's), so not
+    AF-Pipe's many-to-many exchanges; a stage handed to the same rank (a V's turn) sends
+    nothing and ends it. So a stage-0 replica's last gradient
+    buckets wait for the last stage's work and the drain below it, not only for their own
+    rank's."""
+    _, bwd, hops, stages = _stage_costs(evs, hop)
+    lowest = {rank: min(held) for rank, held in stages.items()}
+    to: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, stage) -> next ranks
+    into: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, stage) -> senders
+    for e in evs:
+        key = _hand_over(e)
+        if key is not None and key[0] == "act":
+            for d, _ in send_bytes(e):
+                to[e["pid"], key[1]].add(d)
+                into[d, key[1] + 1].add(e["pid"])
+    # a link of one pipeline: one sender, one receiver (AF-Pipe's exchanges are many-to-many)
+    holder = {
+        (r, s): next(iter(ds))
+        for (r, s), ds in to.items()
+        if len(ds) == 1 and len(into[next(iter(ds)), s + 1]) == 1
+    }
+    fills = pipeline_fill(evs, hop)
+
+    def not_weight(e: Event) -> bool:
+        return e["cat"] != "wgt" and not e["name"].startswith("W ")
+
+    out = {}
+    for rank, f in lowest.items():
+        best, cur, stage = 0.0, rank, f
+        while (cur, stage) in holder and stage < max(bwd, default=-1):
+            cur, stage = holder[cur, stage], stage + 1
+            if lowest[cur] != stage:
+                continue
+            down = hops.get(("grad", f + 1), 0.0) + sum(
+                bwd.get(t, 0.0) + hops.get(("grad", t + 1), 0.0) for t in range(f + 1, stage)
+            )
+            best = max(best, fills[cur][0] + _compute_s(by_rank[cur], not_weight) + down)
+        if best > 0.0:
+            out[rank] = (best, best + bwd.get(f, 0.0))
+    return out
 
 
 def _network_fills(
@@ -358,11 +404,12 @@ def trace_bound(
     and drain after it (`pipeline_fill`, each hand-over between nodes at least its bytes
     at the sending node's rate): head + compute + max(tail, STEP); and a data-parallel
     replica's step cannot end before the all-reduce of the gradient buckets its final
-    backward completes (`last_buckets`) has run after it, then STEP (`_add_drains`). The
+    backward completes (`last_buckets`) has run after it and after the drain from the
+    stages above it (`drains_from_above`), then STEP (`_add_drains`). The
     bound of the run's layout and micro-batch count, not of its hardware alone. A node's
     NIC direction also stays idle before its first pipeline hand-over can leave and after
     its last arrives (`_network_fills`): its bytes / rate comes with both. An AF-Pipe run
-    is a pipeline of its layers' attention and experts (`_stage_view`), and its attention
+    is a pipeline of its layers' attention and experts (`stage_view`), and its attention
     replicas' last bucket counts the same way.
     """
 
@@ -390,7 +437,7 @@ def trace_bound(
                     out[src_node] += nbytes
                     into[dst_node] += nbytes
         compute, network, serial = {}, {}, {}
-        staged = _stage_view(evs) if fill else evs
+        staged = stage_view(evs) if fill else evs
         idle = _network_fills(staged, node_of, hop) if fill else {}
         for rank, mine in by_rank.items():
             compute[rank] = _compute_s(mine)
@@ -415,4 +462,12 @@ def trace_bound(
     return sorted(bounds, key=lambda b: b.seconds)[(len(bounds) - 1) // 2]
 
 
-__all__ = ["hand_over_windows", "last_buckets", "pipeline_fill", "send_bytes", "trace_bound"]
+__all__ = [
+    "drains_from_above",
+    "hand_over_windows",
+    "last_buckets",
+    "pipeline_fill",
+    "send_bytes",
+    "stage_buckets",
+    "trace_bound",
+]
