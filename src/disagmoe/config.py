@@ -60,6 +60,8 @@ EP_RUNTIMES = (  # disagmoe.baselines
     "ep-dualpipev",
     "ep-overlap",
 )
+# the runtimes of 1F1B's order, whose warm-up `parallel.pipeline_warmup` lengthens
+WARMUP_RUNTIMES = ("ep-1f1b", "ep-overlap", "ep-combined")
 MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` compare
 RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)
@@ -88,6 +90,16 @@ class ParallelConfig:
     virtual_stages: int = field(default=2, metadata=flag("ep-interleaved: stages per rank"))
     # ep-overlap: expert compute chunks pipelined with the all-to-all
     overlap_chunks: int = field(default=2, metadata=flag("ep-overlap: expert compute chunks"))
+    # ep-1f1b / ep-overlap / ep-combined: forwards ahead of 1F1B's warm-up on every rank
+    # (the other runtimes have no such warm-up and leave it aside)
+    pipeline_warmup: int = field(
+        default=0,
+        metadata=flag(
+            "ep-1f1b, ep-overlap, ep-combined: forwards each pipeline rank runs ahead of "
+            "1F1B's warm-up (holds that many micro-batches more; >= micro-batches per "
+            "replica: every forward first)"
+        ),
+    )
     world_size: int = field(  # 0: p*(m+n) for disagg, pp*ep for the baselines
         default=0, metadata=flag("workers (default: p*(m+n), or pp*ep for ep-*)")
     )
@@ -139,6 +151,7 @@ class ParallelConfig:
             "overlap_chunks",
         ):
             _require(getattr(self, name) >= 1, f"parallel.{name} must be >= 1")
+        _require(self.pipeline_warmup >= 0, "parallel.pipeline_warmup must be >= 0")
         _require(self.backend in ("auto", "gloo", "nccl"), "parallel.backend: auto, gloo or nccl")
         _require(
             self.device in DEVICES,

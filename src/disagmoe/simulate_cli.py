@@ -94,6 +94,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_renamed_flag(parser, "--chunks", "--virtual-stages", "ep-interleaved: stages per rank")
     add_config_flag(parser, "parallel.overlap_chunks", default=0,
                     note="0: the layout search tries 1, 2, 4 and 8 (a layout given: 2)")  # fmt: skip
+    add_config_flag(parser, "parallel.pipeline_warmup", default=-1,
+                    note="-1: the layout search tries 0, pp and every forward first "
+                    "(a layout given: 0)")  # fmt: skip
     parser.add_argument(
         "--reduce",
         choices=("auto", "on", "off"),
@@ -370,6 +373,7 @@ def _simulate_resolved(args: argparse.Namespace) -> SimResult:
         overlap_chunks=r.get("overlap_chunks")
         or args.overlap_chunks
         or ParallelConfig().overlap_chunks,
+        warmup=r.get("pipeline_warmup", max(args.pipeline_warmup, 0)),
         recompute=r["recompute"],
         overlap_sync=args.overlap_grad_sync,
         **common,

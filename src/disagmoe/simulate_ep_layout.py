@@ -51,7 +51,7 @@ def resolve_ep(
                 args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
                 micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
                 chunks=args.virtual_stages, recompute=recompute,
-                loss_chunk_tokens=args.loss_chunk_tokens,
+                loss_chunk_tokens=args.loss_chunk_tokens, warmup=max(args.pipeline_warmup, 0),
             )  # fmt: skip
         except ValueError:
             if i < len(modes):  # the layout asked for (or the default) is itself impossible
@@ -63,7 +63,8 @@ def resolve_ep(
                     "layout_note": note}  # fmt: skip
         if i == len(modes) - 1:  # the layout asked for (or the default), its last recompute
             lay = EPLayout.of(args.runtime, model, world=gpus, pp=p, ep=ep,
-                              num_micro_batches=micro, v=args.virtual_stages)  # fmt: skip
+                              num_micro_batches=micro, v=args.virtual_stages,
+                              warmup=max(args.pipeline_warmup, 0))  # fmt: skip
             refused = (lay, mems, recompute)
     assert refused is not None
     check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2])
@@ -90,6 +91,7 @@ def searched_ep(
         args.runtime, model, train, gpus,
         costs_for=lambda lay, rc: analytic_ep_costs(lay, workload, cluster, net, rc),
         net=net, cluster=cluster, overlap_chunks=args.overlap_chunks,
+        warmup=args.pipeline_warmup,
         memory_gib=cluster.gpu_mem_gib,
         recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,),
     )  # fmt: skip
@@ -108,7 +110,7 @@ def searched_ep(
     )
     return {"pp": best.pp, "ep": best.ep, "micro_batches": micro, "recompute": best.recompute,
             "virtual_stages": best.virtual_stages, "layout_note": note,
-            "overlap_chunks": best.overlap_chunks}  # fmt: skip
+            "overlap_chunks": best.overlap_chunks, "pipeline_warmup": best.warmup}  # fmt: skip
 
 
 def _default_ep(args: argparse.Namespace, model: ModelConfig, gpus: int, pp: int) -> int:

@@ -43,6 +43,13 @@ STEPS = 2
 RTOL = 1e-10
 
 
+def _warmed(cfg: RunConfig, warmup: int) -> RunConfig:
+    """`cfg` with `warmup` forwards more in 1F1B's warm-up (`parallel.pipeline_warmup`)."""
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, pipeline_warmup=warmup)
+    )
+
+
 def _cfg(
     runtime: str,
     pp: int,
@@ -156,7 +163,8 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
     for k, (cfg, chunks) in enumerate(cases):
         what = (
             f"{cfg.parallel.runtime} pp={cfg.parallel.pp} ep={cfg.parallel.ep} "
-            f"recompute={cfg.train.recompute} model={cfg.model.name}"
+            f"warmup={cfg.parallel.pipeline_warmup} recompute={cfg.train.recompute} "
+            f"model={cfg.model.name}"
         )
         # F&B overlap: a pair's forward and backward run at once (on some rank: a backward
         # may wait for its gradient until the forward beside it is done), and only there
@@ -221,6 +229,9 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
         (loss_chunked(_cfg("ep-dualpipev", pp=2, ep=1, model=tied, eval_data=val), 5), 1),
         (_cfg("ep-combined", pp=1, ep=2, eval_data=val), 1),
         (loss_chunked(_cfg("ep-combined", pp=2, ep=1), 9), 1),
+        # 1F1B with every forward first (GPipe's order), combined 1F1B one forward ahead
+        (_warmed(_cfg("ep-1f1b", pp=2, ep=1), 4), 1),
+        (_warmed(_cfg("ep-combined", pp=2, ep=1), 1), 1),
         (recomputing(_cfg("ep-1f1b", pp=1, ep=2), "attn"), 1),
         (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full"), 1),
         (recomputing(_cfg("ep-overlap", pp=1, ep=2), "full"), 3),

@@ -87,7 +87,7 @@ def test_emulated_compute_runs_more_ranks_than_cores_and_says_so(tmp_path: Path)
     assert set(rows) == {"disagg", "disagg (packed)", "ep-1f1b"}
     assert all(rows[k]["predicted_step_s"] > 0 for k in ("disagg", "disagg (packed)"))
     # no --pp: the EP row ran the layout the simulator found best among those it accepts
-    ((runtime, pp, ep, _),) = report["spec"]["ep_layouts"]
+    ((runtime, pp, ep, *_),) = report["spec"]["ep_layouts"]
     assert runtime == "ep-1f1b" and f"pp {pp} ep {ep} " in rows["ep-1f1b"]["layout"]
     for name, placement in (("disagg", "node-aware"), ("disagg-packed", "packed")):
         info = json.loads((tmp_path / f"{name}-r0" / "run.json").read_text())

@@ -30,7 +30,9 @@ from disagmoe.schedule.pipelines import (
     combined_1f1b,
     dualpipev,
     interleaved_1f1b,
+    max_in_flight,
     one_f_one_b,
+    pipeline_order,
 )
 from disagmoe.simulator import SimResult, simulate_baseline_schedule
 
@@ -288,3 +290,27 @@ def test_1f1b_runs_its_order_with_receives_ahead_of_need(runtime: str) -> None:
     last = _ordered_actions(runtime, pp, n, pp - 1)
     for mb in range(1, n):
         assert last.index(f"1RECV_F{mb}") < last.index(f"1B{mb - 1}")
+
+
+def test_a_longer_warm_up_holds_more_micro_batches_and_at_the_count_is_gpipe() -> None:
+    """`parallel.pipeline_warmup` w: rank r of 1F1B warms up with p - 1 - r + w forwards
+    (then the steady state's first forward comes before its first backward) and holds w
+    micro-batches more (up to the count); at w >= the count every
+    forward runs first (GPipe's order). Combined 1F1B pairs after its longer warm-up. The
+    runtimes without a 1F1B warm-up refuse one."""
+    pp, n = 3, 6
+    plain, warmed = one_f_one_b(pp, n), one_f_one_b(pp, n, 2)
+    for rank, steps in enumerate(warmed):
+        kinds = [a.kind for step in steps for a in actions(step)]
+        assert kinds.index("B") == (pp - 1 - rank + 2) + 1
+        assert max_in_flight(steps) == max_in_flight(plain[rank]) + 2
+        assert sorted(_flat([steps])[0]) == sorted(_flat([plain[rank]])[0])
+    for steps in one_f_one_b(pp, n, n):
+        assert [a.kind for step in steps for a in actions(step)] == ["F"] * n + ["B"] * n
+    for rank, steps in enumerate(combined_1f1b(pp, n, 1)):
+        ahead = pp - rank + 1  # combined 1F1B's own warm-up (p - r) and one more
+        assert all(isinstance(s, Action) and s.kind == "F" for s in steps[:ahead])
+        assert sum(isinstance(s, Overlap) for s in steps) == n - ahead
+    assert pipeline_order("ep-combined", pp, n, 1, 1) == combined_1f1b(pp, n, 1)
+    with pytest.raises(ValueError, match="pipeline_warmup"):
+        pipeline_order("ep-interleaved", 2, 4, 2, 1)

@@ -295,11 +295,11 @@ def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> No
                               **kw)  # type: ignore[arg-type]  # fmt: skip
     fit = [c for c in every if not c.refused]
     assert {c.recompute for c in fit} == {"none", "full"} and skipped_for_memory(every) == 0
-    by = {(c.pp, c.ep, c.recompute): c for c in fit}
-    for (pp, ep, r), c in by.items():
+    by = {(c.pp, c.ep, c.warmup, c.recompute): c for c in fit}
+    for (pp, ep, w, r), c in by.items():
         if r == "full":
-            assert c.memory_gib < by[pp, ep, "none"].memory_gib
-            assert c.step_s > by[pp, ep, "none"].step_s
+            assert c.memory_gib < by[pp, ep, w, "none"].memory_gib
+            assert c.step_s > by[pp, ep, w, "none"].step_s
     budget = sorted(c.memory_gib for c in fit)[len(fit) // 2]
     some = search_ep_layouts("ep-1f1b", model, train, spec.world, memory_gib=budget,
                              recomputes=("none", "full"), **kw)  # type: ignore[arg-type]  # fmt: skip
@@ -307,6 +307,34 @@ def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> No
     assert over and skipped_for_memory(some) == len(over)
     assert all(c.memory_gib > budget and "needs" in c.refused for c in over)
     assert all(c.memory_gib <= budget for c in some if not c.refused)
+
+
+def test_the_ep_search_tries_longer_pipeline_warm_ups_held_to_their_memory() -> None:
+    """With pp > 1, the 1F1B runtimes are searched at warm-ups 0, pp and every forward
+    first (`pipeline_warmups`); a longer warm-up holds more micro-batches (more memory) and,
+    where the hand-overs are slow against the compute (here), runs faster. A warm-up given
+    is the only one; pp 1 and the runtimes without one have none."""
+    from disagmoe.simulator.ep_search import search_ep_layouts
+
+    spec, model, train, kw = _ep_search_setting(a2a_s=1e-3)
+    every = [c for c in search_ep_layouts("ep-1f1b", model, train, spec.world, **kw)
+             if not c.refused]  # type: ignore[arg-type]  # fmt: skip
+    by: dict[tuple[int, int], dict[int, Any]] = {}
+    for c in every:
+        by.setdefault((c.pp, c.ep), {})[c.warmup] = c
+        assert ("pipeline-warmup" in c.label) == (c.warmup > 0)
+    assert any(pp == 1 for pp, _ in by) and any(pp > 1 for pp, _ in by)
+    for (pp, _), warmed in by.items():
+        local = train.num_micro_batches // (spec.world // pp)
+        assert set(warmed) == ({0} if pp == 1 else {0, min(pp, local), local})
+        gib = [warmed[w].memory_gib for w in sorted(warmed)]
+        assert gib == sorted(set(gib))  # each longer warm-up holds more
+    assert any(c.step_s < ws[0].step_s for ws in by.values() for w, c in ws.items() if w)
+    assert every[0].warmup > 0
+    given = search_ep_layouts("ep-combined", model, train, spec.world, warmup=0, **kw)  # type: ignore[arg-type]
+    assert {c.warmup for c in given} == {0}
+    other = search_ep_layouts("ep-interleaved", model, train, spec.world, **kw)  # type: ignore[arg-type]
+    assert {c.warmup for c in other} == {0}
 
 
 def test_ep_overlap_search_tries_each_chunk_count() -> None:

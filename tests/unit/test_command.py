@@ -19,6 +19,7 @@ CONFIG_FLAGS = {
     "--ep": "parallel.ep",
     "--virtual-stages": "parallel.virtual_stages",
     "--overlap-chunks": "parallel.overlap_chunks",
+    "--pipeline-warmup": "parallel.pipeline_warmup",
     "--world-size": "parallel.world_size",
     "--device": "parallel.device",
     "--param-dtype": "train.param_dtype",

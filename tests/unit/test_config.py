@@ -104,6 +104,18 @@ def test_bad_overrides(override: str, match: str) -> None:
         check_overrides([override])
 
 
+def test_a_negative_pipeline_warmup_is_refused_and_other_runtimes_leave_it_aside() -> None:
+    from disagmoe.distributed.ep_layout import EPLayout
+
+    with pytest.raises(ValueError, match="parallel.pipeline_warmup must be >= 0"):
+        apply_overrides(RunConfig(), ["parallel.pipeline_warmup=-1"])
+    cfg = apply_overrides(RunConfig(), ["parallel.pipeline_warmup=2", "parallel.pp=2",
+                                        "train.global_batch_size=16"])  # fmt: skip
+    for runtime, warmup in (("ep-1f1b", 2), ("ep-combined", 2), ("ep-interleaved", 0)):
+        parallel = dataclasses.replace(cfg.parallel, runtime=runtime, ep=1)
+        assert EPLayout.build(cfg.model, parallel, cfg.train, 4).warmup == warmup
+
+
 def test_check_overrides_leaves_how_values_combine_to_the_config() -> None:
     """Each value alone is right; only the default batch (8) makes micro-batch 3 wrong, and a
     bench gives its rows their own batch."""

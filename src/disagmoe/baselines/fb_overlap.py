@@ -146,7 +146,8 @@ def _torch_action(step: Step) -> Action:
 
 class ScheduleOrdered(PipelineScheduleRuntime):
     """One stage per rank, run in the order `schedule.pipelines.pipeline_order` gives the
-    runtime (`ep-1f1b` and `ep-overlap`: 1F1B; `ep-combined`: combined 1F1B), lowered to
+    runtime (`ep-1f1b` and `ep-overlap`: 1F1B; `ep-combined`: combined 1F1B; each with
+    `warmup` forwards more in its warm-up, `parallel.pipeline_warmup`), lowered to
     PyTorch's runtime with its pipeline sends and receives: a receive is posted where the
     lowering places it, as soon as its sender's computation is in the list, not after this
     rank's computation before it (as `Schedule1F1B` does), and a send is waited for at the
@@ -160,9 +161,10 @@ class ScheduleOrdered(PipelineScheduleRuntime):
         loss_fn: Any,
         runtime: str,
         scale_grads: bool = False,
+        warmup: int = 0,
     ) -> None:
         super().__init__([stage], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-        order = pipeline_order(runtime, stage.group_size, n_microbatches, 1)
+        order = pipeline_order(runtime, stage.group_size, n_microbatches, 1, warmup)
         self.pipeline_order: dict[int, list[Action | None]] = {
             rank: [_torch_action(step) for step in steps] for rank, steps in enumerate(order)
         }

@@ -174,7 +174,9 @@ class EPTrainer:
         stages: list[PipelineStageBase] = list(self.stages)
         schedule: PipelineScheduleRuntime
         if runtime in ("ep-1f1b", "ep-overlap", "ep-combined"):
-            schedule = ScheduleOrdered(self.stages[0], n, loss_fn, runtime, scale_grads=False)
+            schedule = ScheduleOrdered(
+                self.stages[0], n, loss_fn, runtime, scale_grads=False, warmup=self.layout.warmup
+            )
         elif runtime == "ep-interleaved":
             schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
         else:

@@ -385,7 +385,7 @@ def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = No
         best = ranked[0]
         if best.refused:
             raise ValueError(f"{runtime}: no layout fits this bench: {best.refused}")
-        chosen.append((runtime, best.pp, best.ep, best.virtual_stages))
+        chosen.append((runtime, best.pp, best.ep, best.virtual_stages, best.warmup))
         chunks = best.overlap_chunks if runtime == "ep-overlap" else chunks
         if log:
             tried = ", ".join(f"{c.label} {c.step_s:.3f}" for c in ranked if not c.refused)

@@ -5,7 +5,8 @@ effort AF-Pipe's planner gets: each layout the runtime accepts on the bench's wo
 batch (`simulator.ep_search`) is simulated on the emulated cluster (one NIC per node at
 the bench's rate, loopback inside a node) with the calibrated compute costs
 (`EmulatedEPCosts`), and the fastest runs; `ep-overlap` at each expert compute chunk
-count of `simulator.ep_search.OVERLAP_CHUNKS`, as `disagmoe simulate` searches it.
+count of `simulator.ep_search.OVERLAP_CHUNKS`, and the 1F1B runtimes at each warm-up of
+`simulator.ep_search.pipeline_warmups`, as `disagmoe simulate` searches them.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def search(
     """Every layout of `runtime` on the bench's cluster (`cluster`: as the planner sees it),
     simulated with `costs` (unscaled), fastest first; those over the cluster's GPU memory
     (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`);
-    ep-overlap's chunk counts are searched (module doc) unless the bench's `--set
-    parallel.overlap_chunks=K` gives one."""
+    ep-overlap's chunk counts and the warm-ups are searched (module doc) unless the bench's
+    `--set parallel.overlap_chunks=K` / `parallel.pipeline_warmup=W` gives one."""
     model = model_preset(spec.model)
     net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
     train = TrainConfig(
@@ -93,15 +94,17 @@ def search(
 
     return search_ep_layouts(
         runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster,
-        overlap_chunks=_given_chunks(spec), memory_gib=cluster.gpu_mem_gib,
+        overlap_chunks=_given(spec, "parallel.overlap_chunks", 0), memory_gib=cluster.gpu_mem_gib,
+        warmup=_given(spec, "parallel.pipeline_warmup", -1),
     )  # fmt: skip
 
 
-def _given_chunks(spec: BenchSpec) -> int:
-    """ep-overlap's chunk count the bench's `--set` overrides give (0: none, search them)."""
-    given = 0
+def _given(spec: BenchSpec, key: str, default: int) -> int:
+    """The value the bench's `--set` overrides give an integer field (`default`: none,
+    search it: ep-overlap's chunk count, the pipeline warm-up)."""
+    given = default
     for item in spec.overrides:
-        key, _, value = item.partition("=")
-        if key.strip() == "parallel.overlap_chunks":
+        name, _, value = item.partition("=")
+        if name.strip() == key:
             given = int(value)
     return given

@@ -104,9 +104,10 @@ class BenchSpec:
     splits: tuple[str, ...] = ("planner",)  # disagg: one run per split (SPLITS)
     recomputes: tuple[str, ...] = ()  # every runtime once per mode; () = the config's
     exchange_chunks: tuple[int, ...] = ()  # disagg: one run per count (0: auto); () = config's
-    # ep-* rows: (runtime, pp, ep, virtual stages) each runs (`bench.ep_layouts`: the
-    # simulator's best); a runtime not listed runs `pp` / `ep`
-    ep_layouts: tuple[tuple[str, int, int, int], ...] = ()
+    # ep-* rows: (runtime, pp, ep, virtual stages, pipeline warm-up) each runs
+    # (`bench.ep_layouts`: the simulator's best; a report from before the warm-up has no
+    # fifth entry: 0); a runtime not listed runs `pp` / `ep`
+    ep_layouts: tuple[tuple[str, int, int, int, int], ...] = ()
     # ep-overlap's expert compute chunks, with its searched layout (0: the config's)
     ep_overlap_chunks: int = 0
 
@@ -199,11 +200,13 @@ class BenchSpec:
             return ["--groups", str(p), "--attn-workers", str(m), "--expert-workers", str(n),
                     "--placement", e.placement,
                     "--ranks-per-node", str(self.ranks_per_node)]  # fmt: skip
-        for runtime, pp, ep, v in self.ep_layouts:
+        for runtime, pp, ep, v, *warmup in self.ep_layouts:
             if runtime == e.runtime:
                 extra = ["--virtual-stages", str(v)] if runtime == "ep-interleaved" else []
                 if runtime == "ep-overlap" and self.ep_overlap_chunks:
                     extra = ["--overlap-chunks", str(self.ep_overlap_chunks)]
+                if warmup and warmup[0]:
+                    extra += ["--pipeline-warmup", str(warmup[0])]
                 return ["--pp", str(pp), "--ep", str(ep), *extra, "--world-size", str(self.world)]
         pp = self.pp or 1
         ep = self.ep or self.world // pp

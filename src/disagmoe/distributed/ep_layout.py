@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import EP_RUNTIMES, ModelConfig, ParallelConfig, TrainConfig
+from ..config import EP_RUNTIMES, WARMUP_RUNTIMES, ModelConfig, ParallelConfig, TrainConfig
 
 # runtime -> (stages per pipeline rank, stage placement style); None = virtual_stages
 STAGE_STYLE: dict[str, tuple[int | None, str]] = {
@@ -79,6 +79,7 @@ class EPLayout:
     num_layers: int
     num_experts: int
     num_local_micro_batches: int
+    warmup: int = 0  # `parallel.pipeline_warmup` (`schedule.pipelines.pipeline_order`)
 
     @classmethod
     def build(
@@ -134,7 +135,10 @@ class EPLayout:
                     f"interleaved 1F1B needs micro-batches per replica ({local}) divisible by "
                     f"max(1, {local} // pp); use a multiple of pp={pp}"
                 )
-        return cls.of(runtime, model, world=world, pp=pp, ep=ep, num_micro_batches=num_micro, v=v)
+        return cls.of(
+            runtime, model, world=world, pp=pp, ep=ep, num_micro_batches=num_micro, v=v,
+            warmup=parallel.pipeline_warmup if runtime in WARMUP_RUNTIMES else 0,
+        )  # fmt: skip
 
     @classmethod
     def of(
@@ -147,6 +151,7 @@ class EPLayout:
         ep: int,
         num_micro_batches: int,
         v: int,
+        warmup: int = 0,
     ) -> EPLayout:
         """The layout of `runtime` on `world` GPUs, unchecked (`build` checks a run's config;
         the simulator checks its own flags and also prices orders no runtime accepts)."""
@@ -162,6 +167,7 @@ class EPLayout:
             model.num_layers,
             model.num_experts,
             num_micro_batches // dp,
+            warmup,
         )
 
     @property

@@ -42,7 +42,11 @@ ComputeOrder = dict[int, list[tuple[int, str, int]]]  # pp rank -> [(stage, kind
 def pytorch_order(layout: EPLayout) -> ComputeOrder:
     """Compute order of every pipeline rank for the layout's runtime (see module doc)."""
     steps = pipeline_order(
-        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+        layout.runtime,
+        layout.pp,
+        layout.num_local_micro_batches,
+        layout.stages_per_rank,
+        layout.warmup,
     )
     return {
         r: [(a.stage, a.kind, a.mb) for step in steps[r] for a in actions(step)]
@@ -100,7 +104,11 @@ def build_baseline_schedule(
     `a2a_chunks` (ep-overlap) is recorded in `meta` (see `schedule.ir`).
     """
     steps = pipeline_order(
-        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+        layout.runtime,
+        layout.pp,
+        layout.num_local_micro_batches,
+        layout.stages_per_rank,
+        layout.warmup,
     )
     where = layout.stage_to_pp_rank()
     S = layout.num_stages
@@ -155,6 +163,7 @@ def build_baseline_schedule(
             "dp": layout.dp,
             "ep": layout.ep,
             "stages_per_rank": layout.stages_per_rank,
+            "pipeline_warmup": layout.warmup,
             "style": layout.style,
             "a2a_chunks": a2a_chunks,
             "representatives": int(representatives),

@@ -33,7 +33,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..config import EP_RUNTIMES
+from ..config import EP_RUNTIMES, WARMUP_RUNTIMES
 
 # runtimes whose orders pair a forward with a backward (`Overlap`) and run the two at once
 FB_OVERLAP_RUNTIMES = ("ep-dualpipev", "ep-combined")
@@ -88,12 +88,20 @@ def max_in_flight(steps: Sequence[Step]) -> int:
     return max((sum(point.values()) for point in in_flight_walk(steps)), default=0)
 
 
-def pipeline_order(runtime: str, pp: int, num_mb: int, virtual_stages: int) -> list[list[Step]]:
-    """Per-rank steps of an EP runtime with `num_mb` micro-batches per pipeline."""
+def pipeline_order(
+    runtime: str, pp: int, num_mb: int, virtual_stages: int, warmup: int = 0
+) -> list[list[Step]]:
+    """Per-rank steps of an EP runtime with `num_mb` micro-batches per pipeline; `warmup`
+    (`parallel.pipeline_warmup`): forwards each rank runs ahead of 1F1B's own warm-up
+    (`WARMUP_RUNTIMES` only)."""
+    if warmup and runtime not in WARMUP_RUNTIMES:
+        raise ValueError(
+            f"parallel.pipeline_warmup applies to {', '.join(WARMUP_RUNTIMES)}, not {runtime}"
+        )
     if runtime in ("ep-1f1b", "ep-overlap"):
-        return one_f_one_b(pp, num_mb)
+        return one_f_one_b(pp, num_mb, warmup)
     if runtime == "ep-combined":
-        return combined_1f1b(pp, num_mb)
+        return combined_1f1b(pp, num_mb, warmup)
     if runtime == "ep-interleaved":
         return interleaved_1f1b(pp, num_mb, virtual_stages)
     if runtime == "ep-dualpipev":
@@ -101,12 +109,16 @@ def pipeline_order(runtime: str, pp: int, num_mb: int, virtual_stages: int) -> l
     raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
 
 
-def one_f_one_b(num_ranks: int, num_mb: int) -> list[list[Step]]:
+def one_f_one_b(num_ranks: int, num_mb: int, extra: int = 0) -> list[list[Step]]:
     """1F1B (the order of PyTorch's Schedule1F1B loop): rank r warms up with p-1-r
-    forwards, alternates F/B, drains."""
+    forwards, alternates F/B, drains. With `extra` forwards more in each rank's warm-up, a
+    rank holds up to `extra` micro-batches more and a micro-batch's round trip through
+    the pipeline (its hand-overs included) can take that much longer before a stage
+    waits for it; with `extra` >= the micro-batch count every forward runs first (GPipe's
+    order)."""
     orders: list[list[Step]] = []
     for rank in range(num_ranks):
-        warmup = min(num_ranks - 1 - rank, num_mb)
+        warmup = min(num_ranks - 1 - rank + extra, num_mb)
         steps: list[Step] = [Action("F", rank, i) for i in range(warmup)]
         for i in range(num_mb - warmup):
             steps += [Action("F", rank, warmup + i), Action("B", rank, i)]
@@ -115,16 +127,16 @@ def one_f_one_b(num_ranks: int, num_mb: int) -> list[list[Step]]:
     return orders
 
 
-def combined_1f1b(num_ranks: int, num_mb: int) -> list[list[Step]]:
+def combined_1f1b(num_ranks: int, num_mb: int, extra: int = 0) -> list[list[Step]]:
     """1F1B whose steady state runs a forward and a backward at once (Megatron-LM's combined
     1F1B, `--overlap-moe-expert-parallel-comm`; DeepSeek-V3's two-micro-batch overlap):
     rank r warms up with one forward more than 1F1B (p - r), then pairs the forward of
     micro-batch `warmup + i` with the backward of micro-batch i (`Overlap`), then drains.
     Each pair's all-to-alls hide under the other half's compute; one more micro-batch is
-    in flight than under 1F1B."""
+    in flight than under 1F1B. `extra`: forwards more in the warm-up (`one_f_one_b`)."""
     orders: list[list[Step]] = []
     for rank in range(num_ranks):
-        warmup = min(num_ranks - rank, num_mb)
+        warmup = min(num_ranks - rank + extra, num_mb)
         steps: list[Step] = [Action("F", rank, i) for i in range(warmup)]
         steps += [
             Overlap(Action("F", rank, warmup + i), Action("B", rank, i))

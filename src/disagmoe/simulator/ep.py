@@ -134,13 +134,16 @@ def ep_memory(
     recompute: str = "none",
     prec: cm.Precision = GPU_PRECISION,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    warmup: int = 0,
 ) -> list[cm.MemoryBreakdown]:
     """Peak bytes of every pipeline rank of a layout (`training.ep_budget`), after the same
-    size checks as `simulate_ep`; `loss_chunk_tokens`: `train.loss_chunk_tokens`."""
+    size checks as `simulate_ep`; `loss_chunk_tokens`: `train.loss_chunk_tokens`; `warmup`:
+    `parallel.pipeline_warmup`."""
     _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
-        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
-    )
+        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks,
+        warmup=warmup,
+    )  # fmt: skip
     return predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
         prec=prec, loss_chunk_tokens=loss_chunk_tokens,
@@ -171,26 +174,25 @@ def simulate_ep(
     every_rank: bool = False,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     expert_buckets: bool = True,
+    warmup: int = 0,
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
     activation recompute (priced in the analytic costs and the memory). The config carries
     `memory_gib_per_gpu` (the fullest rank's peak, `ep_memory`) and `gpu_memory_gib` (the
     cluster's); a layout over it is simulated all the same (`simulate` refuses it).
-    `overlap_sync` (`parallel.overlap_grad_sync`): the dense and expert gradients
-    all-reduced in per-layer buckets during each stage's last backward, as the runtime
-    does. `act_bytes`: bytes per activation element on the wire (bf16; float32: 4);
-    `grad_bytes`: per gradient element in the all-reduces (the weights' dtype: 4, the
-    default, for float32 weights, as mixed precision and the bench's float32 runs keep them;
-    2 for pure bf16).
-    `every_rank`: simulate every rank, not one representative per pipeline rank (under
-    `fifo` links the dp replicas that share a NIC take it in turn, not in lockstep).
-    `loss_chunk_tokens` (`train.loss_chunk_tokens`): the loss head's chunks, as the memory
-    model keeps them. `expert_buckets` False: experts all-reduced at SYNC (`_ep_pricing`)."""
+    `overlap_sync` (`parallel.overlap_grad_sync`): gradients all-reduced in per-layer
+    buckets during each stage's last backward, as the runtime does. `act_bytes` / `grad_bytes`:
+    bytes per activation element on the wire / gradient element in the all-reduces (the
+    weights' dtype: 4 for float32 weights, as mixed precision keeps them). `every_rank`:
+    every rank, not one per pipeline rank (under `fifo` links the dp replicas sharing a NIC
+    take turns). `loss_chunk_tokens`: `train.loss_chunk_tokens`. `expert_buckets` False:
+    experts all-reduced at SYNC. `warmup`: `parallel.pipeline_warmup`."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
-        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks
-    )
+        runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks,
+        warmup=warmup,
+    )  # fmt: skip
     per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
     workload = Workload(
         model, seq_len, micro_batch_size, act_bytes, loss_chunk_tokens=loss_chunk_tokens
@@ -222,6 +224,7 @@ def simulate_ep(
         memory_gib_per_gpu=max(m.total for m in memory) / cm.GIB,
         gpu_memory_gib=cluster.gpu_mem_gib,
         **({"overlap_chunks": chunks_a2a} if chunks_a2a else {}),
+        **({"pipeline_warmup": warmup} if warmup else {}),
     )  # fmt: skip
     real = [symmetry.real(r) for r in range(prog.num_ranks)]
     return summarize(

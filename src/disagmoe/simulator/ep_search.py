@@ -1,5 +1,11 @@
-"""The best layout of an expert-parallel runtime: every (pp, ep, virtual stages) that the
-runtime accepts for a world and a batch, each simulated, fastest first.
+"""The best layout of an expert-parallel runtime: every (pp, ep, virtual stages, warm-up)
+that the runtime accepts for a world and a batch, each simulated, fastest first.
+
+Warm-up (`parallel.pipeline_warmup`, `pipeline_warmups`): with `pp > 1`, 1F1B and combined
+1F1B are also tried with `pp` forwards more in each rank's warm-up and with every forward
+first (GPipe's order). Where a micro-batch's round trip through the pipeline outlasts the
+compute of the micro-batches 1F1B holds (slow hand-overs), the stages wait; holding more
+hides it, at the memory of the micro-batches held, which the memory check counts.
 
 The baselines get the same search effort as AF-Pipe's planner, whose stage 3 scores its
 candidates with the simulator: `search_ep_layouts` scores every layout `EPLayout.build`
@@ -21,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config import ClusterConfig, ModelConfig, ParallelConfig, TrainConfig
+from ..config import WARMUP_RUNTIMES, ClusterConfig, ModelConfig, ParallelConfig, TrainConfig
 from ..costs import costmodel as cm
 from ..distributed.ep_layout import EPLayout
 from ..training.budget import run_precision
@@ -48,13 +54,15 @@ class EPCandidate:
     recompute: str = "none"
     memory_gib: float = 0.0  # the fullest rank's peak (0: not modelled, refused)
     overlap_chunks: int = 0  # ep-overlap's expert compute chunks (0: another runtime)
+    warmup: int = 0  # `parallel.pipeline_warmup`
 
     @property
     def label(self) -> str:
         v = f" virtual-stages {self.virtual_stages}" if self.runtime == "ep-interleaved" else ""
         c = f" overlap-chunks {self.overlap_chunks}" if self.overlap_chunks else ""
+        w = f" pipeline-warmup {self.warmup}" if self.warmup else ""
         r = f" recompute {self.recompute}" if self.recompute != "none" else ""
-        return f"pp {self.pp} ep {self.ep}{v}{c}{r}"
+        return f"pp {self.pp} ep {self.ep}{v}{c}{w}{r}"
 
     @property
     def over_memory(self) -> bool:
@@ -73,20 +81,39 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def pipeline_warmups(
+    runtime: str, pp: int, local_micro_batches: int, given: int = -1
+) -> tuple[int, ...]:
+    """The warm-ups (`parallel.pipeline_warmup`) the search tries at `pp`: `given` if >= 0,
+    else 0, `pp` more forwards and every forward first (module doc); 0 only for a runtime
+    without one or `pp` 1 (no hand-overs to hide)."""
+    if runtime not in WARMUP_RUNTIMES or pp == 1:
+        return (0,)
+    if given >= 0:
+        return (given,)
+    return tuple(sorted({0, min(pp, local_micro_batches), local_micro_batches}))
+
+
 def candidate_layouts(
-    runtime: str, model: ModelConfig, train: TrainConfig, world: int
+    runtime: str, model: ModelConfig, train: TrainConfig, world: int, warmup: int = -1
 ) -> list[tuple[ParallelConfig, EPLayout | str]]:
-    """Every (pp, ep, v) of `runtime` on `world` workers: its layout, or why it is refused."""
+    """Every (pp, ep, v, warm-up) of `runtime` on `world` workers (`warmup` >= 0: that one
+    only, `pipeline_warmups`): its layout, or why it is refused."""
     out: list[tuple[ParallelConfig, EPLayout | str]] = []
     vs = VIRTUAL_STAGES if runtime == "ep-interleaved" else (2,)
     for pp in _divisors(world):
+        local = train.num_micro_batches // (world // pp)
         for ep in _divisors(world // pp):
             for v in vs:
-                parallel = ParallelConfig(runtime=runtime, pp=pp, ep=ep, virtual_stages=v)
-                try:
-                    out.append((parallel, EPLayout.build(model, parallel, train, world)))
-                except ValueError as err:
-                    out.append((parallel, str(err)))
+                for w in pipeline_warmups(runtime, pp, local, warmup):
+                    parallel = ParallelConfig(
+                        runtime=runtime, pp=pp, ep=ep, virtual_stages=v, pipeline_warmup=w
+                    )
+                    try:
+                        out.append((parallel, EPLayout.build(model, parallel, train, world)))
+                    except ValueError as err:
+                        out.append((parallel, str(err)))
+                        break  # the same reason at every warm-up
     return out
 
 
@@ -102,13 +129,15 @@ def search_ep_layouts(
     overlap_chunks: int = 2,
     memory_gib: float = 0.0,
     recomputes: Sequence[str] = ("none",),
+    warmup: int = -1,
 ) -> list[EPCandidate]:
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
     its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
     buckets during the backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
     `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's): 0 tries each of
-    `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. Activations move
+    `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. `warmup`
+    (`parallel.pipeline_warmup`): -1 tries `pipeline_warmups`. Activations move
     in `train`'s compute dtype and gradients reduce in its parameter dtype, as the run's
     (a float32 bench run sends 4 bytes per element, a bf16 cluster run 2)."""
     prec = run_precision(train)
@@ -119,7 +148,7 @@ def search_ep_layouts(
         (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
     )  # fmt: skip
     found: list[EPCandidate] = []
-    for parallel, lay in candidate_layouts(runtime, model, train, world):
+    for parallel, lay in candidate_layouts(runtime, model, train, world, warmup):
         v = parallel.virtual_stages
         if isinstance(lay, str):
             found.append(EPCandidate(runtime, parallel.pp, parallel.ep, v, float("inf"), lay))
@@ -133,11 +162,11 @@ def search_ep_layouts(
             if memory_gib > 0 and gib > memory_gib:
                 why = f"{OVER_MEMORY}: needs {gib:.2f} GiB of {memory_gib:g}"
                 found.append(EPCandidate(runtime, lay.pp, lay.ep, v, float("inf"), why,
-                                         recompute, gib))  # fmt: skip
+                                         recompute, gib, warmup=lay.warmup))  # fmt: skip
                 continue
             if memory_gib > 0 and any(
                 c.recompute in recomputes
-                and (c.pp, c.ep, c.virtual_stages) == (lay.pp, lay.ep, v)
+                and (c.pp, c.ep, c.virtual_stages, c.warmup) == (lay.pp, lay.ep, v, lay.warmup)
                 and not c.refused
                 for c in found
             ):  # fits already with less recompute: more only adds compute
@@ -150,9 +179,11 @@ def search_ep_layouts(
                     num_micro_batches=train.num_micro_batches, chunks=v,
                     overlap_chunks=k, sync=True, costs=costs, net=net, recompute=recompute,
                     loss_chunk_tokens=train.loss_chunk_tokens, act_bytes=act_bytes,
-                    grad_bytes=grad_bytes,
+                    grad_bytes=grad_bytes, warmup=lay.warmup,
                 )  # fmt: skip
                 chunked = k if runtime == "ep-overlap" else 0
                 found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
-                                         recompute, gib, chunked))  # fmt: skip
-    return sorted(found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages, c.overlap_chunks))
+                                         recompute, gib, chunked, lay.warmup))  # fmt: skip
+    return sorted(
+        found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages, c.overlap_chunks, c.warmup)
+    )

@@ -19,7 +19,11 @@ from .budget import run_precision
 
 def _orders(layout: EPLayout) -> list[list[Step]]:
     return pipeline_order(
-        layout.runtime, layout.pp, layout.num_local_micro_batches, layout.stages_per_rank
+        layout.runtime,
+        layout.pp,
+        layout.num_local_micro_batches,
+        layout.stages_per_rank,
+        layout.warmup,
     )
 
 
