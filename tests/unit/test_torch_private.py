@@ -124,16 +124,18 @@ def test_a_runtime_schedule_holds_what_we_read(one_rank_group: None) -> None:
     assert "0F1" in [str(a) for a in sched.pipeline_order_with_comms[0]]
 
 
-def test_receives_first_reorders_each_run_of_sends_and_receives() -> None:
-    """Within a run of pipeline sends and receives the receives go first, in their order;
-    computations stay where they are."""
-    names = ["1F2", "1SEND_F2", "1RECV_B1", "1SEND_F3", "1RECV_F4", "1B1", "1SEND_B1", "1F3"]
+def test_receives_at_start_posts_every_receive_first_in_its_order() -> None:
+    """Every receive goes to the front of its rank's list, the receives in their order;
+    sends and computations keep theirs."""
+    names = ["1F2", "1SEND_F2", "1RECV_B1", "1SEND_F3", "1RECV_F4", "1B1", "1SEND_B1", "1F3",
+             "1RECV_F5", "1F4"]  # fmt: skip
     sched = tp.PipelineScheduleRuntime.__new__(tp.PipelineScheduleRuntime)
     parse = importlib.import_module("torch.distributed.pipelining.schedules")._Action.from_str
     sched.pipeline_order_with_comms = {0: [parse(n) for n in names]}
-    tp.receives_first(sched)
+    tp.receives_at_start(sched)
     got = [str(a) for a in sched.pipeline_order_with_comms[0]]
-    assert got == ["1F2", "1RECV_B1", "1RECV_F4", "1SEND_F2", "1SEND_F3", "1B1", "1SEND_B1", "1F3"]
+    assert got == ["1RECV_B1", "1RECV_F4", "1RECV_F5", "1F2", "1SEND_F2", "1SEND_F3", "1B1",
+                   "1SEND_B1", "1F3", "1F4"]  # fmt: skip
 
 
 def test_traced_stage_overrides_only_checked_hooks() -> None:

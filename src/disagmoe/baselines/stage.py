@@ -202,7 +202,9 @@ class TracedStage(PipelineStage):
         self.order = order
         self.meter = meter
         # (event name, lane, start, micro-batch, bytes, peers, bytes per peer)
-        self.pending: list[tuple[str, str, float, int, int, list[int], list[int]]] = []
+        # posted pipeline messages not traced yet: (name, lane, post time, micro-batch,
+        # bytes, peers, bytes per peer, "act" / "grad")
+        self.pending: list[tuple[str, str, float, int, int, list[int], list[int], str]] = []
         self.step_index = 0
         self.recorded: set[tuple[str, int]] = set()  # (kind, micro-batch) already in `order`
         self.lock = threading.Lock()  # `pending`, `sent_early`, `early_works`
@@ -215,18 +217,29 @@ class TracedStage(PipelineStage):
         self.order.append((self.stage_index, kind, mb))
         self.recorded.add((kind, mb))
 
-    def _close_p2p(self) -> None:
+    def _close_p2p(self, kind: str = "", mb: int = -1) -> None:
+        """Trace the pipeline messages posted so far, as a computation `kind` of `mb` starts:
+        every send (its span: from its post to here) and the receive this computation
+        consumes (a forward the activation of `mb`, a backward its gradient: from its post,
+        at the step's start, to here, the transfer and any wait for it); the other
+        receives stay open until their computation. No `kind` (the step's end): all."""
         now = Tracer.now_us()
+        wanted = "act" if kind == "F" else "grad"
         with self.lock:
-            pending, self.pending = self.pending, []
-        for name, lane, t0, mb, nbytes, peers, peer_bytes in pending:
+            pending = [
+                p
+                for p in self.pending
+                if not kind or p[1] == "send" or (p[7], p[3]) == (wanted, mb)
+            ]
+            self.pending = [p for p in self.pending if p not in pending]
+        for name, lane, t0, mb_, nbytes, peers, peer_bytes, _ in pending:
             self.tracer.add(
                 name,
                 lane,
                 t0,
                 now,
                 stage=self.stage_index,
-                micro_batch=mb,
+                micro_batch=mb_,
                 step=self.step_index,
                 bytes=nbytes,
                 peers=peers,
@@ -239,7 +252,9 @@ class TracedStage(PipelineStage):
             name = message_event_name(lane, stage_event_name(kind, self.stage_index, mb))
             peers = [int(op.peer) for op in ops]
             with self.lock:
-                self.pending.append((name, lane, Tracer.now_us(), mb, sum(sizes), peers, sizes))
+                self.pending.append(
+                    (name, lane, Tracer.now_us(), mb, sum(sizes), peers, sizes, kind)
+                )
         return ops
 
     def send_early(self, kind: str, mb: int) -> None:
@@ -284,7 +299,7 @@ class TracedStage(PipelineStage):
         return self._p2p(super().get_bwd_send_ops(bwd_chunk_id), "grad", "send", bwd_chunk_id)
 
     def _run(self, kind: str, mb: int, fn: Any) -> Any:
-        self._close_p2p()
+        self._close_p2p(kind, mb)
         if (kind, mb) in self.recorded:
             self.recorded.discard((kind, mb))
         else:

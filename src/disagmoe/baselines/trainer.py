@@ -46,7 +46,7 @@ from ..torch_private import (
     PipelineSchedule,
     PipelineScheduleRuntime,
     PipelineStageBase,
-    receives_first,
+    receives_at_start,
 )
 from ..trace import Tracer
 from ..training.budget import world_memory_budget
@@ -183,7 +183,7 @@ class EPTrainer:
             schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
             # its F&B pairs run at once (baselines.fb_overlap)
             enable_fb_overlap(schedule, self.layout.stage_to_pp_rank())
-        receives_first(schedule)
+        receives_at_start(schedule)
         return schedule
 
     def _local_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,7 +439,7 @@ def predict_ep(
         link_model=link_model, act_bytes=workload.act_bytes, every_rank=True,
         overlap_sync=cfg.parallel.overlap_grad_sync,
         grad_bytes={"float64": 8, "float32": 4}.get(param_dtype_name(cfg.train), 2),
-        expert_buckets=not _experts_at_sync(events),
+        expert_buckets=not _experts_at_sync(events), warmup=lay.warmup,
     )  # fmt: skip
     return sim.step_time_s + _least_step_s(events)
 

@@ -60,7 +60,7 @@ __all__ = [
     "load_pipelining",
     "module_parameters",
     "prepare_schedule_with_comms",
-    "receives_first",
+    "receives_at_start",
     "schedule_num_microbatches",
     "schedule_stages",
     "stage_backward_weight",
@@ -273,33 +273,34 @@ def prepare_schedule_with_comms(
 COMM_KINDS = ("SEND_F", "SEND_B", "RECV_F", "RECV_B")
 
 
-def receives_first(schedule: PipelineSchedule) -> None:
-    """In every run of consecutive pipeline sends and receives of `schedule`'s lowered
-    action lists (`pipeline_order_with_comms`, PyTorch's runtime only), the receives first.
+def receives_at_start(schedule: PipelineSchedule) -> None:
+    """Every pipeline receive of `schedule`'s lowered action lists (`pipeline_order_with_comms`,
+    PyTorch's runtime only) posted at the start of the step, in the order the lowering put
+    them; sends and computations stay where they are.
 
-    gloo sends a payload only once its receiver has posted the receive, and the receiver's
-    notice travels on the pair's one connection, behind whatever that rank sends the peer:
-    a stage that posts the activation of micro-batch k + 1 and then the receive of k's
-    gradient makes the gradient wait for the activation's bytes to cross first. Every
-    send and receive is posted without waiting, so the order within a run changes no
-    matching and cannot hang."""
+    gloo moves a payload only once its receiver has posted the receive, and PyTorch's
+    lowering posts a receive just before the computation that consumes it: a stage that
+    forwards micro-batch k and then posts the receive of k + 1 waits for all of k + 1's
+    transfer after its compute, so a hand-over never overlaps the receiver's compute (and a
+    receive's notice went behind the sends the rank had queued to that peer). Each receive
+    has its own buffer (the stage makes one per micro-batch before the first step) and is
+    only waited for by its computation, where it stood; the receives from one peer keep
+    their order, which is how gloo matches them to the peer's sends, so nothing else
+    changes and nothing can hang that did not before. The simulator's replay posts every
+    receive at once too."""
     orders = getattr(schedule, "pipeline_order_with_comms", None)
     if orders is None:
         return
     for rank, actions in orders.items():
-        out: list[Any] = []
-        run: list[Any] = []
-        for action in [*actions, None]:
-            kind = getattr(getattr(action, "computation_type", None), "name", None)
-            if kind in COMM_KINDS:
-                run.append(action)
-                continue
-            out += [a for a in run if a.computation_type.name.startswith("RECV")]
-            out += [a for a in run if a.computation_type.name.startswith("SEND")]
-            run = []
-            if action is not None:
-                out.append(action)
-        orders[rank] = out
+
+        def is_receive(action: Any) -> bool:
+            kind = getattr(getattr(action, "computation_type", None), "name", "")
+            return kind.startswith("RECV")
+
+        orders[rank] = [
+            *(a for a in actions if is_receive(a)),
+            *(a for a in actions if not is_receive(a)),
+        ]
 
 
 # The PipelineStage methods `baselines.stage.TracedStage` overrides (to trace them), with

@@ -271,7 +271,7 @@ PRIVATE_APIS: tuple[PrivateApi, ...] = (
     _runtime_attr("fwd_recv_ops", "PipelineScheduleRuntime"),
     _runtime_attr("bwd_recv_ops", "PipelineScheduleRuntime"),
     _runtime_attr("backward_counter", "PipelineScheduleRuntime"),
-    _runtime_attr("pipeline_order_with_comms", "receives_first"),
+    _runtime_attr("pipeline_order_with_comms", "receives_at_start"),
     *(_stage_hook(name, params) for name, params in STAGE_HOOKS.items()),
     _stage_hook("set_local_fwd_input", ("prev_stage_outputs", "mb_index")),
     _stage_hook("set_local_bwd_input", ("next_stage_bwd_outputs", "mb_index")),
