@@ -225,13 +225,13 @@ class TracedStage(PipelineStage):
         receives stay open until their computation. No `kind` (the step's end): all."""
         now = Tracer.now_us()
         wanted = "act" if kind == "F" else "grad"
+
+        def done(p: tuple[Any, ...]) -> bool:
+            return not kind or p[1] == "send" or (p[7], p[3]) == (wanted, mb)
+
         with self.lock:
-            pending = [
-                p
-                for p in self.pending
-                if not kind or p[1] == "send" or (p[7], p[3]) == (wanted, mb)
-            ]
-            self.pending = [p for p in self.pending if p not in pending]
+            pending = [p for p in self.pending if done(p)]
+            self.pending = [p for p in self.pending if not done(p)]
         for name, lane, t0, mb_, nbytes, peers, peer_bytes, _ in pending:
             self.tracer.add(
                 name,

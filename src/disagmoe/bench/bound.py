@@ -72,7 +72,12 @@ def pipeline_fill(
     its link (None: transfers left out; a stage handing over on its own rank, a V turn,
     sends nothing and costs nothing). So head and tail hold under any order of the
     runtime's operations at this layout and micro-batch count."""
-    fwd, bwd, hops, stages = _stage_costs(events, hop_s)
+    return _fills(_stage_costs(events, hop_s))
+
+
+def _fills(costs: _StageCosts) -> dict[int, tuple[float, float]]:
+    """`pipeline_fill` from its stage costs."""
+    fwd, bwd, hops, stages = costs
     out = {}
     for rank, held in stages.items():
         first = min(held)
@@ -314,7 +319,8 @@ def drains_from_above(
     nothing and ends it. So a stage-0 replica's last gradient
     buckets wait for the last stage's work and the drain below it, not only for their own
     rank's."""
-    _, bwd, hops, stages = _stage_costs(evs, hop)
+    costs = _stage_costs(evs, hop)
+    _, bwd, hops, stages = costs
     lowest = {rank: min(held) for rank, held in stages.items()}
     to: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, stage) -> next ranks
     into: dict[tuple[int, int], set[int]] = defaultdict(set)  # (rank, stage) -> senders
@@ -330,7 +336,7 @@ def drains_from_above(
         for (r, s), ds in to.items()
         if len(ds) == 1 and len(into[next(iter(ds)), s + 1]) == 1
     }
-    fills = pipeline_fill(evs, hop)
+    fills = _fills(costs)
 
     def not_weight(e: Event) -> bool:
         return e["cat"] != "wgt" and not e["name"].startswith("W ")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ClusterConfig, TrainConfig
+from ..config_io import parse_override
 from ..costs.compute import ComputeCosts
 from ..costs.flops import GEMM_BACKWARD
 from ..distributed.ep_layout import EPLayout
@@ -104,7 +105,7 @@ def _given(spec: BenchSpec, key: str, default: int) -> int:
     search it: ep-overlap's chunk count, the pipeline warm-up)."""
     given = default
     for item in spec.overrides:
-        name, _, value = item.partition("=")
-        if name.strip() == key:
+        section, name, value = parse_override(item)
+        if f"{section}.{name}" == key:
             given = int(value)
     return given
