@@ -3,7 +3,8 @@ it by default: DeepSeek-MoE-16B, Qwen3-30B-A3B and GPT-OSS-20B on 8 and 16 nomin
 nodes at 4K-32K tokens per sequence.
 
     python benchmarks/scale_table.py [--models M,M] [--nodes 8,16] [--seq-lens 4096,...]
-        [--runtimes ep-1f1b,...] [--groups-sweep] [--json benchmarks/results/scale_table.json]
+        [--runtimes ep-1f1b,...] [--groups-sweep] [--jobs J]
+        [--json benchmarks/results/scale_table.json]
 
 Every point runs the default command a user would type, one global batch for every
 runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 from results_io import write_json
@@ -62,6 +64,7 @@ def summary(result: SimResult) -> dict[str, Any]:
     else:
         v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""
         v += f" chunks {cfg['overlap_chunks']}" if "overlap_chunks" in cfg else ""
+        v += f" warm-up +{cfg['pipeline_warmup']}" if cfg.get("pipeline_warmup") else ""
         layout = f"pp {cfg['pp']} ep {cfg['ep']}{v}, recompute {cfg.get('recompute', 'none')}"
     seconds = bound.seconds if bound else 0.0
     return {
@@ -133,6 +136,7 @@ def main() -> int:
     parser.add_argument("--runtimes", default=",".join(EP_RUNTIMES), help="EP runtimes")
     parser.add_argument("--groups-sweep", action="store_true", help="only AF-Pipe against p at 8K")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--jobs", type=int, default=1, help="points simulated at once")
     args = parser.parse_args()
     if args.groups_sweep:
         sweep = [
@@ -150,16 +154,22 @@ def main() -> int:
             f"{'AF GiB':>6s} {'best EP':>14s} {'EP tok/s':>9s} {'EP s/bd':>7s} {'EP GiB':>6s} "
             f"{'AF/EP':>6s} {'bd EP/AF':>8s}  verdict")  # fmt: skip
     print(head)
-    for model in args.models.split(","):
-        for nodes in map(int, args.nodes.split(",")):
-            for seq_len in map(int, args.seq_lens.split(",")):
-                row = point(model, nodes, seq_len, runtimes)
-                rows.append(row)
-                print(line(row), flush=True)
-                print(f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-                if args.json:  # after every row: an interrupted run keeps what it measured
-                    write_json(args.json, {"rows": rows, "targets": {
-                        "af_step_over_bound": TARGET_BOUND, "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
+    points = [
+        (model, nodes, seq_len)
+        for model in args.models.split(",")
+        for nodes in map(int, args.nodes.split(","))
+        for seq_len in map(int, args.seq_lens.split(","))
+    ]
+    with ProcessPoolExecutor(max(args.jobs, 1)) as pool:
+        running = [pool.submit(point, *where, runtimes) for where in points]
+        for done in running:  # in the table's order, each as soon as it and those above are
+            row = done.result()
+            rows.append(row)
+            print(line(row), flush=True)
+            print(f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+            if args.json:  # after every row: an interrupted run keeps what it measured
+                write_json(args.json, {"rows": rows, "targets": {
+                    "af_step_over_bound": TARGET_BOUND, "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
     return 0
 
 

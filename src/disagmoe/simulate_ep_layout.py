@@ -13,7 +13,7 @@ from .costs import costmodel as cm
 from .distributed.ep_layout import EPLayout
 from .simulator.costs import Workload
 from .simulator.ep import analytic_ep_costs, ep_memory
-from .simulator.ep_search import search_ep_layouts, skipped_for_memory
+from .simulator.ep_search import search_ep_layouts, skipped_for_bound, skipped_for_memory
 from .simulator.network import Network
 from .training.ep_budget import check_ep_fits
 
@@ -93,7 +93,7 @@ def searched_ep(
         net=net, cluster=cluster, overlap_chunks=args.overlap_chunks,
         warmup=args.pipeline_warmup,
         memory_gib=cluster.gpu_mem_gib,
-        recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,),
+        recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,), prune=True,
     )  # fmt: skip
     ran = [c for c in found if not c.refused]
     if not ran:
@@ -104,9 +104,11 @@ def searched_ep(
             "use more --nodes, a smaller --micro-batch-size or --seq-len"
         )
     best = ran[0]
+    pruned = skipped_for_bound(found)
     note = (
-        f"searched: {best.label}, the fastest of {len(ran)} layouts that fit "
-        f"({skipped_for_memory(found)} over memory)"
+        f"searched: {best.label}, the fastest of {len(ran) + pruned} layouts that fit "
+        f"({skipped_for_memory(found)} over memory"
+        + (f"; {pruned} not run: bound above the fastest step)" if pruned else ")")
     )
     return {"pp": best.pp, "ep": best.ep, "micro_batches": micro, "recompute": best.recompute,
             "virtual_stages": best.virtual_stages, "layout_note": note,

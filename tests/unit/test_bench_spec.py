@@ -337,6 +337,36 @@ def test_the_ep_search_tries_longer_pipeline_warm_ups_held_to_their_memory() -> 
     assert {c.warmup for c in other} == {0}
 
 
+def test_a_pruned_ep_search_finds_the_same_fastest_and_skips_only_slower_layouts() -> None:
+    """`prune`: a candidate whose bound is above the fastest step so far is not run; the
+    fastest is the full search's, each one skipped is slower in the full search, fits the
+    memory and says its bound; a layout's bound is the same at every warm-up."""
+    from disagmoe.simulator.ep import simulate_ep
+    from disagmoe.simulator.ep_search import search_ep_layouts, skipped_for_bound
+
+    spec, model, train, kw = _ep_search_setting(a2a_s=1e-3)
+    for runtime in ("ep-1f1b", "ep-overlap"):
+        full = search_ep_layouts(runtime, model, train, spec.world, overlap_chunks=0, **kw)  # type: ignore[arg-type]
+        fast = search_ep_layouts(runtime, model, train, spec.world, overlap_chunks=0,
+                                 prune=True, **kw)  # type: ignore[arg-type]  # fmt: skip
+        assert skipped_for_bound(full) == 0 and skipped_for_bound(fast) > 0
+        assert fast[0] == full[0] and len(fast) == len(full)
+        step = {(c.pp, c.ep, c.overlap_chunks, c.warmup, c.recompute): c.step_s for c in full}
+        for c in fast:
+            if c.refused:
+                assert c.fits and "bound above the fastest step" in c.refused
+                assert step[c.pp, c.ep, c.overlap_chunks, c.warmup, c.recompute] > fast[0].step_s
+    lay = {"gpus": spec.world, "pp": 4, "ep": 2, "seq_len": train.seq_len,
+           "micro_batch_size": train.micro_batch_size, "num_micro_batches": 16}  # fmt: skip
+    bounds = {
+        w: simulate_ep("ep-1f1b", model, kw["cluster"], net=kw["net"], warmup=w, **lay).bound
+        for w in (0, 4, 8)
+    }
+    assert bounds[0] is not None and bounds[4] is not None and bounds[8] is not None
+    assert bounds[0].seconds == pytest.approx(bounds[4].seconds, rel=1e-12)
+    assert bounds[0].seconds == pytest.approx(bounds[8].seconds, rel=1e-12)
+
+
 def test_ep_overlap_search_tries_each_chunk_count() -> None:
     """`overlap_chunks` 0: ep-overlap's search simulates every layout at each of
     `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get), an

@@ -44,6 +44,7 @@ from ..schedule.baselines import build_baseline_schedule
 from ..schedule.ir import Instr, Msg, Schedule
 from ..training.budget import GPU_PRECISION
 from ..training.ep_budget import predict_ep_memory
+from .bound import program_bound
 from .costs import MessageOverheads, Workload
 from .engine import run_program
 from .links import LinkModel
@@ -175,6 +176,7 @@ def simulate_ep(
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     expert_buckets: bool = True,
     warmup: int = 0,
+    skip_above: float = float("inf"),
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
@@ -187,16 +189,15 @@ def simulate_ep(
     weights' dtype: 4 for float32 weights, as mixed precision keeps them). `every_rank`:
     every rank, not one per pipeline rank (under `fifo` links the dp replicas sharing a NIC
     take turns). `loss_chunk_tokens`: `train.loss_chunk_tokens`. `expert_buckets` False:
-    experts all-reduced at SYNC. `warmup`: `parallel.pipeline_warmup`."""
+    experts all-reduced at SYNC. `warmup`: `parallel.pipeline_warmup`. `skip_above`: a search's
+    fastest step so far; a bound (read before the run) above it raises `BoundAbove`."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks,
         warmup=warmup,
     )  # fmt: skip
-    per_pipe, num_stages = lay.num_local_micro_batches, lay.num_stages
-    workload = Workload(
-        model, seq_len, micro_batch_size, act_bytes, loss_chunk_tokens=loss_chunk_tokens
-    )
+    workload = Workload(model, seq_len, micro_batch_size, act_bytes,
+                        loss_chunk_tokens=loss_chunk_tokens)  # fmt: skip
     net = net or Network.from_cluster(cluster)
     model_costs: EPCostModel = costs or analytic_ep_costs(lay, workload, cluster, net, recompute)
     memory = predict_ep_memory(
@@ -204,32 +205,39 @@ def simulate_ep(
         prec=GPU_PRECISION, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     chunks_a2a = overlap_chunks if runtime == "ep-overlap" else 0
-    schedule = build_baseline_schedule(
-        lay, model, representatives=not every_rank, a2a_chunks=chunks_a2a or 1
-    )
+    schedule = build_baseline_schedule(lay, model, representatives=not every_rank,
+                                       a2a_chunks=chunks_a2a or 1)  # fmt: skip
     symmetry = Symmetry.identity(gpus) if every_rank else Symmetry.representatives(lay)
-    pricing = _ep_pricing(
-        lay, model, workload, net, model_costs, symmetry, sync, overlap_sync, grad_bytes,
-        expert_buckets,
-    )  # fmt: skip
+    pricing = _ep_pricing(lay, model, workload, net, model_costs, symmetry, sync, overlap_sync,
+                          grad_bytes, expert_buckets)  # fmt: skip
     prog = lower(schedule, pricing, symmetry)
-    timeline = run_program(prog, link_model=link_model)
     roles = [f"EP(stage {lay.coords(symmetry.real(r))[0]})" for r in range(prog.num_ranks)]
-    tokens = num_micro_batches * workload.tokens
+    if skip_above < float("inf") and (bound := program_bound(prog).seconds) > skip_above:
+        raise BoundAbove(bound)
+    timeline = run_program(prog, link_model=link_model)
     cfg = dict(
         model=model.name, cluster=cluster.name, gpus=gpus, pp=pp, dp=dp, ep=ep, seq_len=seq_len,
         micro_batch_size=micro_batch_size, loss_chunk_tokens=loss_chunk_tokens,
-        micro_batches=num_micro_batches, micro_batches_per_pipeline=per_pipe, stages=num_stages,
+        micro_batches=num_micro_batches, micro_batches_per_pipeline=lay.num_local_micro_batches,
+        stages=lay.num_stages,
         a2a_s=model_costs.a2a_s[0], recompute=recompute, overlap_grad_sync=overlap_sync,
         memory_gib_per_gpu=max(m.total for m in memory) / cm.GIB,
         gpu_memory_gib=cluster.gpu_mem_gib,
         **({"overlap_chunks": chunks_a2a} if chunks_a2a else {}),
         **({"pipeline_warmup": warmup} if warmup else {}),
     )  # fmt: skip
-    real = [symmetry.real(r) for r in range(prog.num_ranks)]
     return summarize(
-        runtime, prog, timeline, tokens_per_step=tokens, roles=roles, real_ranks=real, config=cfg
-    )
+        runtime, prog, timeline, tokens_per_step=num_micro_batches * workload.tokens, roles=roles,
+        real_ranks=[symmetry.real(r) for r in range(prog.num_ranks)], config=cfg,
+    )  # fmt: skip
+
+
+class BoundAbove(Exception):
+    """`simulate_ep`'s layout cannot beat `skip_above`: its bound (seconds) is above it."""
+
+    def __init__(self, bound_s: float) -> None:
+        super().__init__(f"bound {bound_s:.4g} s")
+        self.bound_s = bound_s
 
 
 def _check_ep_sizes(

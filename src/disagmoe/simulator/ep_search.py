@@ -20,6 +20,14 @@ layout runs at the first of `recomputes` (lightest first) that fits: more recomp
 adds compute to a layout that already fits. Recompute is a search
 dimension (`recomputes`, each mode priced in the cost model `costs_for` returns): every
 runtime runs `train.recompute` none, attn or full.
+
+Pruning (`prune`, `disagmoe simulate`'s search): no schedule runs a layout faster than its
+bound (`simulator.bound`: the busiest worker's compute or link time), so a candidate whose
+bound, read from its lowered program before it runs, is above the fastest step found so
+far is not run; it is listed as refused (`BOUND_ABOVE`, `skipped_for_bound` counts them).
+A layout's bound is the same at every warm-up (the same work and bytes, in another order):
+a longer warm-up of a layout already above is not even lowered. The fastest candidate is
+the one the full search finds.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from ..training.budget import run_precision
 from ..training.ep_budget import predict_ep_memory
 from ..training.precision import param_dtype_name
 from .costs import Workload
-from .ep import EPCostModel, simulate_ep
+from .ep import BoundAbove, EPCostModel, simulate_ep
 from .network import Network
 
 VIRTUAL_STAGES = (2, 3, 4)  # ep-interleaved: stages per pipeline rank tried
@@ -68,13 +76,25 @@ class EPCandidate:
     def over_memory(self) -> bool:
         return self.refused.startswith(OVER_MEMORY)
 
+    @property
+    def fits(self) -> bool:
+        """Within the memory budget: simulated, or not run for its bound."""
+        return not self.refused or self.refused.startswith(BOUND_ABOVE)
+
 
 OVER_MEMORY = "over memory"
+BOUND_ABOVE = "bound above the fastest step"
 
 
 def skipped_for_memory(found: Sequence[EPCandidate]) -> int:
     """How many candidates of a search did not fit the GPU's memory."""
     return sum(1 for c in found if c.over_memory)
+
+
+def skipped_for_bound(found: Sequence[EPCandidate]) -> int:
+    """How many candidates of a pruned search fit but were not run: their bound was above
+    the fastest step found before them."""
+    return sum(1 for c in found if c.refused.startswith(BOUND_ABOVE))
 
 
 def _divisors(n: int) -> list[int]:
@@ -130,6 +150,7 @@ def search_ep_layouts(
     memory_gib: float = 0.0,
     recomputes: Sequence[str] = ("none",),
     warmup: int = -1,
+    prune: bool = False,
 ) -> list[EPCandidate]:
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
     its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
@@ -137,12 +158,13 @@ def search_ep_layouts(
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
     `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's): 0 tries each of
     `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. `warmup`
-    (`parallel.pipeline_warmup`): -1 tries `pipeline_warmups`. Activations move
+    (`parallel.pipeline_warmup`): -1 tries `pipeline_warmups`. `prune`: a candidate whose
+    bound is above the fastest step so far is not run (`BOUND_ABOVE`, module doc); the
+    fastest is the same. Activations move
     in `train`'s compute dtype and gradients reduce in its parameter dtype, as the run's
     (a float32 bench run sends 4 bytes per element, a bf16 cluster run 2)."""
     prec = run_precision(train)
-    act_bytes = Workload.of_train(model, train).act_bytes
-    grad_bytes = cm.DTYPE_BYTES[param_dtype_name(train)]
+    sim = _Simulate(runtime, model, train, world, net, cluster, prune)
     chunkings = (
         (overlap_chunks or ParallelConfig().overlap_chunks,) if runtime != "ep-overlap" else
         (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
@@ -167,23 +189,67 @@ def search_ep_layouts(
             if memory_gib > 0 and any(
                 c.recompute in recomputes
                 and (c.pp, c.ep, c.virtual_stages, c.warmup) == (lay.pp, lay.ep, v, lay.warmup)
-                and not c.refused
+                and c.fits
                 for c in found
             ):  # fits already with less recompute: more only adds compute
                 continue
             costs = costs_for(lay, recompute)
             for k in chunkings if lay.ep > 1 else chunkings[:1]:  # ep 1: nothing to chunk
-                sim = simulate_ep(
-                    runtime, model, cluster, gpus=world, pp=lay.pp, ep=lay.ep,
-                    seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
-                    num_micro_batches=train.num_micro_batches, chunks=v,
-                    overlap_chunks=k, sync=True, costs=costs, net=net, recompute=recompute,
-                    loss_chunk_tokens=train.loss_chunk_tokens, act_bytes=act_bytes,
-                    grad_bytes=grad_bytes, warmup=lay.warmup,
-                )  # fmt: skip
-                chunked = k if runtime == "ep-overlap" else 0
-                found.append(EPCandidate(runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
-                                         recompute, gib, chunked, lay.warmup))  # fmt: skip
+                found.append(sim(lay, v, costs, recompute, k, gib))
     return sorted(
         found, key=lambda c: (c.step_s, c.pp, -c.ep, c.virtual_stages, c.overlap_chunks, c.warmup)
     )
+
+
+class _Simulate:
+    """`search_ep_layouts`' simulation of one candidate, with its pruning: the fastest step
+    so far and each layout's bound (the same at every warm-up: the same work and bytes in
+    another order, equal to rounding, so a longer warm-up whose layout's bound is above the
+    fastest step is not even lowered)."""
+
+    def __init__(
+        self,
+        runtime: str,
+        model: ModelConfig,
+        train: TrainConfig,
+        world: int,
+        net: Network,
+        cluster: ClusterConfig,
+        prune: bool,
+    ) -> None:
+        self.runtime, self.model, self.train, self.world = runtime, model, train, world
+        self.net, self.cluster, self.prune = net, cluster, prune
+        self.act_bytes = Workload.of_train(model, train).act_bytes
+        self.grad_bytes = cm.DTYPE_BYTES[param_dtype_name(train)]
+        self.fastest = float("inf")
+        self.bounds: dict[tuple[int, int, int, str, int], float] = {}
+
+    def __call__(
+        self, lay: EPLayout, v: int, costs: EPCostModel, recompute: str, k: int, gib: float
+    ) -> EPCandidate:
+        train = self.train
+        chunked = k if self.runtime == "ep-overlap" else 0
+        key = (lay.pp, lay.ep, v, recompute, k)
+        known = self.bounds.get(key, 0.0)
+        try:
+            if self.prune and known > self.fastest * (1 + 1e-9):  # summed in another order
+                raise BoundAbove(known)
+            sim = simulate_ep(
+                self.runtime, self.model, self.cluster, gpus=self.world, pp=lay.pp, ep=lay.ep,
+                seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+                num_micro_batches=train.num_micro_batches, chunks=v,
+                overlap_chunks=k, sync=True, costs=costs, net=self.net, recompute=recompute,
+                loss_chunk_tokens=train.loss_chunk_tokens, act_bytes=self.act_bytes,
+                grad_bytes=self.grad_bytes, warmup=lay.warmup,
+                skip_above=self.fastest if self.prune else float("inf"),
+            )  # fmt: skip
+        except BoundAbove as above:
+            self.bounds[key] = above.bound_s
+            why = f"{BOUND_ABOVE}: {above.bound_s:.4g} s, the fastest step {self.fastest:.4g} s"
+            return EPCandidate(self.runtime, lay.pp, lay.ep, v, float("inf"), why, recompute,
+                               gib, chunked, lay.warmup)  # fmt: skip
+        assert sim.bound is not None
+        self.bounds[key] = sim.bound.seconds
+        self.fastest = min(self.fastest, sim.step_time_s)
+        return EPCandidate(self.runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
+                           recompute, gib, chunked, lay.warmup)  # fmt: skip
