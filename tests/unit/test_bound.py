@@ -181,7 +181,9 @@ def test_the_fill_keeps_a_nic_idle_before_its_first_hand_over_and_after_its_last
     NIC sends 20 MB, from the end of the first forward (1 s) on; after the second
     activation arrives, stage 1 forwards, sends it on (10 s), stage 2 forwards, and all
     three run the backward with its two hand-overs (9 s): 1 + 20 + 20 = 41 s, where the
-    busiest NIC direction alone says 22 s (node 1: 20 + 2 MB out)."""
+    busiest NIC direction alone says 22 s (node 1: 20 + 2 MB out). Each set of a NIC's
+    kinds of traffic fits in their windows: node 1 sends activations (from 12 s, 9 s after
+    the last) and gradients (from 28 s, 2 s after): the activations alone say 41 s."""
     from disagmoe.bench.bound import _network_fills, hand_over_windows, trace_bound
 
     events = []
@@ -202,16 +204,18 @@ def test_the_fill_keeps_a_nic_idle_before_its_first_hand_over_and_after_its_last
     assert windows["act", 1] == pytest.approx((1 + 10 + 1, 1 + 6 + 2))
     assert windows["grad", 2] == pytest.approx((3 + 20 + 2, 1 + 2 + 2))
     assert windows["grad", 1] == pytest.approx((3 + 20 + 4 + 1, 2.0))
-    idle = _network_fills(events, node, hop)
-    assert idle[0, "out"] == pytest.approx(1 + 20) and idle[0, "in"] == pytest.approx(28 + 2)
-    assert idle[1, "out"] == pytest.approx(12 + 2)  # acts from 12 s, a gradient's 2 s tail
+    nic = _network_fills(events, node, hop, rates)
+    assert nic[0, "out"] == pytest.approx(1 + 20 + 20)
+    assert nic[0, "in"] == pytest.approx(28 + 2 + 2)
+    assert nic[1, "out"] == pytest.approx(12 + 20 + 9)  # both kinds: 12 + 22 + 2
     plain = trace_bound(events, {0: 99.0}, node, rates)
     assert plain.seconds == pytest.approx(22.0) and plain.binding == "network"
     filled = trace_bound(events, {0: 99.0}, node, rates, fill=True)
     assert filled.seconds == pytest.approx(41.0) and filled.worker == "rank 0"
-    # an all-to-all beside the hand-overs can start and end anywhere: no idle time
-    events.append(_ev(0, "send", "send dispatch", 0, 10, peers=[1], peer_bytes=[1e3]))
-    assert _network_fills(events, node, hop)[0, "out"] == 0.0
+    # an all-to-all beside the hand-overs can start and end anywhere: with it the NIC has
+    # no idle time, without it the hand-overs keep their windows
+    events.append(_ev(0, "send", "send dispatch", 0, 10, peers=[1], peer_bytes=[30e6]))
+    assert _network_fills(events, node, hop, rates)[0, "out"] == pytest.approx(50.0)
 
 
 def test_the_fill_bound_waits_for_the_buckets_the_final_backward_completes() -> None:
@@ -333,6 +337,7 @@ def test_an_af_pipe_run_has_a_pipelines_fill() -> None:
     plain = trace_bound(events, {0: 99.0}, node, [1e6, 1e6])
     filled = trace_bound(events, {0: 99.0}, node, [1e6, 1e6], fill=True)
     assert plain.seconds == pytest.approx(6.0)  # rank 0: 1 + 1 + 2 + 2 s of compute
-    # rank 1's 3 s, filled; node 0's NIC says the same: 2 MB after layer 0's attention,
-    # then the gradient's way down (2 + 1 + 2 s)
-    assert filled.seconds == pytest.approx(2.0 + 3.0 + 3.0)
+    # rank 1's 3 s, filled, is 8 s; node 0's NIC says more: its dispatch leaves after
+    # layer 0's attention (1 s), takes 1 s, and the rest of its micro-batch takes 11 s
+    # after it: the whole chain of one micro-batch, 13 s
+    assert filled.seconds == pytest.approx(1.0 + 1.0 + 11.0)

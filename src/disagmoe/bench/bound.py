@@ -358,19 +358,29 @@ def drains_from_above(
 
 
 def _network_fills(
-    evs: list[Event], node_of: Callable[[int], int], hop: Callable[[Event], float]
+    evs: list[Event],
+    node_of: Callable[[int], int],
+    hop: Callable[[Event], float],
+    rates: Sequence[float],
 ) -> dict[tuple[int, str], float]:
-    """{(node, "out" / "in"): s} the node's NIC direction must stay idle in a step of a
-    pipeline of stages (`trace_bound(fill=True)`): before the first of its cross-node
-    transfers can start and after the last can arrive, the least head and least tail
-    (`hand_over_windows`) over the kinds it carries; 0 on a side where it carries any
-    other traffic (an all-to-all); empty for a run without stages."""
+    """{(node, "out" / "in"): s} the node's NIC direction needs in a step of a pipeline of
+    stages (`trace_bound(fill=True)`), from the windows of the kinds of traffic it carries
+    (`hand_over_windows`: no transfer of a kind starts before its head, the step ends no
+    sooner than its tail after one arrives). For any set S of kinds, the direction carries
+    S's bytes after S's least head and before S's least tail:
+    `min head + bytes(S) / rate + min tail`; the largest over S (the best S holds every
+    kind whose head and tail are at least its own: one per pair of thresholds). With S all
+    it carries, the NIC stays idle before its first hand-over and after its last; a kind
+    that is no hand-over (an all-to-all) can start and end anywhere (head, tail 0). Empty
+    for a run without stages."""
     windows = hand_over_windows(evs, hop)
     if not windows:
         return {}
-    kinds: dict[tuple[int, str], set[tuple[str, int] | None]] = defaultdict(set)
+    carried: dict[tuple[int, str], dict[tuple[str, int] | None, float]] = defaultdict(
+        lambda: defaultdict(float)
+    )
     for e in evs:
-        crossing = [d for d, _ in send_bytes(e) if node_of(d) != node_of(e["pid"])]
+        crossing = [(d, b) for d, b in send_bytes(e) if node_of(d) != node_of(e["pid"])]
         if not crossing:
             continue
         kind = _hand_over(e)
@@ -379,13 +389,18 @@ def _network_fills(
             # STEP: after stage 0's backward; a bucket of no stage (AF-Pipe's): any time
             # after a forward
             kind = ("sync", bucket[0] if bucket else 0)
-        kinds[node_of(e["pid"]), "out"].add(kind)
-        for d in crossing:
-            kinds[node_of(d), "in"].add(kind)
+        for d, nbytes in crossing:
+            carried[node_of(e["pid"]), "out"][kind] += nbytes
+            carried[node_of(d), "in"][kind] += nbytes
     out = {}
-    for side, held in kinds.items():
-        spans = [windows.get(k, (0.0, 0.0)) if k else (0.0, 0.0) for k in held]
-        out[side] = min(h for h, _ in spans) + min(t for _, t in spans)
+    for (node, side), held in carried.items():
+        spans = [(*(windows.get(k, (0.0, 0.0)) if k else (0.0, 0.0)), b) for k, b in held.items()]
+        out[node, side] = max(
+            h + sum(b for hk, tk, b in inside) / rates[node] + t
+            for h in {h for h, _, _ in spans}
+            for t in {t for _, t, _ in spans}
+            if (inside := [(hk, tk, b) for hk, tk, b in spans if hk >= h and tk >= t])
+        )
     return out
 
 
@@ -413,8 +428,10 @@ def trace_bound(
     backward completes (`last_buckets`) has run after it and after the drain from the
     stages above it (`drains_from_above`), then STEP (`_add_drains`). The
     bound of the run's layout and micro-batch count, not of its hardware alone. A node's
-    NIC direction also stays idle before its first pipeline hand-over can leave and after
-    its last arrives (`_network_fills`): its bytes / rate comes with both. An AF-Pipe run
+    NIC direction also carries each set of its kinds of traffic inside their windows
+    (`_network_fills`): it stays idle before its first pipeline hand-over can leave and
+    after its last arrives, and after its last activation the rest of that micro-batch
+    must run. An AF-Pipe run
     is a pipeline of its layers' attention and experts (`stage_view`), and its attention
     replicas' last bucket counts the same way.
     """
@@ -444,7 +461,7 @@ def trace_bound(
                     into[dst_node] += nbytes
         compute, network, serial = {}, {}, {}
         staged = stage_view(evs) if fill else evs
-        idle = _network_fills(staged, node_of, hop) if fill else {}
+        nic = _network_fills(staged, node_of, hop, node_bytes_per_s) if fill else {}
         for rank, mine in by_rank.items():
             compute[rank] = _compute_s(mine)
             serial[rank] = (
@@ -452,9 +469,9 @@ def trace_bound(
             )
             node, rate = node_of(rank), node_bytes_per_s[node_of(rank)]
             network[rank] = max(
-                out[node] / rate + idle.get((node, "out"), 0.0),
-                into[node] / rate + idle.get((node, "in"), 0.0),
-            )
+                out[node] / rate, into[node] / rate, nic.get((node, "out"), 0.0),
+                nic.get((node, "in"), 0.0),
+            )  # fmt: skip
         # STEP holds the world's loss and norm reductions: a rank done early waits in it
         # for the last one. The step's least STEP (the last rank's) is the optimizer's own.
         stepped = {e["pid"] for e in evs if e["cat"] == "sync" and e["name"] == "STEP"}

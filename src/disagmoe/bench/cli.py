@@ -339,8 +339,8 @@ def format_table(spec: BenchSpec, results: list[RuntimeResult], network: str) ->
     lines.append("bound = max over ranks of max(compute, its node's busier NIC direction: bytes "
                  "/ rate) + optimizer step, from the trace; binds = what sets it")  # fmt: skip
     lines.append("w/ fill = the bound with a pipeline's fill and drain at this layout and "
-                 "micro-batch count (on compute, and on each NIC before its first and after "
-                 "its last hand-over) and the all-reduce of the gradient buckets the final "
+                 "micro-batch count (on compute, and on each NIC each kind of traffic inside "
+                 "its window) and the all-reduce of the gradient buckets the final "
                  "backward completes (bench.bound); step/fl = step / it")  # fmt: skip
     lines.append("drops = packets the NICs' token buckets dropped per step (every step the "
                  "row ran, warm-up included)")  # fmt: skip
