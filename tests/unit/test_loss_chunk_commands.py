@@ -17,7 +17,7 @@ from disagmoe.testing.cli import run_cli_in_process
 # unchunked head's fp32 log-probabilities make the attention replica the fullest GPU
 SIMULATE = ("--model", "gpt-oss-20b", "--groups", "1", "--attn-workers", "1",
             "--expert-workers", "7", "--micro-batches", "4", "--max-in-flight", "1",
-            "--recompute", "none")  # fmt: skip
+            "--recompute", "none", "--exchange-chunks", "1", "--split-backward", "off")  # fmt: skip
 PLAN = ("--model", "gpt-oss-20b", "--gpus", "16", "--seq-len", "8192", "--recompute",
         "none", "--profile", "analytic", "--search-moves", "8")  # fmt: skip
 SCHEDULE = ("--model", "deepseek-moe-16b", "--seq-len", "8192", "--global-batch-size", "4",
@@ -40,7 +40,8 @@ def _order_line(*args: str) -> str:
 
 def test_simulate_prices_and_records_the_loss_head() -> None:
     """Unchunked, the attention replica keeps the logits' log-probabilities (more memory)
-    and its head's backward makes them once (a shorter step than the chunked rerun)."""
+    and its head's backward makes them once (a shorter step than the chunked rerun). The
+    exchange chunks and whole backwards are fixed, so only the head differs."""
     default = _json("simulate", *SIMULATE)
     chunked = _json("simulate", *SIMULATE, "--loss-chunk-tokens", str(LOSS_CHUNK_TOKENS))
     plain = _json("simulate", *SIMULATE, "--loss-chunk-tokens", "0")

@@ -363,14 +363,16 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
 def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
     for each recompute mode that fits and keeps the faster: recompute none where it fits
-    (DeepSeek-MoE, one node, 4K), full where none does not fit (Qwen3, one node, 16K)."""
+    (DeepSeek-MoE, one node, 4K), full where none does not fit (Qwen3, one node, 16K). One
+    exchange chunk: the chunk search is `test_simulator_chunks`'."""
     from disagmoe.simulate_cli import main
 
     for model, seq, want in (
         ("deepseek-moe-16b", "4096", "none"),
         ("qwen3-30b-a3b", "16384", "full"),
     ):
-        assert main(["--model", model, "--nodes", "1", "--seq-len", seq, "--json"]) == 0
+        argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1"]
+        assert main([*argv, "--json"]) == 0
         out = json.loads(capsys.readouterr().out)
         search = out["config"]["recompute_search"]
         assert out["config"]["recompute"] == want, search
