@@ -149,14 +149,14 @@ def test_experts_share_is_ep_peers_micro_batches() -> None:
     for ep in (1, 2, 4, 8):
         kept = ep * rm.ffn_act_bytes(model, "none", FP32, tokens=t, shards=ep)
         pairs = t * model.top_k
-        assert kept == pytest.approx(pairs * (b * (3 * 64 + 4 * 64 + 1) + 16))
+        assert kept == pytest.approx(pairs * (b * (64 + 3 * 64 + 1) + 16))
 
 
 def test_refusal_names_the_rank_the_excess_and_the_fixes() -> None:
     model = model_preset("qwen3-30b-a3b")
     lay = EPLayout.of("ep-dualpipev", model, world=64, pp=8, ep=8, num_micro_batches=512, v=2)
     prec = run_precision(TrainConfig(dtype="bfloat16"))
-    kw = {"seq_len": 8192, "micro_batch_size": 1, "prec": prec}
+    kw = {"seq_len": 16384, "micro_batch_size": 1, "prec": prec}
     mems = predict_ep_memory(lay, model, recompute="none", **kw)
     assert peak_in_flight(lay) == [17] * 8
     with pytest.raises(ValueError, match=r"over the GPU's 80 GiB; use more --pp or --ep, "):
@@ -169,7 +169,8 @@ def test_refusal_names_the_rank_the_excess_and_the_fixes() -> None:
 def test_simulate_refuses_an_ep_layout_over_the_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     from disagmoe.simulate_cli import main
 
-    flags = ["--runtime", "ep-dualpipev", "--model", "qwen3-30b-a3b", "--nodes", "8"]
+    model = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--seq-len", "16384"]
+    flags = ["--runtime", "ep-dualpipev", *model]
     assert main([*flags, "--pp", "8", "--ep", "8", "--recompute", "none"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ep-dualpipev pp 8 ep 8: pipeline rank 0 needs ")

@@ -26,7 +26,7 @@ def test_ffn_bytes_by_hand() -> None:
     # 128 tokens, k=2, n=1: 256 pairs, 128 rows; H = I = 64, float32. The rows received
     # and the outputs sent are not kept (runtime.stages): only what the experts save.
     kept = rm.ffn_act_bytes(TINY, "none", F32, tokens=128, shards=1)
-    swiglu = 256 * (4 * (3 * 64 + 4 * 64 + 1) + 16)
+    swiglu = 256 * (4 * (64 + 3 * 64 + 1) + 16)
     assert kept == swiglu
     # full: the checkpoint keeps the concatenated rows and their ids, and the assignments
     checkpoint_inputs = 128 * (4 * 64 + 8) + 256 * (4 + 16)

@@ -45,6 +45,7 @@ from ..models import (
     flatten_routing,
     split_by_owner,
     split_experts,
+    sum_rows,
 )
 from ..trace import Tracer
 
@@ -319,4 +320,4 @@ def ep_moe(
         layer,
     )
     token_ids = torch.cat([p.token_ids for p in d.plans])
-    return u_TH.new_zeros(u_TH.shape).index_add(0, token_ids, back.view(-1, H))
+    return sum_rows(back.view(-1, H), token_ids, u_TH)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..models import Assignments, Experts, Routing, split_by_owner, split_experts
+from ..models import Assignments, Experts, Routing, split_by_owner, split_experts, sum_rows
 from ..trace import Tracer
 from .moe import EPComm, pack_pieces, receiver_plan, traced_exchange, unpack_pieces
 
@@ -99,7 +99,7 @@ def overlapped_moe(
         send_f, experts, comm, layer, send_counts_v, recv_counts, send_ints, H
     )
     token_ids = torch.cat([pieces[j][c].token_ids for c in range(C) for j in range(ep)])
-    return u_TH.new_zeros(u_TH.shape).index_add(0, token_ids, y_flat.view(-1, H))
+    return sum_rows(y_flat.view(-1, H), token_ids, u_TH)
 
 
 @dataclass

@@ -138,9 +138,10 @@ def ffn_act_bytes(
 
     What the experts save; the rows received and the outputs sent back are messages (AF-Pipe:
     `runtime.stages`) or all-to-alls (EP) that keep nothing. Without full recompute the
-    SwiGLU experts' saved tensors per pair: the gathered input, gate|up, SiLU(gate), the
-    product, the expert output and the weighted output, b*(3H + 4I), the sorted weights b
-    and two index tensors 16. With full recompute instead the checkpoint's inputs: the
+    SwiGLU experts' saved tensors per pair (`models.moe.Experts`): the gathered input and
+    gate|up, b*(H + 2I), the weighted product the down GEMM consumes, b*I (its backward
+    recomputes SiLU; the sum over a row's experts saves only the rows), the sorted weights
+    b and two index tensors 16. With full recompute instead the checkpoint's inputs: the
     replicas' rows concatenated with their ids, b*H + 8 per row, and the concatenated
     assignments (weights, rows, expert ids), b + 16 per pair.
     """
@@ -153,7 +154,7 @@ def ffn_act_bytes(
     rows = tokens * shards_per_token(model, shards) / shards if rows_known else pairs
     if recompute == "full":
         return rows * (b * h + idx) + pairs * (b + 2 * idx)
-    return pairs * (b * (3 * h + 4 * model.expert_dim + 1) + 2 * idx)
+    return pairs * (b * (h + 3 * model.expert_dim + 1) + 2 * idx)
 
 
 def head_transient_bytes(

@@ -19,6 +19,7 @@ from .moe import (
     load_balancing_loss,
     split_by_owner,
     split_experts,
+    sum_rows,
 )
 
 __all__ = [
@@ -41,4 +42,5 @@ __all__ = [
     "seeded_values",
     "split_by_owner",
     "split_experts",
+    "sum_rows",
 ]

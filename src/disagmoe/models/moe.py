@@ -20,6 +20,7 @@ import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -248,6 +249,58 @@ def _grouped_kernel_dtype(x_AI: torch.Tensor, w_EIO: torch.Tensor) -> torch.dtyp
     return torch.bfloat16 if dtype == torch.bfloat16 and aligned else None
 
 
+class _WeightedSwiGLU(torch.autograd.Function):
+    """`silu(gate) * up * w` of `h` = gate|up [A, 2I] and per-row weights `w` [A], saving
+    only `h` and `w`: the backward recomputes SiLU and the product (elementwise) where
+    autograd would keep SiLU(gate) and the product, b*2I more per pair."""
+
+    @staticmethod
+    def forward(ctx: Any, h_A2I: torch.Tensor, w_A: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(h_A2I, w_A)
+        gate, up = h_A2I.chunk(2, dim=-1)
+        return F.silu(gate) * up * w_A.to(h_A2I.dtype).unsqueeze(-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad_AI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h_A2I, w_A = ctx.saved_tensors
+        gate, up = h_A2I.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_w = (grad_AI * silu * up).sum(-1).to(w_A.dtype)
+        grad_a = grad_AI * w_A.to(h_A2I.dtype).unsqueeze(-1)
+        grad_up = grad_a * silu
+        grad_gate = grad_a * up * sig * (1 + gate * (1 - sig))
+        return torch.cat([grad_gate, grad_up], dim=-1), grad_w
+
+
+def weighted_swiglu(h_A2I: torch.Tensor, w_A: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up * w` per row (`_WeightedSwiGLU`; its backward recomputes SiLU)."""
+    return _WeightedSwiGLU.apply(h_A2I, w_A)  # type: ignore[no-any-return]
+
+
+class _SumRows(torch.autograd.Function):
+    """`zeros_like(like).index_add(0, rows, y.to(like.dtype))`, saving only `rows` (the
+    backward of `torch.index_add` would keep `y` as well)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, y_AH: torch.Tensor, rows_A: torch.Tensor, like: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(rows_A)
+        ctx.y_dtype = y_AH.dtype
+        return like.new_zeros(like.shape).index_add(0, rows_A, y_AH.to(like.dtype))
+
+    @staticmethod
+    def backward(ctx: Any, grad_RH: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (rows_A,) = ctx.saved_tensors
+        return grad_RH.index_select(0, rows_A).to(ctx.y_dtype), None, None
+
+
+def sum_rows(y_AH: torch.Tensor, rows_A: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Rows of `y` summed into a zero tensor shaped and typed as `like` (`_SumRows`)."""
+    return _SumRows.apply(y_AH, rows_A, like)  # type: ignore[no-any-return]
+
+
 class Experts(nn.Module):
     """`num_experts` SwiGLU experts stored as fused 3-D weights.
 
@@ -282,8 +335,8 @@ class Experts(nn.Module):
         counts.scatter_add_(0, plan.experts_A, torch.ones_like(plan.experts_A))
         rows = plan.rows_A[order]
         h = grouped_mm(x_RH[rows], self.gate_up, counts)
-        gate, up = h.chunk(2, dim=-1)
-        out_AH = grouped_mm(F.silu(gate) * up, self.down, counts)
-        out_AH = out_AH * plan.weights_A[order].unsqueeze(-1)
+        # the routing weight scales the down GEMM's input, not its output (the GEMM is
+        # linear): nothing of size H per pair is saved after the down GEMM
+        out_AH = grouped_mm(weighted_swiglu(h, plan.weights_A[order]), self.down, counts)
         # summed in x's dtype (under autocast the GEMMs' output is the compute dtype)
-        return x_RH.new_zeros(x_RH.shape).index_add(0, rows, out_AH.to(x_RH.dtype))
+        return sum_rows(out_AH, rows, x_RH)
