@@ -7,6 +7,7 @@ User mistakes raise `ValueError` with a one-line message (the main CLI exits 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any
 
@@ -287,22 +288,44 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
     given = bool(args.attn_workers and args.expert_workers)
     variants = plan_variants(args.recompute, args.split_backward)
     if len(variants) == 1:
-        return _simulate_resolved(argparse.Namespace(**{**vars(args), **variants[0][1]}))
+        first = _simulate_resolved(argparse.Namespace(**{**vars(args), **variants[0][1]}))
+        found = _and_one_group(args, variants[0][1], first)
+        return min(found.values(), key=lambda r: r.step_time_s)
     results: dict[str, SimResult] = {}
     search: dict[str, Any] = {}
     for name, flags in variants:
         if given and results and flags["recompute"] != "none":
             break  # a split given: full only where no recompute does not fit
         try:
-            results[name] = _simulate_resolved(argparse.Namespace(**{**vars(args), **flags}))
-            search[name] = round(results[name].step_time_s, 6)
+            first = _simulate_resolved(argparse.Namespace(**{**vars(args), **flags}))
         except ValueError as err:  # that variant does not fit
             search[name], error = "does not fit", err
+            continue
+        for suffix, res in _and_one_group(args, flags, first).items():
+            results[name + suffix] = res
+            search[name + suffix] = round(res.step_time_s, 6)
     if not results:
         raise error
     result = results[min(results, key=lambda name: results[name].step_time_s)]
     result.config["recompute_search"] = search
     return result
+
+
+def _and_one_group(
+    args: argparse.Namespace, flags: dict[str, str], first: SimResult
+) -> dict[str, SimResult]:
+    """`first` (key "") and, where the planner chose p > 1 groups for it (no `--groups`
+    given), the planner's plan at p = 1 with the same flags (key ", p 1") if it fits: the
+    planner ranks its p by a cheaper profile than this simulation, and its p = 1 plan can
+    be the faster step (more groups hold more micro-batches in flight, fewer GPUs each)."""
+    out = {"": first}
+    if args.groups or args.attn_workers or int(first.config["groups"]) == 1:
+        return out
+    with contextlib.suppress(ValueError):  # p = 1 does not fit: nothing to compare
+        out[", p 1"] = _simulate_resolved(
+            argparse.Namespace(**{**vars(args), **flags, "groups": 1})
+        )
+    return out
 
 
 def plan_variants(recompute: str, split_backward: str) -> list[tuple[str, dict[str, str]]]:
