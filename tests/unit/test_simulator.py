@@ -363,13 +363,15 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
 def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
     for each recompute mode that fits and keeps the faster: recompute none where it fits
-    (DeepSeek-MoE, one node, 4K), full where none does not fit (Qwen3, one node, 16K). One
-    exchange chunk: the chunk search is `test_simulator_chunks`'."""
+    (DeepSeek-MoE, one node, 4K; Qwen3 16K), full where none does not fit (Qwen3, one node,
+    32K); a plan of p > 1 groups also at p = 1. One exchange chunk: the chunk search is
+    `test_simulator_chunks`'."""
     from disagmoe.simulate_cli import main
 
     for model, seq, want in (
         ("deepseek-moe-16b", "4096", "none"),
-        ("qwen3-30b-a3b", "16384", "full"),
+        ("qwen3-30b-a3b", "32768", "full"),
+        ("qwen3-30b-a3b", "16384", "none"),
     ):
         argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1"]
         assert main([*argv, "--json"]) == 0
@@ -378,8 +380,15 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
         assert out["config"]["recompute"] == want, search
         steps = [s for s in search.values() if not isinstance(s, str)]
         assert out["step_time_s"] == pytest.approx(min(steps), abs=1e-6)
-        assert ("does not fit" in search.values()) == (want == "full")
-        assert list(search) == ["none", "none, split backward", "full"]
+        assert (search["none"] == "does not fit") == (want == "full")
+        assert [k for k in search if not k.endswith(", p 1")] == [
+            "none",
+            "none, split backward",
+            "full",
+        ]
+    # Qwen3 at 16K: the planner's full-recompute plan has p = 2; its p = 1 plan is
+    # simulated beside it (`_and_one_group`)
+    assert isinstance(search["full, p 1"], float) and isinstance(search["full"], float)
 
 
 def test_plan_variants_follow_recompute_and_split_backward() -> None:
