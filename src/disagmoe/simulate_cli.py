@@ -260,8 +260,11 @@ def _resolve_disagg(
     # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
     in_flight = {0: fits, -1: 0}.get(args.max_in_flight, args.max_in_flight)
     slots = -(-micro_batches // m)  # the busiest replica's: what it holds at most
-    held = min(in_flight or slots, slots)
-    memory = max(mem.total for mem in planner.worker_memory(p, m, held, recompute))
+
+    def gib(cap: int) -> float:  # the fullest worker's peak at `cap` slots in flight
+        held = min(cap or slots, slots)
+        return max(mem.total for mem in planner.worker_memory(p, m, held, recompute)) / cm.GIB
+
     return {
         "nic_split": nic,
         "placement": args.placement,
@@ -272,8 +275,17 @@ def _resolve_disagg(
         "attn_workers": m,
         "expert_workers": n,
         "micro_batches": micro_batches,
-        "memory_gib_per_gpu": memory / cm.GIB,
+        "memory_gib_per_gpu": gib(in_flight),
+        # below the memory's cap (0) and the slots a replica holds: what
+        # `_fewer_in_flight` may run
+        "memory_gib_by_cap": {k: gib(k) for k in range(1, min(in_flight, slots))}
+        if args.max_in_flight == 0
+        else {},
     }
+
+
+# one simulated plan: the flags it ran with, what they resolved to, and its step
+Run = tuple[argparse.Namespace, dict[str, Any], SimResult]
 
 
 def simulate_from_args(args: argparse.Namespace) -> SimResult:
@@ -282,49 +294,71 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
     cap, the faster kept (the EP runtimes' layout search also simulates every mode); at a
     split given, no recompute unless only full fits. With `--split-backward auto` no
     recompute is tried twice, with room for the deferred weight gradients (split
-    backwards) and without (whole), as each admits its own in-flight cap (`plan_variants`)."""
+    backwards) and without (whole), as each admits its own in-flight cap (`plan_variants`).
+    The plan kept then runs at fewer slots in flight while that is faster
+    (`_fewer_in_flight`)."""
     if args.runtime != "disagg":
         return _simulate_resolved(args)
     given = bool(args.attn_workers and args.expert_workers)
     variants = plan_variants(args.recompute, args.split_backward)
-    if len(variants) == 1:
-        first = _simulate_resolved(argparse.Namespace(**{**vars(args), **variants[0][1]}))
-        found = _and_one_group(args, variants[0][1], first)
-        return min(found.values(), key=lambda r: r.step_time_s)
-    results: dict[str, SimResult] = {}
+    runs: dict[str, Run] = {}
     search: dict[str, Any] = {}
     for name, flags in variants:
-        if given and results and flags["recompute"] != "none":
+        if given and runs and flags["recompute"] != "none":
             break  # a split given: full only where no recompute does not fit
+        vargs = argparse.Namespace(**{**vars(args), **flags})
         try:
-            first = _simulate_resolved(argparse.Namespace(**{**vars(args), **flags}))
+            first = _run(vargs)
         except ValueError as err:  # that variant does not fit
+            if len(variants) == 1:
+                raise
             search[name], error = "does not fit", err
             continue
-        for suffix, res in _and_one_group(args, flags, first).items():
-            results[name + suffix] = res
-            search[name + suffix] = round(res.step_time_s, 6)
-    if not results:
+        for suffix, run in _and_one_group(args, flags, first).items():
+            runs[name + suffix] = run
+            search[name + suffix] = round(run[2].step_time_s, 6)
+    if not runs:
         raise error
-    result = results[min(results, key=lambda name: results[name].step_time_s)]
-    result.config["recompute_search"] = search
+    result = _fewer_in_flight(*runs[min(runs, key=lambda name: runs[name][2].step_time_s)])
+    if len(search) > 1:
+        result.config["recompute_search"] = search
     return result
 
 
-def _and_one_group(
-    args: argparse.Namespace, flags: dict[str, str], first: SimResult
-) -> dict[str, SimResult]:
+def _fewer_in_flight(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> SimResult:
+    """`first`, a plan at the memory's in-flight cap (`--max-in-flight 0`), or the same plan
+    (split, NIC shares, recompute, micro-batches) at fewer slots in flight where that is the
+    faster step: a slot more in flight can leave the exchange and the loss head's turns
+    worse interleaved (GPT-OSS-20B, 8 nodes, 4K: 7 slots take longer than 6). Descends
+    from the cap and stops after two caps in a row that are not faster; every cap's step is
+    kept as `config.in_flight_search`."""
+    cap = r["max_in_flight"]
+    if not r.get("memory_gib_by_cap"):
+        return first
+    best, misses = first, 0
+    steps = {cap: round(first.step_time_s, 6)}
+    for k in sorted(r["memory_gib_by_cap"], reverse=True):
+        res = _simulate_resolved(
+            args, {**r, "max_in_flight": k, "memory_gib_per_gpu": r["memory_gib_by_cap"][k]}
+        )
+        steps[k] = round(res.step_time_s, 6)
+        best, misses = (res, 0) if res.step_time_s < best.step_time_s else (best, misses + 1)
+        if misses == 2:
+            break
+    best.config["in_flight_search"] = steps
+    return best
+
+
+def _and_one_group(args: argparse.Namespace, flags: dict[str, str], first: Run) -> dict[str, Run]:
     """`first` (key "") and, where the planner chose p > 1 groups for it (no `--groups`
     given), the planner's plan at p = 1 with the same flags (key ", p 1") if it fits: the
     planner ranks its p by a cheaper profile than this simulation, and its p = 1 plan can
     be the faster step (more groups hold more micro-batches in flight, fewer GPUs each)."""
     out = {"": first}
-    if args.groups or args.attn_workers or int(first.config["groups"]) == 1:
+    if args.groups or args.attn_workers or int(first[2].config["groups"]) == 1:
         return out
     with contextlib.suppress(ValueError):  # p = 1 does not fit: nothing to compare
-        out[", p 1"] = _simulate_resolved(
-            argparse.Namespace(**{**vars(args), **flags, "groups": 1})
-        )
+        out[", p 1"] = _run(argparse.Namespace(**{**vars(args), **flags, "groups": 1}))
     return out
 
 
@@ -346,8 +380,14 @@ def plan_variants(recompute: str, split_backward: str) -> list[tuple[str, dict[s
     return out
 
 
-def _simulate_resolved(args: argparse.Namespace) -> SimResult:
+def _run(args: argparse.Namespace) -> Run:
     r = resolve(args)
+    return args, r, _simulate_resolved(args, r)
+
+
+def _simulate_resolved(args: argparse.Namespace, r: dict[str, Any] | None = None) -> SimResult:
+    """The step of `args` as `resolve` fills them in (`r`: already resolved)."""
+    r = resolve(args) if r is None else r
     common = dict(
         seq_len=args.seq_len,
         micro_batch_size=args.micro_batch_size,

@@ -379,7 +379,10 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
         search = out["config"]["recompute_search"]
         assert out["config"]["recompute"] == want, search
         steps = [s for s in search.values() if not isinstance(s, str)]
-        assert out["step_time_s"] == pytest.approx(min(steps), abs=1e-6)
+        # the fastest variant at the memory's cap, then at fewer in flight where faster
+        at_cap = out["config"].get("in_flight_search", {"": out["step_time_s"]})
+        assert next(iter(at_cap.values())) == pytest.approx(min(steps), abs=1e-6)
+        assert out["step_time_s"] == pytest.approx(min(at_cap.values()), abs=1e-6)
         assert (search["none"] == "does not fit") == (want == "full")
         assert [k for k in search if not k.endswith(", p 1")] == [
             "none",
@@ -405,3 +408,53 @@ def test_plan_variants_follow_recompute_and_split_backward() -> None:
     assert dict(plan_variants("auto", "auto"))["full"] == {
         "recompute": "full", "split_backward": "off",
     }  # fmt: skip
+
+
+def test_simulate_runs_the_plan_at_fewer_in_flight_where_faster(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With the memory's cap (`--max-in-flight 0`) the plan kept is also simulated at fewer
+    slots in flight, the fastest kept (DeepSeek-MoE, one node, 4K: 2 of the 3 that fit);
+    a cap given is run as given."""
+    from disagmoe.simulate_cli import main
+
+    argv = ["--model", "deepseek-moe-16b", "--nodes", "1", "--seq-len", "4096",
+            "--exchange-chunks", "1", "--recompute", "none", "--split-backward", "off", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = out["config"]
+    search = {int(k): v for k, v in cfg["in_flight_search"].items()}
+    assert list(search) == sorted(search, reverse=True) and len(search) >= 2
+    best = min(search, key=lambda k: search[k])
+    assert cfg["max_in_flight"] == best < max(search)
+    assert out["step_time_s"] == pytest.approx(search[best], abs=1e-6)
+    assert main([*argv, "--max-in-flight", str(max(search))]) == 0
+    at_cap = json.loads(capsys.readouterr().out)
+    assert "in_flight_search" not in at_cap["config"]
+    assert at_cap["step_time_s"] == pytest.approx(search[max(search)], abs=1e-6)
+    assert at_cap["memory_gib_per_gpu"] > out["memory_gib_per_gpu"]  # fewer slots, less held
+
+
+def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The descent from the memory's cap keeps the fastest cap and stops once two caps in a
+    row are not faster (a slower cap alone does not end it)."""
+    import argparse
+
+    from disagmoe import simulate_cli
+    from disagmoe.simulator.report import SimResult
+
+    def fake(steps: dict[int, float]) -> SimResult:
+        def run(_args: argparse.Namespace, r: dict[str, object]) -> SimResult:
+            cap = int(r["max_in_flight"])  # type: ignore[call-overload]
+            return SimResult("disagg", steps[cap], 1, 1, {}, [], {"max_in_flight": cap})
+
+        monkeypatch.setattr(simulate_cli, "_simulate_resolved", run)
+        r = {"max_in_flight": max(steps), "memory_gib_by_cap": {k: 1.0 for k in list(steps)[1:]}}
+        first = run(argparse.Namespace(), r)
+        best = simulate_cli._fewer_in_flight(argparse.Namespace(), r, first)
+        return best
+
+    best = fake({6: 1.0, 5: 1.1, 4: 0.9, 3: 1.2, 2: 0.8, 1: 2.0})
+    assert best.step_time_s == 0.8 and list(best.config["in_flight_search"]) == [6, 5, 4, 3, 2, 1]
+    best = fake({6: 1.0, 5: 1.1, 4: 1.2, 3: 0.5, 2: 0.4, 1: 0.3})
+    assert best.step_time_s == 1.0 and list(best.config["in_flight_search"]) == [6, 5, 4]

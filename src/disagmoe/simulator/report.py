@@ -184,6 +184,14 @@ def trace_events(
     return [(t.metadata(), t.events) for t in tracers]
 
 
+def _searched(what: str, search: dict[Any, Any] | None) -> list[str]:
+    """The line naming every simulated choice of `what` and its step (none if no search)."""
+    if not search:
+        return []
+    steps = (f"{k} {v if isinstance(v, str) else f'{v * 1e3:.2f} ms'}" for k, v in search.items())
+    return [f"{what:11s} the fastest simulated of: " + "; ".join(steps)]
+
+
 def format_result(result: SimResult) -> str:
     """What `disagmoe simulate` prints for a result (without `--json`)."""
     cfg = result.config
@@ -213,23 +221,16 @@ def format_result(result: SimResult) -> str:
         *(
             [
                 f"memory      {cfg['memory_gib_per_gpu']:10.1f} GiB per GPU (of "
-                f"{cfg['gpu_memory_gib']:g}; recompute {cfg.get('recompute', 'none')})"
+                f"{cfg['gpu_memory_gib']:g}; recompute {cfg.get('recompute', 'none')}"
+                + (f", {cfg['max_in_flight']} in flight" if cfg.get("max_in_flight") else "")
+                + ")"
             ]
             if "memory_gib_per_gpu" in cfg
             else []
         ),
         *([f"layout      {cfg['layout_note']}"] if cfg.get("layout_note") else []),
-        *(
-            [
-                "recompute   the fastest simulated of: "
-                + "; ".join(
-                    f"{mode} {step if isinstance(step, str) else f'{step * 1e3:.2f} ms'}"
-                    for mode, step in cfg["recompute_search"].items()
-                )
-            ]
-            if cfg.get("recompute_search")
-            else []
-        ),
+        *_searched("recompute", cfg.get("recompute_search")),
+        *_searched("in flight", cfg.get("in_flight_search")),
         "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
     ]
     for key in BREAKDOWN_KEYS:
