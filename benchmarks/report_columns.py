@@ -68,5 +68,6 @@ def markdown_table(rows: list[dict[str, Any]], cols: tuple[Col, ...]) -> str:
         cols = tuple(Col(head=k, get=k, fmt="{:.4g}" if isinstance(rows[0][k], float) else "{}")
                      for k in keys)  # fmt: skip
     lines = ["| " + " | ".join(c.head for c in cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(c.cell(r) for c in cols) + " |" for r in rows]
+    # a "|" inside a cell (e.g. "n | E") would end it: escaped, Markdown shows it as is
+    lines += ["| " + " | ".join(c.cell(r).replace("|", "\\|") for c in cols) + " |" for r in rows]
     return "\n".join(lines)

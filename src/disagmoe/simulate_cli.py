@@ -66,7 +66,8 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         parser,
         "schedule.max_in_flight",
         note="simulate: 0, the most that fit the cluster's GPU memory by the runtime's "
-        "memory model (train's cap); a cap that does not fit is refused",
+        "memory model (train's cap), or fewer where the simulated step is faster; a cap "
+        "that does not fit is refused",
     )
     add_config_flag(
         parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),

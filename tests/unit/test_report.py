@@ -96,3 +96,10 @@ def test_stamp_adds_meta_and_keeps_the_indent(report: ModuleType, tmp_path: Path
 def test_a_file_without_a_table_spec_shows_its_scalar_fields(report: ModuleType) -> None:
     text = report.table("new_bench", {"rows": [{"size": 3, "s": 0.123456, "xs": [1]}]})
     assert text.splitlines() == ["| size | s |", "|---|---|", "| 3 | 0.1235 |"]
+
+
+def test_a_pipe_inside_a_cell_stays_in_its_cell(report: ModuleType) -> None:
+    text = report.table("new_bench", {"rows": [{"split": "n | E 7:1", "fits": "no"}]})
+    row = text.splitlines()[2]
+    assert row == "| n \\| E 7:1 | no |"
+    assert row.replace("\\|", "").count("|") == 3  # two cells, as the header has
