@@ -23,7 +23,8 @@ bound / AF-Pipe's: AF-Pipe can only lead by about that much).
 
 `--groups-sweep` runs instead, per model and node count at 8K, AF-Pipe at every group count p
 (virtual stages v = L / p), each with the planner's split for that p, in flight and
-recompute held to memory: throughput against virtual stages.
+recompute held to memory (and the cap lowered where that is faster, as `simulate` does):
+throughput against virtual stages; `--jobs` runs that many (model, nodes) cases at once.
 """
 
 from __future__ import annotations
@@ -139,12 +140,12 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="points simulated at once")
     args = parser.parse_args()
     if args.groups_sweep:
-        sweep = [
-            row
-            for model in args.models.split(",")
-            for nodes in map(int, args.nodes.split(","))
-            for row in groups_sweep(model, nodes, 8192)
-        ]
+        cases = [(model, nodes, 8192) for model in args.models.split(",")
+                 for nodes in map(int, args.nodes.split(","))]  # fmt: skip
+        with ProcessPoolExecutor(max(args.jobs, 1)) as pool:
+            sweep = [
+                row for rows in pool.map(groups_sweep, *zip(*cases, strict=True)) for row in rows
+            ]
         if args.json:
             write_json(args.json, {"rows": sweep})
         return 0
