@@ -22,7 +22,8 @@ missed, the two bounds say whether a schedule could meet it (`bound ratio` = bes
 bound / AF-Pipe's: AF-Pipe can only lead by about that much).
 
 `--groups-sweep` runs instead, per model and node count at 8K, AF-Pipe at every group count p
-(virtual stages v = L / p), each with the planner's split for that p, in flight and
+(virtual stages v = L / p) at one exchange chunk and whole backwards (`SWEEP_SCHEDULE`),
+each with the planner's split for that p, in flight and
 recompute held to memory (and the cap lowered where that is faster, as `simulate` does):
 throughput against virtual stages; `--jobs` runs that many (model, nodes) cases at once.
 """
@@ -45,6 +46,9 @@ MODELS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 NODES = (8, 16)
 SEQ_LENS = (4096, 8192, 16384, 32768)
 TARGET_BOUND, TARGET_LEAD = 1.1, 1.2
+# the groups sweep's schedule: one exchange chunk, whole backwards (the chunk and split
+# search of `simulate`'s defaults takes over 2 h for the sweep on 2 cores)
+SWEEP_SCHEDULE = ("--exchange-chunks", "1", "--split-backward", "off")
 
 
 def simulate(argv: list[str]) -> SimResult:
@@ -182,7 +186,8 @@ def groups_sweep(model: str, nodes: int, seq_len: int) -> list[dict[str, Any]]:
     out = []
     for p in [d for d in range(1, layers + 1) if layers % d == 0 and gpus % d == 0]:
         argv = ["--model", model, "--nodes", str(nodes), "--seq-len", str(seq_len),
-                "--micro-batches", str(8 * gpus), "--groups", str(p)]  # fmt: skip
+                "--micro-batches", str(8 * gpus), "--groups", str(p),
+                *SWEEP_SCHEDULE]  # fmt: skip
         row: dict[str, Any] = {"model": model, "nodes": nodes, "seq_len": seq_len,
                                "groups": p, "virtual_stages": layers // p}  # fmt: skip
         try:
