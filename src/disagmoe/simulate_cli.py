@@ -331,19 +331,24 @@ def _fewer_in_flight(args: argparse.Namespace, r: dict[str, Any], first: SimResu
     (split, NIC shares, recompute, micro-batches) at fewer slots in flight where that is the
     faster step: a slot more in flight can leave the exchange and the loss head's turns
     worse interleaved (GPT-OSS-20B, 8 nodes, 4K: 7 slots take longer than 6). Descends
-    from the cap and stops after two caps in a row that are not faster; every cap's step is
-    kept as `config.in_flight_search`."""
+    from the cap and stops after two caps in a row that are not faster (a cap whose schedule
+    the validator rejects counts as one); every cap's step is kept as
+    `config.in_flight_search`."""
     cap = r["max_in_flight"]
     if not r.get("memory_gib_by_cap"):
         return first
     best, misses = first, 0
-    steps = {cap: round(first.step_time_s, 6)}
+    steps: dict[int, float | str] = {cap: round(first.step_time_s, 6)}
     for k in sorted(r["memory_gib_by_cap"], reverse=True):
-        res = _simulate_resolved(
-            args, {**r, "max_in_flight": k, "memory_gib_per_gpu": r["memory_gib_by_cap"][k]}
-        )
-        steps[k] = round(res.step_time_s, 6)
-        best, misses = (res, 0) if res.step_time_s < best.step_time_s else (best, misses + 1)
+        try:
+            res = _simulate_resolved(
+                args, {**r, "max_in_flight": k, "memory_gib_per_gpu": r["memory_gib_by_cap"][k]}
+            )
+        except ScheduleRejected:  # that cap's schedule does not validate: a miss
+            steps[k], misses = "rejected", misses + 1
+        else:
+            steps[k] = round(res.step_time_s, 6)
+            best, misses = (res, 0) if res.step_time_s < best.step_time_s else (best, misses + 1)
         if misses == 2:
             break
     best.config["in_flight_search"] = steps

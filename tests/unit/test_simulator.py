@@ -443,9 +443,11 @@ def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyP
     from disagmoe import simulate_cli
     from disagmoe.simulator.report import SimResult
 
-    def fake(steps: dict[int, float]) -> SimResult:
+    def fake(steps: dict[int, float | None]) -> SimResult:  # None: the validator rejects
         def run(_args: argparse.Namespace, r: dict[str, object]) -> SimResult:
             cap = int(r["max_in_flight"])  # type: ignore[call-overload]
+            if steps[cap] is None:
+                raise ScheduleRejected(f"cap {cap}")
             return SimResult("disagg", steps[cap], 1, 1, {}, [], {"max_in_flight": cap})
 
         monkeypatch.setattr(simulate_cli, "_simulate_resolved", run)
@@ -458,3 +460,6 @@ def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyP
     assert best.step_time_s == 0.8 and list(best.config["in_flight_search"]) == [6, 5, 4, 3, 2, 1]
     best = fake({6: 1.0, 5: 1.1, 4: 1.2, 3: 0.5, 2: 0.4, 1: 0.3})
     assert best.step_time_s == 1.0 and list(best.config["in_flight_search"]) == [6, 5, 4]
+    best = fake({4: 1.0, 3: None, 2: 0.9, 1: None})  # a rejected cap is a slower one
+    assert best.step_time_s == 0.9
+    assert best.config["in_flight_search"] == {4: 1.0, 3: "rejected", 2: 0.9, 1: "rejected"}
