@@ -392,6 +392,10 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
     # Qwen3 at 16K: the planner's full-recompute plan has p = 2; its p = 1 plan is
     # simulated beside it (`_and_one_group`)
     assert isinstance(search["full, p 1"], float) and isinstance(search["full"], float)
+    # one recompute mode given: the p = 1 plan is still compared, and the line says so
+    assert main([*argv, "--recompute", "full", "--json"]) == 0
+    only = json.loads(capsys.readouterr().out)["config"]["recompute_search"]
+    assert only == {"full": search["full"], "full, p 1": search["full, p 1"]}
 
 
 def test_plan_variants_follow_recompute_and_split_backward() -> None:
