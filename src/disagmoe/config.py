@@ -61,7 +61,7 @@ EP_RUNTIMES = (  # disagmoe.baselines
     "ep-overlap",
 )
 # the runtimes of 1F1B's order, whose warm-up `parallel.pipeline_warmup` lengthens
-WARMUP_RUNTIMES = ("ep-1f1b", "ep-overlap", "ep-combined")
+WARMUP_RUNTIMES = ("ep-1f1b", "ep-overlap", "ep-combined", "ep-interleaved")
 MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` compare
 RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
 PLACEMENTS = ("node-aware", "packed")  # disagg: where A and F workers sit (distributed.layout)
@@ -90,14 +90,14 @@ class ParallelConfig:
     virtual_stages: int = field(default=2, metadata=flag("ep-interleaved: stages per rank"))
     # ep-overlap: expert compute chunks pipelined with the all-to-all
     overlap_chunks: int = field(default=2, metadata=flag("ep-overlap: expert compute chunks"))
-    # ep-1f1b / ep-overlap / ep-combined: forwards ahead of 1F1B's warm-up on every rank
-    # (the other runtimes have no such warm-up and leave it aside)
+    # ep-1f1b / ep-overlap / ep-combined / ep-interleaved: forwards ahead of (interleaved)
+    # 1F1B's warm-up on every rank (ep-dualpipev has no such warm-up and leaves it aside)
     pipeline_warmup: int = field(
         default=0,
         metadata=flag(
-            "ep-1f1b, ep-overlap, ep-combined: forwards each pipeline rank runs ahead of "
-            "1F1B's warm-up (holds that many micro-batches more; >= micro-batches per "
-            "replica: every forward first)"
+            "ep-1f1b, ep-overlap, ep-combined, ep-interleaved: forwards each pipeline rank "
+            "runs ahead of (interleaved) 1F1B's warm-up (holds that many micro-batches more; "
+            ">= micro-batches per replica: every forward first)"
         ),
     )
     world_size: int = field(  # 0: p*(m+n) for disagg, pp*ep for the baselines

@@ -229,9 +229,12 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
         (loss_chunked(_cfg("ep-dualpipev", pp=2, ep=1, model=tied, eval_data=val), 5), 1),
         (_cfg("ep-combined", pp=1, ep=2, eval_data=val), 1),
         (loss_chunked(_cfg("ep-combined", pp=2, ep=1), 9), 1),
-        # 1F1B with every forward first (GPipe's order), combined 1F1B one forward ahead
+        # 1F1B with every forward first (GPipe's order), combined 1F1B one forward ahead;
         (_warmed(_cfg("ep-1f1b", pp=2, ep=1), 4), 1),
         (_warmed(_cfg("ep-combined", pp=2, ep=1), 1), 1),
+        # interleaved 1F1B two stage forwards ahead, and breadth-first (every forward first)
+        (_warmed(_cfg("ep-interleaved", pp=2, ep=1), 2), 1),
+        (_warmed(_cfg("ep-interleaved", pp=2, ep=1), 4), 1),
         (recomputing(_cfg("ep-1f1b", pp=1, ep=2), "attn"), 1),
         (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full"), 1),
         (recomputing(_cfg("ep-overlap", pp=1, ep=2), "full"), 3),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections import Counter
 from collections.abc import Callable
 from unittest import mock
@@ -264,15 +265,35 @@ def test_combined_1f1b_pairs_1f1bs_steady_state(pp: int, n: int) -> None:
         assert in_flight == warmup + (1 if n > warmup else 0)  # 1F1B's + 1 at most
 
 
-def _ordered_actions(runtime: str, pp: int, n: int, rank: int) -> list[str]:
-    """The action list (compute and pipeline p2p) `ScheduleOrdered` runs on `rank`."""
+def _ordered_actions(
+    runtime: str, pp: int, n: int, rank: int, v: int = 1, warmup: int = 0
+) -> list[str]:
+    """The action list (compute and pipeline p2p) `ScheduleOrdered` runs on `rank`, whose
+    `v` stages are `c*pp + rank`."""
     from disagmoe.baselines.fb_overlap import ScheduleOrdered
 
-    stage = mock.create_autospec(PipelineStage, instance=True)
-    stage.group_rank, stage.group_size, stage.num_stages = rank, pp, pp
-    stage.stage_index, stage.is_first, stage.is_last = rank, rank == 0, rank == pp - 1
-    sched = ScheduleOrdered(stage, n, None, runtime)
+    stages = []
+    for c in range(v):
+        stage = mock.create_autospec(PipelineStage, instance=True)
+        index = c * pp + rank
+        stage.group_rank, stage.group_size, stage.num_stages = rank, pp, pp * v
+        stage.stage_index, stage.is_first, stage.is_last = index, index == 0, index == pp * v - 1
+        stages.append(stage)
+    sched = ScheduleOrdered(stages, n, None, runtime, warmup=warmup)
     return [str(a) for a in sched.pipeline_order_with_comms[rank]]
+
+
+def test_interleaved_runs_its_order_with_a_warm_up_on_pytorchs_runtime() -> None:
+    """`ep-interleaved` runs `interleaved_1f1b` (a warm-up of 2 forwards more here) on
+    PyTorch's pipeline runtime, every stage's receives in the list."""
+    pp, n, v, warmup = 2, 4, 2, 2
+    want = _flat(interleaved_1f1b(pp, n, v, warmup))
+    for rank in range(pp):
+        acts = _ordered_actions("ep-interleaved", pp, n, rank, v, warmup)
+        found = [re.fullmatch(r"(\d+)([FB])(\d+)", a) for a in acts]
+        computes = [(int(m[1]), m[2], int(m[3])) for m in found if m]
+        assert computes == want[rank]
+        assert sum("RECV_F" in a for a in acts) == n * (v - (1 if rank == 0 else 0))
 
 
 @pytest.mark.parametrize("runtime", ["ep-1f1b", "ep-overlap"])
@@ -313,4 +334,24 @@ def test_a_longer_warm_up_holds_more_micro_batches_and_at_the_count_is_gpipe() -
         assert sum(isinstance(s, Overlap) for s in steps) == n - ahead
     assert pipeline_order("ep-combined", pp, n, 1, 1) == combined_1f1b(pp, n, 1)
     with pytest.raises(ValueError, match="pipeline_warmup"):
-        pipeline_order("ep-interleaved", 2, 4, 2, 1)
+        pipeline_order("ep-dualpipev", 2, 4, 2, 1)
+
+
+@pytest.mark.parametrize(("pp", "n", "v", "extra"), [(2, 4, 2, 1), (4, 8, 2, 4), (4, 12, 3, 2)])
+def test_interleaved_warm_up_moves_only_where_forwards_and_backwards_meet(
+    pp: int, n: int, v: int, extra: int
+) -> None:
+    """`parallel.pipeline_warmup` w on interleaved 1F1B: each rank runs w stage forwards more
+    before its first backward and holds w more; its forwards, and its backwards, keep
+    their order; at w >= the micro-batch count every forward runs first (breadth-first)."""
+    plain, warmed = interleaved_1f1b(pp, n, v), interleaved_1f1b(pp, n, v, extra)
+    assert pipeline_order("ep-interleaved", pp, n, v, extra) == warmed
+    for rank in range(pp):
+        old, new = _flat([plain[rank]])[0], _flat([warmed[rank]])[0]
+        for kind in ("F", "B"):
+            assert [a for a in new if a[1] == kind] == [a for a in old if a[1] == kind]
+        first_b = [a[1] for a in new].index("B")
+        assert first_b == min([a[1] for a in old].index("B") + extra, v * n)
+        assert max_in_flight(warmed[rank]) == min(max_in_flight(plain[rank]) + extra, v * n)
+    for steps in interleaved_1f1b(pp, n, v, n):
+        assert [a.kind for step in steps for a in actions(step)] == ["F"] * v * n + ["B"] * v * n

@@ -111,7 +111,7 @@ def test_a_negative_pipeline_warmup_is_refused_and_other_runtimes_leave_it_aside
         apply_overrides(RunConfig(), ["parallel.pipeline_warmup=-1"])
     cfg = apply_overrides(RunConfig(), ["parallel.pipeline_warmup=2", "parallel.pp=2",
                                         "train.global_batch_size=16"])  # fmt: skip
-    for runtime, warmup in (("ep-1f1b", 2), ("ep-combined", 2), ("ep-interleaved", 0)):
+    for runtime, warmup in (("ep-1f1b", 2), ("ep-interleaved", 2), ("ep-dualpipev", 0)):
         parallel = dataclasses.replace(cfg.parallel, runtime=runtime, ep=1)
         assert EPLayout.build(cfg.model, parallel, cfg.train, 4).warmup == warmup
 

@@ -66,7 +66,7 @@ def test_ep_layout_search_skips_what_does_not_fit_and_searches_recompute() -> No
 
 
 def test_the_ep_search_tries_longer_pipeline_warm_ups_held_to_their_memory() -> None:
-    """With pp > 1, the 1F1B runtimes are searched at warm-ups 0, pp and every forward
+    """With pp > 1, the (interleaved) 1F1B runtimes are searched at warm-ups 0, pp and every forward
     first (`pipeline_warmups`); a longer warm-up holds more micro-batches (more memory) and,
     where the hand-overs are slow against the compute (here), runs faster. A warm-up given
     is the only one; pp 1 and the runtimes without one have none."""
@@ -89,7 +89,9 @@ def test_the_ep_search_tries_longer_pipeline_warm_ups_held_to_their_memory() -> 
     assert every[0].warmup > 0
     given = search_ep_layouts("ep-combined", model, train, spec.world, warmup=0, **kw)  # type: ignore[arg-type]
     assert {c.warmup for c in given} == {0}
-    other = search_ep_layouts("ep-interleaved", model, train, spec.world, **kw)  # type: ignore[arg-type]
+    interleaved = search_ep_layouts("ep-interleaved", model, train, spec.world, **kw)  # type: ignore[arg-type]
+    assert {c.warmup for c in interleaved if c.pp > 1} > {0}
+    other = search_ep_layouts("ep-dualpipev", model, train, spec.world, **kw)  # type: ignore[arg-type]
     assert {c.warmup for c in other} == {0}
 
 

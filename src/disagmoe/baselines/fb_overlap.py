@@ -145,9 +145,10 @@ def _torch_action(step: Step) -> Action:
 
 
 class ScheduleOrdered(PipelineScheduleRuntime):
-    """One stage per rank, run in the order `schedule.pipelines.pipeline_order` gives the
-    runtime (`ep-1f1b` and `ep-overlap`: 1F1B; `ep-combined`: combined 1F1B; each with
-    `warmup` forwards more in its warm-up, `parallel.pipeline_warmup`), lowered to
+    """A rank's stages run in the order `schedule.pipelines.pipeline_order` gives the runtime
+    (`ep-1f1b` and `ep-overlap`: 1F1B; `ep-combined`: combined 1F1B; `ep-interleaved`:
+    interleaved 1F1B, `virtual_stages` stages per rank, stage `c*pp + r` on rank r; each
+    with `warmup` forwards more in its warm-up, `parallel.pipeline_warmup`), lowered to
     PyTorch's runtime with its pipeline sends and receives: a receive is posted where the
     lowering places it, as soon as its sender's computation is in the list, not after this
     rank's computation before it (as `Schedule1F1B` does), and a send is waited for at the
@@ -156,17 +157,18 @@ class ScheduleOrdered(PipelineScheduleRuntime):
 
     def __init__(
         self,
-        stage: TracedStage,
+        stages: list[TracedStage],
         n_microbatches: int,
         loss_fn: Any,
         runtime: str,
         scale_grads: bool = False,
         warmup: int = 0,
     ) -> None:
-        super().__init__([stage], n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
-        order = pipeline_order(runtime, stage.group_size, n_microbatches, 1, warmup)
+        super().__init__(stages, n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+        pp = stages[0].group_size
+        order = pipeline_order(runtime, pp, n_microbatches, len(stages), warmup)
         self.pipeline_order: dict[int, list[Action | None]] = {
             rank: [_torch_action(step) for step in steps] for rank, steps in enumerate(order)
         }
         prepare_schedule_with_comms(self, self.pipeline_order)
-        enable_fb_overlap(self, list(range(stage.group_size)))
+        enable_fb_overlap(self, [s % pp for s in range(pp * len(stages))])

@@ -6,8 +6,8 @@ Per optimizer step, on every rank:
 1. replica `dp_rank` takes global micro-batches `s*dp + dp_rank` (the
    reference's numbering); the rank holding stage 0 feeds their tokens, the
    rank holding the last stage their targets;
-2. PyTorch's pipeline runtime (`baselines.fb_overlap.ScheduleOrdered` for the
-   one-stage-per-rank orders, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`;
+2. PyTorch's pipeline runtime (`baselines.fb_overlap.ScheduleOrdered` for the 1F1B
+   orders, interleaved 1F1B's among them, `ScheduleDualPipeV`;
    `scale_grads=False` because `LossScale` already weights every micro-batch) runs
    forward/backward of this rank's stages,
    with the EP all-to-alls inside each MoE layer;
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import ScheduleDualPipeV
 
-from ..config import RunConfig
+from ..config import WARMUP_RUNTIMES, RunConfig
 from ..data import inputs_targets, split_micro_batches
 from ..device import resolve_device
 from ..distributed.topology import allreduce_grads, world_sum
@@ -173,12 +173,11 @@ class EPTrainer:
         loss_fn = self._loss
         stages: list[PipelineStageBase] = list(self.stages)
         schedule: PipelineScheduleRuntime
-        if runtime in ("ep-1f1b", "ep-overlap", "ep-combined"):
+        if runtime in WARMUP_RUNTIMES:
             schedule = ScheduleOrdered(
-                self.stages[0], n, loss_fn, runtime, scale_grads=False, warmup=self.layout.warmup
-            )
-        elif runtime == "ep-interleaved":
-            schedule = ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn, scale_grads=False)
+                list(self.stages), n, loss_fn, runtime, scale_grads=False,
+                warmup=self.layout.warmup,
+            )  # fmt: skip
         else:
             schedule = ScheduleDualPipeV(stages, n, loss_fn=loss_fn, scale_grads=False)
             # its F&B pairs run at once (baselines.fb_overlap)

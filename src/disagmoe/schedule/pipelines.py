@@ -103,7 +103,7 @@ def pipeline_order(
     if runtime == "ep-combined":
         return combined_1f1b(pp, num_mb, warmup)
     if runtime == "ep-interleaved":
-        return interleaved_1f1b(pp, num_mb, virtual_stages)
+        return interleaved_1f1b(pp, num_mb, virtual_stages, warmup)
     if runtime == "ep-dualpipev":
         return dualpipev(pp, num_mb)
     raise ValueError(f"unknown EP runtime {runtime!r}; choose one of {', '.join(EP_RUNTIMES)}")
@@ -147,8 +147,14 @@ def combined_1f1b(num_ranks: int, num_mb: int, extra: int = 0) -> list[list[Step
     return orders
 
 
-def interleaved_1f1b(num_ranks: int, num_mb: int, chunks: int) -> list[list[Step]]:
-    """Megatron's interleaved 1F1B (torch's ScheduleInterleaved1F1B): stage `c*p + r` on rank r."""
+def interleaved_1f1b(num_ranks: int, num_mb: int, chunks: int, extra: int = 0) -> list[list[Step]]:
+    """Megatron's interleaved 1F1B (torch's ScheduleInterleaved1F1B): stage `c*p + r` on rank r.
+
+    With `extra` forwards more in each rank's warm-up (stage forwards, in the same order) a
+    rank holds up to `extra` stage forwards' micro-batches more before its first backward,
+    as `one_f_one_b`'s; with `extra` >= the micro-batch count every forward runs first
+    (the breadth-first order of PyTorch's `ScheduleLoopedBFS`). The forwards keep their
+    order and the backwards theirs; only where they meet moves."""
     rounds = max(1, num_mb // num_ranks)
     if num_mb % rounds:
         raise ValueError(
@@ -159,7 +165,8 @@ def interleaved_1f1b(num_ranks: int, num_mb: int, chunks: int) -> list[list[Step
     total = chunks * num_mb
     orders: list[list[Step]] = []
     for rank in range(num_ranks):
-        warmup = min((chunks - 1) * per_round + 2 * (num_ranks - 1 - rank), total)
+        ahead = total if extra >= num_mb else extra
+        warmup = min((chunks - 1) * per_round + 2 * (num_ranks - 1 - rank) + ahead, total)
         fwd_count: dict[int, int] = defaultdict(int)
         bwd_count: dict[int, int] = defaultdict(int)
 

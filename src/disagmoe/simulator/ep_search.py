@@ -1,9 +1,9 @@
 """The best layout of an expert-parallel runtime: every (pp, ep, virtual stages, warm-up)
 that the runtime accepts for a world and a batch, each simulated, fastest first.
 
-Warm-up (`parallel.pipeline_warmup`, `pipeline_warmups`): with `pp > 1`, 1F1B and combined
-1F1B are also tried with `pp` forwards more in each rank's warm-up and with every forward
-first (GPipe's order). Where a micro-batch's round trip through the pipeline outlasts the
+Warm-up (`parallel.pipeline_warmup`, `pipeline_warmups`): with `pp > 1`, 1F1B, combined
+1F1B and interleaved 1F1B are also tried with `pp` (stage) forwards more in each rank's
+warm-up and with every forward first (GPipe's order; breadth-first for interleaved). Where a micro-batch's round trip through the pipeline outlasts the
 compute of the micro-batches 1F1B holds (slow hand-overs), the stages wait; holding more
 hides it, at the memory of the micro-batches held, which the memory check counts.
 
