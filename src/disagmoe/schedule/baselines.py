@@ -3,9 +3,8 @@
 Compute order per pipeline rank — a list of `(stage, kind, micro-batch)` with
 kind F (forward), B (full backward), I (backward for inputs) or W (weight
 gradients) — is `schedule.pipelines`' statement of the order the runtimes run
-(`baselines.fb_overlap.ScheduleOrdered`, PyTorch's `ScheduleInterleaved1F1B` /
-`ScheduleDualPipeV`; overlapped F/B pairs flattened in execution order); tests pin it to
-PyTorch's.
+(`baselines.fb_overlap.ScheduleOrdered`, PyTorch's `ScheduleDualPipeV`; overlapped F/B
+pairs flattened in execution order); tests pin it to PyTorch's.
 
 `build_baseline_schedule` expands each stage computation into per-layer
 instructions of every rank (all DP replicas run the same list):

@@ -1,13 +1,12 @@
 """Pipeline orders of the expert-parallel baselines, defined once as pure functions.
 
-The `ep-*` runtimes execute PyTorch's `torch.distributed.pipelining` schedules
-(`baselines.fb_overlap.ScheduleOrdered`, `ScheduleInterleaved1F1B`, `ScheduleDualPipeV`,
-all on PyTorch's pipeline runtime); this module
-states the order each of them runs, with no process group or stage object, for
-the baselines' IR export (`schedule.baselines`) and the simulator
-(`simulator.simulate_ep`). `tests/unit/test_baseline_schedules.py` pins every order to
-what PyTorch executes (its runtime loop for 1F1B, its `pipeline_order` for the
-others).
+The `ep-*` runtimes execute these orders on PyTorch's `torch.distributed.pipelining`
+runtime (`baselines.fb_overlap.ScheduleOrdered`: 1F1B, combined and interleaved 1F1B;
+PyTorch's `ScheduleDualPipeV`); this module states the order each of them runs, with no
+process group or stage object, for the runtimes, the baselines' IR export
+(`schedule.baselines`) and the simulator (`simulator.simulate_ep`).
+`tests/unit/test_baseline_schedules.py` pins every order without a warm-up to PyTorch's
+(its runtime loop for 1F1B, its `pipeline_order` for the others).
 
 An order is a list per pipeline rank of steps: an `Action` (F: forward, B: full
 backward, I: backward for inputs, W: backward for weights, of one stage and
@@ -153,8 +152,8 @@ def interleaved_1f1b(num_ranks: int, num_mb: int, chunks: int, extra: int = 0) -
     With `extra` forwards more in each rank's warm-up (stage forwards, in the same order) a
     rank holds up to `extra` stage forwards' micro-batches more before its first backward,
     as `one_f_one_b`'s; with `extra` >= the micro-batch count every forward runs first
-    (the breadth-first order of PyTorch's `ScheduleLoopedBFS`). The forwards keep their
-    order and the backwards theirs; only where they meet moves."""
+    (in this order's rounds, not stage by stage as PyTorch's `ScheduleLoopedBFS`). The
+    forwards keep their order and the backwards theirs; only where they meet moves."""
     rounds = max(1, num_mb // num_ranks)
     if num_mb % rounds:
         raise ValueError(
