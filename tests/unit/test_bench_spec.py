@@ -256,3 +256,30 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
     assert flags[flags.index("--virtual-stages") + 1] == "3"
     flags = chosen.train_flags("ep-1f1b", Path("r"))  # not searched: pp 1, ep = world
     assert flags[flags.index("--pp") + 1] == "1" and flags[flags.index("--ep") + 1] == "8"
+
+
+def test_an_ep_rows_layout_names_what_a_set_override_changed(tmp_path: Path) -> None:
+    """A `--set parallel.pipeline_warmup=8` on an `--pp 4 --ep 2` bench: the row's layout
+    names the warm-up and virtual stages its run resolved (its config.toml), not only the
+    bench's flags; what the label already names, a zero warm-up and a disagg run add
+    nothing."""
+    from disagmoe.bench.runner import _override_note
+    from disagmoe.config import RunConfig
+    from disagmoe.config_io import save_toml
+
+    def run(runtime: str, **parallel: int) -> Path:
+        cfg = RunConfig(parallel=ParallelConfig(runtime=runtime, pp=4, ep=2, **parallel))
+        path = tmp_path / f"{runtime}-{len(list(tmp_path.iterdir()))}"
+        path.mkdir()
+        save_toml(cfg, path / "config.toml")
+        return path
+
+    label = "pp 4 ep 2 world-size 16"
+    warmed = run("ep-interleaved", pipeline_warmup=8)
+    assert _override_note(warmed, label) == " virtual-stages 2 pipeline-warmup 8"
+    assert _override_note(warmed, "pp 4 ep 2 virtual-stages 2 pipeline-warmup 8") == ""
+    assert _override_note(run("ep-interleaved"), label) == " virtual-stages 2"
+    assert _override_note(run("ep-overlap", overlap_chunks=4), label) == " overlap-chunks 4"
+    assert _override_note(run("ep-dualpipev", pipeline_warmup=3), label) == ""
+    assert _override_note(run("disagg"), "groups 1") == ""
+    assert _override_note(tmp_path / "missing", label) == ""

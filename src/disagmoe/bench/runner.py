@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..config import WARMUP_RUNTIMES
 from ..config_io import load_toml
 from ..simulator.bound import Bound
 from ..simulator.links import LinkModel
@@ -260,6 +261,30 @@ def _schedule_note(run_dir: Path) -> str:
     return f" order {facts['order']} exchange-chunks {facts['exchange_chunks']}"
 
 
+# what an EP row's layout column names, read from the run's resolved config (`[parallel]`)
+_EP_LAYOUT_FIELDS = {
+    "virtual_stages": ("ep-interleaved",),
+    "overlap_chunks": ("ep-overlap",),
+    "pipeline_warmup": WARMUP_RUNTIMES,
+}
+
+
+def _override_note(run_dir: Path, label: str) -> str:
+    """ " pipeline-warmup W" and the like: the layout fields of an EP run that its bench
+    label (`BenchSpec.layout_flags`) does not name, as the run resolved them (a `--set`
+    override), from its config.toml; a zero warm-up is not named."""
+    try:
+        parallel = load_toml(str(run_dir / "config.toml")).parallel
+    except (OSError, ValueError):
+        return ""
+    note = ""
+    for name, runtimes in _EP_LAYOUT_FIELDS.items():
+        flag, value = name.replace("_", "-"), getattr(parallel, name)
+        if parallel.runtime in runtimes and flag not in label.split() and value:
+            note += f" {flag} {value}"
+    return note
+
+
 def summarize(
     spec: BenchSpec,
     outcomes: list[RunOutcome],
@@ -285,7 +310,7 @@ def summarize(
             continue
         res.ok = True
         res.nic_drops = sum(o.drops for o in mine)
-        res.layout += _schedule_note(good[0].run_dir)
+        res.layout += _schedule_note(good[0].run_dir) + _override_note(good[0].run_dir, layout)
         times = [t / k for o in good for t in o.step_times.values()]
         res.step_time_s = statistics.median(times)
         medians = [statistics.median(o.step_times.values()) / k for o in good]
