@@ -261,3 +261,18 @@ def test_the_layout_search_prices_all_to_alls_in_the_runs_dtype() -> None:
         group, 0, bf16.a2a_bytes_per_peer(8)
     )
     assert any(c.a2a_s == [net.a2a_s(group, 0, workload.a2a_bytes_per_peer(8))] for c in priced)
+
+
+def test_steps_equal_but_for_float_rounding_rank_the_shorter_warm_up_first() -> None:
+    """gpt-oss-20b's `ep-interleaved` at `pp 2, ep 8`: 2 forwards more changed the step
+    by 1e-15 s and held 4 GiB more; the search keeps the warm-up-free layout. A real
+    difference still wins."""
+    from disagmoe.simulator.ep_search import EPCandidate, rank_key
+
+    plain = EPCandidate("ep-interleaved", 2, 8, 2, 2.866944792448066, memory_gib=49.6)
+    warmed = EPCandidate("ep-interleaved", 2, 8, 2, 2.8669447924480647, memory_gib=53.6, warmup=2)
+    assert sorted([warmed, plain], key=rank_key)[0] is plain
+    faster = EPCandidate("ep-interleaved", 2, 8, 2, 2.8669, memory_gib=53.6, warmup=2)
+    assert sorted([plain, faster], key=rank_key)[0] is faster
+    refused = EPCandidate("ep-interleaved", 1, 8, 2, float("inf"), "over memory")
+    assert sorted([refused, plain], key=rank_key)[-1] is refused
