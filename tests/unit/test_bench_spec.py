@@ -242,7 +242,8 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
         ranked = search(spec, runtime, costs, emulated_cluster(spec))
         fits = [c for c in ranked if not c.refused]
         assert fits and all(c.refused for c in ranked[len(fits) :])
-        assert [c.step_s for c in fits] == sorted(c.step_s for c in fits)
+        steps = [round(c.step_s, 9) for c in fits]  # equal to a ns: least memory first
+        assert steps == sorted(steps)
         for c in ranked[len(fits) :]:  # e.g. DualPipeV with too few micro-batches per replica
             assert c.step_s == float("inf") and c.refused
         assert {c.pp for c in fits} > {1}  # pipelines are candidates, not only pp 1
