@@ -60,7 +60,8 @@ EP_RUNTIMES = (  # disagmoe.baselines
     "ep-dualpipev",
     "ep-overlap",
 )
-# the runtimes of 1F1B's order, whose warm-up `parallel.pipeline_warmup` lengthens
+# the runtimes of (interleaved) 1F1B's order, whose warm-up `parallel.pipeline_warmup`
+# lengthens
 WARMUP_RUNTIMES = ("ep-1f1b", "ep-overlap", "ep-combined", "ep-interleaved")
 MULTI_WORKER_RUNTIMES = ("disagg", *EP_RUNTIMES)  # what `bench` and `simulate` compare
 RUNTIMES = ("disagg", "reference", *EP_RUNTIMES)
