@@ -229,12 +229,12 @@ class ScheduleConfig:
     )
     # each micro-batch's exchange with each expert shard in this many chunks of its rows,
     # the shard computing one while the next is on the wire (schedule.ir); 1: whole;
-    # 0: auto picks 1, 2, 4 or 8 by simulated step (simulator.choose)
+    # 0 (default): auto picks 1, 2, 4 or 8 by simulated step (simulator.choose)
     exchange_chunks: int = field(
-        default=1,
+        default=0,
         metadata=flag(
-            "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0: auto "
-            "picks 1, 2, 4 or 8 by simulated step)",
+            "AF-Pipe: split each micro-batch's exchange with a shard into chunks (0, the "
+            "default: auto picks 1, 2, 4 or 8 by simulated step)",
             metavar="C",
         ),
     )

@@ -36,8 +36,7 @@ from .simulator.links import LINK_MODELS
 from .simulator.measured import MeasuredCosts
 from .simulator.report import SimResult, format_result
 
-# simulate's own defaults of schedule.exchange_chunks and schedule.split_backward (auto)
-SIM_EXCHANGE_CHUNKS = 0
+# simulate's own default of schedule.split_backward (auto; train's is off)
 SIM_SPLIT_BACKWARD = "auto"
 
 
@@ -78,9 +77,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_flag(parser, "schedule.order")
     add_config_flag(parser, "schedule.costs")
     # picked on the planned layout by default, as the ep-* search picks --overlap-chunks
-    for key, default in (("exchange_chunks", SIM_EXCHANGE_CHUNKS), ("split_backward", SIM_SPLIT_BACKWARD)):  # fmt: skip
-        add_config_flag(parser, f"schedule.{key}", default=default,
-                        note=f"simulate: {default}, picked on the layout it runs")  # fmt: skip
+    add_config_flag(parser, "schedule.exchange_chunks")
+    add_config_flag(parser, "schedule.split_backward", default=SIM_SPLIT_BACKWARD,
+                    note=f"simulate: {SIM_SPLIT_BACKWARD}, picked on the layout it runs")  # fmt: skip
     add_config_flag(parser, "parallel.overlap_grad_sync")
     add_config_flag(parser, "parallel.placement", note="see docs/simulator.md")
     parser.add_argument(
@@ -199,7 +198,7 @@ def _check_args(args: argparse.Namespace, model: ModelConfig) -> None:
         )
     if args.split_backward != SIM_SPLIT_BACKWARD and args.runtime != "disagg":
         raise ValueError("--split-backward is AF-Pipe's: use it with --runtime disagg")
-    if args.exchange_chunks != SIM_EXCHANGE_CHUNKS and args.runtime != "disagg":
+    if args.exchange_chunks != 0 and args.runtime != "disagg":
         raise ValueError(
             "--exchange-chunks splits AF-Pipe's exchange: use it with --runtime disagg"
         )

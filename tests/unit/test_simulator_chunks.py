@@ -146,9 +146,9 @@ def test_auto_picks_the_chunk_count_deterministically() -> None:
     assert first.exchange_chunks == min(k for _, _, k, t, _ in first.steps if t == best)
     order, _, chunks, split = run_order(cfg, layout, 4, 0)
     assert (order, chunks, split) == (first.order, first.exchange_chunks, False)
-    # an explicit count is taken as given, without a replay; 1 is the default
+    # an explicit count is taken as given, without a replay; auto (0) is the default
     assert run_order(_cfg("breadth", 2), layout, 4, 0) == ("breadth", None, 2, False)
-    assert ScheduleConfig().exchange_chunks == 1
+    assert ScheduleConfig().exchange_chunks == 0
     # an explicit order with chunks 0: the chunk count is chosen for that order alone
     fixed, _ = run_choice(_cfg("depth", 0), layout, 4, 0)
     assert {(o, c) for o, c, _, _, _ in fixed.steps} == {("depth", False)}

@@ -86,7 +86,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--search-radius", type=int, default=2, help="stage-3 radius r")
     replays = "plan: what the simulator profile replays (auto: {}x the replays)"
     add_config_flag(parser, "schedule.order", note=replays.format(6))
-    add_config_flag(parser, "schedule.exchange_chunks", note=replays.format(4))
+    # one chunk by default: a run left at auto picks its chunks on the plan it runs, and the
+    # planner ranks plans unchunked for it (options.run_replays)
+    add_config_flag(parser, "schedule.exchange_chunks", default=1,
+                    note="plan: default 1, what the simulator profile replays (0: auto, 4x the replays)")  # fmt: skip
     add_config_flag(parser, "schedule.split_backward", note=replays.format(2))
     parser.add_argument("--profile", choices=PROFILES, default="auto",
                         help="what scores stage 3: the simulator's replay of the plan's step or "
