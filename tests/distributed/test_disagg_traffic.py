@@ -27,14 +27,15 @@ def cases() -> list[Case]:
     trainer = f"{trainers.__name__}:TrafficTrainer"
     return [
         Case(cfg, trainer)
+        # each case at an explicit chunk count (the default, 0, lets the run pick one)
         for cfg in [
-            case(1, 2, 2),  # m = n = 2, top-2: a token may go to both shards
+            chunked(case(1, 2, 2), 1),  # m = n = 2, top-2: a token may go to both shards
             # the ring A0 -> F0 -> A1 -> F1 -> A0: residuals cross groups, combine goes to
             # the next group's replica; a dense first layer and a shared expert; 2 chunks
             chunked(case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1), 2),
-            case(1, 1, 3),  # 8 experts on 3 shards (3, 3, 2)
+            chunked(case(1, 1, 3), 1),  # 8 experts on 3 shards (3, 3, 2)
             # 8 micro-batches on 3 replicas (slots 3, 3, 2), all-reduced at SYNC only
-            syncing_at_the_end(case(1, 3, 1, micro=1)),
+            chunked(syncing_at_the_end(case(1, 3, 1, micro=1)), 1),
         ]
     ]
 
