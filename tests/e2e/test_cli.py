@@ -58,7 +58,7 @@ def test_disagg_and_reference_print_the_same_losses(tmp_path: Path) -> None:
         "ranks_per_node": 4,  # the local launch: every rank on this host
         "roles": ["A(g0,r0)", "F(g0,j0)", "A(g0,r1)", "F(g0,j1)"],
         "nodes": [{"A": 2, "F": 2}],
-        "schedule": {  # what the schedule resolved to (defaults: nothing automatic)
+        "schedule": {  # what the schedule resolved to (the default chunks: auto, 1 here)
             "order": "breadth",
             "costs": "nominal",
             "exchange_chunks": 1,
