@@ -154,7 +154,13 @@ def test_reduced_replay_equals_full_replay_under_fair_links(placement: str) -> N
     locality, so a bundle's real messages share ports as the full replay's do (a bundle
     counts as its real flows, `simulator.links`) and the two replays agree to rounding.
     The FIFO link model does not: there the full replay's messages queue one by one
-    (reduced vs full: -4% packed, +25% node-aware)."""
+    (reduced vs full: -4% packed, +25% node-aware).
+
+    The A gradients' ring all-reduce breaks the symmetry node-aware: its replicas sit on
+    both nodes, so some of its hops leave a node and the others do not, and the
+    representative prices a replica whose hop leaves its node (`lower`, `ring_bucket`):
+    within 2% of the full replay, whose ring waits for its slowest member. Packed, every
+    hop stays on the node."""
     kw = dict(
         groups=1,
         attn_workers=8,
@@ -165,10 +171,13 @@ def test_reduced_replay_equals_full_replay_under_fair_links(placement: str) -> N
         placement=placement,
     )
     model, cluster = MODEL_PRESETS["small"], CLUSTER_PRESETS["h800"]
-    full = simulate_disagg(model, cluster, reduce=False, **kw)
-    reduced = simulate_disagg(model, cluster, reduce=True, **kw)
-    assert reduced.config["reduced"] and not full.config["reduced"]
-    assert reduced.step_time_s == pytest.approx(full.step_time_s, rel=1e-9)
+    for overlap_sync in (False, True):
+        full = simulate_disagg(model, cluster, reduce=False, overlap_sync=overlap_sync, **kw)
+        reduced = simulate_disagg(model, cluster, reduce=True, overlap_sync=overlap_sync, **kw)
+        assert reduced.config["reduced"] and not full.config["reduced"]
+        exact = not overlap_sync or placement == "packed"
+        rel = 1e-9 if exact else 0.02
+        assert reduced.step_time_s == pytest.approx(full.step_time_s, rel=rel)
 
 
 @pytest.mark.parametrize(("m", "n", "micro", "cap"), [(3, 3, 8, 0), (2, 3, 5, 2), (3, 4, 9, 0)])

@@ -22,10 +22,11 @@ instruction its median over the measured steps and each message its measured byt
 `replay="own"`, the default — or one median per (op, component, layer kind) and the
 workload's average bytes, `"pooled"`; ep-*: seconds per FLOP of forward and of backward
 fitted over the stage computations), the network is the emulated one (the tbf rate per
-NIC, loopback inside a node). AF-Pipe: the measured median SYNC + STEP is added
-(`_sync_step_s`); ep-*: the gradient all-reduces are simulated (the buckets on the
-network beside the all-to-alls, SYNC after every rank's last op), and the optimizer's own
-STEP is added (`_least_step_s`).
+NIC, loopback inside a node). Both simulate the gradient all-reduces (AF-Pipe: the A
+buckets as ring hops over the ports the exchange uses; ep-*: the buckets on the network
+beside the all-to-alls; SYNC after every rank's last op) and add the optimizer's own STEP
+(`_least_step_s`). AF-Pipe replays the lists its run executed (the caller passes the
+config with what `auto` picked, `bench.runner.ran_schedule`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_sch
 from ..simulator.ep import EPCosts
 from ..simulator.links import LinkModel
 from ..trace import (
-    BUCKET_EVENT,
     COMM_LANES,
     COMPUTE_LANES,
     HOST_WORK,
@@ -137,23 +137,6 @@ def _flights(events: list[Event]) -> dict[tuple[int, int], list[Interval]]:
     return flights
 
 
-def _sync_step_s(events: list[Event]) -> float:
-    """Median over steps of the slowest rank's SYNC + STEP seconds (a bucket all-reduce
-    that overlapped the backward, `runtime.grad_sync`, is not in it; SYNC holds what of it
-    was still in flight). AF-Pipe's replay adds it to its makespan. STEP all-reduces over
-    the world, so the slowest rank's STEP holds its wait for the last rank to finish,
-    which the replay's makespan already places: the sum counts that wait twice (1-12% of
-    the step on the saved emulated benches)."""
-    per: dict[tuple[int, int], float] = defaultdict(float)
-    for e in events:
-        if e["cat"] == "sync" and not e["name"].startswith(BUCKET_EVENT):
-            per[(e["args"].get("step", -1), e["pid"])] += e["dur"] / 1e6
-    steps: dict[int, float] = defaultdict(float)
-    for (step, _), s in per.items():
-        steps[step] = max(steps[step], s)
-    return statistics.median(steps.values()) if steps else 0.0
-
-
 def _least_step_s(events: list[Event]) -> float:
     """Median over steps of the least STEP over ranks: the optimizer's own time. STEP
     all-reduces the gradient norm and the losses over the world, so a rank that finishes
@@ -216,7 +199,12 @@ def predict_disagg(
     * "pooled": one median per (op, component, layer kind), the workload's average bytes:
       a cost table as the planner would use it.
 
-    `overheads`: with the run's per-message host costs too (`bench.overheads`)."""
+    `overheads`: with the run's per-message host costs too (`bench.overheads`).
+
+    The A gradients' buckets are simulated as the runtime runs them (`runtime.grad_sync`:
+    a ring all-reduce per layer during the backward, on the NIC the exchange uses,
+    `simulator.lower`), in the run's weight dtype, and the step ends at the last rank's
+    SYNC plus the optimizer's own STEP (`_least_step_s`), as `predict_ep`'s does."""
     from ..runtime.disagg import run_schedule
     from ..simulator.choose import run_order
 
@@ -247,12 +235,13 @@ def predict_disagg(
     sim = simulate_schedule(
         schedule, layout, TableCosts(workload, table), workload, net,
         share_compute=bool(cfg.train.emulate_compute),
-        sync=False, link_model=link_model,
+        link_model=link_model, overlap_sync=cfg.parallel.overlap_grad_sync,
+        grad_bytes={"float64": 8, "float32": 4}.get(param_dtype_name(cfg.train), 2),
         overheads=fit_message_overheads(events) if overheads else None,
         rank_compute_s=_instruction_medians(events) if own else None,
         measured_bytes=_message_bytes(events) if own else None,
     )  # fmt: skip
-    return sim.step_time_s + _sync_step_s(events)
+    return sim.step_time_s + _least_step_s(events)
 
 
 def _instruction_medians(events: list[Event]) -> Callable[[int, Instr], float | None]:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import WARMUP_RUNTIMES
+from ..config import WARMUP_RUNTIMES, RunConfig
 from ..config_io import load_toml
 from ..simulator.bound import Bound
 from ..simulator.links import LinkModel
@@ -261,6 +261,26 @@ def _schedule_note(run_dir: Path) -> str:
     return f" order {facts['order']} exchange-chunks {facts['exchange_chunks']}"
 
 
+def ran_schedule(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """`cfg` with the AF-Pipe schedule its run executed (run.json: what `auto` picked at the
+    run's start), so that a replay builds the same lists instead of choosing again with
+    today's simulator (a different chunk count would price computes the trace lacks)."""
+    try:
+        facts = json.loads((run_dir / "run.json").read_text()).get("schedule") or {}
+    except (OSError, ValueError):
+        return cfg
+    if not facts:
+        return cfg
+    schedule = dataclasses.replace(
+        cfg.schedule,
+        order=facts["order"],
+        exchange_chunks=int(facts["exchange_chunks"]),
+        split_backward="on" if facts["split_backward"] else "off",
+        max_in_flight=int(facts.get("max_in_flight", cfg.schedule.max_in_flight)),
+    )
+    return dataclasses.replace(cfg, schedule=schedule)
+
+
 # what an EP row's layout column names, read from the run's resolved config (`[parallel]`)
 _EP_LAYOUT_FIELDS = {
     "virtual_stages": ("ep-interleaved",),
@@ -333,7 +353,7 @@ def summarize(
             parts.append(trace_breakdown(events, o.step_times))
             bounds.append(trace_bound(events, o.step_times, node_of, node_rates))
             fills.append(trace_bound(events, o.step_times, node_of, node_rates, fill=True))
-            cfg = load_toml(o.run_dir / "config.toml")
+            cfg = ran_schedule(load_toml(o.run_dir / "config.toml"), o.run_dir)
             predictions.append(
                 predict(cfg, spec.world, events, run_net, link_model, replay, overheads)
             )

@@ -26,9 +26,14 @@ operations, through one path for both executions:
 * SYNC (`Pricing.sync_s`) and STEP (`step_s`) after every op of the rank; with
   `Pricing.bucket_s` an A rank's all-reduce runs as the buckets of `schedule.sync`
   instead, on its "sync" lane one after another, each once its issuing BWD has ended,
-  and SYNC (the wait for them) ends after every op and bucket. A bucket is a collective on the rank's network (`engine.A2A`): it
-  shares it with the all-to-alls in flight beside it, as the runtime's bucket
-  all-reduces and the backward's all-to-alls share the NIC.
+  and SYNC (the wait for them) ends after every op and bucket. On an in-order (EP) rank
+  a bucket is a collective on the rank's network (`engine.A2A`): it shares it with the
+  all-to-alls in flight beside it, as the runtime's bucket all-reduces and the
+  backward's all-to-alls share the NIC. On a lanes (AF-Pipe) rank with
+  `Pricing.bucket_ring` it is the rank's share of the ring (`ring_bucket`): a message
+  of 2(k-1)/k of the bucket's bytes out to the next member and in from the previous
+  one, on the ports its exchange messages use, so the two share them fairly; it ends
+  on every simulated member when the slowest member's hop has (a ring runs in lockstep).
 
 `Symmetry` says which real workers a simulated rank stands for
 (`simulator.symmetry`); the identity when every rank is simulated.
@@ -73,6 +78,10 @@ class Pricing:
     # Seconds of the all-reduce of A layer l's bucket on a real rank (`schedule.sync`);
     # None: SYNC all-reduces everything after the rank's last op
     bucket_s: Callable[[int, int], float] | None = None
+    # The ring of A layer l's bucket on a real rank: (its members' real ranks in ring
+    # order, the bucket's bytes). With a `net`, a lanes rank's buckets move as ring hops
+    # over its ports and share them with its messages; None: `bucket_s` on the rank's network
+    bucket_ring: Callable[[int, int], tuple[tuple[int, ...], float]] | None = None
     # With buckets: what SYNC still all-reduces after the rank's last op (None: nothing)
     sync_rest_s: Callable[[int], float] | None = None
     step_s: float = 0.0
@@ -108,6 +117,7 @@ class _Lowering:
         self.schedule, self.pricing, self.symmetry = schedule, pricing, symmetry
         self.prog = Program(num_ranks=schedule.num_ranks, latency_s=pricing.message_latency_s)
         self.prog.multiplicity = [symmetry.count(r) for r in range(schedule.num_ranks)]
+        self.ports = Ports(self.prog, pricing.net) if pricing.net is not None else None
         self.over = pricing.overheads if pricing.overheads and pricing.overheads.any else None
         self.source: dict[Msg, int] = {}  # the op whose end posts a message
         self.needs: dict[Msg, int] = {}  # the op that waits for a message
@@ -115,6 +125,8 @@ class _Lowering:
         self.meets: dict[tuple[int, ...], bool] = {}  # A2A group -> do its members meet?
         self.task_ops: dict[int, dict[TaskKey, int]] = {}  # rank -> task -> op
         self.programs: dict[int, RankProgram] = {}
+        # (ring, layer) -> (hop, end) ops of its simulated members (`ring_bucket`)
+        self.rings: dict[tuple[tuple[int, ...], int], list[tuple[int, int]]] = defaultdict(list)
         # in-order (EP) rank -> A layer -> the op after which its weight gradients are final
         self.final_grads: dict[int, dict[int, int]] = {}
 
@@ -258,7 +270,7 @@ class _Lowering:
         """Every SEND, in the senders' list order, from its source op to the op that needs it,
         after the previous message of its stream (`schedule.semantics`, "Streams")."""
         prog, pricing, over = self.prog, self.pricing, self.over
-        ports = Ports(prog, pricing.net) if pricing.net is not None else None
+        ports = self.ports
         stream_last: dict[tuple[int, int, str], int] = {}
         recv_last: dict[tuple[int, int, str], int] = {}
         load_cache: dict[tuple[str, int, int, int, int], tuple[list[tuple[int, float]], float]] = {}
@@ -335,6 +347,7 @@ class _Lowering:
                 {"step": 0},
             )
             prog.add(DELAY, rank, "sync", self.pricing.step_s, "other", "STEP", [done], {"step": 0})
+        self.couple_rings()
 
     def buckets(self, rank: int, real: int) -> list[int]:
         """The all-reduce ops of a rank's buckets (`schedule.sync`; on an in-order EP rank
@@ -352,19 +365,51 @@ class _Lowering:
         ops: list[int] = []
         for layer, issue in issues:
             after = [issue, *ops[-1:]]
+            args = {"layer": layer, "step": 0}
+            if rp is not None and self.pricing.bucket_ring is not None and self.ports:
+                ops.append(self.ring_bucket(rank, layer, after, args))
+                continue
+            seconds = bucket_s(real, layer)
             ops.append(
                 self.prog.add(
-                    A2A,
-                    rank,
-                    "sync",
-                    bucket_s(real, layer),
-                    "comm",
-                    f"allreduce l{layer}",
-                    after,
-                    {"layer": layer, "step": 0},
+                    A2A, rank, "sync", seconds, "comm", f"allreduce l{layer}", after, args
                 )
             )
         return ops
+
+    def ring_bucket(self, rank: int, layer: int, after: list[int], args: dict) -> int:
+        """A lanes rank's all-reduce of one bucket as its share of the ring: 2(k-1)/k of the
+        bytes out to the next member and in from the previous one, on the ports its
+        messages use (so the two share them), then the ring's other 2(k-1)-1 hops'
+        latency. A representative's hop stands for its members' (their share on a node)."""
+        assert self.pricing.bucket_ring is not None and self.ports is not None
+        members = self.symmetry.members[rank]
+        ring, nbytes = self.pricing.bucket_ring(members[0], layer)
+        k = len(ring)
+        net = self.ports.net
+
+        def local(member: int, step: int) -> bool:  # its hop stays on its node
+            return net.same_node(member, ring[(ring.index(member) + step) % k])
+
+        # the ring runs at its slowest member's pace: price the member whose hops leave
+        # its node most (the representative's own hops when none does)
+        worst = min(members, key=lambda m: local(m, 1) + local(m, -1))
+        own = any(len(m) > 1 for m in self.symmetry.members)
+        hop = 2.0 * (k - 1) / k * nbytes if k > 1 else 0.0
+        loads = self.ports.ring_hop(members[0], hop, local(worst, 1), local(worst, -1), own=own)
+        label = f"allreduce l{layer}"
+        xop = self.prog.add_xfer(rank, rank, loads, label, after, dict(args), unit=hop)
+        rest = max(2 * (k - 1) - 1, 0) * self.ports.net.latency_s
+        done = self.prog.add(DELAY, rank, "sync", rest, "comm", label, [xop], args)
+        self.rings[(ring, layer)].append((xop, done))
+        return done
+
+    def couple_rings(self) -> None:
+        """A ring all-reduce runs in lockstep: it ends on every simulated member when the
+        slowest member's hop has moved its bytes."""
+        for hops in self.rings.values():
+            for _, done in hops:
+                self.prog.deps[done].extend(xop for xop, _ in hops)
 
 
 def lower(schedule: Schedule, pricing: Pricing, symmetry: Symmetry | None = None) -> Program:

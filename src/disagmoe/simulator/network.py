@@ -148,6 +148,26 @@ class Ports:
             return [(self.nvlink(src, "out"), nbytes), (self.nvlink(dst, "in"), nbytes)]
         return [(self.nic(src, "out"), nbytes), (self.nic(dst, "in"), nbytes)]
 
+    def ring_hop(
+        self, rank: int, nbytes: float, out_local: float, in_local: float, *, own: bool = False
+    ) -> list[tuple[int, float]]:
+        """Port loads of a rank's share of a ring all-reduce: `nbytes` out to the next member
+        and `nbytes` in from the previous one, `out_local` / `in_local` of them on its node
+        (over NVLink). `own`: the rank's NIC ports are its own, at its share of the node's
+        NICs (`bundle`'s, a representative's); else the node's shared ones (`message`'s)."""
+        net = self.net
+        if own:
+            nic_out = self._get("nic_out", rank, net.nic_bw(rank))
+            nic_in = self._get("nic_in", rank, net.nic_bw(rank))
+        else:
+            nic_out, nic_in = self.nic(rank, "out"), self.nic(rank, "in")
+        return [
+            (nic_out, nbytes * (1.0 - out_local)),
+            (self.nvlink(rank, "out"), nbytes * out_local),
+            (nic_in, nbytes * (1.0 - in_local)),
+            (self.nvlink(rank, "in"), nbytes * in_local),
+        ]
+
     def bundle(
         self,
         src: int,

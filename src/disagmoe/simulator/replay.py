@@ -69,7 +69,7 @@ def afpipe_pricing(
     instructions), before all of this (`lower.Pricing.rank_compute_s`); `measured_bytes`
     likewise the bytes of a message between real ranks (a run's own messages: its routing
     makes some shards' larger than the average the workload prices)."""
-    sync_s, bucket_s = _sync_prices(layout, workload, net, grad_bytes)
+    sync_s, bucket_s, bucket_ring = _sync_prices(layout, workload, net, grad_bytes)
     return Pricing(
         compute_s=_compute_prices(layout, costs, num_micro_batches, exchange_chunks),
         message_bytes=_message_prices(
@@ -78,6 +78,7 @@ def afpipe_pricing(
         net=net,
         sync_s=sync_s if sync else None,
         bucket_s=bucket_s if sync and overlap_sync else None,
+        bucket_ring=bucket_ring if sync and overlap_sync else None,
         step_s=step_s,
         overheads=overheads,
         rank_compute_s=rank_compute_s,
@@ -86,9 +87,15 @@ def afpipe_pricing(
 
 def _sync_prices(
     layout: Layout, workload: Workload, net: Network, grad_bytes: int
-) -> tuple[Callable[[int], float], Callable[[int, int], float]]:
+) -> tuple[
+    Callable[[int], float],
+    Callable[[int, int], float],
+    Callable[[int, int], tuple[tuple[int, ...], float]],
+]:
     """Seconds of a rank's SYNC (ring all-reduce of its group's A gradients over the m
-    replicas) and of its all-reduce of one layer's bucket (`overlap_sync`); 0 on F ranks."""
+    replicas) and of its all-reduce of one layer's bucket (`overlap_sync`), 0 on F ranks;
+    and that bucket's ring and bytes (`lower.Pricing.bucket_ring`: it moves over the
+    ports the rank's messages use)."""
 
     def sync_s(rank: int) -> float:
         role = layout.role(rank)
@@ -99,19 +106,23 @@ def _sync_prices(
         params = sum(workload.attn_param_count(l) for l in layers)
         return net.allreduce_s(layout.attn_replicas(group), params * grad_bytes)
 
-    def bucket_s(rank: int, layer: int) -> float:
+    def bucket_ring(rank: int, layer: int) -> tuple[tuple[int, ...], float]:
         role = layout.role(rank)
         if role.comp != "A":
-            return 0.0
+            return (rank,), 0.0
         params = workload.attn_param_count(layer)
         model = workload.model
         if model.tie_embeddings and 0 in layout.layers_of(rank):
             # the tied embedding is final after layer 0's backward: layer 0's bucket holds it
             tied = model.vocab_size * model.dim
             params += tied if layer == 0 else -tied if layer == model.num_layers else 0
-        return net.allreduce_s(layout.attn_replicas(role.group), params * grad_bytes)
+        return tuple(layout.attn_replicas(role.group)), params * grad_bytes
 
-    return sync_s, bucket_s
+    def bucket_s(rank: int, layer: int) -> float:
+        ring, nbytes = bucket_ring(rank, layer)
+        return net.allreduce_s(list(ring), nbytes)
+
+    return sync_s, bucket_s, bucket_ring
 
 
 def _compute_prices(
