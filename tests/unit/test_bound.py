@@ -249,6 +249,32 @@ def test_the_fill_bound_waits_for_the_buckets_the_final_backward_completes() -> 
     assert [e["name"] for e in last_buckets(af)[0]] == ["allreduce l0"]
 
 
+def test_the_fill_bound_starts_a_stages_buckets_with_its_last_backward() -> None:
+    """One stage, no pipeline above it (`pp 1`), two micro-batches of a 1 s forward and a
+    2 s backward on each of two replicas on different nodes (1 MB/s NICs). Every bucket of
+    the stage is final only in the last backward (the one that ran alone), which cannot
+    start before the other three computations have run (4 s: the first backward and the
+    second forward take turns on the device): the 3 MB bucket of layer 1 and the 0.5 MB of
+    layer 0 need 3.5 s of the NIC from then on, more than the 0.5 s of layer 0's bucket
+    after every computation (`last_buckets`)."""
+    from disagmoe.bench.bound import trace_bound
+
+    def replica(rank: int, peer: int) -> list[dict]:
+        out = [_ev(rank, "fwd", "F s0 mb0", 0, 1e6, stage=0),
+               _ev(rank, "fwd", "F s0 mb1", 1e6, 2e6, stage=0),
+               _ev(rank, "bwd", "B s0 mb0", 1e6, 3e6, stage=0),
+               _ev(rank, "bwd", "B s0 mb1", 4e6, 2e6, stage=0)]  # fmt: skip
+        for name, nbytes in (("l1", 3e6), ("l0", 0.5e6)):
+            out.append(_ev(rank, "sync", f"allreduce s0 {name}", 4e6, 1e3, bytes=nbytes,
+                           peers=sorted((rank, peer))))  # fmt: skip
+        return [*out, _ev(rank, "sync", "STEP", 9e6, 0.5e6)]
+
+    events = replica(0, 1) + replica(1, 0)
+    apart = {0: 10.0}, (lambda r: r), [1e6, 1e6]
+    # compute 6 s (the pair's 3 s span holds both halves), less the last backward (2 s)
+    assert trace_bound(events, *apart, fill=True).seconds == pytest.approx(4.0 + 3.5 + 0.5)
+
+
 def test_the_fill_counts_only_what_a_computation_ran_alone() -> None:
     """Two computations of one rank in flight at once take turns on its device, so each
     span holds some of the other's work: a stage's forward is the least of its runs with

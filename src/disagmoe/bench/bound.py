@@ -287,8 +287,9 @@ def _add_drains(
 
         own = head + _compute_s(mine, partial(_before_last_buckets, stage=stage))
         last_ready[rank] = (max(own, end), out_bytes(last))
-        if rank in above:
-            stage_ready[rank] = (arrive, out_bytes(stage_buckets(mine, stage)))
+        if stage >= 0:
+            start = max(arrive, head + _final_backward_start(mine, stage))
+            stage_ready[rank] = (start, out_bytes(stage_buckets(mine, stage)))
     for ready in (last_ready, stage_ready):
         nodes: dict[int, list[int]] = defaultdict(list)
         for rank in ready:
@@ -298,6 +299,38 @@ def _add_drains(
             together = min(ready[r][0] for r in ranks) + sum(ready[r][1] for r in ranks) / rate
             for r in ranks:
                 compute[r] = max(compute[r], ready[r][0] + ready[r][1] / rate, together)
+
+
+def _final_backward_start(mine: list[Event], stage: int) -> float:
+    """The earliest a rank's last backward of `stage` (its lowest) can start, from its own
+    work: after every computation of the rank but that backward and the weight gradients
+    (W). Each micro-batch's backward of its lowest stage is the last of the rank's work on
+    that micro-batch, and the runtimes run no two backwards at once on a rank, so when the
+    last one starts every forward and every other backward has run. That backward is at
+    most the rank's longest backward of the stage that ran alone (its span less its
+    blocking waits), or where none did, the longest span less waits (an F&B pair's half
+    also holds the other half's turns: more is subtracted, the bound stays one)."""
+
+    def not_weight(e: Event) -> bool:
+        return e["cat"] != "wgt" and not e["name"].startswith("W ")
+
+    backwards = [
+        e
+        for e in mine
+        if e["cat"] == "bwd"
+        and int(e["args"].get("stage", -1)) == stage
+        and parse_event_name(e["name"]).what in ("B", "I")
+    ]
+    waits = [e for e in mine if e["args"].get("blocking")]
+    computes = [e for e in mine if e["cat"] in ("fwd", "bwd", "wgt")]
+
+    def alone(e: Event) -> bool:
+        t0, t1 = e["ts"], e["ts"] + e["dur"]
+        return not any(f is not e and f["ts"] < t1 and t0 < f["ts"] + f["dur"] for f in computes)
+
+    solo = [e for e in backwards if alone(e)] or backwards
+    longest = max((_compute_s([e, *waits]) for e in solo), default=0.0)
+    return max(_compute_s(mine, not_weight) - longest, 0.0)
 
 
 def drains_from_above(
