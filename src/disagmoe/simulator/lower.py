@@ -381,7 +381,8 @@ class _Lowering:
         """A lanes rank's all-reduce of one bucket as its share of the ring: 2(k-1)/k of the
         bytes out to the next member and in from the previous one, on the ports its
         messages use (so the two share them), then the ring's other 2(k-1)-1 hops'
-        latency. A representative's hop stands for its members' (their share on a node)."""
+        latency. A representative's hop is priced as its member's whose hops leave their
+        node most: the ring runs at its slowest member's pace."""
         assert self.pricing.bucket_ring is not None and self.ports is not None
         members = self.symmetry.members[rank]
         ring, nbytes = self.pricing.bucket_ring(members[0], layer)
@@ -391,8 +392,6 @@ class _Lowering:
         def local(member: int, step: int) -> bool:  # its hop stays on its node
             return net.same_node(member, ring[(ring.index(member) + step) % k])
 
-        # the ring runs at its slowest member's pace: price the member whose hops leave
-        # its node most (the representative's own hops when none does)
         worst = min(members, key=lambda m: local(m, 1) + local(m, -1))
         own = any(len(m) > 1 for m in self.symmetry.members)
         hop = 2.0 * (k - 1) / k * nbytes if k > 1 else 0.0
