@@ -47,3 +47,18 @@ def test_the_bench_table_shows_drops_per_step(monkeypatch: pytest.MonkeyPatch) -
     head, line = lines[2], lines[4]
     cells = [c.strip() for c in line.split("|")]
     assert cells[[c.strip() for c in head.split("|")].index("drops/step")] == "60"
+
+
+def test_a_replay_runs_the_schedule_its_run_executed(tmp_path: Path) -> None:
+    """`ran_schedule` pins what `auto` picked at the run's start (run.json), so the replay
+    does not choose again; without a run.json the config stays as it was."""
+    from disagmoe.bench.runner import ran_schedule
+    from disagmoe.config import RunConfig, ScheduleConfig
+
+    cfg = RunConfig(schedule=ScheduleConfig(order="auto", exchange_chunks=0))
+    assert ran_schedule(cfg, tmp_path) == cfg
+    facts = {"order": "steady", "exchange_chunks": 4, "split_backward": True, "max_in_flight": 3}
+    (tmp_path / "run.json").write_text(json.dumps({"runtime": "disagg", "schedule": facts}))
+    ran = ran_schedule(cfg, tmp_path).schedule
+    assert (ran.order, ran.exchange_chunks, ran.split_backward, ran.max_in_flight) == (
+        "steady", 4, "on", 3)  # fmt: skip

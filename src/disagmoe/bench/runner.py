@@ -250,12 +250,17 @@ class RuntimeResult:
         }
 
 
-def _schedule_note(run_dir: Path) -> str:
-    """ " order O exchange-chunks C" of a disagg run (its run.json: what `auto` picked), or ""."""
+def _schedule_facts(run_dir: Path) -> dict[str, Any]:
+    """The schedule a disagg run executed (its run.json: what `auto` picked), or {}."""
     try:
-        facts = json.loads((run_dir / "run.json").read_text()).get("schedule") or {}
+        return json.loads((run_dir / "run.json").read_text()).get("schedule") or {}
     except (OSError, ValueError):
-        return ""
+        return {}
+
+
+def _schedule_note(run_dir: Path) -> str:
+    """ " order O exchange-chunks C" of a disagg run (`_schedule_facts`), or ""."""
+    facts = _schedule_facts(run_dir)
     if not facts:
         return ""
     return f" order {facts['order']} exchange-chunks {facts['exchange_chunks']}"
@@ -265,10 +270,7 @@ def ran_schedule(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """`cfg` with the AF-Pipe schedule its run executed (run.json: what `auto` picked at the
     run's start), so that a replay builds the same lists instead of choosing again with
     today's simulator (a different chunk count would price computes the trace lacks)."""
-    try:
-        facts = json.loads((run_dir / "run.json").read_text()).get("schedule") or {}
-    except (OSError, ValueError):
-        return cfg
+    facts = _schedule_facts(run_dir)
     if not facts:
         return cfg
     schedule = dataclasses.replace(
