@@ -3,7 +3,7 @@ it by default: DeepSeek-MoE-16B, Qwen3-30B-A3B and GPT-OSS-20B on 8 and 16 nomin
 nodes at 4K-32K tokens per sequence.
 
     python benchmarks/scale_table.py [--models M,M] [--nodes 8,16] [--seq-lens 4096,...]
-        [--runtimes ep-1f1b,...] [--groups-sweep] [--jobs J]
+        [--runtimes ep-1f1b,...] [--groups-sweep] [--jobs J] [--ep-from SAVED.json]
         [--json benchmarks/results/scale_table.json]
 
 Every point runs the default command a user would type, one global batch for every
@@ -11,7 +11,8 @@ runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
 
 * AF-Pipe: `disagmoe simulate --model M --nodes N --seq-len S --micro-batches B`: the
   planner's split, in-flight cap and recompute, held to the runtime's memory model, with
-  the exchange chunks and whole or split backwards picked on that plan;
+  the exchange chunks and whole or split backwards picked on that plan (in breadth
+  order), then its lane order (the six candidates of `schedule.order = auto`);
 * each EP runtime: the same with `--runtime R`: the fastest (pp, ep, virtual stages,
   recompute) that fits the GPU (`simulator.ep_search`).
 
@@ -22,7 +23,8 @@ missed, the two bounds say whether a schedule could meet it (`bound ratio` = bes
 bound / AF-Pipe's: AF-Pipe can only lead by about that much).
 
 `--groups-sweep` runs instead, per model and node count at 8K, AF-Pipe at every group count p
-(virtual stages v = L / p) at one exchange chunk and whole backwards (`SWEEP_SCHEDULE`),
+(virtual stages v = L / p) at one exchange chunk, whole backwards and breadth order
+(`SWEEP_SCHEDULE`),
 each with the planner's split for that p, in flight and
 recompute held to memory (and the cap lowered where that is faster, as `simulate` does):
 throughput against virtual stages; `--jobs` runs that many (model, nodes) cases at once.
@@ -31,6 +33,7 @@ throughput against virtual stages; `--jobs` runs that many (model, nodes) cases 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -46,9 +49,10 @@ MODELS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 NODES = (8, 16)
 SEQ_LENS = (4096, 8192, 16384, 32768)
 TARGET_BOUND, TARGET_LEAD = 1.1, 1.2
-# the groups sweep's schedule: one exchange chunk, whole backwards (the chunk and split
-# search of `simulate`'s defaults takes over 2 h for the sweep on 2 cores)
-SWEEP_SCHEDULE = ("--exchange-chunks", "1", "--split-backward", "off")
+# the groups sweep's schedule: one exchange chunk, whole backwards, breadth order (the
+# chunk, split and order search of `simulate`'s defaults takes over 2 h for the sweep on
+# 2 cores)
+SWEEP_SCHEDULE = ("--exchange-chunks", "1", "--split-backward", "off", "--order", "breadth")
 
 
 def simulate(argv: list[str]) -> SimResult:
@@ -86,8 +90,11 @@ def summary(result: SimResult) -> dict[str, Any]:
     }
 
 
-def point(model: str, nodes: int, seq_len: int, runtimes: tuple[str, ...]) -> dict[str, Any]:
-    """AF-Pipe and every EP runtime at one point (see the module doc)."""
+def point(
+    model: str, nodes: int, seq_len: int, runtimes: tuple[str, ...], saved: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """AF-Pipe and every EP runtime at one point (see the module doc); an EP runtime whose
+    row `saved` (the point's rows of `--ep-from`) holds is taken from there."""
     gpus = nodes * 8
     base = ["--model", model, "--nodes", str(nodes), "--seq-len", str(seq_len),
             "--micro-batches", str(8 * gpus)]  # fmt: skip
@@ -99,6 +106,10 @@ def point(model: str, nodes: int, seq_len: int, runtimes: tuple[str, ...]) -> di
         row["disagg"] = {"runtime": "disagg", "error": str(err)}
     eps = []
     for runtime in runtimes:
+        kept = [e for e in saved if e["runtime"] == runtime]
+        if kept:
+            eps.append(kept[0])
+            continue
         try:
             eps.append(summary(simulate([*base, "--runtime", runtime])))
         except ValueError as err:
@@ -142,6 +153,10 @@ def main() -> int:
     parser.add_argument("--groups-sweep", action="store_true", help="only AF-Pipe against p at 8K")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     parser.add_argument("--jobs", type=int, default=1, help="points simulated at once")
+    parser.add_argument(
+        "--ep-from", metavar="PATH", help="take the EP runtimes' rows from this saved table "
+        "where it has the point (for a change that leaves the EP simulation as it was)",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.groups_sweep:
         cases = [(model, nodes, 8192) for model in args.models.split(",")
@@ -165,8 +180,13 @@ def main() -> int:
         for nodes in map(int, args.nodes.split(","))
         for seq_len in map(int, args.seq_lens.split(","))
     ]
+    saved: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+    if args.ep_from:
+        with open(args.ep_from) as f:
+            for row in json.load(f)["rows"]:
+                saved[row["model"], row["nodes"], row["seq_len"]] = row["ep"]
     with ProcessPoolExecutor(max(args.jobs, 1)) as pool:
-        running = [pool.submit(point, *where, runtimes) for where in points]
+        running = [pool.submit(point, *where, runtimes, saved.get(where, [])) for where in points]
         for done in running:  # in the table's order, each as soon as it and those above are
             row = done.result()
             rows.append(row)

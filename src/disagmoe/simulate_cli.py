@@ -1,6 +1,7 @@
 """`disagmoe simulate`: one simulated optimizer step of a runtime on a (nominal) cluster.
 
-Wired into the main CLI by `add_simulate_arguments(parser)` and `run_simulate(args)`.
+Wired into the main CLI by `add_simulate_arguments(parser)` (its flags: `simulate_flags`)
+and `run_simulate(args)`.
 User mistakes raise `ValueError` with a one-line message (the main CLI exits 2).
 """
 
@@ -13,113 +14,24 @@ from typing import Any
 
 from .config import (
     MAX_EXCHANGE_CHUNKS,
-    MULTI_WORKER_RUNTIMES,
-    RECOMPUTE,
     ClusterConfig,
     ModelConfig,
     ParallelConfig,
     check_loss_chunk_tokens,
     split_backward_flag,
 )
-from .config_io import add_config_flag
 from .costs import costmodel as cm
 from .costs.flops import expert_flops, train_factors
-from .flags import add_renamed_flag
-from .planner.cli import add_cluster_arguments, cluster_from_args
+from .planner.cli import cluster_from_args
 from .planner.split import memory_error, planned_split, split_planner
 from .presets import model_preset
 from .simulate_ep_layout import resolve_ep
+from .simulate_flags import SIM_SPLIT_BACKWARD, add_simulate_arguments
 from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
 from .simulator.ep import simulate_ep
-from .simulator.links import LINK_MODELS
 from .simulator.measured import MeasuredCosts
 from .simulator.report import SimResult, format_result
-
-# simulate's own default of schedule.split_backward (auto; train's is off)
-SIM_SPLIT_BACKWARD = "auto"
-
-
-def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `disagmoe simulate`; those of config fields as the fields declare them
-    (`config_io.add_config_flag`), with the simulator's own default where it chooses. Long
-    because it is a flat list of flags in `--help` order, which splitting would only scatter."""
-    parser.add_argument("--model", default="qwen3-30b-a3b", help="model preset name")
-    add_config_flag(parser, "parallel.runtime", choices=MULTI_WORKER_RUNTIMES)
-    add_cluster_arguments(parser, ("mfu",))
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of the cluster preset")
-    add_config_flag(parser, "train.seq_len", default=8192)
-    add_config_flag(parser, "train.micro_batch_size", default=1)
-    add_config_flag(parser, "train.loss_chunk_tokens")
-    parser.add_argument(
-        "--micro-batches",
-        type=int,
-        default=0,
-        help="micro-batches in the global batch (0: 8 per pipeline stage per replica)",
-    )
-    auto = "0: the planner's split"
-    add_config_flag(parser, "parallel.groups", default=0, note=auto)
-    add_config_flag(parser, "parallel.attn_workers", default=0, note=auto)
-    add_config_flag(parser, "parallel.expert_workers", default=0, note=auto)
-    add_config_flag(
-        parser,
-        "schedule.max_in_flight",
-        note="simulate: 0, the most that fit the cluster's GPU memory by the runtime's "
-        "memory model (train's cap), or fewer where the simulated step is faster; a cap "
-        "that does not fit is refused",
-    )
-    add_config_flag(
-        parser, "train.recompute", default="auto", choices=("auto", *RECOMPUTE),
-        note="simulate: auto, the planner's choice (disagg with its split); none unless only "
-        "full fits the GPU (disagg with --attn-workers/--expert-workers, ep-* with --pp / --ep); "
-        "each mode in the ep-* layout search",
-    )  # fmt: skip
-    add_config_flag(parser, "schedule.order")
-    add_config_flag(parser, "schedule.costs")
-    # picked on the planned layout by default, as the ep-* search picks --overlap-chunks
-    add_config_flag(parser, "schedule.exchange_chunks")
-    add_config_flag(parser, "schedule.split_backward", default=SIM_SPLIT_BACKWARD,
-                    note=f"simulate: {SIM_SPLIT_BACKWARD}, picked on the layout it runs")  # fmt: skip
-    add_config_flag(parser, "parallel.overlap_grad_sync")
-    add_config_flag(parser, "parallel.placement", note="see docs/simulator.md")
-    parser.add_argument(
-        "--nic-split",
-        choices=("planner", "even"),
-        default="planner",
-        help="disagg: NIC bandwidth of A vs F workers: the planner's M_a:M_f (with "
-        "node-aware placement) or one fair share per GPU",
-    )
-    add_config_flag(parser, "parallel.pp", default=0, note="0: auto")
-    add_config_flag(parser, "parallel.ep", default=0, note="0: auto")
-    add_config_flag(parser, "parallel.virtual_stages")
-    add_renamed_flag(parser, "--chunks", "--virtual-stages", "ep-interleaved: stages per rank")
-    add_config_flag(parser, "parallel.overlap_chunks", default=0,
-                    note="0: the layout search tries 1, 2, 4 and 8 (a layout given: 2)")  # fmt: skip
-    add_config_flag(parser, "parallel.pipeline_warmup", default=-1,
-                    note="-1: the layout search tries 0, pp and every forward first "
-                    "(a layout given: 0)")  # fmt: skip
-    parser.add_argument(
-        "--reduce",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="disagg: replay one replica and one shard per group with bundled "
-        "messages (auto: for large schedules)",
-    )
-    parser.add_argument(
-        "--link-model",
-        choices=LINK_MODELS,
-        default="fair",
-        help="how messages share a port: max-min fair among all in flight (as TCP / NCCL "
-        "do) or one at a time in readiness order (fifo, for comparison)",
-    )
-    add_config_flag(
-        parser,
-        "schedule.costs_file",
-        note="simulate: the whole disagg replay's (simulator.measured)",
-    )
-    add_renamed_flag(parser, "--costs", "--costs-file", "a compute_costs.json")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--trace", default="", help="write a Chrome trace of the step here")
 
 
 def default_disagg_split(
@@ -295,10 +207,28 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
     split given, no recompute unless only full fits. With `--split-backward auto` no
     recompute is tried twice, with room for the deferred weight gradients (split
     backwards) and without (whole), as each admits its own in-flight cap (`plan_variants`).
-    The plan kept then runs at fewer slots in flight while that is faster
-    (`_fewer_in_flight`)."""
+    With `--order auto` (simulate's default) the plans are compared in breadth order and
+    the order is picked on the plan kept (`_pick_order`). That plan then runs, in its
+    order, at fewer slots in flight while that is faster (`_fewer_in_flight`)."""
     if args.runtime != "disagg":
         return _simulate_resolved(args)
+    auto = args.order == "auto"
+    kept, search = _best_variant(
+        argparse.Namespace(**{**vars(args), "order": "breadth"}) if auto else args
+    )
+    if auto:
+        kept = _pick_order(*kept)
+    result = _fewer_in_flight(*kept)[2]
+    if len(search) > 1:
+        result.config["recompute_search"] = search
+    if auto:
+        result.config["order_search"] = kept[2].config["order_search"]
+    return result
+
+
+def _best_variant(args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
+    """The fastest of `plan_variants` (and their p = 1 plans) at the memory's cap, with the
+    args and resolution it ran with, and every variant's step (or "does not fit")."""
     given = bool(args.attn_workers and args.expert_workers)
     variants = plan_variants(args.recompute, args.split_backward)
     runs: dict[str, Run] = {}
@@ -319,13 +249,33 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
             search[name + suffix] = round(run[2].step_time_s, 6)
     if not runs:
         raise error
-    result = _fewer_in_flight(*runs[min(runs, key=lambda name: runs[name][2].step_time_s)])
-    if len(search) > 1:
-        result.config["recompute_search"] = search
-    return result
+    return runs[min(runs, key=lambda name: runs[name][2].step_time_s)], search
 
 
-def _fewer_in_flight(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> SimResult:
+def _pick_order(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> Run:
+    """`first`, a plan simulated in breadth order, in the order (of the six `schedule.order
+    = auto` candidates: `simulator.choose`) whose step is shortest at the plan's exchange
+    chunks and whole or split backwards; `config.order_search` each order's step. The args
+    returned name that order (and its costs) for the runs that follow."""
+    cfg = first.config
+    fixed = {
+        "order": "auto",
+        "exchange_chunks": cfg["exchange_chunks"],
+        "split_backward": "on" if cfg["split_backward"] else "off",
+    }
+    result = _simulate_resolved(argparse.Namespace(**{**vars(args), **fixed}), r)
+    result.config["order_search"] = {
+        f"{o}{' (run costs)' if costed else ''}": round(step, 6)
+        for o, costed, _, step, _ in result.config["auto_steps"]
+    }
+    picked = {
+        "order": result.config["order"],
+        "costs": "run" if result.config["costed"] else "nominal",
+    }
+    return argparse.Namespace(**{**vars(args), **picked}), r, result
+
+
+def _fewer_in_flight(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> Run:
     """`first`, a plan at the memory's in-flight cap (`--max-in-flight 0`), or the same plan
     (split, NIC shares, recompute, micro-batches) at fewer slots in flight where that is the
     faster step: a slot more in flight can leave the exchange and the loss head's turns
@@ -335,22 +285,22 @@ def _fewer_in_flight(args: argparse.Namespace, r: dict[str, Any], first: SimResu
     `config.in_flight_search`."""
     cap = r["max_in_flight"]
     if not r.get("memory_gib_by_cap"):
-        return first
-    best, misses = first, 0
+        return args, r, first
+    best, misses = (args, r, first), 0
     steps: dict[int, float | str] = {cap: round(first.step_time_s, 6)}
     for k in sorted(r["memory_gib_by_cap"], reverse=True):
+        at_k = {**r, "max_in_flight": k, "memory_gib_per_gpu": r["memory_gib_by_cap"][k]}
         try:
-            res = _simulate_resolved(
-                args, {**r, "max_in_flight": k, "memory_gib_per_gpu": r["memory_gib_by_cap"][k]}
-            )
+            res = _simulate_resolved(args, at_k)
         except ScheduleRejected:  # that cap's schedule does not validate: a miss
             steps[k], misses = "rejected", misses + 1
         else:
             steps[k] = round(res.step_time_s, 6)
-            best, misses = (res, 0) if res.step_time_s < best.step_time_s else (best, misses + 1)
+            faster = res.step_time_s < best[2].step_time_s
+            best, misses = ((args, at_k, res), 0) if faster else (best, misses + 1)
         if misses == 2:
             break
-    best.config["in_flight_search"] = steps
+    best[2].config["in_flight_search"] = steps
     return best
 
 

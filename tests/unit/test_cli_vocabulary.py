@@ -69,6 +69,8 @@ OWN_DEFAULTS: dict[str, str] = {
     "--exchange-chunks": "simulate: 0, the chunk count picked on the planned layout (as the "
     "ep-* search picks --overlap-chunks); a run's default is one chunk",
     "--split-backward": "simulate: auto, whole or split backwards picked on the planned layout",
+    "--order": "simulate: auto, the lane order picked on the plan it keeps; a run's default "
+    "is breadth",
     "--pipeline-warmup": "simulate: -1, the ep-* layout search tries 0, pp and every forward "
     "first; a run's default is 1F1B's own warm-up",
 }

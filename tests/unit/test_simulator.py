@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from disagmoe.simulator import (
     simulate_disagg,
     simulate_schedule,
 )
+from disagmoe.simulator.report import format_result
 from disagmoe.trace import LANES
 
 TINY = ModelConfig(num_layers=4)
@@ -244,7 +246,6 @@ def test_breakdown_adds_up_and_trace_has_run_format(tmp_path) -> None:  # type: 
 
 
 def test_cli_json_and_user_errors() -> None:
-    import argparse
 
     parser = argparse.ArgumentParser()
     add_simulate_arguments(parser)
@@ -280,7 +281,6 @@ def test_cli_json_and_user_errors() -> None:
 def test_max_in_flight_means_what_train_means() -> None:
     """`--max-in-flight`: N caps at N, 0 (the default) is the memory model's cap, for a
     given split as for the planner's, and -1 is no cap (schedule.max_in_flight)."""
-    import argparse
 
     parser = argparse.ArgumentParser()
     add_simulate_arguments(parser)
@@ -373,8 +373,8 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
     for each recompute mode that fits and keeps the faster: recompute none where it fits
     (DeepSeek-MoE, one node, 4K; Qwen3 16K), full where none does not fit (Qwen3, one node,
-    32K); a plan of p > 1 groups also at p = 1. One exchange chunk: the chunk search is
-    `test_simulator_chunks`'."""
+    32K); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order, then
+    at fewer in flight. One exchange chunk: the chunk search is `test_simulator_chunks`'."""
     from disagmoe.simulate_cli import main
 
     for model, seq, want in (
@@ -383,15 +383,25 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
         ("qwen3-30b-a3b", "16384", "none"),
     ):
         argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1"]
-        assert main([*argv, "--json"]) == 0
-        out = json.loads(capsys.readouterr().out)
+        parser = argparse.ArgumentParser()
+        add_simulate_arguments(parser)
+        result = simulate_from_args(parser.parse_args(argv))
+        out, text = json.loads(result.to_json()), format_result(result)
         search = out["config"]["recompute_search"]
         assert out["config"]["recompute"] == want, search
         steps = [s for s in search.values() if not isinstance(s, str)]
-        # the fastest variant at the memory's cap, then at fewer in flight where faster
-        at_cap = out["config"].get("in_flight_search", {"": out["step_time_s"]})
-        assert next(iter(at_cap.values())) == pytest.approx(min(steps), abs=1e-6)
+        cfg = out["config"]
+        orders = cfg["order_search"]  # the six orders of `--order auto`, simulate's default
+        assert len(orders) == 6 and "order       the fastest" in text
+        # the fastest variant at the memory's cap, in breadth order ...
+        assert orders["breadth"] == pytest.approx(min(steps), abs=1e-6)
+        # ... in its fastest order, then at fewer in flight where faster
+        at_cap = cfg.get("in_flight_search", {"": out["step_time_s"]})
+        assert next(iter(at_cap.values())) == pytest.approx(min(orders.values()), abs=1e-6)
         assert out["step_time_s"] == pytest.approx(min(at_cap.values()), abs=1e-6)
+        assert orders[cfg["order"] + (" (run costs)" if cfg["costed"] else "")] == min(
+            orders.values()
+        )
         assert (search["none"] == "does not fit") == (want == "full")
         assert [k for k in search if not k.endswith(", p 1")] == [
             "none",
@@ -428,11 +438,12 @@ def test_simulate_runs_the_plan_at_fewer_in_flight_where_faster(
 ) -> None:
     """With the memory's cap (`--max-in-flight 0`) the plan kept is also simulated at fewer
     slots in flight, the fastest kept (DeepSeek-MoE, one node, 4K: 2 of the 3 that fit);
-    a cap given is run as given."""
+    a cap given is run as given (in breadth order: the order search is the recompute test's)."""
     from disagmoe.simulate_cli import main
 
     argv = ["--model", "deepseek-moe-16b", "--nodes", "1", "--seq-len", "4096",
-            "--exchange-chunks", "1", "--recompute", "none", "--split-backward", "off", "--json"]  # fmt: skip
+            "--exchange-chunks", "1", "--recompute", "none", "--split-backward", "off", "--order", "breadth",
+            "--json"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     cfg = out["config"]
@@ -451,7 +462,6 @@ def test_simulate_runs_the_plan_at_fewer_in_flight_where_faster(
 def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyPatch) -> None:
     """The descent from the memory's cap keeps the fastest cap and stops once two caps in a
     row are not faster (a slower cap alone does not end it)."""
-    import argparse
 
     from disagmoe import simulate_cli
     from disagmoe.simulator.report import SimResult
@@ -466,7 +476,8 @@ def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyP
         monkeypatch.setattr(simulate_cli, "_simulate_resolved", run)
         r = {"max_in_flight": max(steps), "memory_gib_by_cap": {k: 1.0 for k in list(steps)[1:]}}
         first = run(argparse.Namespace(), r)
-        best = simulate_cli._fewer_in_flight(argparse.Namespace(), r, first)
+        _, kept, best = simulate_cli._fewer_in_flight(argparse.Namespace(), r, first)
+        assert kept["max_in_flight"] == best.config["max_in_flight"]  # the kept cap's resolution
         return best
 
     best = fake({6: 1.0, 5: 1.1, 4: 0.9, 3: 1.2, 2: 0.8, 1: 2.0})

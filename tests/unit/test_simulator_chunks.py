@@ -188,15 +188,20 @@ def test_simulate_flag_and_json() -> None:
 def test_simulate_picks_chunks_and_split_by_default() -> None:
     """`simulate`'s own defaults (`--exchange-chunks 0 --split-backward auto`): whole and
     split backwards each at the cap its memory admits, every chunk count replayed on the
-    layout it runs, the fastest kept."""
-    auto = simulate_from_args(_args()).to_dict()
+    layout it runs, the fastest kept; an order given (here breadth, not simulate's auto) is
+    the only one replayed."""
+    breadth = ("--order", "breadth")
+    auto = simulate_from_args(_args(*breadth)).to_dict()
     cfg = auto["config"]
-    assert cfg["chunks_choice"] == "auto"
+    assert cfg["chunks_choice"] == "auto" and cfg["order"] == "breadth"
+    assert {(s[0], s[1]) for s in cfg["auto_steps"]} == {("breadth", False)}
     steps = {s[2]: s[3] for s in cfg["auto_steps"]}
     assert set(steps) == set(CHUNK_CANDIDATES)
     search = cfg["recompute_search"]
     assert list(search) == ["none", "none, split backward"]  # no recompute fits: no full
-    whole, split = (simulate_from_args(_args("--split-backward", w)) for w in ("off", "on"))
+    whole, split = (
+        simulate_from_args(_args("--split-backward", w, *breadth)) for w in ("off", "on")
+    )
     assert search == {
         "none": pytest.approx(whole.step_time_s, abs=1e-6),
         "none, split backward": pytest.approx(split.step_time_s, abs=1e-6),

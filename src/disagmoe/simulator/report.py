@@ -230,6 +230,7 @@ def format_result(result: SimResult) -> str:
         ),
         *([f"layout      {cfg['layout_note']}"] if cfg.get("layout_note") else []),
         *_searched("recompute", cfg.get("recompute_search")),
+        *_searched("order", cfg.get("order_search")),
         *_searched("in flight", cfg.get("in_flight_search")),
         "breakdown (per worker, s; attn+ffn+other+comm_exposed+bubble = step):",
     ]
