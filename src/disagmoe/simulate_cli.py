@@ -255,8 +255,9 @@ def _best_variant(args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
 def _pick_order(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> Run:
     """`first`, a plan simulated in breadth order, in the order (of the six `schedule.order
     = auto` candidates: `simulator.choose`) whose step is shortest at the plan's exchange
-    chunks and whole or split backwards; `config.order_search` each order's step. The args
-    returned name that order (and its costs) for the runs that follow."""
+    chunks and whole or split backwards; `config.order_search` each order's step (and
+    `config.auto_steps` also the chunk and split candidates of `first`). The args returned
+    name that order (and its costs) for the runs that follow."""
     cfg = first.config
     fixed = {
         "order": "auto",
@@ -264,10 +265,14 @@ def _pick_order(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -
         "split_backward": "on" if cfg["split_backward"] else "off",
     }
     result = _simulate_resolved(argparse.Namespace(**{**vars(args), **fixed}), r)
+    orders = result.config["auto_steps"]
     result.config["order_search"] = {
-        f"{o}{' (run costs)' if costed else ''}": round(step, 6)
-        for o, costed, _, step, _ in result.config["auto_steps"]
+        f"{o}{' (run costs)' if costed else ''}": round(step, 6) for o, costed, _, step, _ in orders
     }
+    if "auto_steps" in cfg:  # what `first` picked its chunks and split from stays listed
+        ran = [cfg["order"], cfg["costed"]]
+        result.config["auto_steps"] = cfg["auto_steps"] + [s for s in orders if s[:2] != ran]
+        result.config.update(chunks_choice=cfg["chunks_choice"], split_choice=cfg["split_choice"])
     picked = {
         "order": result.config["order"],
         "costs": "run" if result.config["costed"] else "nominal",

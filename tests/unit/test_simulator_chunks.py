@@ -208,6 +208,9 @@ def test_simulate_picks_chunks_and_split_by_default() -> None:
     }
     assert auto["step_time_s"] == min(whole.step_time_s, split.step_time_s)
     assert cfg["split_backward"] == (split.step_time_s < whole.step_time_s)
+    ordered = simulate_from_args(_args()).config  # simulate's own --order auto as well
+    assert ordered["chunks_choice"] == "auto" and len(ordered["order_search"]) == 6
+    assert set(CHUNK_CANDIDATES) <= {s[2] for s in ordered["auto_steps"]}
     fixed = _args("--exchange-chunks", "1", "--split-backward", "off", "--runtime", "ep-1f1b")
     with pytest.raises(ValueError, match="--runtime disagg"):  # AF-Pipe's flags, given
         simulate_from_args(fixed)
