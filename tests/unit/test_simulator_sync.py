@@ -28,20 +28,28 @@ def _net(gpus_per_node: int, nics_per_node: int) -> Network:
     )
 
 
-def test_a_ring_crosses_a_shared_nic_once_per_node_when_node_mates_are_adjacent() -> None:
+def test_a_ring_crosses_a_node_once_spread_over_its_members_nics() -> None:
     """4 nodes of 2 GPUs, one NIC each (the emulated cluster): the ring over every rank
     leaves each node once (1 -> 2, 3 -> 4, ...) and has the NIC to itself; a ring over
-    one GPU per node shares each NIC with the other GPU's ring; with a NIC per GPU a hop
-    runs at its GPU's NIC either way."""
+    one GPU per node shares each NIC with the other GPU's ring. With a NIC per GPU the
+    node's one crossing is spread over both members' NICs (half the time); a ring with
+    one member per node crosses on that member's NIC."""
     shared = _net(2, 1)
     hop = 2 * 7 / 8 * 8e6  # bytes a rank sends in a ring all-reduce of 8 MB over 8
     assert shared.allreduce_s(list(range(8)), 8e6) == pytest.approx(hop / 1e6)
     assert shared.allreduce_s([0, 2, 4, 6], 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 0.5e6)
     assert shared.allreduce_s([0, 1, 4, 5], 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 1e6)
     own = _net(2, 2)
-    assert own.allreduce_s(list(range(8)), 8e6) == pytest.approx(hop / 1e6)
+    assert own.allreduce_s(list(range(8)), 8e6) == pytest.approx(hop / 2e6)
     assert own.allreduce_s([0, 2, 4, 6], 8e6) == pytest.approx(2 * 3 / 4 * 8e6 / 1e6)
     assert shared.allreduce_s([0, 1], 8e6) == pytest.approx(8e6 / 1e9)  # NVLink
+    wide = _net(8, 8)  # an H800-like node: 8 GPUs, a NIC each
+    assert wide.allreduce_s(list(range(32)), 8e6) == pytest.approx(2 * 31 / 32 * 8e6 / 8e6)
+    assert wide.ring_nic_fraction(list(range(32)), 5) == pytest.approx(1 / 8)
+    assert wide.ring_nic_fraction([0, 8, 16, 24], 8) == pytest.approx(1.0)
+    split = dataclasses.replace(wide, nic_share=tuple([2e6, 0.5e6] * 16))
+    # the ring over the even ranks: 4 members per node at 2 MB/s each carry its crossing
+    assert split.allreduce_s(list(range(0, 32, 2)), 8e6) == pytest.approx(2 * 15 / 16 * 8e6 / 8e6)
 
 
 @dataclasses.dataclass

@@ -379,25 +379,24 @@ class _Lowering:
 
     def ring_bucket(self, rank: int, layer: int, after: list[int], args: dict) -> int:
         """A lanes rank's all-reduce of one bucket as its share of the ring: 2(k-1)/k of the
-        bytes out to the next member and in from the previous one, on the ports its
-        messages use (so the two share them), then the ring's other 2(k-1)-1 hops'
-        latency. A representative's hop is priced as its member's whose hops leave their
-        node most: the ring runs at its slowest member's pace."""
+        bytes out to the next member and in from the previous one, the part that leaves its
+        node (`Network.ring_nic_fraction`) on the NIC ports its messages use (so the two
+        share them) and the rest over NVLink, then the ring's other 2(k-1)-1 hops'
+        latency. A representative's hop is priced as its member's whose node sends most
+        of its hop over NICs: the ring runs at its slowest member's pace."""
         assert self.pricing.bucket_ring is not None and self.ports is not None
         members = self.symmetry.members[rank]
         ring, nbytes = self.pricing.bucket_ring(members[0], layer)
         k = len(ring)
         net = self.ports.net
-
-        def local(member: int, step: int) -> bool:  # its hop stays on its node
-            return net.same_node(member, ring[(ring.index(member) + step) % k])
-
-        worst = min(members, key=lambda m: local(m, 1) + local(m, -1))
+        remote = max(net.ring_nic_fraction(ring, m) for m in members)
         own = any(len(m) > 1 for m in self.symmetry.members)
         hop = 2.0 * (k - 1) / k * nbytes if k > 1 else 0.0
-        loads = self.ports.ring_hop(members[0], hop, local(worst, 1), local(worst, -1), own=own)
+        loads = self.ports.ring_hop(members[0], hop, 1.0 - remote, 1.0 - remote, own=own)
         label = f"allreduce l{layer}"
-        xop = self.prog.add_xfer(rank, rank, loads, label, after, dict(args), unit=hop)
+        # one real flow per channel: the NIC's share, and each node-mate's over NVLink
+        unit = hop * remote if remote > 0 else hop
+        xop = self.prog.add_xfer(rank, rank, loads, label, after, dict(args), unit=unit)
         rest = max(2 * (k - 1) - 1, 0) * self.ports.net.latency_s
         done = self.prog.add(DELAY, rank, "sync", rest, "comm", label, [xop], args)
         self.rings[(ring, layer)].append((xop, done))

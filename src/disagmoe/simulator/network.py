@@ -78,12 +78,13 @@ class Network:
 
         The ring visits `ranks` in order (gloo's ring and NCCL's follow the group's rank
         order), so node-mates that are neighbours in it talk over NVLink and only the
-        hops that leave a node load its NICs. A NIC is shared by the ring's hops that
-        leave through it and by those of the groups its other GPUs are in, assumed shaped
-        alike and run at the same time: a group that holds every GPU of a NIC has it to
-        itself (a dp group over all ranks, node-mates adjacent: one hop per node), one
-        that holds one GPU of two shares it with the other's group. With a NIC split
-        (`nic_share`) a hop runs at its ranks' rates."""
+        hops that leave a node load NICs. Those hops are spread over the NICs of the
+        group's members on the node (`ring_nic_fraction`). A NIC is shared with the groups
+        its other GPUs are in, assumed shaped alike and run at the same time: a group that
+        holds every GPU of a node spreads its one hop over all the node's NICs, one that
+        holds one GPU per node puts it on that GPU's NIC, shared with the other GPUs'
+        groups. With a NIC split (`nic_share`) a node's hops run at the sum of its
+        members' rates."""
         k = len(ranks)
         if k <= 1 or nbytes <= 0:
             return 0.0
@@ -91,19 +92,41 @@ class Network:
         if len(nodes) == 1:
             bw = self.nvlink_bytes_per_s
         elif self.nic_share:
-            bw = min(self.nic_bw(r) for r in ranks)
+            bw = min(
+                sum(self.nic_bw(r) for r in ranks if self.node_of(r) == node)
+                / self._ring_leaving(ranks, node)
+                for node in nodes
+            )
         else:
             gpus_per_nic = max(self.gpus_per_node // self.nics_per_node, 1)
             per_nic = self.nic_bytes_per_s * max(self.nics_per_node // self.gpus_per_node, 1)
-            hops: dict[int, int] = {}  # NIC -> ring hops leaving the node through it
-            members: dict[int, int] = {}  # NIC -> ranks of the group on it
-            for i, r in enumerate(ranks):
-                members[self.nic_of(r)] = members.get(self.nic_of(r), 0) + 1
-                if not self.same_node(r, ranks[(i + 1) % k]):
-                    hops[self.nic_of(r)] = hops.get(self.nic_of(r), 0) + 1
-            load = max(n * gpus_per_nic / members[nic] for nic, n in hops.items())
+            here = {node: sum(1 for r in ranks if self.node_of(r) == node) for node in nodes}
+            load = max(self._ring_leaving(ranks, n) / here[n] for n in nodes) * gpus_per_nic
             bw = per_nic / load
         return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.latency_s
+
+    def _ring_leaving(self, ranks: list[int] | tuple[int, ...], node: int) -> int:
+        """Hops of the ring over `ranks` that leave `node` (as many enter it)."""
+        k = len(ranks)
+        return sum(
+            1
+            for i, r in enumerate(ranks)
+            if self.node_of(r) == node and not self.same_node(r, ranks[(i + 1) % k])
+        )
+
+    def ring_nic_fraction(self, ranks: list[int] | tuple[int, ...], rank: int) -> float:
+        """Fraction of `rank`'s ring hop (2(k-1)/k of the bytes out, as many in) that
+        crosses its NIC in a ring all-reduce over `ranks`; the rest moves over NVLink.
+
+        The hops leaving its node are spread evenly over the group's members there: NCCL
+        runs a ring per channel and routes the channels' inter-node hops through different
+        NICs, the data split over NVLink first (github.com/NVIDIA/nccl/issues/601), so a
+        group with g GPUs on a node crosses the node's boundary through g NICs at 1/g of
+        the data each. Members sharing one NIC add up to the one hop (the emulated
+        cluster's node, one NIC for its two ranks, as gloo's single ring loads it)."""
+        node = self.node_of(rank)
+        here = sum(1 for r in ranks if self.node_of(r) == node)
+        return self._ring_leaving(ranks, node) / here
 
     def a2a_s(self, ranks: list[int], me: int, bytes_per_peer: float) -> float:
         """All-to-all of `bytes_per_peer` to every other rank of `ranks`, seen from `me`."""
