@@ -17,7 +17,8 @@ runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
   recompute) that fits the GPU (`simulator.ep_search`).
 
 A row: AF-Pipe's and the best EP runtime's tokens/s, step, bound, step/bound, memory per
-GPU, exposed communication (s per step, mean over workers) and layout, AF-Pipe / best EP, and the verdict against the targets (AF-Pipe within
+GPU, exposed communication (s per step, mean over workers) and layout (AF-Pipe's ends
+with its lane order), AF-Pipe / best EP, and the verdict against the targets (AF-Pipe within
 1.1x of its bound and fitting; at least 1.2x the best EP runtime); where a target is
 missed, the two bounds say whether a schedule could meet it (`bound ratio` = best EP's
 bound / AF-Pipe's: AF-Pipe can only lead by about that much).
@@ -69,6 +70,7 @@ def summary(result: SimResult) -> dict[str, Any]:
             f"{cfg.get('max_in_flight', 0)}, recompute {cfg.get('recompute', 'none')}, "
             f"chunks {cfg.get('exchange_chunks', 1)}"
             + (", split backward" if cfg.get("split_backward") else "")
+            + f", {cfg['order']}{' (run costs)' if cfg.get('costed') else ''}"
         )
     else:
         v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""
