@@ -43,6 +43,7 @@ from typing import Any
 from results_io import write_json
 
 from disagmoe.config import EP_RUNTIMES
+from disagmoe.schedule.orders import order_label
 from disagmoe.simulate_cli import add_simulate_arguments, simulate_from_args
 from disagmoe.simulator import SimResult
 
@@ -70,7 +71,7 @@ def summary(result: SimResult) -> dict[str, Any]:
             f"{cfg.get('max_in_flight', 0)}, recompute {cfg.get('recompute', 'none')}, "
             f"chunks {cfg.get('exchange_chunks', 1)}"
             + (", split backward" if cfg.get("split_backward") else "")
-            + f", {cfg['order']}{' (run costs)' if cfg.get('costed') else ''}"
+            + f", {order_label(cfg['order'], cfg.get('costed', False))}"
         )
     else:
         v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""

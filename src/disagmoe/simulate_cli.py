@@ -25,6 +25,7 @@ from .costs.flops import expert_flops, train_factors
 from .planner.cli import cluster_from_args
 from .planner.split import memory_error, planned_split, split_planner
 from .presets import model_preset
+from .schedule.orders import order_label
 from .simulate_ep_layout import resolve_ep
 from .simulate_flags import SIM_SPLIT_BACKWARD, add_simulate_arguments
 from .simulator.costs import Workload
@@ -267,7 +268,7 @@ def _pick_order(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -
     result = _simulate_resolved(argparse.Namespace(**{**vars(args), **fixed}), r)
     orders = result.config["auto_steps"]
     result.config["order_search"] = {
-        f"{o}{' (run costs)' if costed else ''}": round(step, 6) for o, costed, _, step, _ in orders
+        order_label(o, costed): round(step, 6) for o, costed, _, step, _ in orders
     }
     if "auto_steps" in cfg:  # what `first` picked its chunks and split from stays listed
         ran = [cfg["order"], cfg["costed"]]

@@ -45,6 +45,13 @@ from .ir import Op
 
 GENERATED_ORDERS = ("breadth", "depth", "steady")
 
+
+def order_label(order: str, costed: bool) -> str:
+    """How output names an order: "depth", or "depth (run costs)" when the lanes were
+    ordered with the run's own costs and links (`schedule.costs = run`)."""
+    return f"{order} (run costs)" if costed else order
+
+
 # Seconds a message holds each port it crosses: ((port name, seconds), ...).
 PortLoads = tuple[tuple[str, float], ...]
 

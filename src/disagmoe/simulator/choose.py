@@ -26,7 +26,14 @@ from ..config import RunConfig, split_backward_flag
 from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe, reduced_layout, replica_classes
 from ..schedule.ir import Msg, Op
-from ..schedule.orders import GENERATED_ORDERS, PortLoads, Resolved, ScheduleCosts, given_choice
+from ..schedule.orders import (
+    GENERATED_ORDERS,
+    PortLoads,
+    Resolved,
+    ScheduleCosts,
+    given_choice,
+    order_label,
+)
 from .costs import AnalyticCosts, InstrCosts, Workload
 from .engine import Program
 from .links import LinkModel
@@ -86,7 +93,7 @@ class OrderChoice:
     def label(self) -> str:
         chunks = f", {self.exchange_chunks} exchange chunks" if self.exchange_chunks > 1 else ""
         split = ", weight gradients deferred" if self.split_backward else ""
-        return f"{self.order}{' (run costs)' if self.costed else ''}{chunks}{split}"
+        return f"{order_label(self.order, self.costed)}{chunks}{split}"
 
 
 def choose_order(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..schedule.orders import order_label
 from ..trace import (
     Interval,
     Tracer,
@@ -200,7 +201,7 @@ def format_result(result: SimResult) -> str:
         f"workers {result.num_workers}",
         *(
             [
-                f"schedule    {cfg['order']}{' (run costs)' if cfg.get('costed') else ''}, "
+                f"schedule    {order_label(cfg['order'], cfg.get('costed', False))}, "
                 f"{cfg.get('exchange_chunks', 1)} exchange chunk(s)"
                 + (", weight gradients deferred" if cfg.get("split_backward") else "")
             ]
