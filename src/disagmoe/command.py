@@ -6,13 +6,15 @@ metadata (`flags.flag`), and `config_io.config_flags` reads them. The flags belo
 the config starts instead, in this order of precedence: built-in defaults < `--model`
 preset / `--init-from-hf` < `--config FILE.toml` < explicit flags < `--set a.b=v`.
 
-User mistakes (`ValueError`) print one line `disagmoe: error: ...` and exit with code 2.
+User mistakes (`ValueError`) print one line `disagmoe: error: ...` and exit with code 2;
+output cut short by its reader (a closed pipe) ends the command quietly with code 141.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -51,6 +53,11 @@ def run_command(func: Callable[[argparse.Namespace], int], args: argparse.Namesp
     except KeyboardInterrupt:
         sys.stderr.write("disagmoe: interrupted\n")
         return 130
+    except BrokenPipeError:  # stdout closed early (`disagmoe simulate ... | head`)
+        # nothing more can be written; point stdout at /dev/null so that the interpreter's
+        # final flush does not fail again, and exit as a shell reports SIGPIPE
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except SignalException as err:  # Ctrl-C / SIGTERM while the elastic agent runs
         sys.stderr.write(f"disagmoe: interrupted ({err.sigval.name})\n")
         return 130

@@ -1,7 +1,10 @@
-"""`disagmoe train` flags: generated from the config fields, resolved to a RunConfig."""
+"""`disagmoe train` flags: generated from the config fields, resolved to a RunConfig; and
+how `command.run_command` ends a command whose output is cut short."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +126,30 @@ def test_flags_of_one_section_are_checked_together() -> None:
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size) == (9, 3)
     with pytest.raises(ValueError, match="multiple of train.micro_batch_size"):
         resolve("--global-batch-size", "9", "--micro-batch-size", "2")
+
+
+PRINTS_MUCH = """
+import argparse, sys
+from disagmoe.command import run_command
+
+def body(args):
+    for _ in range(200000):
+        print("x" * 80)
+    return 0
+
+sys.exit(run_command(body, argparse.Namespace()))
+"""
+
+
+def test_a_reader_that_closes_the_pipe_ends_the_command_quietly() -> None:
+    """`disagmoe simulate ... | head -3`: the body's next write fails; the command exits
+    141 (as a shell reports SIGPIPE) with nothing on stderr, not a traceback."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRINTS_MUCH], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(81) == b"x" * 80 + b"\n"
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert err == ""
