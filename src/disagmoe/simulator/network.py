@@ -100,8 +100,8 @@ class Network:
         else:
             gpus_per_nic = max(self.gpus_per_node // self.nics_per_node, 1)
             per_nic = self.nic_bytes_per_s * max(self.nics_per_node // self.gpus_per_node, 1)
-            here = {node: sum(1 for r in ranks if self.node_of(r) == node) for node in nodes}
-            load = max(self._ring_leaving(ranks, n) / here[n] for n in nodes) * gpus_per_nic
+            one_per_node = {self.node_of(r): r for r in ranks}.values()
+            load = max(self.ring_nic_fraction(ranks, r) for r in one_per_node) * gpus_per_nic
             bw = per_nic / load
         return 2.0 * (k - 1) / k * nbytes / bw + 2.0 * (k - 1) * self.latency_s
 
