@@ -106,14 +106,14 @@ def test_simulator_uses_the_planners_split_as_is() -> None:
     from disagmoe.presets import CLUSTER_PRESETS
 
     model, h800 = model_preset("gpt-oss-20b"), CLUSTER_PRESETS["h800"]
-    kw = dict(gpus=8, seq_len=8192, micro_batch_size=1)
+    kw = dict(gpus=8, seq_len=4096, micro_batch_size=1)
     plan = plan_for(model, h800, **kw)  # type: ignore[arg-type]
     split = planned_split(model, h800, **kw)  # type: ignore[arg-type]
     assert (split.attn_workers, split.expert_workers) == (
         plan.attn_gpus_per_group,
         plan.ffn_gpus_per_group,
     )
-    assert model.num_experts % split.expert_workers  # 32 experts on 5 shards
+    assert model.num_experts % split.expert_workers  # 32 experts on 5 shards (uneven)
     # a recompute given is planned for (simulate --recompute, --split-backward on: none)
     assert planned_split(model, h800, recompute="none", **kw).recompute == "none"  # type: ignore[arg-type]
     # the run's batch is planned for: 2 micro-batches leave room for 2 replicas at most

@@ -10,7 +10,7 @@ import pytest
 
 from disagmoe.planner import AnalyticProfile, Plan, Planner, PlanOptions, refine_plan, seed_plan
 from disagmoe.planner.plan import ring_length, score
-from disagmoe.planner.search import local_search
+from disagmoe.planner.search import PlanMoves, descend, local_search
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
 
@@ -38,6 +38,20 @@ def test_search_finds_the_minimum_of_a_smooth_objective_and_is_deterministic() -
     assert local_search(10, propose=step, objective=float, moves=0).best == 10
 
 
+def test_descent_walks_unit_steps_to_a_local_minimum() -> None:
+    start = local_search(10, propose=step, objective=lambda x: (x - 70) ** 2, moves=0)
+    res = descend(start, neighbours=lambda x: [x - 1, x + 1],
+                  objective=lambda x: (x - 70) ** 2, max_steps=100)  # fmt: skip
+    assert res.best == 70 and res.descended == res.improved == 60
+    assert list(res.history) == sorted(res.history, reverse=True)
+    # a plateau stops it: only strict improvements move
+    level = local_search(10, propose=step, objective=lambda x: 0.0, moves=0)
+    flat = descend(level, neighbours=lambda x: [x - 1, x + 1], objective=lambda x: 0.0)
+    assert flat.best == 10 and flat.descended == 0
+    capped = descend(start, neighbours=lambda x: [x + 1], objective=lambda x: -x, max_steps=5)
+    assert capped.best == 15
+
+
 def planner() -> Planner:
     return Planner(model=MODEL_PRESETS["qwen3-30b-a3b"], cluster=CLUSTER_PRESETS["h800"],
                    gpus=64, seq_len=8192, micro_batch_size=1,
@@ -56,6 +70,23 @@ def test_refine_plan_follows_a_pluggable_profile() -> None:
     res = refine_plan(pl, seed, prefers_fewer_attention, moves=60, radius=3, seed_rng=1)
     assert res.best.attn_gpus_per_group == target and res.best.stage == "search"
     assert res.best_score < res.seed_score and res.improved >= 1
+
+
+def test_refine_plan_ends_where_no_unit_step_is_better() -> None:
+    """No random move at all: the descent alone walks m to the profile's best, and no
+    neighbour of the result (m and M_a by one, the cap, the even-shard jumps) beats it."""
+    pl = planner()
+    seed = seed_plan(pl)
+    target = seed.attn_gpus_per_group - 4
+
+    def prefers(plan: Plan) -> float:
+        return plan.sequences_per_step * (1.0 + abs(plan.attn_gpus_per_group - target) / 10)
+
+    res = refine_plan(pl, seed, prefers, moves=0)
+    assert res.best.attn_gpus_per_group == target and res.descended == res.improved >= 1
+    best = score(res.best, res.best.step_time_s)
+    around = PlanMoves(pl, prefers, radius=1).neighbours(res.best)
+    assert around and all(score(p, p.step_time_s) >= best for p in around)
 
 
 @pytest.mark.parametrize("rng_seed", range(5))

@@ -5,10 +5,15 @@
 only when it is strictly better. The seed is scored first, so the result is never worse than
 the seed under the profile it was given, and a fixed `seed` makes the walk reproducible.
 
-`refine_plan` applies it to plans (`plan_mover`): a move changes the attention GPUs m and
+`descend` is its deterministic closing pass: from the incumbent it scores every neighbour
+(`neighbours(best)`) and moves to the best one while that is strictly better, so the result
+is a local minimum of the neighbourhood, which K random moves alone do not promise (one
+neighbour among the dozens a move can reach is drawn with a few percent chance per move).
+
+`refine_plan` applies both to plans (`PlanMoves`): a move changes the attention GPUs m and
 the attention NICs M_a of every group (n and M_f follow from the group's totals), the
 in-flight cap, or the recompute mode, keeping p; infeasible moves (memory, locality, n > E)
-are skipped. The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe
+are skipped. The random moves come first, then the descent over the unit steps. The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe
 model (`plan.AnalyticProfile`), the simulator (`sim_profile.SimulatorProfile`), or a
 measured short run; plans are compared by
 seconds per sequence trained (`plan.score`) because m changes the sequences per step.
@@ -36,7 +41,8 @@ class SearchResult(Generic[T]):
     seed_score: float
     evaluated: int  # candidates scored (feasible proposals), seed excluded
     improved: int  # accepted moves
-    history: tuple[float, ...]  # best score after each move
+    history: tuple[float, ...]  # best score after each move (random moves, then descent)
+    descended: int = 0  # of `improved`, steps taken by the closing descent
 
 
 def local_search(
@@ -74,6 +80,40 @@ def local_search(
     )
 
 
+def descend(
+    start: SearchResult[T],
+    *,
+    neighbours: Callable[[T], list[T]],
+    objective: Callable[[T], float],
+    max_steps: int = 64,
+) -> SearchResult[T]:
+    """Steepest descent from `start.best`: move to the best-scoring neighbour while it is
+    strictly better than the incumbent (at most `max_steps` moves); ties keep the first."""
+    best, best_score = start.best, start.best_score
+    evaluated, steps = start.evaluated, 0
+    history = list(start.history)
+    while steps < max_steps:
+        scored = [(objective(cand), i, cand) for i, cand in enumerate(neighbours(best))]
+        evaluated += len(scored)
+        if not scored:
+            break
+        value, _, cand = min(scored, key=lambda item: (item[0], item[1]))
+        if not value < best_score:
+            break
+        best, best_score = cand, value
+        steps += 1
+        history.append(best_score)
+    return dataclasses.replace(
+        start,
+        best=best,
+        best_score=best_score,
+        evaluated=evaluated,
+        improved=start.improved + steps,
+        history=tuple(history),
+        descended=steps,
+    )
+
+
 def even_load_replicas(planner: Planner, plan: Plan) -> list[int]:
     """The replica counts m of `plan`'s group whose n shards are the fewest that hold
     the busiest shard's expert count (ceil(E/n)), or one expert less: shards as even as
@@ -84,35 +124,65 @@ def even_load_replicas(planner: Planner, plan: Plan) -> list[int]:
     return [per_group - -(-experts // target) for target in (load, load - 1) if target >= 1]
 
 
-def plan_mover(
-    planner: Planner, profile: Profile, radius: int
-) -> Callable[[Plan, random.Random], Plan | None]:
-    """Random moves over what the runtime can run, p fixed; None when infeasible.
+class PlanMoves:
+    """Moves over what the runtime can run, p fixed; a move is None when infeasible.
 
-    Half the moves change the split: m and M_a by up to r each, n = G/p - m and M_f follow
-    (uneven shards: any n <= E), or n jumps to the fewest shards that keep the busiest
-    shard's expert count ceil(E/n), or that hold one expert less (the expert time follows
-    that count, so the space between such n is flat and a step of r cannot cross it). The others change the in-flight cap by up to r (at most
+    `propose` (random, for `local_search`): half the moves change the split: m and M_a by
+    up to r each, n = G/p - m and M_f follow (uneven shards: any n <= E), or n jumps to the
+    fewest shards that keep the busiest shard's expert count ceil(E/n), or that hold one
+    expert less (the expert time follows that count, so the space between such n is flat and
+    a step of r cannot cross it). The others change the in-flight cap by up to r (at most
     the plan's micro-batches, at least 1) or jump to the most the memory admits, or flip
     the recompute mode (none <-> full, when `recompute` is auto) keeping the cap where the
     memory still admits it.
-    """
-    if radius < 1:
-        raise ValueError(f"search radius must be >= 1, got {radius}")
-    flip = {"none": "full", "full": "none"} if planner.options.recompute == "auto" else {}
-    cache: dict[tuple[int, int, int, int, str], Plan | None] = {}
 
-    def most_in_flight(plan: Plan, recompute: str) -> int:
-        k = memory_in_flight(planner, plan.groups, plan.attn_gpus_per_group, recompute)
+    `neighbours` (for `descend`): the same kinds of move at unit steps, all of them: m and
+    M_a by -1, 0 or +1 each, the even-shard jumps, the cap by one or to the memory's most,
+    the recompute flip. Every point is profiled once (cached by its key).
+    """
+
+    def __init__(self, planner: Planner, profile: Profile, radius: int) -> None:
+        if radius < 1:
+            raise ValueError(f"search radius must be >= 1, got {radius}")
+        self.planner, self.profile, self.radius = planner, profile, radius
+        self.flip = {"none": "full", "full": "none"} if planner.options.recompute == "auto" else {}
+        self.cache: dict[tuple[int, int, int, int, str], Plan | None] = {}
+
+    def most_in_flight(self, plan: Plan, recompute: str) -> int:
+        k = memory_in_flight(self.planner, plan.groups, plan.attn_gpus_per_group, recompute)
         return min(k, plan.micro_batches)
 
-    def propose(plan: Plan, rng: random.Random) -> Plan | None:
+    def candidate(self, plan: Plan, m: int, ma: int, k: int, mode: str) -> Plan | None:
+        """`plan` with split m : M_a, cap k and recompute `mode`, profiled; None if it
+        does not fit. With a global batch the cap is what the split's batch admits."""
+        planner = self.planner
+        binding = plan.memory_binding
+        per_group = planner.gpus // plan.groups
+        if planner.options.global_batch and 1 <= m < per_group:  # what its split admits
+            k, binding = batch_in_flight(planner, plan.groups, m, mode)
+        key = (plan.groups, m, ma, k, mode)
+        if key not in self.cache:  # each point is profiled at most once
+            self.cache[key] = planner.evaluate(
+                groups=plan.groups,
+                m=m,
+                attn_nics=ma,
+                in_flight=k,
+                recompute=mode,
+                profile=self.profile,
+                memory_binding=binding,
+                solver=plan.solver,
+                stage="search",
+            )
+        return self.cache[key]
+
+    def propose(self, plan: Plan, rng: random.Random) -> Plan | None:
         m, ma, k, mode = (
             plan.attn_gpus_per_group, plan.attn_nics_per_group, plan.in_flight, plan.recompute
         )  # fmt: skip
+        radius = self.radius
         kind = rng.random()
         if kind < 0.15:  # the fewest shards at the busiest shard's load, or one expert less
-            m = rng.choice(even_load_replicas(planner, plan))
+            m = rng.choice(even_load_replicas(self.planner, plan))
             if m == plan.attn_gpus_per_group:
                 return None
         elif kind < 0.5:
@@ -125,32 +195,35 @@ def plan_mover(
             steps = [
                 d for d in range(-radius, radius + 1) if d and 1 <= k + d <= plan.micro_batches
             ]
-            k = rng.choice([*(k + d for d in steps), most_in_flight(plan, mode)])
-        elif flip:
-            mode = flip[mode]
-            k = min(k, most_in_flight(plan, mode))
+            k = rng.choice([*(k + d for d in steps), self.most_in_flight(plan, mode)])
+        elif self.flip:
+            mode = self.flip[mode]
+            k = min(k, self.most_in_flight(plan, mode))
         else:
             return None
-        binding = plan.memory_binding
-        per_group = planner.gpus // plan.groups
-        if planner.options.global_batch and 1 <= m < per_group:  # what its split admits
-            k, binding = batch_in_flight(planner, plan.groups, m, mode)
-        key = (plan.groups, m, ma, k, mode)
-        if key not in cache:  # each point is profiled at most once
-            cache[key] = planner.evaluate(
-                groups=plan.groups,
-                m=m,
-                attn_nics=ma,
-                in_flight=k,
-                recompute=mode,
-                profile=profile,
-                memory_binding=binding,
-                solver=plan.solver,
-                stage="search",
-            )
-        return cache[key]
+        return self.candidate(plan, m, ma, k, mode)
 
-    return propose
+    def neighbours(self, plan: Plan) -> list[Plan]:
+        m, ma, k, mode = (
+            plan.attn_gpus_per_group, plan.attn_nics_per_group, plan.in_flight, plan.recompute
+        )  # fmt: skip
+        points = [(m + dm, ma + dn, k, mode) for dm in (-1, 0, 1) for dn in (-1, 0, 1)]
+        points += [(jump, ma, k, mode) for jump in even_load_replicas(self.planner, plan)]
+        caps = {k - 1, k + 1, self.most_in_flight(plan, mode)}
+        points += [(m, ma, cap, mode) for cap in sorted(caps) if 1 <= cap <= plan.micro_batches]
+        if self.flip:
+            other = self.flip[mode]
+            points.append((m, ma, min(k, self.most_in_flight(plan, other)), other))
+        here = (m, ma, k, mode)
+        out = [self.candidate(plan, *point) for point in dict.fromkeys(points) if point != here]
+        return [cand for cand in out if cand is not None]
+
+
+def plan_mover(
+    planner: Planner, profile: Profile, radius: int
+) -> Callable[[Plan, random.Random], Plan | None]:
+    """`PlanMoves(planner, profile, radius).propose`: random moves, p fixed."""
+    return PlanMoves(planner, profile, radius).propose
 
 
 def refine_plan(
@@ -162,20 +235,23 @@ def refine_plan(
     radius: int | None = None,
     seed_rng: int | None = None,
 ) -> SearchResult[Plan]:
-    """Stage 3 on a plan from `seed_plan`; defaults come from `planner.options`."""
+    """Stage 3 on a plan from `seed_plan`: K random moves, then the descent over unit
+    steps to a local minimum; defaults come from `planner.options`."""
     opts = planner.options
     prof = profile or AnalyticProfile(planner)
     k = opts.search_moves if moves is None else moves
     r = opts.search_radius if radius is None else radius
     rng_seed = opts.seed if seed_rng is None else seed_rng
+    mover = PlanMoves(planner, prof, r)
 
     def objective(plan: Plan) -> float:  # candidates carry step_time_s from `prof` already
         return score(plan, plan.step_time_s)
 
-    return local_search(
+    walked = local_search(
         dataclasses.replace(seed, step_time_s=prof(seed)),
-        propose=plan_mover(planner, prof, r),
+        propose=mover.propose,
         objective=objective,
         moves=k,
         seed_rng=rng_seed,
     )
+    return descend(walked, neighbours=mover.neighbours, objective=objective)
