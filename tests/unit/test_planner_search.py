@@ -9,7 +9,7 @@ import zlib
 import pytest
 
 from disagmoe.planner import AnalyticProfile, Plan, Planner, PlanOptions, refine_plan, seed_plan
-from disagmoe.planner.plan import ring_length, score
+from disagmoe.planner.plan import ring_length, score, shard_imbalance
 from disagmoe.planner.search import PlanMoves, descend, local_search
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 
@@ -106,7 +106,9 @@ def test_refine_plan_never_worse_than_seed(rng_seed: int) -> None:
 
 def test_analytic_profile_models_the_pipeline() -> None:
     pl = planner()
-    plan = dataclasses.replace(seed_plan(pl), in_flight=ring_length(1))  # the ring full
+    # the ring full; 128 experts on 32 even shards (the busiest shard's term is below)
+    plan = pl.evaluate(groups=1, m=32, attn_nics=16, in_flight=ring_length(1), recompute="none")
+    assert plan is not None
     prof = AnalyticProfile(pl)
     t = prof(plan)
     # steady state N*v stage times, bubble (2p - 1) stages, one exposed exchange; no memory cap
@@ -117,6 +119,22 @@ def test_analytic_profile_models_the_pipeline() -> None:
     assert capped == pytest.approx(2 * t, rel=0.05)
     dedup = AnalyticProfile(pl, dedup=True)(plan)
     assert dedup <= t
+
+
+def test_analytic_profile_prices_the_busiest_expert_shard() -> None:
+    """n off a divisor of E leaves one shard ceil(E/n) experts: the profile charges the FFN
+    stage that shard's load, where the MILP's continuous share scores m + 1 level with m."""
+    assert shard_imbalance(128, 32) == 1.0 and shard_imbalance(128, 31) == 5 * 31 / 128
+    assert shard_imbalance(64, 63) == pytest.approx(1.97, abs=0.01)
+    pl = planner()
+    prof = AnalyticProfile(pl)
+    even, uneven = (
+        pl.evaluate(groups=1, m=m, attn_nics=16, in_flight=2, recompute="none", profile=prof)
+        for m in (32, 33)
+    )
+    assert even is not None and uneven is not None
+    assert uneven.ffn_gpus_per_group == 31
+    assert score(uneven, uneven.step_time_s) > score(even, even.step_time_s)
 
 
 @pytest.mark.parametrize(
