@@ -179,7 +179,7 @@ SIMULATED: dict[str, Table] = {
         ),
     ),
     "uneven_splits": Table(
-        title="The planner's uneven split against the splits with n | E",
+        title="The planner's split (uneven where it picks one) against the splits with n | E",
         about="Simulated on nominal H800 at 8K; `fits`: the planner's memory model admits "
         'the split (docs/design-notes.md, "Uneven splits").',
         cols=(

@@ -1,4 +1,4 @@
-"""The planner's own (uneven) AF-Pipe split against every even split, simulated.
+"""The planner's AF-Pipe split (uneven where it picks one) against every even split, simulated.
 
     .venv/bin/python benchmarks/uneven_splits.py [--json benchmarks/results/uneven_splits.json]
 
