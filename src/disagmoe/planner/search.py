@@ -219,13 +219,6 @@ class PlanMoves:
         return [cand for cand in out if cand is not None]
 
 
-def plan_mover(
-    planner: Planner, profile: Profile, radius: int
-) -> Callable[[Plan, random.Random], Plan | None]:
-    """`PlanMoves(planner, profile, radius).propose`: random moves, p fixed."""
-    return PlanMoves(planner, profile, radius).propose
-
-
 def refine_plan(
     planner: Planner,
     seed: Plan,
