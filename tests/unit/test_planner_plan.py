@@ -41,14 +41,10 @@ def test_roofline_only_is_the_papers_problem() -> None:
 
 
 def test_ffn_memory_binds_and_relaxes_with_more_memory() -> None:
-    # stages 1-2 (the MILP's split, before the even-shard variants and stage 3)
-    def milp(cluster: Any) -> Any:
-        return seed_plan(Planner(model=QWEN, cluster=cluster, gpus=64, seq_len=16384,
-                                 micro_batch_size=1,
-                                 options=PlanOptions(groups=2, recompute="full")))  # fmt: skip
-
-    tight = milp(H800)
-    roomy = milp(dataclasses.replace(H800, gpu_mem_gib=400.0))
+    kwargs = dict(gpus=64, seq_len=16384, micro_batch_size=1, groups=2, recompute="full",
+                  search_moves=0)  # fmt: skip
+    tight = plan_for(QWEN, H800, **kwargs)  # type: ignore[arg-type]
+    roomy = plan_for(QWEN, dataclasses.replace(H800, gpu_mem_gib=400.0), **kwargs)  # type: ignore[arg-type]
     assert tight.attn_gpus < roomy.attn_gpus  # FFN memory holds the attention GPUs back
     planner = Planner(model=QWEN, cluster=H800, gpus=64, seq_len=16384, micro_batch_size=1,
                       options=PlanOptions(groups=2, recompute="full"))  # fmt: skip

@@ -395,10 +395,6 @@ class AnalyticProfile:
       the design's V (k copies per token) is the conservative bound;
     * per-message latency: each stage an A-replica exchanges with n F-workers and an F-worker
       with m replicas, forward and backward (2 * peers * cluster.latency_us);
-    * the busiest expert shard (not with `roofline_only`): n shards of E experts hold
-      ceil(E/n) on the busiest, so under uniform routing its compute and its wire bytes are
-      `shard_imbalance` = ceil(E/n) * n / E times an even shard's (64 experts on 63 shards:
-      1.97x); the MILP's continuous share would score such an n level with n = 64;
     * the ring A0 -> F0 -> A1 -> ... -> F(p-1) has R = 2p compute components (the exchanges
       overlap on their own lane); with K < R micro-batches in flight (memory) it runs R/K
       slower;
@@ -418,11 +414,9 @@ class AnalyticProfile:
         dedup = (
             cm.distinct_worker_fraction(model.num_experts, model.top_k, n) if self.dedup else 1.0
         )
-        busiest = 1.0
         if pl.options.roofline_only:
             attn_nic, ffn_nic = u.attn_nic * dedup, u.ffn_nic * dedup
         else:
-            busiest = shard_imbalance(model.num_experts, n)
             c = cm.detailed_costs(model, pl.seq_len, plan.groups)
             attn_nic = 2.0 * (c.dispatch_bytes * dedup + c.hop_bytes) / u.bytes_per_s
             ffn_nic = 2.0 * c.dispatch_bytes * dedup / u.bytes_per_s
@@ -430,19 +424,12 @@ class AnalyticProfile:
         lat = 2.0 * cluster.latency_us * 1e-6
         comm_a = seqs * attn_nic / plan.attn_nics_per_group
         t_a = max(seqs * u.attn_gpu / m, comm_a) + lat * n
-        t_f = busiest * max(seqs * u.ffn_gpu / n, seqs * ffn_nic / plan.ffn_nics_per_group)
-        t_f += lat * m
+        t_f = max(seqs * u.ffn_gpu / n, seqs * ffn_nic / plan.ffn_nics_per_group) + lat * m
         t = max(t_a, t_f)
         slow = max(1.0, ring_length(plan.groups) / plan.in_flight)
         return (
             slow * plan.micro_batches * plan.virtual_stages * t + (2 * plan.groups - 1) * t + comm_a
         )
-
-
-def shard_imbalance(experts: int, shards: int) -> float:
-    """The busiest of `shards` expert shards' load over an even shard's: it holds
-    ceil(E/n) of the E experts where an even split would give E/n."""
-    return -(-experts // shards) * shards / experts
 
 
 def ring_length(groups: int) -> int:

@@ -80,6 +80,9 @@ def local_search(
     )
 
 
+TIE = 1e-9  # relative: a descent step must improve the score by more than this
+
+
 def descend(
     start: SearchResult[T],
     *,
@@ -88,7 +91,10 @@ def descend(
     max_steps: int = 64,
 ) -> SearchResult[T]:
     """Steepest descent from `start.best`: move to the best-scoring neighbour while it is
-    strictly better than the incumbent (at most `max_steps` moves); ties keep the first."""
+    better than the incumbent by more than a relative `TIE` (at most `max_steps` moves;
+    among equal neighbours the first). A tie is no step: a profile that prices two plans
+    alike by different arithmetic (64 experts on 63 shards against 64 in the analytic
+    profile's continuous share) differs in the last bits only."""
     best, best_score = start.best, start.best_score
     evaluated, steps = start.evaluated, 0
     history = list(start.history)
@@ -98,7 +104,7 @@ def descend(
         if not scored:
             break
         value, _, cand = min(scored, key=lambda item: (item[0], item[1]))
-        if not value < best_score:
+        if not value < best_score - TIE * abs(best_score):
             break
         best, best_score = cand, value
         steps += 1
@@ -229,7 +235,13 @@ def refine_plan(
     seed_rng: int | None = None,
 ) -> SearchResult[Plan]:
     """Stage 3 on a plan from `seed_plan`: K random moves, then the descent over unit
-    steps to a local minimum; defaults come from `planner.options`."""
+    steps to a local minimum; defaults come from `planner.options`.
+
+    With a global batch (`options.global_batch`, a run's batch: `simulate`, `train --plan
+    auto`) the descent is skipped: there every candidate holds the most slots the batch
+    and memory admit (`PlanMoves.candidate`), while the run then lowers the cap where that
+    is faster (`simulate_cli._fewer_in_flight`), so a descent on splits scored at the
+    highest cap optimises a cap the run does not keep."""
     opts = planner.options
     prof = profile or AnalyticProfile(planner)
     k = opts.search_moves if moves is None else moves
@@ -247,4 +259,6 @@ def refine_plan(
         moves=k,
         seed_rng=rng_seed,
     )
+    if opts.global_batch:
+        return walked
     return descend(walked, neighbours=mover.neighbours, objective=objective)

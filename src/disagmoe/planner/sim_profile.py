@@ -150,9 +150,7 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
     opts = planner.options
     if name == "analytic":
         prof: Profile = analytic
-        seed = min(
-            _with_even_shards(planner, seeds), key=lambda plan: score(plan, plan.step_time_s)
-        )
+        seed = min(seeds, key=lambda plan: score(plan, plan.step_time_s))
     else:
         prof = SimulatorProfile(planner, costs)
         best = min(score(plan, plan.step_time_s) for plan in seeds)
@@ -175,9 +173,8 @@ def _with_even_shards(planner: Planner, seeds: list[Plan]) -> list[Plan]:
     """`seeds` and, for each, its split with shards as even as its busiest shard's expert
     count allows (`search.even_load_replicas`): the MILP sizes n by a continuous share of
     the experts, while a shard's work is its whole experts', so n a little off a divisor
-    of E leaves the busiest shard with twice the others' load. Scored by the profile that
-    picks the seed (the simulator, or the analytic profile, which prices the busiest
-    shard) before the search starts, so the choice of p sees each p's even split."""
+    of E leaves the busiest shard with twice the others' load. Scored by the simulator
+    before the search starts, so the choice of p sees each p's even split."""
     out: list[Plan] = []
     for plan in seeds:
         out.append(plan)
