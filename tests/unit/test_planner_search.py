@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import zlib
+from collections.abc import Callable
 
 import pytest
 
@@ -64,16 +65,21 @@ def planner() -> Planner:
                    options=PlanOptions(groups=1, recompute="none"))  # fmt: skip
 
 
+def prefers_replicas(target: int) -> Callable[[Plan], float]:
+    """A stand-in for a measured run: fastest per sequence at `target` replicas."""
+
+    def profile(plan: Plan) -> float:
+        return plan.sequences_per_step * (1.0 + abs(plan.attn_gpus_per_group - target) / 10)
+
+    return profile
+
+
 def test_refine_plan_follows_a_pluggable_profile() -> None:
     pl = planner()
     seed = seed_plan(pl)
 
     target = seed.attn_gpus_per_group - 6  # (more attention GPUs would not fit FFN memory)
-
-    def prefers_fewer_attention(plan: Plan) -> float:  # a stand-in for a measured run
-        return plan.sequences_per_step * (1.0 + abs(plan.attn_gpus_per_group - target) / 10)
-
-    res = refine_plan(pl, seed, prefers_fewer_attention, moves=60, radius=3, seed_rng=1)
+    res = refine_plan(pl, seed, prefers_replicas(target), moves=60, radius=3, seed_rng=1)
     assert res.best.attn_gpus_per_group == target and res.best.stage == "search"
     assert res.best_score < res.seed_score and res.improved >= 1
 
@@ -84,10 +90,7 @@ def test_refine_plan_ends_where_no_unit_step_is_better() -> None:
     pl = planner()
     seed = seed_plan(pl)
     target = seed.attn_gpus_per_group - 4
-
-    def prefers(plan: Plan) -> float:
-        return plan.sequences_per_step * (1.0 + abs(plan.attn_gpus_per_group - target) / 10)
-
+    prefers = prefers_replicas(target)
     res = refine_plan(pl, seed, prefers, moves=0)
     assert res.best.attn_gpus_per_group == target and res.descended == res.improved >= 1
     best = score(res.best, res.best.step_time_s)
@@ -103,10 +106,7 @@ def test_no_descent_under_a_runs_global_batch() -> None:
                  options=PlanOptions(groups=1, recompute="none", global_batch=512))  # fmt: skip
     seed = seed_plan(pl)
     target = seed.attn_gpus_per_group - 4
-
-    def prefers(plan: Plan) -> float:
-        return plan.sequences_per_step * (1.0 + abs(plan.attn_gpus_per_group - target) / 10)
-
+    prefers = prefers_replicas(target)
     res = refine_plan(pl, seed, prefers, moves=0)
     assert res.best.attn_gpus_per_group == seed.attn_gpus_per_group and res.descended == 0
 

@@ -6,17 +6,19 @@ only when it is strictly better. The seed is scored first, so the result is neve
 the seed under the profile it was given, and a fixed `seed` makes the walk reproducible.
 
 `descend` is its deterministic closing pass: from the incumbent it scores every neighbour
-(`neighbours(best)`) and moves to the best one while that is strictly better, so the result
-is a local minimum of the neighbourhood, which K random moves alone do not promise (one
-neighbour among the dozens a move can reach is drawn with a few percent chance per move).
+(`neighbours(best)`) and moves to the best one while that improves the score by more than a
+relative `TIE`, so the result is a local minimum of the neighbourhood, which K random moves
+alone do not promise (one neighbour among the dozens a move can reach is drawn with a few
+percent chance per move).
 
 `refine_plan` applies both to plans (`PlanMoves`): a move changes the attention GPUs m and
 the attention NICs M_a of every group (n and M_f follow from the group's totals), the
 in-flight cap, or the recompute mode, keeping p; infeasible moves (memory, locality, n > E)
-are skipped. The random moves come first, then the descent over the unit steps. The profile is any `profile(plan) -> seconds per step`: the analytic AF-Pipe
-model (`plan.AnalyticProfile`), the simulator (`sim_profile.SimulatorProfile`), or a
-measured short run; plans are compared by
-seconds per sequence trained (`plan.score`) because m changes the sequences per step.
+are skipped. The random moves come first, then the descent over the unit steps (not under
+a run's global batch: `refine_plan`). The profile is any `profile(plan) -> seconds per
+step`: the analytic AF-Pipe model (`plan.AnalyticProfile`), the simulator
+(`sim_profile.SimulatorProfile`), or a measured short run; plans are compared by seconds
+per sequence trained (`plan.score`) because m changes the sequences per step.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ def descend(
         evaluated += len(scored)
         if not scored:
             break
-        value, _, cand = min(scored, key=lambda item: (item[0], item[1]))
+        value, _, cand = min(scored, key=lambda item: item[:2])
         if not value < best_score - TIE * abs(best_score):
             break
         best, best_score = cand, value
