@@ -6,8 +6,9 @@ nodes at 4K-32K tokens per sequence.
         [--runtimes ep-1f1b,...] [--groups-sweep] [--jobs J] [--ep-from SAVED.json]
         [--json benchmarks/results/scale_table.json]
 
-Every point runs the default command a user would type, one global batch for every
-runtime (`--micro-batches`, 8 sequences per GPU, micro-batch 1):
+Every point runs the default command a user would type, whose global batch is the same
+for every runtime and plan (8 sequences per GPU, micro-batch 1; `--micro-batches B` below
+only spells it out):
 
 * AF-Pipe: `disagmoe simulate --model M --nodes N --seq-len S --micro-batches B`: the
   planner's split, in-flight cap and recompute, held to the runtime's memory model, with

@@ -27,7 +27,7 @@ from .planner.split import memory_error, planned_split, split_planner
 from .presets import model_preset
 from .schedule.orders import order_label
 from .simulate_ep_layout import resolve_ep
-from .simulate_flags import SIM_SPLIT_BACKWARD, add_simulate_arguments
+from .simulate_flags import SIM_SPLIT_BACKWARD, add_simulate_arguments, default_micro_batches
 from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
 from .simulator.ep import simulate_ep
@@ -130,6 +130,8 @@ def _resolve_disagg(
     nic: tuple[int, int] | None = None
     split_backward = args.split_backward != "off"  # as train: wherever the run may split
     modes: tuple[str, ...] = () if args.recompute == "auto" else (args.recompute,)
+    # the EP runtimes' default global batch: every plan and runtime steps the same tokens
+    micro_batches = args.micro_batches or default_micro_batches(gpus)
     if args.attn_workers and args.expert_workers:
         m, n = args.attn_workers, args.expert_workers
         p = args.groups or max(1, gpus // (m + n))
@@ -141,7 +143,7 @@ def _resolve_disagg(
         split = planned_split(
             model, cluster, gpus=gpus, seq_len=args.seq_len,
             micro_batch_size=args.micro_batch_size, groups=args.groups,
-            micro_batches=args.micro_batches, split_backward=split_backward, recompute=given,
+            micro_batches=micro_batches, split_backward=split_backward, recompute=given,
             loss_chunk_tokens=args.loss_chunk_tokens, order=args.order,
             exchange_chunks=args.exchange_chunks,
             costs=MeasuredCosts.load(args.costs_file) if args.costs_file else None,
@@ -169,7 +171,6 @@ def _resolve_disagg(
     fits = max(fits, 0)
     if f"memory allows {fits} in flight" not in note:  # not the planner's recompute
         note += f"; recompute {recompute}, memory allows {fits} in flight"
-    micro_batches = args.micro_batches or 8 * 2 * p * m
     # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
     in_flight = {0: fits, -1: 0}.get(args.max_in_flight, args.max_in_flight)
     slots = -(-micro_batches // m)  # the busiest replica's: what it holds at most

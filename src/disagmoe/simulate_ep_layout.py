@@ -11,6 +11,7 @@ from typing import Any
 from .config import RECOMPUTE, ClusterConfig, ModelConfig, TrainConfig
 from .costs import costmodel as cm
 from .distributed.ep_layout import EPLayout
+from .simulate_flags import default_micro_batches
 from .simulator.costs import Workload
 from .simulator.ep import analytic_ep_costs, ep_memory
 from .simulator.ep_search import search_ep_layouts, skipped_for_bound, skipped_for_memory
@@ -43,7 +44,7 @@ def resolve_ep(
     if not (args.pp or args.ep):  # the default layout may give way to more pipeline ranks
         more = [d for d in divisors(model.num_layers) if d > pp and gpus % d == 0]
         tries += [(p, _default_ep(args, model, gpus, p), m) for p in more for m in modes]
-    micro = args.micro_batches or 8 * gpus
+    micro = args.micro_batches or default_micro_batches(gpus)
     refused: tuple[EPLayout, list[cm.MemoryBreakdown], str] | None = None
     for i, (p, ep, recompute) in enumerate(tries):
         try:
@@ -77,7 +78,7 @@ def searched_ep(
     """The fastest layout of the runtime that fits the GPU's memory: every (pp, ep, virtual
     stages) it accepts and each recompute mode (`--recompute`, auto: all), simulated with
     the nominal costs (`simulator.ep_search`: the search effort AF-Pipe's planner gets)."""
-    micro = args.micro_batches or 8 * gpus
+    micro = args.micro_batches or default_micro_batches(gpus)
     train = TrainConfig(
         seq_len=args.seq_len, global_batch_size=micro * args.micro_batch_size,
         micro_batch_size=args.micro_batch_size, dtype="bfloat16",

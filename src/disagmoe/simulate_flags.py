@@ -14,6 +14,15 @@ from .simulator.links import LINK_MODELS
 # are off and breadth)
 SIM_SPLIT_BACKWARD = "auto"
 SIM_ORDER = "auto"
+# micro-batches per GPU in `simulate`'s default global batch (`--micro-batches 0`)
+SIM_MICRO_BATCHES_PER_GPU = 8
+
+
+def default_micro_batches(gpus: int) -> int:
+    """`simulate`'s global batch without `--micro-batches`: 8 per GPU, one global batch for
+    every runtime and every plan `simulate` compares, so that their steps carry the same
+    tokens."""
+    return SIM_MICRO_BATCHES_PER_GPU * gpus
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +41,7 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "--micro-batches",
         type=int,
         default=0,
-        help="micro-batches in the global batch (0: 8 per pipeline stage per replica)",
+        help="micro-batches in the global batch (0: 8 per GPU, the same for every runtime)",
     )
     auto = "0: the planner's split"
     add_config_flag(parser, "parallel.groups", default=0, note=auto)

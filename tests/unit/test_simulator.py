@@ -370,9 +370,9 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
 
 def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
-    for each recompute mode that fits and keeps the faster: recompute none where it fits
-    (DeepSeek-MoE, one node, 4K; Qwen3 16K), full where none does not fit (Qwen3, one node,
-    32K); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
+    for each recompute mode that fits and keeps the faster: none (DeepSeek-MoE, one node,
+    4K), full where none fits but is slower (Qwen3 16K, at the default 64 micro-batches) and
+    where none does not fit (Qwen3 32K); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
     `--order auto`, simulate's default), then at fewer in flight. One exchange chunk: the
     chunk search is `test_simulator_chunks`'."""
     from disagmoe.simulate_cli import main
@@ -380,7 +380,7 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
     for model, seq, want, order in (
         ("deepseek-moe-16b", "4096", "none", "auto"),  # simulate's default
         ("qwen3-30b-a3b", "32768", "full", "breadth"),  # (the order search takes minutes here)
-        ("qwen3-30b-a3b", "16384", "none", "breadth"),
+        ("qwen3-30b-a3b", "16384", "full", "breadth"),
     ):
         argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1",
                 "--order", order]  # fmt: skip
@@ -406,7 +406,7 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
             assert next(iter(at_cap.values())) == pytest.approx(min(steps), abs=1e-6)
         # ... then at fewer in flight where faster
         assert out["step_time_s"] == pytest.approx(min(at_cap.values()), abs=1e-6)
-        assert (search["none"] == "does not fit") == (want == "full")
+        assert (search["none"] == "does not fit") == (seq == "32768")
         assert [k for k in search if not k.endswith(", p 1")] == [
             "none",
             "none, split backward",
@@ -491,3 +491,20 @@ def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyP
     best = fake({4: 1.0, 3: None, 2: 0.9, 1: None})  # a rejected cap is a slower one
     assert best.step_time_s == 0.9
     assert best.config["in_flight_search"] == {4: 1.0, 3: "rejected", 2: 0.9, 1: "rejected"}
+
+
+def test_default_global_batch_is_the_same_for_every_runtime_and_split() -> None:
+    """Without `--micro-batches` every runtime and every AF-Pipe split steps the same global
+    batch, 8 micro-batches per GPU: an uneven split (5:3) does not get a batch of its own
+    (it had 8 per pipeline stage per replica: 80), so steps and tokens/s compare."""
+    tokens = 8 * 8 * 1024  # one 8-GPU node, micro-batch size 1, 1K tokens
+    common = ["--model", "small", "--nodes", "1", "--seq-len", "1024", "--order", "breadth"]
+    for extra in (
+        ["--groups", "1", "--attn-workers", "5", "--expert-workers", "3", "--exchange-chunks", "1"],
+        ["--runtime", "ep-1f1b", "--pp", "1", "--ep", "8"],
+        ["--runtime", "ep-1f1b", "--pp", "2", "--ep", "4"],
+    ):
+        parser = argparse.ArgumentParser()
+        add_simulate_arguments(parser)
+        result = simulate_from_args(parser.parse_args([*common, *extra]))
+        assert result.tokens_per_step == tokens, extra

@@ -125,16 +125,16 @@ class _Tasks:
         return len(self.replicas)
 
     def fa(self, l: int, s: int, r: int) -> Task:
-        return Task(Op.FWD, "A", l, s, self.layout.attn_rank(l % self.layout.groups, r))
+        return Task(Op.FWD, "A", l, s, self.layout.attn_rank(self.layout.group_of(l), r))
 
     def ba(self, l: int, s: int, r: int) -> Task:
-        return Task(Op.BWD, "A", l, s, self.layout.attn_rank(l % self.layout.groups, r))
+        return Task(Op.BWD, "A", l, s, self.layout.attn_rank(self.layout.group_of(l), r))
 
     def ff(self, l: int, s: int, j: int, k: int) -> Task:
-        return Task(Op.FWD, "F", l, s, self.layout.expert_rank(l % self.layout.groups, j), k)
+        return Task(Op.FWD, "F", l, s, self.layout.expert_rank(self.layout.group_of(l), j), k)
 
     def bf(self, l: int, s: int, j: int, k: int) -> Task:
-        return Task(Op.BWD, "F", l, s, self.layout.expert_rank(l % self.layout.groups, j), k)
+        return Task(Op.BWD, "F", l, s, self.layout.expert_rank(self.layout.group_of(l), j), k)
 
 
 def _add_computes(
