@@ -1,13 +1,16 @@
 """Simulator sweeps for docs/simulator.md: figures (matplotlib Agg) and JSON in docs/figures/.
 
     .venv/bin/python benchmarks/simulate_sweeps.py [--out docs/figures] [--quick]
+        [--link-model fair|fifo]
 
 Cluster presets are nominal (datasheet peaks scaled by the preset's mfu and
 bw_efficiency); no GPU measurement backs them. Every runtime of one sweep point
 gets the same GPUs and about the same global batch (micro-batch size 1; disagg
 rounds it to a multiple of its m replicas). disagg uses the planner's p, m, n and
 NIC split and the node-aware placement (`simulator.placement`) unless a sweep
-says otherwise.
+says otherwise. `--link-model` sets how messages share a port in the sequence-length
+and placement sweeps (default fair; `fifo` for the comparison in docs/simulator.md, "Link
+model").
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from disagmoe.planner.split import planned_split, runnable_in_flight, split_plan
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
 from disagmoe.simulate_cli import default_disagg_split
 from disagmoe.simulator import SimResult, simulate_disagg, simulate_ep
+from disagmoe.simulator.links import LINK_MODELS, LinkModel
 
 PRESETS = ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b")
 H800 = CLUSTER_PRESETS["h800"]
@@ -69,6 +73,7 @@ def run(
     placement: str = "node-aware",
     nic: str = "planner",
     cap: bool = True,
+    link_model: LinkModel = "fair",
 ) -> SimResult:
     """One step; the global batch is about `per_replica` micro-batches per pair of GPUs.
 
@@ -100,6 +105,7 @@ def run(
             nic_split=(plan.attn_nics, plan.ffn_nics) if use_nic else None,
             max_in_flight=k if cap else 0,
             recompute=plan.recompute,
+            link_model=link_model,
         )
         result.config["split_note"] = plan.note if not split else "given"
         peak = int(result.config["peak_in_flight"])
@@ -119,6 +125,7 @@ def run(
         micro_batch_size=1,
         num_micro_batches=micro,
         chunks=2,
+        link_model=link_model,
     )
 
 
@@ -134,13 +141,16 @@ def row(result: SimResult, **extra: Any) -> dict[str, Any]:
     }
 
 
-def sweep_seq_len(nodes: int, lens: list[int], per_replica: int) -> list[dict[str, Any]]:
+def sweep_seq_len(
+    nodes: int, lens: list[int], per_replica: int, link_model: LinkModel = "fair"
+) -> list[dict[str, Any]]:
     rows = []
     for name in PRESETS:
         for seq in lens:
             for runtime in MULTI_WORKER_RUNTIMES:
                 try:
-                    r = run(runtime, MODEL_PRESETS[name], nodes, seq, per_replica)
+                    r = run(runtime, MODEL_PRESETS[name], nodes, seq, per_replica,
+                            link_model=link_model)  # fmt: skip
                 except ValueError as err:  # no plan fits the GPU's memory: no point
                     print(f"  {name:17s} {seq:6d} {runtime:15s} infeasible: {str(err)[:80]}")
                     continue
@@ -151,7 +161,9 @@ def sweep_seq_len(nodes: int, lens: list[int], per_replica: int) -> list[dict[st
     return rows
 
 
-def sweep_placement(nodes: int, seq_len: int, per_replica: int) -> list[dict[str, Any]]:
+def sweep_placement(
+    nodes: int, seq_len: int, per_replica: int, link_model: LinkModel = "fair"
+) -> list[dict[str, Any]]:
     """disagg variants (split x placement x NIC split) against EP 1F1B with growing ep."""
     rows = []
     for name in PRESETS:
@@ -167,14 +179,16 @@ def sweep_placement(nodes: int, seq_len: int, per_replica: int) -> list[dict[str
             ("same, no in-flight cap (memory!)", dict(cap=False)),
         ]
         for label, kw in variants:
-            r = run("disagg", model, nodes, seq_len, per_replica, **kw)  # type: ignore[arg-type]
+            r = run("disagg", model, nodes, seq_len, per_replica, link_model=link_model,
+                    **kw)  # type: ignore[arg-type]  # fmt: skip
             rows.append(row(r, model=name, runtime="disagg", variant=label))
         for pp in (8, 4, 2, 1):
             dp = gpus // pp
             ep = max(d for d in range(1, dp + 1) if dp % d == 0 and model.num_experts % d == 0)
             if model.num_layers % pp:
                 continue
-            r = run("ep-1f1b", model, nodes, seq_len, per_replica, pp=pp, ep=ep)
+            r = run("ep-1f1b", model, nodes, seq_len, per_replica, pp=pp, ep=ep,
+                    link_model=link_model)  # fmt: skip
             rows.append(row(r, model=name, runtime="ep-1f1b", variant=f"pp={pp} ep={ep}"))
         for r in (r for r in rows if r["model"] == name):
             c = r["config"]
@@ -379,13 +393,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="docs/figures")
     parser.add_argument("--quick", action="store_true", help="fewer points (smoke test)")
+    parser.add_argument("--link-model", choices=LINK_MODELS, default="fair",
+                        help="port sharing of the sequence-length and placement sweeps")  # fmt: skip
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     lens = [4096, 32768] if args.quick else [4096, 8192, 16384, 32768]
     print("throughput vs sequence length (8 nodes)")
-    data: dict[str, Any] = {"seq_len": sweep_seq_len(8, lens, 16)}
+    data: dict[str, Any] = {"seq_len": sweep_seq_len(8, lens, 16, args.link_model)}
     print("all-to-all share")
     data["a2a"] = sweep_a2a(16)
     for r in data["a2a"]:
@@ -394,7 +410,7 @@ def main() -> None:
             f"{100 * r['comm_share']:5.1f}% of step in all-to-all"
         )
     print("placement and NIC split (8K, 8 nodes) against EP 1F1B with growing ep")
-    data["placement"] = sweep_placement(8, 8192, 16)
+    data["placement"] = sweep_placement(8, 8192, 16, args.link_model)
     print("A:F split and virtual stages")
     data["split"] = sweep_split(8, 8192, 32)
     data["virtual"] = sweep_virtual(8, 8192, 32)
@@ -407,6 +423,7 @@ def main() -> None:
     data["meta"] = {
         "cluster": dataclasses.asdict(H800),
         "seconds": time.perf_counter() - t0,
+        "link_model": args.link_model,
         "note": "nominal cluster preset, no measured calibration; disagg: planner split, "
         "node-aware placement, planner NIC split unless the row says otherwise",
     }
