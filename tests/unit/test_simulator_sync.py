@@ -242,3 +242,41 @@ def test_by_default_both_simulators_all_reduce_float32_gradients() -> None:
     assert sync_s() > 0.0
     assert sync_s() == pytest.approx(sync_s(grad_bytes=4))
     assert sync_s() == pytest.approx(2 * sync_s(grad_bytes=2))
+
+
+def test_the_compute_fit_prices_the_loss_head_apart_from_the_blocks() -> None:
+    """With the head's stage named, the blocks' rates come from the other stages and the
+    head gets its own: the head stage's seconds beyond its blocks at those rates, over the
+    head's FLOPs (none left: a rate of 0); the replay prices the head layer at it."""
+    from disagmoe.bench.analysis import _FittedEP, _seconds_per_flop
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep import EPCosts
+
+    def ev(name: str, cat: str, stage: int, t0: float, t1: float) -> dict:
+        return {"cat": cat, "name": name, "pid": stage, "ts": t0 * 1e6,
+                "dur": (t1 - t0) * 1e6, "args": {"stage": stage, "step": 1}}  # fmt: skip
+
+    events = [
+        ev("F s0 mb0", "fwd", 0, 0.0, 1.0),
+        ev("B s0 mb0", "bwd", 0, 4.0, 7.0),
+        ev("F s1 mb0", "fwd", 1, 1.0, 2.5),  # blocks 1 s, head 0.5 s
+        ev("B s1 mb0", "bwd", 1, 2.5, 5.5),  # blocks 3 s, head nothing
+    ]
+
+    def blocks(stage: int, kind: str) -> float:
+        return 10.0 if kind == "F" else 20.0
+
+    def head(kind: str) -> float:
+        return 5.0 if kind == "F" else 10.0
+
+    rates = _seconds_per_flop(events, blocks, (1, head))
+    assert rates == pytest.approx({"F": 0.1, "B": 0.15, "head F": 0.1, "head B": 0.0})
+    # without the head's stage every stage is one fit, the head's FLOPs counted
+    one = _seconds_per_flop(events, lambda stage, kind: blocks(stage, kind) + head(kind) * stage)
+    assert one == pytest.approx({"F": 2.5 / 25, "B": 6.0 / 50})
+    base = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
+    fitted = _FittedEP(base, rates, [0.0])
+    last = MODEL.num_layers
+    assert fitted.attn(last, "F") == pytest.approx(0.1 * base.attn(last, "F"))
+    assert fitted.attn(last, "B") == 0.0
+    assert fitted.attn(1, "B") == pytest.approx(0.15 * base.attn(1, "B"))

@@ -300,7 +300,10 @@ class _FittedEP:
     def attn(self, layer: int, kind: str) -> float:
         if self.emulated and kind == "W":
             return 0.0
-        return self.base.attn(layer, self._kind(kind)) * self.s_per_flop[_rate_of(kind)]
+        rate = _rate_of(kind)
+        if layer == self.base.workload.model.num_layers:  # the loss head: its own rate if fitted
+            rate = f"head {rate}" if f"head {rate}" in self.s_per_flop else rate
+        return self.base.attn(layer, self._kind(kind)) * self.s_per_flop[rate]
 
     def experts(self, kind: str) -> float:
         if self.emulated and kind == "W":
@@ -313,11 +316,22 @@ def _rate_of(kind: str) -> str:
 
 
 def _seconds_per_flop(
-    events: list[Event], stage_flops: Callable[[int, str], float]
+    events: list[Event],
+    stage_flops: Callable[[int, str], float],
+    head: tuple[int, Callable[[str], float]] | None = None,
 ) -> dict[str, float]:
     """Seconds per FLOP of an ep-* run's forward ("F") and backward ("B": B, I, W) stage
     computations: their spans less the blocking all-to-alls inside them, over their FLOPs
-    (`stage_flops(stage, kind)`)."""
+    (`stage_flops(stage, kind)`).
+
+    With `head` (the stage that also runs the loss head, and the head's FLOPs per kind;
+    `stage_flops` then counts the blocks only) the blocks' rates are the other stages' and
+    the head gets rates of its own ("head F", "head B"): what the head stage's computations
+    take beyond its blocks at those rates, over the head's FLOPs (at least 0). The FLOPs
+    misprice the head where its seconds do not follow them: with emulated compute the
+    blocks wait for calibrated times while the head computes for real, at the host's
+    speed (0.4 Gbit/s `small` at `pp 8`: every stage's forward 170 ms of trace, the last
+    one's included, though it holds 1.2x the others' FLOPs)."""
     blocking: dict[int, list[Interval]] = defaultdict(list)
     for e in events:
         if e["args"].get("blocking"):
@@ -340,16 +354,31 @@ def _seconds_per_flop(
     fit: dict[str, list[Event]] = defaultdict(list)
     for e in stage_events:
         fit[_family(e)].append(e)
-    seconds: dict[str, float] = defaultdict(float)
-    work: dict[str, float] = defaultdict(float)
+    head_stage = head[0] if head else -1
+    seconds: dict[tuple[str, bool], float] = defaultdict(float)  # (family, head stage)
+    work: dict[tuple[str, bool], float] = defaultdict(float)
+    head_work: dict[str, float] = defaultdict(float)
     for fam, group in fit.items():
         solo = [e for e in group if alone(e)]
         for e in solo or group:
             span = [(e["ts"], e["ts"] + e["dur"])]
             own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
-            seconds[fam] += own
-            work[fam] += stage_flops(e["args"]["stage"], parse_event_name(e["name"]).what)
-    return {f: seconds[f] / work[f] if work[f] else 0.0 for f in ("F", "B")}
+            kind, stage = parse_event_name(e["name"]).what, e["args"]["stage"]
+            key = (fam, stage == head_stage)
+            seconds[key] += own
+            work[key] += stage_flops(stage, kind)
+            if head and stage == head_stage:
+                head_work[fam] += head[1](kind)
+    rates: dict[str, float] = {}
+    for f in ("F", "B"):
+        if not head:  # every stage in one fit
+            total = work[f, False] + work[f, True]
+            rates[f] = (seconds[f, False] + seconds[f, True]) / total if total else 0.0
+            continue
+        rates[f] = seconds[f, False] / work[f, False] if work[f, False] else 0.0
+        rest = max(0.0, seconds[f, True] - rates[f] * work[f, True])
+        rates[f"head {f}"] = rest / head_work[f] if head_work[f] else 0.0
+    return rates
 
 
 def _family(e: Event) -> str:
@@ -393,16 +422,23 @@ def predict_ep(
     flops = EPCosts(workload, 1.0, [0.0])  # seconds == FLOPs at 1 FLOP/s
     model = cfg.model
 
-    def stage_flops(stage: int, kind: str) -> float:
+    def block_flops(stage: int, kind: str) -> float:
         total = 0.0
         for layer in lay.layers_of_stage(stage):
             total += flops.attn(layer, kind)
             total += flops.experts(kind) if model.is_moe_layer(layer) else 0.0
-        if stage == lay.num_stages - 1:
-            total += flops.attn(model.num_layers, kind)
         return total
 
-    s_per_flop = _seconds_per_flop(events, stage_flops)
+    def head_flops(kind: str) -> float:
+        return flops.attn(model.num_layers, kind)
+
+    last = lay.num_stages - 1
+    if lay.num_stages > 1:  # the loss head priced apart from the blocks
+        s_per_flop = _seconds_per_flop(events, block_flops, (last, head_flops))
+    else:
+        s_per_flop = _seconds_per_flop(
+            events, lambda stage, kind: block_flops(stage, kind) + head_flops(kind)
+        )
     # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
     per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
     a2a = []
