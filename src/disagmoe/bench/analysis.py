@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..config import ClusterConfig, RunConfig
+from ..distributed.ep_layout import EPLayout
 from ..distributed.layout import Layout
 from ..schedule.ir import Instr, Msg, compute_event_name
 from ..simulator import Network, TableCosts, Workload, simulate_ep, simulate_schedule
@@ -386,6 +387,29 @@ def _family(e: Event) -> str:
     return "F" if parse_event_name(e["name"]).what == "F" else "B"
 
 
+def _fitted_ep_rates(events: list[Event], lay: EPLayout, flops: EPCosts) -> dict[str, float]:
+    """`_seconds_per_flop` of an ep-* run of layout `lay`, its FLOPs from
+    `flops` (at 1 FLOP/s); where it has more than one stage, the loss head apart from the
+    blocks."""
+    model = flops.workload.model
+
+    def block_flops(stage: int, kind: str) -> float:
+        total = 0.0
+        for layer in lay.layers_of_stage(stage):
+            total += flops.attn(layer, kind)
+            total += flops.experts(kind) if model.is_moe_layer(layer) else 0.0
+        return total
+
+    def head_flops(kind: str) -> float:
+        return flops.attn(model.num_layers, kind)
+
+    if lay.num_stages > 1:
+        return _seconds_per_flop(events, block_flops, (lay.num_stages - 1, head_flops))
+    return _seconds_per_flop(
+        events, lambda stage, kind: block_flops(stage, kind) + head_flops(kind)
+    )
+
+
 def predict_ep(
     cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fifo"
 ) -> float:
@@ -415,30 +439,11 @@ def predict_ep(
     at the last rank's SYNC plus the optimizer's own STEP (`_least_step_s`): a rank that
     finishes early waits for the last one inside STEP's world all-reduce, and that wait
     is the replay's own."""
-    from ..baselines.layout import EPLayout
-
     workload = _workload(cfg)
     lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
     flops = EPCosts(workload, 1.0, [0.0])  # seconds == FLOPs at 1 FLOP/s
     model = cfg.model
-
-    def block_flops(stage: int, kind: str) -> float:
-        total = 0.0
-        for layer in lay.layers_of_stage(stage):
-            total += flops.attn(layer, kind)
-            total += flops.experts(kind) if model.is_moe_layer(layer) else 0.0
-        return total
-
-    def head_flops(kind: str) -> float:
-        return flops.attn(model.num_layers, kind)
-
-    last = lay.num_stages - 1
-    if lay.num_stages > 1:  # the loss head priced apart from the blocks
-        s_per_flop = _seconds_per_flop(events, block_flops, (last, head_flops))
-    else:
-        s_per_flop = _seconds_per_flop(
-            events, lambda stage, kind: block_flops(stage, kind) + head_flops(kind)
-        )
+    s_per_flop = _fitted_ep_rates(events, lay, flops)
     # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
     per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
     a2a = []
