@@ -304,14 +304,15 @@ def test_max_in_flight_means_what_train_means() -> None:
 def test_simulate_disagg_fits_the_gpu_by_the_runtime_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """The default AF-Pipe plan fits the GPU by the runtime's memory model (train's) and
+    """The planner's AF-Pipe plan fits the GPU by the runtime's memory model (train's) and
     reports its peak; a layout or cap given that does not fit is refused in one line that
     says by how much and what to change; a recompute given is kept."""
     from disagmoe.simulate_cli import main
 
     # in breadth order: memory does not depend on it (the order search: the recompute test)
     flags = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--seq-len", "8192", "--order", "breadth"]
-    assert main([*flags, "--json"]) == 0
+    # the planner's plan on 2 nodes (a small global batch: the replay is the slow part)
+    assert main([*flags[:2], "--nodes", "2", *flags[4:], "--micro-batches", "16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["memory_gib_per_gpu"] <= out["gpu_memory_gib"] == 80.0
     given = [*flags, "--groups", "1", "--attn-workers", "32", "--expert-workers", "32"]
@@ -384,6 +385,8 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
     ):
         argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1",
                 "--order", order]  # fmt: skip
+        if order == "auto":  # six orders replayed: half the default batch
+            argv += ["--micro-batches", "32"]
         parser = argparse.ArgumentParser()
         add_simulate_arguments(parser)
         result = simulate_from_args(parser.parse_args(argv))
@@ -441,13 +444,14 @@ def test_simulate_runs_the_plan_at_fewer_in_flight_where_faster(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """With the memory's cap (`--max-in-flight 0`) the plan kept is also simulated at fewer
-    slots in flight, the fastest kept (DeepSeek-MoE, one node, 4K: 2 of the 3 that fit);
+    slots in flight, the fastest kept (DeepSeek-MoE, one node, 4K, 32 micro-batches: a cap
+    below the memory's);
     a cap given is run as given (in breadth order: the order search is the recompute test's)."""
     from disagmoe.simulate_cli import main
 
     argv = ["--model", "deepseek-moe-16b", "--nodes", "1", "--seq-len", "4096",
             "--exchange-chunks", "1", "--recompute", "none", "--split-backward", "off", "--order", "breadth",
-            "--json"]  # fmt: skip
+            "--micro-batches", "32", "--json"]  # fmt: skip
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
     cfg = out["config"]
