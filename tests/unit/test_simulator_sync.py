@@ -178,7 +178,7 @@ def test_the_compute_fit_takes_the_computations_that_ran_alone() -> None:
     """An F&B pair takes turns on its rank's one device, so each span holds both
     computations' work: a forward of 1 s and a backward of 3 s alone, then a pair whose
     spans are both 4 s long; the fit is 1 s per forward and 3 s per backward FLOP count."""
-    from disagmoe.bench.analysis import _seconds_per_flop
+    from disagmoe.bench.ep_fit import seconds_per_flop
 
     def ev(name: str, cat: str, t0: float, t1: float) -> dict:
         return {"cat": cat, "name": name, "pid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
@@ -190,7 +190,7 @@ def test_the_compute_fit_takes_the_computations_that_ran_alone() -> None:
         ev("F s0 mb1", "fwd", 6.0, 10.0),
         ev("B s0 mb1", "bwd", 6.0, 10.0),
     ]
-    rates = _seconds_per_flop(events, lambda stage, kind: 10.0 if kind == "F" else 20.0)
+    rates = seconds_per_flop(events, lambda stage, kind: 10.0 if kind == "F" else 20.0)
     assert rates == pytest.approx({"F": 0.1, "B": 0.15})
 
 
@@ -198,13 +198,13 @@ def test_an_emulated_split_backward_waits_in_its_input_gradient() -> None:
     """Emulated compute waits on the input-gradient path: the replay of an emulated run
     prices a split backward's I as the whole backward and its W as free; a real run's
     I and W split the backward's FLOPs."""
-    from disagmoe.bench.analysis import _FittedEP
+    from disagmoe.bench.ep_fit import FittedEP
     from disagmoe.simulator import Workload
     from disagmoe.simulator.ep import EPCosts
 
     base = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
     rates = {"F": 2.0, "B": 3.0}
-    emulated, real = _FittedEP(base, rates, [0.0], emulated=True), _FittedEP(base, rates, [0.0])
+    emulated, real = FittedEP(base, rates, [0.0], emulated=True), FittedEP(base, rates, [0.0])
     for cost, whole in ((lambda m, k: m.attn(1, k), base.attn(1, "B")),
                         (lambda m, k: m.experts(k), base.experts("B"))):  # fmt: skip
         assert cost(emulated, "I") == pytest.approx(3.0 * whole)
@@ -248,7 +248,7 @@ def test_the_compute_fit_prices_the_loss_head_apart_from_the_blocks() -> None:
     """With the head's stage named, the blocks' rates come from the other stages and the
     head gets its own: the head stage's seconds beyond its blocks at those rates, over the
     head's FLOPs (none left: a rate of 0); the replay prices the head layer at it."""
-    from disagmoe.bench.analysis import _FittedEP, _seconds_per_flop
+    from disagmoe.bench.ep_fit import FittedEP, seconds_per_flop
     from disagmoe.simulator import Workload
     from disagmoe.simulator.ep import EPCosts
 
@@ -269,13 +269,13 @@ def test_the_compute_fit_prices_the_loss_head_apart_from_the_blocks() -> None:
     def head(kind: str) -> float:
         return 5.0 if kind == "F" else 10.0
 
-    rates = _seconds_per_flop(events, blocks, (1, head))
+    rates = seconds_per_flop(events, blocks, (1, head))
     assert rates == pytest.approx({"F": 0.1, "B": 0.15, "head F": 0.1, "head B": 0.0})
     # without the head's stage every stage is one fit, the head's FLOPs counted
-    one = _seconds_per_flop(events, lambda stage, kind: blocks(stage, kind) + head(kind) * stage)
+    one = seconds_per_flop(events, lambda stage, kind: blocks(stage, kind) + head(kind) * stage)
     assert one == pytest.approx({"F": 2.5 / 25, "B": 6.0 / 50})
     base = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
-    fitted = _FittedEP(base, rates, [0.0])
+    fitted = FittedEP(base, rates, [0.0])
     last = MODEL.num_layers
     assert fitted.attn(last, "F") == pytest.approx(0.1 * base.attn(last, "F"))
     assert fitted.attn(last, "B") == 0.0

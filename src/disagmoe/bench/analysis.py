@@ -58,6 +58,7 @@ from ..trace import (
     union_intervals,
 )
 from ..training.precision import param_dtype_name
+from .ep_fit import FittedEP, fitted_ep_rates
 from .overheads import fit_message_overheads
 
 Event = dict[str, Any]
@@ -278,138 +279,6 @@ def _message_bytes(events: list[Event]) -> Callable[[Msg], float | None]:
     return nbytes
 
 
-@dataclass(frozen=True)
-class _FittedEP:
-    """`EPCostModel` with analytic FLOPs times fitted seconds per FLOP (forward, backward).
-
-    `emulated`: the run's compute was emulated (`models.emulated`), whose backward wait
-    is an autograd node on the input-gradient path: a split backward's I (the input
-    gradient, `stage_backward_input`) holds the whole backward and its W nothing
-    (ep-dualpipev at `pp 4`, 0.4 Gbit/s: I 0.275 s, W 0.000 s on every stage but the first,
-    whose I has no input to reach and whose W holds it all, trace seconds). The replay
-    prices I as the whole backward and W as free; on the first stage that puts the
-    backward in I instead of W, which no other rank waits for."""
-
-    base: EPCosts
-    s_per_flop: dict[str, float]
-    a2a_s: list[float]
-    emulated: bool = False
-
-    def _kind(self, kind: str) -> str:
-        return "B" if self.emulated and kind == "I" else kind
-
-    def attn(self, layer: int, kind: str) -> float:
-        if self.emulated and kind == "W":
-            return 0.0
-        rate = _rate_of(kind)
-        if layer == self.base.workload.model.num_layers:  # the loss head: its own rate if fitted
-            rate = f"head {rate}" if f"head {rate}" in self.s_per_flop else rate
-        return self.base.attn(layer, self._kind(kind)) * self.s_per_flop[rate]
-
-    def experts(self, kind: str) -> float:
-        if self.emulated and kind == "W":
-            return 0.0
-        return self.base.experts(self._kind(kind)) * self.s_per_flop[_rate_of(kind)]
-
-
-def _rate_of(kind: str) -> str:
-    return "F" if kind == "F" else "B"
-
-
-def _seconds_per_flop(
-    events: list[Event],
-    stage_flops: Callable[[int, str], float],
-    head: tuple[int, Callable[[str], float]] | None = None,
-) -> dict[str, float]:
-    """Seconds per FLOP of an ep-* run's forward ("F") and backward ("B": B, I, W) stage
-    computations: their spans less the blocking all-to-alls inside them, over their FLOPs
-    (`stage_flops(stage, kind)`).
-
-    With `head` (the stage that also runs the loss head, and the head's FLOPs per kind;
-    `stage_flops` then counts the blocks only) the blocks' rates are the other stages' and
-    the head gets rates of its own ("head F", "head B"): what the head stage's computations
-    take beyond its blocks at those rates, over the head's FLOPs (at least 0). The FLOPs
-    misprice the head where its seconds do not follow them: with emulated compute the
-    blocks wait for calibrated times while the head computes for real, at the host's
-    speed (0.4 Gbit/s `small` at `pp 8`: every stage's forward 170 ms of trace, the last
-    one's included, though it holds 1.2x the others' FLOPs)."""
-    blocking: dict[int, list[Interval]] = defaultdict(list)
-    for e in events:
-        if e["args"].get("blocking"):
-            blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
-    waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
-    # Two computations of one rank in flight at once (an F&B pair of ep-combined /
-    # ep-dualpipev) take turns on its one device, so each span holds the other's work:
-    # the fit takes the computations that ran alone (all of a kind that never did).
-    stage_events = [e for e in events if e["cat"] in ("fwd", "bwd", "wgt") and "stage" in e["args"]]
-    by_rank: dict[int, list[Event]] = defaultdict(list)
-    for e in stage_events:
-        by_rank[e["pid"]].append(e)
-
-    def alone(e: Event) -> bool:
-        t0, t1 = e["ts"], e["ts"] + e["dur"]
-        return not any(
-            f is not e and f["ts"] < t1 and t0 < f["ts"] + f["dur"] for f in by_rank[e["pid"]]
-        )
-
-    fit: dict[str, list[Event]] = defaultdict(list)
-    for e in stage_events:
-        fit[_family(e)].append(e)
-    head_stage = head[0] if head else -1
-    seconds: dict[tuple[str, bool], float] = defaultdict(float)  # (family, head stage)
-    work: dict[tuple[str, bool], float] = defaultdict(float)
-    head_work: dict[str, float] = defaultdict(float)
-    for fam, group in fit.items():
-        solo = [e for e in group if alone(e)]
-        for e in solo or group:
-            span = [(e["ts"], e["ts"] + e["dur"])]
-            own = (total_length(span) - overlap_length(span, waits.get(e["pid"], []))) / 1e6
-            kind, stage = parse_event_name(e["name"]).what, e["args"]["stage"]
-            key = (fam, stage == head_stage)
-            seconds[key] += own
-            work[key] += stage_flops(stage, kind)
-            if head and stage == head_stage:
-                head_work[fam] += head[1](kind)
-    rates: dict[str, float] = {}
-    for f in ("F", "B"):
-        if not head:  # every stage in one fit
-            total = work[f, False] + work[f, True]
-            rates[f] = (seconds[f, False] + seconds[f, True]) / total if total else 0.0
-            continue
-        rates[f] = seconds[f, False] / work[f, False] if work[f, False] else 0.0
-        rest = max(0.0, seconds[f, True] - rates[f] * work[f, True])
-        rates[f"head {f}"] = rest / head_work[f] if head_work[f] else 0.0
-    return rates
-
-
-def _family(e: Event) -> str:
-    """The fitted rate an ep-* stage computation takes: forward ("F") or backward ("B")."""
-    return "F" if parse_event_name(e["name"]).what == "F" else "B"
-
-
-def _fitted_ep_rates(events: list[Event], lay: EPLayout, flops: EPCosts) -> dict[str, float]:
-    """`_seconds_per_flop` of an ep-* run of layout `lay`, its FLOPs from
-    `flops` (at 1 FLOP/s); where it has more than one stage, the loss head apart from the
-    blocks."""
-    model = flops.workload.model
-
-    def block_flops(stage: int, kind: str) -> float:
-        total = 0.0
-        for layer in lay.layers_of_stage(stage):
-            total += flops.attn(layer, kind)
-            total += flops.experts(kind) if model.is_moe_layer(layer) else 0.0
-        return total
-
-    def head_flops(kind: str) -> float:
-        return flops.attn(model.num_layers, kind)
-
-    if lay.num_stages > 1:
-        return _seconds_per_flop(events, block_flops, (lay.num_stages - 1, head_flops))
-    return _seconds_per_flop(
-        events, lambda stage, kind: block_flops(stage, kind) + head_flops(kind)
-    )
-
-
 def predict_ep(
     cfg: RunConfig, world: int, events: list[Event], net: Network, link_model: LinkModel = "fifo"
 ) -> float:
@@ -443,7 +312,7 @@ def predict_ep(
     lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
     flops = EPCosts(workload, 1.0, [0.0])  # seconds == FLOPs at 1 FLOP/s
     model = cfg.model
-    s_per_flop = _fitted_ep_rates(events, lay, flops)
+    s_per_flop = fitted_ep_rates(events, lay, flops)
     # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
     per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
     a2a = []
@@ -460,7 +329,7 @@ def predict_ep(
             if peers
             else 0.0
         )
-    costs = _FittedEP(flops, s_per_flop, a2a, emulated=bool(cfg.train.emulate_compute))
+    costs = FittedEP(flops, s_per_flop, a2a, emulated=bool(cfg.train.emulate_compute))
     sim = simulate_ep(
         cfg.parallel.runtime, model, ClusterConfig(), gpus=world, pp=lay.pp, ep=lay.ep,
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,
