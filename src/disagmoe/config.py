@@ -41,6 +41,7 @@ MAX_EXCHANGE_CHUNKS = 16  # schedule.exchange_chunks: 1 .. this, or 0 (auto)
 
 # defined beside: part of a RunConfig, or what its fields are built with
 __all__ = [
+    "CHUNKED_RUNTIMES",
     "DATA_DTYPES",
     "DTYPES",
     "LOSS_CHUNK_TOKENS",
@@ -60,6 +61,18 @@ EP_RUNTIMES = (  # disagmoe.baselines
     "ep-dualpipev",
     "ep-overlap",
 )
+# the runtimes whose MoE layers split the expert compute into `parallel.overlap_chunks`
+# chunks pipelined with asynchronous all-to-alls (`baselines.moe_overlap`); ep-combined
+# with one chunk runs the blocking exchanges of `baselines.moe`
+CHUNKED_RUNTIMES = ("ep-overlap", "ep-combined")
+
+
+def runs_chunked(runtime: str, chunks: int) -> bool:
+    """Whether `runtime` with `chunks` expert compute chunks runs `baselines.moe_overlap`'s
+    layer (ep-overlap always, ep-combined from two chunks)."""
+    return runtime == "ep-overlap" or (runtime in CHUNKED_RUNTIMES and chunks > 1)
+
+
 # the runtimes of (interleaved) 1F1B's order, whose warm-up `parallel.pipeline_warmup`
 # lengthens
 WARMUP_RUNTIMES = ("ep-1f1b", "ep-overlap", "ep-combined", "ep-interleaved")
@@ -89,8 +102,10 @@ class ParallelConfig:
     pp: int = field(default=1, metadata=flag("baselines: pipeline stages"))
     ep: int = field(default=2, metadata=flag("baselines: expert-parallel ranks"))
     virtual_stages: int = field(default=2, metadata=flag("ep-interleaved: stages per rank"))
-    # ep-overlap: expert compute chunks pipelined with the all-to-all
-    overlap_chunks: int = field(default=2, metadata=flag("ep-overlap: expert compute chunks"))
+    # ep-overlap, ep-combined: expert compute chunks pipelined with the all-to-all
+    overlap_chunks: int = field(
+        default=2, metadata=flag("ep-overlap, ep-combined: expert compute chunks")
+    )
     # ep-1f1b / ep-overlap / ep-combined / ep-interleaved: forwards ahead of (interleaved)
     # 1F1B's warm-up on every rank (ep-dualpipev has no such warm-up and leaves it aside)
     pipeline_warmup: int = field(

@@ -125,15 +125,16 @@ def test_a_pruned_ep_search_finds_the_same_fastest_and_skips_only_slower_layouts
     assert bounds[0].seconds == pytest.approx(bounds[8].seconds, rel=1e-12)
 
 
-def test_ep_overlap_search_tries_each_chunk_count() -> None:
-    """`overlap_chunks` 0: ep-overlap's search simulates every layout at each of
+@pytest.mark.parametrize("runtime", ["ep-overlap", "ep-combined"])
+def test_a_chunked_runtimes_search_tries_each_chunk_count(runtime: str) -> None:
+    """`overlap_chunks` 0: a chunked runtime's search simulates every layout at each of
     `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get), an
     `ep 1` layout (nothing exchanged, the runtime does not chunk) at one; a count given is
     the only one; the other runtimes have none to search."""
     from disagmoe.simulator.ep_search import OVERLAP_CHUNKS, search_ep_layouts
 
     spec, model, train, kw = _ep_search_setting(a2a_s=1e-2)
-    every = [c for c in search_ep_layouts("ep-overlap", model, train, spec.world,
+    every = [c for c in search_ep_layouts(runtime, model, train, spec.world,
              overlap_chunks=0, **kw) if not c.refused]  # type: ignore[arg-type]  # fmt: skip
     by_layout: dict[tuple[int, int], dict[int, float]] = {}
     for c in every:
@@ -145,15 +146,17 @@ def test_ep_overlap_search_tries_each_chunk_count() -> None:
     assert every[0].step_s == min(c.step_s for c in every)
     # where the all-to-all costs something, chunking changes the step
     assert any(len(set(v.values())) > 1 for v in by_layout.values())
-    given = search_ep_layouts("ep-overlap", model, train, spec.world, overlap_chunks=2, **kw)  # type: ignore[arg-type]
+    given = search_ep_layouts(runtime, model, train, spec.world, overlap_chunks=2, **kw)  # type: ignore[arg-type]
     assert {c.overlap_chunks for c in given if not c.refused} == {2}
     plain = search_ep_layouts("ep-1f1b", model, train, spec.world, overlap_chunks=0, **kw)  # type: ignore[arg-type]
     assert {c.overlap_chunks for c in plain} == {0}
 
 
-def test_the_bench_runs_ep_overlap_at_its_searched_chunk_count() -> None:
-    """The bench's search gives ep-overlap every chunk count of `OVERLAP_CHUNKS` (a
-    `--set parallel.overlap_chunks=K` only K), and its row runs the chosen one."""
+@pytest.mark.parametrize("runtime", ["ep-overlap", "ep-combined"])
+def test_the_bench_runs_a_chunked_runtime_at_its_searched_chunk_count(runtime: str) -> None:
+    """The bench's search gives each chunked runtime (ep-overlap, ep-combined) every chunk
+    count of `OVERLAP_CHUNKS` (a `--set parallel.overlap_chunks=K` only K), and its row
+    runs the chosen one; another runtime's row gets no chunk flag."""
     from disagmoe.bench.cli import emulated_cluster
     from disagmoe.bench.ep_layouts import search
     from disagmoe.costs.compute import ComputeCosts, Linear
@@ -162,23 +165,26 @@ def test_the_bench_runs_ep_overlap_at_its_searched_chunk_count() -> None:
     costs = ComputeCosts(
         Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
     )
-    spec = dataclasses.replace(SPEC, runtimes=("ep-overlap",), global_batch_size=64)
-    ranked = [c for c in search(spec, "ep-overlap", costs, emulated_cluster(spec)) if not c.refused]
+    spec = dataclasses.replace(SPEC, runtimes=(runtime,), global_batch_size=64)
+    ranked = [c for c in search(spec, runtime, costs, emulated_cluster(spec)) if not c.refused]
     assert {c.overlap_chunks for c in ranked} == set(OVERLAP_CHUNKS)
     given = dataclasses.replace(spec, overrides=("parallel.overlap_chunks=4",))
-    fixed = search(given, "ep-overlap", costs, emulated_cluster(given))
+    fixed = search(given, runtime, costs, emulated_cluster(given))
     assert {c.overlap_chunks for c in fixed if not c.refused} == {4}
     best = ranked[0]
     chosen = dataclasses.replace(
-        spec, pp=0, ep_layouts=(("ep-overlap", best.pp, best.ep, 1),),
-        ep_overlap_chunks=best.overlap_chunks,
+        spec, pp=0, ep_layouts=((runtime, best.pp, best.ep, 1), ("ep-1f1b", best.pp, best.ep, 1)),
+        ep_chunks=((runtime, best.overlap_chunks),),
     )  # fmt: skip
-    flags = chosen.train_flags("ep-overlap", Path("r"))
+    flags = chosen.train_flags(runtime, Path("r"))
     assert flags[flags.index("--overlap-chunks") + 1] == str(best.overlap_chunks)
     assert flags[flags.index("--pp") + 1] == str(best.pp)
-    assert "--overlap-chunks" not in dataclasses.replace(chosen, ep_overlap_chunks=0).train_flags(
-        "ep-overlap", Path("r")
+    assert "--overlap-chunks" not in chosen.train_flags("ep-1f1b", Path("r"))
+    assert "--overlap-chunks" not in dataclasses.replace(chosen, ep_chunks=()).train_flags(
+        runtime, Path("r")
     )
+    one = [c for c in search(spec, "ep-1f1b", costs, emulated_cluster(spec)) if not c.refused]
+    assert {c.overlap_chunks for c in one} == {0}  # a runtime that does not chunk
 
 
 def test_the_bench_search_prices_each_expert_chunk_as_one_call() -> None:

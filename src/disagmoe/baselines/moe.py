@@ -59,8 +59,10 @@ class EPComm:
     computation and thread). Where a forward and a backward of two micro-batches run at
     once (`baselines.fb_overlap`), the backward lane's exchanges go on `bwd_group`, a
     second process group over the same ranks, so that each group sees its collectives in
-    one order on every member; otherwise every exchange goes on `group`. The micro-batch
-    is the current lane's (per thread)."""
+    one order on every member; otherwise every exchange goes on `group`. Chunked expert
+    compute (`baselines.moe_overlap`) posts its asynchronous all-to-alls on `overlap_group`,
+    the backward lane's on `overlap_bwd_group` where it has one. The micro-batch is the
+    current lane's (per thread)."""
 
     group: dist.ProcessGroup | None  # None when ep == 1 (no exchange)
     ep: int
@@ -69,6 +71,7 @@ class EPComm:
     chunks: int = 1
     step: int = 0
     bwd_group: dist.ProcessGroup | None = None
+    overlap_bwd_group: dist.ProcessGroup | None = None
     local: threading.local = field(default_factory=threading.local, repr=False)
 
     @property
@@ -95,6 +98,13 @@ class EPComm:
             return self.bwd_group
         assert self.group is not None
         return self.group
+
+    def async_group(self) -> dist.ProcessGroup:
+        """The group of the calling thread's lane for asynchronous all-to-alls (class doc)."""
+        if self.overlap_bwd_group is not None and getattr(self.local, "lane", "fwd") == "bwd":
+            return self.overlap_bwd_group
+        assert self.overlap_group is not None
+        return self.overlap_group
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -1,12 +1,13 @@
-"""`ep-overlap`'s MoE layer (Tutel / Comet operator-level overlap): `ep_moe` with the
-expert compute chunked and pipelined with asynchronous all-to-alls.
+"""The MoE layer of `ep-overlap` (Tutel / Comet operator-level overlap) and of
+`ep-combined` with more than one chunk: `ep_moe` with the expert compute chunked and
+pipelined with asynchronous all-to-alls.
 
 `OverlappedExperts` splits the dispatched rows of every peer into `chunks` pieces, each
 chunk's dispatch carrying its rows, combine weights and assignment ints in one byte
 all-to-all (`baselines.moe.pack_pieces`, after one blocking exchange of the counts): all
 dispatch all-to-alls are posted asynchronously on a dedicated process group
-(`EPComm.overlap_group`), chunk c's expert GEMMs run while chunks c+1.. are in flight, and
-chunk c's combine is posted as soon as it is computed. Its backward pipelines the reverse
+(`EPComm.async_group`: one per lane where a forward and a backward run at once), chunk
+c's expert GEMMs run while chunks c+1.. are in flight, and chunk c's combine is posted as soon as it is computed. Its backward pipelines the reverse
 exchanges the same way. Attention is not overlapped. Every asynchronous all-to-all is
 traced from its post to its completion with its peers and the bytes sent to each.
 
@@ -178,7 +179,7 @@ class OverlappedExperts(torch.autograd.Function):
         H: int,
     ) -> torch.Tensor:
         ep, C = send_counts.shape[0], send_counts.shape[1]
-        group = comm.overlap_group
+        group = comm.async_group()
         sc, rc = send_counts.tolist(), recv_counts.tolist()
         in_sizes = [[sc[j][c][0] * H + sc[j][c][1] for j in range(ep)] for c in range(C)]
         out_sizes = [[rc[j][c][0] * H + rc[j][c][1] for j in range(ep)] for c in range(C)]
@@ -240,7 +241,7 @@ class OverlappedExperts(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         leaves, outs, comm, where, sc, rc, H, tag = ctx.state
-        ep, C, group = len(sc), len(sc[0]), comm.overlap_group
+        ep, C, group = len(sc), len(sc[0]), comm.async_group()
         mine = [[sc[j][c][0] * H for j in range(ep)] for c in range(C)]
         theirs = [[rc[j][c][0] * H for j in range(ep)] for c in range(C)]
         posted = _post_chunks(grad.contiguous(), theirs, mine, group)

@@ -81,7 +81,7 @@ class StageModule(NamedParts):
         self.is_last = stage == layout.num_stages - 1
         self.scale = scale
         self.comm = comm
-        # ep-overlap's chunked layer where it has its async group, else the plain one
+        # the chunked layer where it has its async group (config.runs_chunked), else the plain one
         self.moe = overlapped_moe if comm.overlap_group is not None else ep_moe
         self.aux_sum: torch.Tensor | float = 0.0  # a device tensor once a term was added
         self.grad_buckets: StageBuckets | None = None  # overlapped gradient reduction

@@ -82,7 +82,8 @@ class EPTrainer:
         # the memory model, per pipeline rank; a layout over the budget stops every rank here
         self.predicted = predict_ep_run(cfg, self.layout)
         check_ep_run(cfg, self.layout)
-        self.groups = EPGroups.build(self.layout, self.rank)
+        chunks = overlap_chunks if overlap_chunks is not None else cfg.parallel.overlap_chunks
+        self.groups = EPGroups.build(self.layout, self.rank, chunks)
         self.pp_rank, self.dp_rank, self.ep_rank, self.edp_rank = self.layout.coords(self.rank)
         self.role = self.layout.role(self.rank)
         self.tracer = Tracer(self.rank, self.role)
@@ -92,8 +93,9 @@ class EPTrainer:
             self.layout.ep,
             self.tracer,
             overlap_group=self.groups.a2a,
-            chunks=overlap_chunks if overlap_chunks is not None else cfg.parallel.overlap_chunks,
+            chunks=chunks,
             bwd_group=self.groups.bwd,
+            overlap_bwd_group=self.groups.a2a_bwd,
         )
         self.stage_ids = self.layout.stages_of(self.pp_rank)
         self.modules = build_stage_modules(

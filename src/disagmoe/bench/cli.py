@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import (
+    CHUNKED_RUNTIMES,
     MAX_EXCHANGE_CHUNKS,
     MULTI_WORKER_RUNTIMES,
     PLACEMENTS,
@@ -376,7 +377,7 @@ def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = No
 
     if costs is None:
         costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
-    chosen, chunks = [], 0
+    chosen, chunks = [], []
     for runtime in spec.runtimes:
         if runtime == "disagg":
             continue
@@ -386,14 +387,15 @@ def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = No
         if best.refused:
             raise ValueError(f"{runtime}: no layout fits this bench: {best.refused}")
         chosen.append((runtime, best.pp, best.ep, best.virtual_stages, best.warmup))
-        chunks = best.overlap_chunks if runtime == "ep-overlap" else chunks
+        if runtime in CHUNKED_RUNTIMES:
+            chunks.append((runtime, best.overlap_chunks))
         if log:
             tried = ", ".join(f"{c.label} {c.step_s:.3f}" for c in ranked if not c.refused)
             over = skipped_for_memory(ranked)
             skipped = f"; {over} over {spec_gib:g} GiB skipped" if over else ""
             log(f"bench: {runtime} layout — simulated s/step: {tried}{skipped}; "
                 f"runs {best.label}")  # fmt: skip
-    return dataclasses.replace(spec, ep_layouts=tuple(chosen), ep_overlap_chunks=chunks)
+    return dataclasses.replace(spec, ep_layouts=tuple(chosen), ep_chunks=tuple(chunks))
 
 
 def run_bench(args: argparse.Namespace) -> int:

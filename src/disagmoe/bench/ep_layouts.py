@@ -4,7 +4,7 @@
 effort AF-Pipe's planner gets: each layout the runtime accepts on the bench's world and
 batch (`simulator.ep_search`) is simulated on the emulated cluster (one NIC per node at
 the bench's rate, loopback inside a node) with the calibrated compute costs
-(`EmulatedEPCosts`), and the fastest runs; `ep-overlap` at each expert compute chunk
+(`EmulatedEPCosts`), and the fastest runs; `ep-overlap` and `ep-combined` at each expert compute chunk
 count of `simulator.ep_search.OVERLAP_CHUNKS`, and the (interleaved) 1F1B runtimes at each
 warm-up of `simulator.ep_search.pipeline_warmups`, as `disagmoe simulate` searches them.
 """
@@ -74,7 +74,7 @@ def search(
     """Every layout of `runtime` on the bench's cluster (`cluster`: as the planner sees it),
     simulated with `costs` (unscaled), fastest first; those over the cluster's GPU memory
     (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`);
-    ep-overlap's chunk counts and the warm-ups are searched (module doc) unless the bench's
+    the chunk counts and the warm-ups are searched (module doc) unless the bench's
     `--set parallel.overlap_chunks=K` / `parallel.pipeline_warmup=W` gives one."""
     model = model_preset(spec.model)
     net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
@@ -102,7 +102,7 @@ def search(
 
 def _given(spec: BenchSpec, key: str, default: int) -> int:
     """The value the bench's `--set` overrides give an integer field (`default`: none,
-    search it: ep-overlap's chunk count, the pipeline warm-up)."""
+    search it: the expert compute chunks, the pipeline warm-up)."""
     given = default
     for item in spec.overrides:
         section, name, value = parse_override(item)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import WARMUP_RUNTIMES, RunConfig
+from ..config import CHUNKED_RUNTIMES, WARMUP_RUNTIMES, RunConfig
 from ..config_io import load_toml
 from ..simulator.bound import Bound
 from ..simulator.links import LinkModel
@@ -286,7 +286,7 @@ def ran_schedule(cfg: RunConfig, run_dir: Path) -> RunConfig:
 # what an EP row's layout column names, read from the run's resolved config (`[parallel]`)
 _EP_LAYOUT_FIELDS = {
     "virtual_stages": ("ep-interleaved",),
-    "overlap_chunks": ("ep-overlap",),
+    "overlap_chunks": CHUNKED_RUNTIMES,
     "pipeline_warmup": WARMUP_RUNTIMES,
 }
 

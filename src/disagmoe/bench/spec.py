@@ -108,8 +108,9 @@ class BenchSpec:
     # (`bench.ep_layouts`: the simulator's best; a report from before the warm-up has no
     # fifth entry: 0); a runtime not listed runs `pp` / `ep`
     ep_layouts: tuple[tuple[str, int, int, int, int], ...] = ()
-    # ep-overlap's expert compute chunks, with its searched layout (0: the config's)
-    ep_overlap_chunks: int = 0
+    # (runtime, expert compute chunks) of the chunked runtimes (`config.CHUNKED_RUNTIMES`)
+    # with their searched layouts; a runtime not listed runs the config's
+    ep_chunks: tuple[tuple[str, int], ...] = ()
 
     @property
     def world(self) -> int:
@@ -203,8 +204,9 @@ class BenchSpec:
         for runtime, pp, ep, v, *warmup in self.ep_layouts:
             if runtime == e.runtime:
                 extra = ["--virtual-stages", str(v)] if runtime == "ep-interleaved" else []
-                if runtime == "ep-overlap" and self.ep_overlap_chunks:
-                    extra = ["--overlap-chunks", str(self.ep_overlap_chunks)]
+                for chunked, k in self.ep_chunks:
+                    if chunked == runtime and k:
+                        extra = ["--overlap-chunks", str(k)]
                 if warmup and warmup[0]:
                     extra += ["--pipeline-warmup", str(warmup[0])]
                 return ["--pp", str(pp), "--ep", str(ep), *extra, "--world-size", str(self.world)]

@@ -19,9 +19,10 @@ Per MoE layer and micro-batch, forward: attention block -> dispatch all-to-all
 * `ep-overlap` (Tutel / Comet style): expert compute split into `overlap_chunks`
   chunks (the schedule's `meta["a2a_chunks"]`) pipelined with their dispatch and
   combine on two communication streams; attention does not overlap;
-* `ep-dualpipev`: an overlapped pair (`Instr.pair`) runs the forward of one
-  micro-batch on the "fwd" lane and the backward of another on the "bwd" lane,
-  so one's all-to-alls hide behind the other's compute (GPU and network are shared).
+* `ep-dualpipev`, `ep-combined`: an overlapped pair (`Instr.pair`) runs the forward of
+  one micro-batch on the "fwd" lane and the backward of another on the "bwd" lane,
+  so one's all-to-alls hide behind the other's compute (GPU and network are shared);
+  `ep-combined` with more than one chunk also chunks its expert compute as `ep-overlap`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..config import EP_RUNTIMES, LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
+from ..config import EP_RUNTIMES, LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, runs_chunked
 from ..costs import costmodel as cm
 from ..costs.flops import (
     CORE_BACKWARD,
@@ -204,7 +205,7 @@ def simulate_ep(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
         prec=GPU_PRECISION, loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
-    chunks_a2a = overlap_chunks if runtime == "ep-overlap" else 0
+    chunks_a2a = overlap_chunks if runs_chunked(runtime, overlap_chunks) else 0
     schedule = build_baseline_schedule(lay, model, representatives=not every_rank,
                                        a2a_chunks=chunks_a2a or 1)  # fmt: skip
     symmetry = Symmetry.identity(gpus) if every_rank else Symmetry.representatives(lay)

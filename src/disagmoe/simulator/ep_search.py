@@ -35,7 +35,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config import WARMUP_RUNTIMES, ClusterConfig, ModelConfig, ParallelConfig, TrainConfig
+from ..config import (
+    CHUNKED_RUNTIMES,
+    WARMUP_RUNTIMES,
+    ClusterConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from ..costs import costmodel as cm
 from ..distributed.ep_layout import EPLayout
 from ..training.budget import run_precision
@@ -46,7 +53,8 @@ from .ep import BoundAbove, EPCostModel, simulate_ep
 from .network import Network
 
 VIRTUAL_STAGES = (2, 3, 4)  # ep-interleaved: stages per pipeline rank tried
-OVERLAP_CHUNKS = (1, 2, 4, 8)  # ep-overlap with overlap_chunks 0: expert compute chunks tried
+# ep-overlap and ep-combined with overlap_chunks 0: expert compute chunks tried
+OVERLAP_CHUNKS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -61,7 +69,7 @@ class EPCandidate:
     refused: str = ""
     recompute: str = "none"
     memory_gib: float = 0.0  # the fullest rank's peak (0: not modelled, refused)
-    overlap_chunks: int = 0  # ep-overlap's expert compute chunks (0: another runtime)
+    overlap_chunks: int = 0  # expert compute chunks (0: a runtime that does not chunk them)
     warmup: int = 0  # `parallel.pipeline_warmup`
 
     @property
@@ -156,7 +164,7 @@ def search_ep_layouts(
     its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
     buckets during the backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
-    `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's): 0 tries each of
+    `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's and ep-combined's): 0 tries each of
     `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. `warmup`
     (`parallel.pipeline_warmup`): -1 tries `pipeline_warmups`. `prune`: a candidate whose
     bound is above the fastest step so far is not run (`BOUND_ABOVE`, module doc); the
@@ -166,8 +174,8 @@ def search_ep_layouts(
     prec = run_precision(train)
     sim = _Simulate(runtime, model, train, world, net, cluster, prune)
     chunkings = (
-        (overlap_chunks or ParallelConfig().overlap_chunks,) if runtime != "ep-overlap" else
-        (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
+        (overlap_chunks or ParallelConfig().overlap_chunks,) if runtime not in CHUNKED_RUNTIMES
+        else (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
     )  # fmt: skip
     found: list[EPCandidate] = []
     for parallel, lay in candidate_layouts(runtime, model, train, world, warmup):
@@ -233,7 +241,7 @@ class _Simulate:
         self, lay: EPLayout, v: int, costs: EPCostModel, recompute: str, k: int, gib: float
     ) -> EPCandidate:
         train = self.train
-        chunked = k if self.runtime == "ep-overlap" else 0
+        chunked = k if self.runtime in CHUNKED_RUNTIMES else 0
         key = (lay.pp, lay.ep, v, recompute, k)
         known = self.bounds.get(key, 0.0)
         try:
