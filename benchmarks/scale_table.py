@@ -3,7 +3,8 @@ it by default: DeepSeek-MoE-16B, Qwen3-30B-A3B and GPT-OSS-20B on 8 and 16 nomin
 nodes at 4K-32K tokens per sequence.
 
     python benchmarks/scale_table.py [--models M,M] [--nodes 8,16] [--seq-lens 4096,...]
-        [--runtimes ep-1f1b,...] [--groups-sweep] [--jobs J] [--ep-from SAVED.json]
+        [--runtimes ep-1f1b,...] [--groups-sweep] [--jobs J]
+        [--ep-from SAVED.json | --from SAVED.json --rerun disagg,ep-combined,...]
         [--json benchmarks/results/scale_table.json]
 
 Every point runs the default command a user would type, whose global batch is the same
@@ -95,17 +96,23 @@ def summary(result: SimResult) -> dict[str, Any]:
 
 
 def point(
-    model: str, nodes: int, seq_len: int, runtimes: tuple[str, ...], saved: list[dict[str, Any]]
+    model: str,
+    nodes: int,
+    seq_len: int,
+    runtimes: tuple[str, ...],
+    saved: list[dict[str, Any]],
+    saved_af: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """AF-Pipe and every EP runtime at one point (see the module doc); an EP runtime whose
-    row `saved` (the point's rows of `--ep-from`) holds is taken from there."""
+    row `saved` (the point's EP rows of `--ep-from` / `--from`) holds is taken from there,
+    and AF-Pipe's from `saved_af` where given (`--from` without `disagg` rerun)."""
     gpus = nodes * 8
     base = ["--model", model, "--nodes", str(nodes), "--seq-len", str(seq_len),
             "--micro-batches", str(8 * gpus)]  # fmt: skip
     row: dict[str, Any] = {"model": model, "nodes": nodes, "gpus": gpus, "seq_len": seq_len}
     start = time.perf_counter()
     try:
-        row["disagg"] = summary(simulate(base))
+        row["disagg"] = saved_af if saved_af is not None else summary(simulate(base))
     except ValueError as err:  # no plan fits: the row says so
         row["disagg"] = {"runtime": "disagg", "error": str(err)}
     eps = []
@@ -161,7 +168,20 @@ def main() -> int:
         "--ep-from", metavar="PATH", help="take the EP runtimes' rows from this saved table "
         "where it has the point (for a change that leaves the EP simulation as it was)",
     )  # fmt: skip
+    parser.add_argument(
+        "--from", dest="from_", metavar="PATH", help="take every side (AF-Pipe and the EP "
+        "runtimes) from this saved table where it has the point, except those of --rerun",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rerun", default="", help="with --from: the sides simulated again (runtime names, "
+        "disagg for AF-Pipe), for a change that touches only them",
+    )  # fmt: skip
     args = parser.parse_args()
+    if args.ep_from and args.from_:
+        parser.error("--ep-from and --from: give one")
+    rerun = set(filter(None, args.rerun.split(",")))
+    if rerun and not args.from_:
+        parser.error("--rerun needs --from")
     if args.groups_sweep:
         cases = [(model, nodes, 8192) for model in args.models.split(",")
                  for nodes in map(int, args.nodes.split(","))]  # fmt: skip
@@ -185,12 +205,19 @@ def main() -> int:
         for seq_len in map(int, args.seq_lens.split(","))
     ]
     saved: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    if args.ep_from:
-        with open(args.ep_from) as f:
+    saved_af: dict[tuple[Any, ...], dict[str, Any]] = {}
+    if args.ep_from or args.from_:
+        with open(args.ep_from or args.from_) as f:
             for row in json.load(f)["rows"]:
-                saved[row["model"], row["nodes"], row["seq_len"]] = row["ep"]
+                where = (row["model"], row["nodes"], row["seq_len"])
+                saved[where] = [e for e in row["ep"] if e["runtime"] not in rerun]
+                if args.from_ and "disagg" not in rerun:
+                    saved_af[where] = row["disagg"]
     with ProcessPoolExecutor(max(args.jobs, 1)) as pool:
-        running = [pool.submit(point, *where, runtimes, saved.get(where, [])) for where in points]
+        running = [
+            pool.submit(point, *where, runtimes, saved.get(where, []), saved_af.get(where))
+            for where in points
+        ]
         for done in running:  # in the table's order, each as soon as it and those above are
             row = done.result()
             rows.append(row)

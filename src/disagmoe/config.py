@@ -62,14 +62,14 @@ EP_RUNTIMES = (  # disagmoe.baselines
     "ep-overlap",
 )
 # the runtimes whose MoE layers split the expert compute into `parallel.overlap_chunks`
-# chunks pipelined with asynchronous all-to-alls (`baselines.moe_overlap`); ep-combined
-# with one chunk runs the blocking exchanges of `baselines.moe`
-CHUNKED_RUNTIMES = ("ep-overlap", "ep-combined")
+# chunks pipelined with asynchronous all-to-alls (`baselines.moe_overlap`); the F&B
+# runtimes with one chunk run the blocking exchanges of `baselines.moe`
+CHUNKED_RUNTIMES = ("ep-overlap", "ep-combined", "ep-dualpipev")
 
 
 def runs_chunked(runtime: str, chunks: int) -> bool:
     """Whether `runtime` with `chunks` expert compute chunks runs `baselines.moe_overlap`'s
-    layer (ep-overlap always, ep-combined from two chunks)."""
+    layer (ep-overlap always, ep-combined and ep-dualpipev from two chunks)."""
     return runtime == "ep-overlap" or (runtime in CHUNKED_RUNTIMES and chunks > 1)
 
 
@@ -102,9 +102,11 @@ class ParallelConfig:
     pp: int = field(default=1, metadata=flag("baselines: pipeline stages"))
     ep: int = field(default=2, metadata=flag("baselines: expert-parallel ranks"))
     virtual_stages: int = field(default=2, metadata=flag("ep-interleaved: stages per rank"))
-    # ep-overlap, ep-combined: expert compute chunks pipelined with the all-to-all
+    # ep-overlap, ep-combined, ep-dualpipev: expert compute chunks pipelined with the
+    # all-to-all
     overlap_chunks: int = field(
-        default=2, metadata=flag("ep-overlap, ep-combined: expert compute chunks")
+        default=2,
+        metadata=flag("ep-overlap, ep-combined, ep-dualpipev: expert compute chunks"),
     )
     # ep-1f1b / ep-overlap / ep-combined / ep-interleaved: forwards ahead of (interleaved)
     # 1F1B's warm-up on every rank (ep-dualpipev has no such warm-up and leaves it aside)

@@ -230,6 +230,7 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
         (_cfg("ep-combined", pp=1, ep=2, eval_data=val), 1),
         # combined 1F1B with chunked experts: each lane's async all-to-alls on its own group
         (loss_chunked(_cfg("ep-combined", pp=1, ep=2), 7), 2),
+        (_cfg("ep-dualpipev", pp=1, ep=2), 3),  # its split backward: I and W apart
         (loss_chunked(_cfg("ep-combined", pp=2, ep=1), 9), 1),
         # 1F1B with every forward first (GPipe's order), combined 1F1B one forward ahead;
         (_warmed(_cfg("ep-1f1b", pp=2, ep=1), 4), 1),
@@ -294,6 +295,7 @@ def test_baselines_four_ranks(tmp_path: Path) -> None:
         (_cfg("ep-1f1b", pp=2, ep=2, model=dataclasses.replace(ModelConfig(), top_k=1)), 1),
         (_cfg("ep-1f1b", pp=1, ep=4), 1),
         (_cfg("ep-overlap", pp=1, ep=2, gbs=16), 2),  # dp=4: expert grads over EDP groups
+        (_cfg("ep-dualpipev", pp=1, ep=2, gbs=16), 2),  # expert grads of I, reduced after W
         (_cfg("ep-interleaved", pp=2, ep=2, model=shared, eval_data=val), 1),
         (loss_chunked(_cfg("ep-dualpipev", pp=2, ep=2, gbs=16, model=shared, eval_data=val), 5), 1),
         (_cfg("ep-combined", pp=2, ep=2, gbs=16, model=shared), 2),

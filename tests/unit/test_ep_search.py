@@ -125,7 +125,7 @@ def test_a_pruned_ep_search_finds_the_same_fastest_and_skips_only_slower_layouts
     assert bounds[0].seconds == pytest.approx(bounds[8].seconds, rel=1e-12)
 
 
-@pytest.mark.parametrize("runtime", ["ep-overlap", "ep-combined"])
+@pytest.mark.parametrize("runtime", ["ep-overlap", "ep-combined", "ep-dualpipev"])
 def test_a_chunked_runtimes_search_tries_each_chunk_count(runtime: str) -> None:
     """`overlap_chunks` 0: a chunked runtime's search simulates every layout at each of
     `OVERLAP_CHUNKS` and names the count (the effort AF-Pipe's exchange chunks get), an
@@ -154,7 +154,7 @@ def test_a_chunked_runtimes_search_tries_each_chunk_count(runtime: str) -> None:
 
 @pytest.mark.parametrize("runtime", ["ep-overlap", "ep-combined"])
 def test_the_bench_runs_a_chunked_runtime_at_its_searched_chunk_count(runtime: str) -> None:
-    """The bench's search gives each chunked runtime (ep-overlap, ep-combined) every chunk
+    """The bench's search gives each chunked runtime (`config.CHUNKED_RUNTIMES`) every chunk
     count of `OVERLAP_CHUNKS` (a `--set parallel.overlap_chunks=K` only K), and its row
     runs the chosen one; another runtime's row gets no chunk flag."""
     from disagmoe.bench.cli import emulated_cluster

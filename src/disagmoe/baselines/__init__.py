@@ -9,10 +9,12 @@ at the step's end):
 * `ep-1f1b`        — Megatron-LM 1F1B (`fb_overlap.ScheduleOrdered`),
 * `ep-combined`    — Megatron-LM combined 1F1B / DeepSeek-V3 two-micro-batch overlap: 1F1B
                      whose steady-state forward and backward run at once, each one's
-                     all-to-alls under the other's compute (`baselines.fb_overlap`),
+                     all-to-alls under the other's compute (`baselines.fb_overlap`), and
+                     from two `parallel.overlap_chunks` chunked expert compute as ep-overlap's,
 * `ep-interleaved` — Megatron-LM interleaved 1F1B (`ScheduleInterleaved1F1B`'s order, with
                      `parallel.pipeline_warmup`),
-* `ep-dualpipev`   — DeepSeek's DualPipeV (`ScheduleDualPipeV`, its F&B pairs at once),
+* `ep-dualpipev`   — DeepSeek's DualPipeV (`ScheduleDualPipeV`, its F&B pairs at once; chunked
+                     expert compute as ep-combined's),
 * `ep-overlap`     — Tutel/Comet-style chunked expert compute overlapped with
                      async all-to-all, under the same 1F1B.
 

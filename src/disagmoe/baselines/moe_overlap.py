@@ -1,5 +1,5 @@
 """The MoE layer of `ep-overlap` (Tutel / Comet operator-level overlap) and of
-`ep-combined` with more than one chunk: `ep_moe` with the expert compute chunked and
+`ep-combined` and `ep-dualpipev` with more than one chunk: `ep_moe` with the expert compute chunked and
 pipelined with asynchronous all-to-alls.
 
 `OverlappedExperts` splits the dispatched rows of every peer into `chunks` pieces, each

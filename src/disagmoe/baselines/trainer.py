@@ -376,7 +376,7 @@ def run_ep(cfg: RunConfig, run_dir: Path) -> list[dict[str, Any]]:
     Call on every rank inside an initialised process group. Rank 0 writes what
     `run_disagg` writes: `metrics.jsonl` (same fields, incl. per-rank
     `busy_s`/`idle_s`), checkpoints, `trace.json` (lanes of `trace.LANES`:
-    stage computations on fwd/bwd, ep-overlap's chunked expert GEMMs on compute,
+    stage computations on fwd/bwd, chunked expert GEMMs on compute,
     all-to-alls and pipeline sends on send, pipeline receives and blocking waits
     on recv, gradient sync and optimizer step on sync) and `schedule.txt` (the IR).
     """

@@ -4,9 +4,10 @@
 effort AF-Pipe's planner gets: each layout the runtime accepts on the bench's world and
 batch (`simulator.ep_search`) is simulated on the emulated cluster (one NIC per node at
 the bench's rate, loopback inside a node) with the calibrated compute costs
-(`EmulatedEPCosts`), and the fastest runs; `ep-overlap` and `ep-combined` at each expert compute chunk
-count of `simulator.ep_search.OVERLAP_CHUNKS`, and the (interleaved) 1F1B runtimes at each
-warm-up of `simulator.ep_search.pipeline_warmups`, as `disagmoe simulate` searches them.
+(`EmulatedEPCosts`), and the fastest runs; the chunked runtimes (`ep-overlap`,
+`ep-combined`, `ep-dualpipev`) at each expert compute chunk count of
+`simulator.ep_search.OVERLAP_CHUNKS`, and the (interleaved) 1F1B runtimes at each warm-up
+of `simulator.ep_search.pipeline_warmups`, as `disagmoe simulate` searches them.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Per MoE layer and micro-batch, forward: attention block -> dispatch all-to-all
 * `ep-dualpipev`, `ep-combined`: an overlapped pair (`Instr.pair`) runs the forward of
   one micro-batch on the "fwd" lane and the backward of another on the "bwd" lane,
   so one's all-to-alls hide behind the other's compute (GPU and network are shared);
-  `ep-combined` with more than one chunk also chunks its expert compute as `ep-overlap`.
+  with more than one chunk each also chunks its expert compute as `ep-overlap`.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ from .ep import BoundAbove, EPCostModel, simulate_ep
 from .network import Network
 
 VIRTUAL_STAGES = (2, 3, 4)  # ep-interleaved: stages per pipeline rank tried
-# ep-overlap and ep-combined with overlap_chunks 0: expert compute chunks tried
+# the chunked runtimes (config.CHUNKED_RUNTIMES) with overlap_chunks 0: chunks tried
 OVERLAP_CHUNKS = (1, 2, 4, 8)
 
 
@@ -164,7 +164,7 @@ def search_ep_layouts(
     its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
     buckets during the backward, `simulator.ep`), fastest first; refused ones last, those over `memory_gib` (> 0; the run's dtype,
     `train`) among them (module doc). `costs_for(layout, recompute)` prices a layout.
-    `overlap_chunks` (`parallel.overlap_chunks`, ep-overlap's and ep-combined's): 0 tries each of
+    `overlap_chunks` (`parallel.overlap_chunks`, `config.CHUNKED_RUNTIMES`'): 0 tries each of
     `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. `warmup`
     (`parallel.pipeline_warmup`): -1 tries `pipeline_warmups`. `prune`: a candidate whose
     bound is above the fastest step so far is not run (`BOUND_ABOVE`, module doc); the
