@@ -281,6 +281,8 @@ def test_an_ep_rows_layout_names_what_a_set_override_changed(tmp_path: Path) -> 
     assert _override_note(warmed, "pp 4 ep 2 virtual-stages 2 pipeline-warmup 8") == ""
     assert _override_note(run("ep-interleaved"), label) == " virtual-stages 2"
     assert _override_note(run("ep-overlap", overlap_chunks=4), label) == " overlap-chunks 4"
-    assert _override_note(run("ep-dualpipev", pipeline_warmup=3), label) == ""
+    # DualPipeV has no warm-up to lengthen; its expert chunks (the config's 2) are named
+    assert _override_note(run("ep-dualpipev", pipeline_warmup=3), label) == " overlap-chunks 2"
+    assert _override_note(run("ep-1f1b", overlap_chunks=4), label) == ""  # does not chunk
     assert _override_note(run("disagg"), "groups 1") == ""
     assert _override_note(tmp_path / "missing", label) == ""
