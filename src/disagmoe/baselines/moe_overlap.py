@@ -1,15 +1,16 @@
 """The MoE layer of `ep-overlap` (Tutel / Comet operator-level overlap) and of
-`ep-combined` and `ep-dualpipev` with more than one chunk: `ep_moe` with the expert compute chunked and
-pipelined with asynchronous all-to-alls.
+`ep-combined` and `ep-dualpipev` with more than one chunk: `ep_moe` with the expert
+compute chunked and pipelined with asynchronous all-to-alls.
 
 `OverlappedExperts` splits the dispatched rows of every peer into `chunks` pieces, each
 chunk's dispatch carrying its rows, combine weights and assignment ints in one byte
 all-to-all (`baselines.moe.pack_pieces`, after one blocking exchange of the counts): all
 dispatch all-to-alls are posted asynchronously on a dedicated process group
 (`EPComm.async_group`: one per lane where a forward and a backward run at once), chunk
-c's expert GEMMs run while chunks c+1.. are in flight, and chunk c's combine is posted as soon as it is computed. Its backward pipelines the reverse
-exchanges the same way. Attention is not overlapped. Every asynchronous all-to-all is
-traced from its post to its completion with its peers and the bytes sent to each.
+c's expert GEMMs run while chunks c+1.. are in flight, and chunk c's combine is posted
+as soon as it is computed. Its backward pipelines the reverse exchanges the same way.
+Attention is not overlapped. Every asynchronous all-to-all is traced from its post to
+its completion with its peers and the bytes sent to each.
 
 Shape legend as in `baselines.moe`.
 """
