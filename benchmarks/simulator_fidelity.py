@@ -321,7 +321,7 @@ def predict_disagg(cfg: RunConfig, fit: dict[str, Any], cores: int) -> SimResult
 def predict_ep(cfg: RunConfig, fit: dict[str, Any], cores: int) -> SimResult:
     world = cfg.parallel.pp * cfg.parallel.ep
     lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
-    schedule = build_baseline_schedule(lay, cfg.model)
+    schedule = build_baseline_schedule(lay, cfg.model, overlap_chunks=cfg.parallel.overlap_chunks)
     t = cfg.train
     workload = Workload(cfg.model, t.seq_len, t.micro_batch_size, act_bytes=4)
     flops = AnalyticCosts(workload, 1.0)

@@ -44,7 +44,7 @@ def _cmd_schedule_ep(args: argparse.Namespace, cfg: RunConfig) -> int:
             f"--forward-only and --validate are AF-Pipe's; drop them for --runtime {par.runtime}"
         )
     layout = EPLayout.build(cfg.model, par, cfg.train, par.world_size or par.pp * par.ep)
-    schedule = build_baseline_schedule(layout, cfg.model)
+    schedule = build_baseline_schedule(layout, cfg.model, overlap_chunks=par.overlap_chunks)
     if args.rank is not None and not 0 <= args.rank < layout.world:
         raise ValueError(f"--rank must be in 0..{layout.world - 1}, got {args.rank}")
     if args.rank is None:

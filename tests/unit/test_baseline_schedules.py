@@ -35,6 +35,7 @@ from disagmoe.schedule.pipelines import (
     one_f_one_b,
     pipeline_order,
 )
+from disagmoe.schedule.semantics import Chunked, InOrderProgram
 from disagmoe.simulator import SimResult, simulate_baseline_schedule
 
 
@@ -355,3 +356,29 @@ def test_interleaved_warm_up_moves_only_where_forwards_and_backwards_meet(
         assert max_in_flight(warmed[rank]) == min(max_in_flight(plain[rank]) + extra, v * n)
     for steps in interleaved_1f1b(pp, n, v, n):
         assert [a.kind for step in steps for a in actions(step)] == ["F"] * v * n + ["B"] * v * n
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_chunked_dualpipev_computes_expert_weight_grads_in_its_input_backward(
+    chunks: int,
+) -> None:
+    """A chunked MoE layer's autograd function computes the expert weight gradients with
+    the input gradients (`baselines.moe_overlap`): the list has no `W F` there, and the
+    in-order program prices that layer's I-time expert backward as a whole backward ("B")."""
+    model = model_preset("tiny-shared")
+    layout = _layout("ep-dualpipev", 4, 2, 2, 8, model)
+    sched = build_baseline_schedule(layout, model, overlap_chunks=chunks)
+    assert sched.meta["a2a_chunks"] == chunks
+    for rank, instrs in enumerate(sched.ranks):
+        wgt = Counter(i.comp for i in instrs if i.op == Op.WGT)
+        assert wgt["A"] > 0 and (wgt["F"] > 0) == (chunks == 1)
+        prog = InOrderProgram.build(sched, rank)
+        kinds = {
+            task.kind
+            for seg in prog.segments
+            for _, tasks in seg.lanes
+            for task in tasks
+            if isinstance(task.work, Chunked) or (task.work.is_compute and task.work.comp == "F")
+            if task.kind in ("B", "I")
+        }
+        assert kinds == ({"B"} if chunks > 1 else {"B", "I"})

@@ -109,7 +109,9 @@ class EPTrainer:
         self.order: list[tuple[int, str, int]] = []  # executed (stage, F/B/I/W, micro-batch)
         self.stages = [self._stage(m) for m in self.modules]
         self.pipeline = self._build_pipeline()
-        self.schedule: Schedule = build_baseline_schedule(self.layout, cfg.model)
+        self.schedule: Schedule = build_baseline_schedule(
+            self.layout, cfg.model, overlap_chunks=cfg.parallel.overlap_chunks
+        )
         self.is_expert = [".experts." in n for n, _ in self.named_params]
         # Replicated copies count toward the norm once: dense on replica 0, experts on EDP rank 0.
         self.counted = [(self.edp_rank == 0) if e else (self.dp_rank == 0) for e in self.is_expert]

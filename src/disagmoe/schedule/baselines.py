@@ -14,7 +14,9 @@ instructions of every rank (all DP replicas run the same list):
   `A2A combine l`; the last stage ends with `FWD A L` (norm, head, loss);
 * B / I: the reverse (`A2A grad_combine`, `BWD F`, `A2A grad_dispatch`,
   `BWD A`); W: `W F l` / `W A l` for weight gradients. As in PyTorch, the
-  first stage's I is empty and its W runs the whole backward;
+  first stage's I is empty and its W runs the whole backward. A chunked MoE layer
+  (`config.runs_chunked`) computes its expert weight gradients inside its own backward
+  (`baselines.moe_overlap`): its I has the whole `BWD F l` and its W no `W F l`;
 * pipeline p2p: `SEND`/`RECV` of `act[l]` (hidden state after the sender's
   last layer l) and `grad_act[l]`; a RECV sits right before the computation
   that consumes it, a SEND right after the one that produces it;
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import ModelConfig
+from ..config import ModelConfig, runs_chunked
 from ..distributed.ep_layout import EPLayout
 from .ir import Instr, Msg, Op, Schedule
 from .pipelines import Overlap, actions, pipeline_order
@@ -54,9 +56,16 @@ def pytorch_order(layout: EPLayout) -> ComputeOrder:
 
 
 def _expand(
-    layout: EPLayout, model: ModelConfig, stage: int, kind: str, mb: int, group: tuple[int, ...]
+    layout: EPLayout,
+    model: ModelConfig,
+    stage: int,
+    kind: str,
+    mb: int,
+    group: tuple[int, ...],
+    chunked: bool,
 ) -> list[Instr]:
-    """Per-layer instructions of one stage computation (see module doc)."""
+    """Per-layer instructions of one stage computation (see module doc); `chunked`: the
+    MoE layers run chunked (their expert backward is never split)."""
     layers = list(layout.layers_of_stage(stage))
     last = stage == layout.num_stages - 1
     a2a = layout.ep > 1
@@ -77,7 +86,7 @@ def _expand(
         comps = [
             (c, l)
             for l in reversed(layers)
-            for c in (("F", "A") if model.is_moe_layer(l) else ("A",))
+            for c in (("F", "A") if model.is_moe_layer(l) and not chunked else ("A",))
         ]
         head = [Instr(Op.WGT, "A", layout.num_layers, mb)] if last else []
         return head + [Instr(Op.WGT, c, l, mb) for c, l in comps]
@@ -93,15 +102,18 @@ def _expand(
 
 
 def build_baseline_schedule(
-    layout: EPLayout, model: ModelConfig, *, representatives: bool = False, a2a_chunks: int = 1
+    layout: EPLayout, model: ModelConfig, *, representatives: bool = False, overlap_chunks: int = 1
 ) -> Schedule:
     """Per-rank instruction lists of one optimizer step of an `ep-*` runtime.
 
     `representatives`: only the lists of data-parallel replica 0 of every pipeline
     rank (schedule rank i = pipeline rank i; the dp replicas of a pipeline rank run
     identical lists); their A2A groups still name the real member ranks.
-    `a2a_chunks` (ep-overlap) is recorded in `meta` (see `schedule.ir`).
+    `overlap_chunks`: `parallel.overlap_chunks`; where the runtime chunks its MoE layers
+    with it (`config.runs_chunked`) it is `meta["a2a_chunks"]` (see `schedule.ir`), else 1.
     """
+    chunked = runs_chunked(layout.runtime, overlap_chunks)
+    a2a_chunks = overlap_chunks if chunked else 1
     steps = pipeline_order(
         layout.runtime,
         layout.pp,
@@ -138,7 +150,7 @@ def build_baseline_schedule(
                     out.append(Instr(Op.RECV, msg=Msg("act", last_layer[s - 1], mb, prev, rank)))
                 if kind in ("B", "I") and next_remote:
                     out.append(Instr(Op.RECV, msg=Msg("grad_act", last_layer[s], mb, nxt, rank)))
-                out += _expand(layout, model, s, kind, mb, group)
+                out += _expand(layout, model, s, kind, mb, group, chunked)
                 if kind == "F" and next_remote:
                     out.append(Instr(Op.SEND, msg=Msg("act", last_layer[s], mb, rank, nxt)))
                 if backward and kind != "W" and prev_remote:

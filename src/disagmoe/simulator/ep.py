@@ -207,7 +207,7 @@ def simulate_ep(
     )  # fmt: skip
     chunks_a2a = overlap_chunks if runs_chunked(runtime, overlap_chunks) else 0
     schedule = build_baseline_schedule(lay, model, representatives=not every_rank,
-                                       a2a_chunks=chunks_a2a or 1)  # fmt: skip
+                                       overlap_chunks=overlap_chunks)  # fmt: skip
     symmetry = Symmetry.identity(gpus) if every_rank else Symmetry.representatives(lay)
     pricing = _ep_pricing(lay, model, workload, net, model_costs, symmetry, sync, overlap_sync,
                           grad_bytes, expert_buckets)  # fmt: skip
