@@ -13,14 +13,19 @@ from typing import Any
 from disagmoe.bench.meta import results_meta
 
 
-def write_json(path: str, payload: dict[str, Any]) -> None:
+def this_command() -> str:
+    """The command that runs this script with its arguments, as `meta.command` records it."""
+    return shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
+
+
+def write_json(path: str, payload: dict[str, Any], note: str = "") -> None:
     """Write `payload` to `path` (parent folders created) and say so. The file also gets
     `meta`: the command that ran (this script and its arguments), the machine and the date,
-    which `benchmarks/report.py` prints above its table."""
+    and `note` where given, which `benchmarks/report.py` prints above its table."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = shlex.join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *sys.argv[1:]])
-    out.write_text(json.dumps({**payload, "meta": results_meta(command)}, indent=1))
+    meta = {**results_meta(this_command()), **({"note": note} if note else {})}
+    out.write_text(json.dumps({**payload, "meta": meta}, indent=1))
     print(f"wrote {out}")
 
 

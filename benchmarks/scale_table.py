@@ -42,7 +42,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
-from results_io import write_json
+from results_io import this_command, write_json
 
 from disagmoe.config import EP_RUNTIMES
 from disagmoe.schedule.orders import order_label
@@ -206,13 +206,19 @@ def main() -> int:
     ]
     saved: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     saved_af: dict[tuple[Any, ...], dict[str, Any]] = {}
+    sides = {side: this_command() for side in ("disagg", *runtimes)}
     if args.ep_from or args.from_:
         with open(args.ep_from or args.from_) as f:
-            for row in json.load(f)["rows"]:
-                where = (row["model"], row["nodes"], row["seq_len"])
-                saved[where] = [e for e in row["ep"] if e["runtime"] not in rerun]
-                if args.from_ and "disagg" not in rerun:
-                    saved_af[where] = row["disagg"]
+            table = json.load(f)
+        for row in table["rows"]:
+            where = (row["model"], row["nodes"], row["seq_len"])
+            saved[where] = [e for e in row["ep"] if e["runtime"] not in rerun]
+            if args.from_ and "disagg" not in rerun:
+                saved_af[where] = row["disagg"]
+        taken = [r for r in runtimes if r not in rerun]
+        taken += ["disagg"] if args.from_ and "disagg" not in rerun else []
+        for side in taken:
+            sides[side] = table.get("sides", {}).get(side, table["meta"]["command"])
     with ProcessPoolExecutor(max(args.jobs, 1)) as pool:
         running = [
             pool.submit(point, *where, runtimes, saved.get(where, []), saved_af.get(where))
@@ -225,8 +231,24 @@ def main() -> int:
             print(f"  ({row['wall_s']:.0f} s)", file=sys.stderr, flush=True)
             if args.json:  # after every row: an interrupted run keeps what it measured
                 write_json(args.json, {"rows": rows, "targets": {
-                    "af_step_over_bound": TARGET_BOUND, "af_vs_best_ep": TARGET_LEAD}})  # fmt: skip
+                    "af_step_over_bound": TARGET_BOUND, "af_vs_best_ep": TARGET_LEAD},
+                    "sides": sides}, sides_note(sides))  # fmt: skip
     return 0
+
+
+def sides_note(sides: dict[str, str]) -> str:
+    """Which command simulated each side of the table (`sides`: side -> command), where
+    not all of them this one (`--from`, `--ep-from`)."""
+    if set(sides.values()) == {this_command()}:
+        return ""
+    by_command: dict[str, list[str]] = {}
+    for side, command in sides.items():
+        by_command.setdefault(command, []).append("AF-Pipe" if side == "disagg" else side)
+    parts = [
+        f"{', '.join(names)} as `{command}` simulated {'it' if len(names) == 1 else 'them'}"
+        for command, names in by_command.items()
+    ]
+    return "; ".join(parts)
 
 
 def groups_sweep(model: str, nodes: int, seq_len: int) -> list[dict[str, Any]]:

@@ -97,3 +97,21 @@ def test_the_paper_figures_follow_from_the_scale_results(monkeypatch: pytest.Mon
     stored = json.loads((results / "paper_figures.json").read_text())["rows"]
     derived = [figures.figure10(table), figures.figure11(table), figures.figure14(groups)]
     assert stored == derived
+
+
+def test_the_scale_table_says_which_command_simulated_each_side(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A table assembled from a saved one (`--from ... --rerun R`) names, per side, the
+    command that simulated it; the stored table's note is what its sides say."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    scale = importlib.import_module("scale_table")
+    monkeypatch.setattr(sys, "argv", ["scale_table.py", "--rerun", "ep-overlap"])
+    here = "python benchmarks/scale_table.py --rerun ep-overlap"
+    assert scale.sides_note({"disagg": here, "ep-overlap": here}) == ""
+    note = scale.sides_note({"disagg": "A", "ep-1f1b": "A", "ep-overlap": here})
+    assert note == f"AF-Pipe, ep-1f1b as `A` simulated them; ep-overlap as `{here}` simulated it"
+    stored = json.loads((BENCHMARKS / "results" / "scale_table.json").read_text())
+    assert set(stored["sides"]) == {"disagg", *scale.EP_RUNTIMES}
+    monkeypatch.setattr(sys, "argv", stored["meta"]["command"].split()[1:])
+    assert stored["meta"].get("note", "") == scale.sides_note(stored["sides"])
