@@ -261,6 +261,10 @@ def test_cli_json_and_user_errors() -> None:
             "2",
             "--expert-workers",
             "2",
+            "--order",
+            "breadth",
+            "--exchange-chunks",
+            "1",
         ]
     )
     out = simulate_from_args(args).to_dict()
@@ -372,21 +376,25 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
 def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
     for each recompute mode that fits and keeps the faster: none (DeepSeek-MoE, one node,
-    4K), full where none fits but is slower (Qwen3 16K, at the default 64 micro-batches) and
-    where none does not fit (Qwen3 32K); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
+    4K, 32 micro-batches), full where none fits but is slower (Qwen3 16K) and where none does
+    not fit (Qwen3 32K; 16 micro-batches each); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
     `--order auto`, simulate's default), then at fewer in flight. One exchange chunk: the
     chunk search is `test_simulator_chunks`'."""
     from disagmoe.simulate_cli import main
 
-    for model, seq, want, order in (
-        ("deepseek-moe-16b", "4096", "none", "auto"),  # simulate's default
-        ("qwen3-30b-a3b", "32768", "full", "breadth"),  # (the order search takes minutes here)
-        ("qwen3-30b-a3b", "16384", "full", "breadth"),
+    for model, seq, want, order, batch in (
+        ("deepseek-moe-16b", "4096", "none", "auto", "32"),  # simulate's default order
+        (
+            "qwen3-30b-a3b",
+            "32768",
+            "full",
+            "breadth",
+            "16",
+        ),  # (the order search takes minutes here)
+        ("qwen3-30b-a3b", "16384", "full", "breadth", "16"),
     ):
         argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1",
-                "--order", order]  # fmt: skip
-        if order == "auto":  # six orders replayed: half the default batch
-            argv += ["--micro-batches", "32"]
+                "--order", order, "--micro-batches", batch]  # fmt: skip
         parser = argparse.ArgumentParser()
         add_simulate_arguments(parser)
         result = simulate_from_args(parser.parse_args(argv))

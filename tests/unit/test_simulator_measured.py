@@ -78,7 +78,7 @@ def test_simulate_disagg_binds_a_costs_file_to_its_layout() -> None:
 def test_simulate_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = _write(tmp_path)
     args = ["--model", "tiny", "--seq-len", "128", "--attn-workers", "4", "--expert-workers", "4",
-            "--order", "breadth"]  # fmt: skip
+            "--order", "breadth", "--exchange-chunks", "1", "--split-backward", "off"]  # fmt: skip
     assert simulate_main([*args, "--costs-file", path, "--json"]) == 0
     measured = json.loads(capsys.readouterr().out)
     assert simulate_main([*args, "--json"]) == 0
