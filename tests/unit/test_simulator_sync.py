@@ -213,6 +213,33 @@ def test_an_emulated_split_backward_waits_in_its_input_gradient() -> None:
         assert 0.0 < cost(real, "I") < cost(real, "B") and cost(real, "W") > 0.0
 
 
+def test_a_chunked_layers_input_gradient_is_fitted_with_its_experts_whole_backward() -> None:
+    """A chunked MoE layer computes its expert weight gradients inside its backward
+    (`schedule.baselines`), so the fit of a real run counts an I as the attention's input
+    gradients plus the experts' whole backward, and a W as the attention's alone."""
+    from disagmoe.bench.ep_fit import fitted_ep_rates
+    from disagmoe.distributed.ep_layout import EPLayout
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep import EPCosts
+
+    lay = EPLayout.of("ep-dualpipev", MODEL, world=2, pp=1, ep=2, num_micro_batches=4, v=2)
+    flops = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
+    layers = lay.layers_of_stage(0)
+
+    def ev(name: str, t0: float, t1: float) -> dict:
+        return {"cat": "bwd", "name": name, "pid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
+                "args": {"stage": 0, "step": 1}}  # fmt: skip
+
+    for chunked, expert_i in ((False, "I"), (True, "B")):
+        want = sum(flops.attn(l, "I") + flops.experts(expert_i) for l in layers)
+        rates = fitted_ep_rates([ev("I s0 mb0", 0.0, 2.0)], lay, flops, chunked)
+        assert rates["B"] == pytest.approx(2.0 / want)  # (the V's stage 1 has the head)
+        if chunked:
+            w = sum(flops.attn(l, "W") for l in layers)
+            rates = fitted_ep_rates([ev("W s0 mb0", 0.0, 2.0)], lay, flops, chunked)
+            assert rates["B"] == pytest.approx(2.0 / w)
+
+
 def test_by_default_both_simulators_all_reduce_float32_gradients() -> None:
     """`simulate` and the planner run mixed precision (float32 master weights), so an
     unspecified `grad_bytes` is 4 in the EP replay and in AF-Pipe's SYNC prices."""

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..config import ClusterConfig, RunConfig
+from ..config import ClusterConfig, RunConfig, runs_chunked
 from ..distributed.ep_layout import EPLayout
 from ..distributed.layout import Layout
 from ..schedule.ir import Instr, Msg, compute_event_name
@@ -312,7 +312,8 @@ def predict_ep(
     lay = EPLayout.build(cfg.model, cfg.parallel, cfg.train, world)
     flops = EPCosts(workload, 1.0, [0.0])  # seconds == FLOPs at 1 FLOP/s
     model = cfg.model
-    s_per_flop = fitted_ep_rates(events, lay, flops)
+    chunked = runs_chunked(lay.runtime, cfg.parallel.overlap_chunks)
+    s_per_flop = fitted_ep_rates(events, lay, flops, chunked)
     # one dispatch (or combine): per-peer distinct tokens + weights, over NIC / loopback
     per_peer = workload.message_bytes("dispatch", model.num_dense_layers, lay.ep)
     a2a = []

@@ -131,17 +131,23 @@ def family(e: Event) -> str:
     return "F" if parse_event_name(e["name"]).what == "F" else "B"
 
 
-def fitted_ep_rates(events: list[Event], lay: EPLayout, flops: EPCosts) -> dict[str, float]:
+def fitted_ep_rates(
+    events: list[Event], lay: EPLayout, flops: EPCosts, chunked: bool = False
+) -> dict[str, float]:
     """`seconds_per_flop` of an ep-* run of layout `lay`, its FLOPs from
     `flops` (at 1 FLOP/s); where it has more than one stage, the loss head apart from the
-    blocks."""
+    blocks. `chunked` (`config.runs_chunked`): the MoE layers ran chunked, so a split
+    backward's I holds the experts' whole backward and its W none of it
+    (`schedule.baselines`)."""
     model = flops.workload.model
+    expert_kind = {"I": "B", "W": ""} if chunked else {}
 
     def block_flops(stage: int, kind: str) -> float:
         total = 0.0
         for layer in lay.layers_of_stage(stage):
             total += flops.attn(layer, kind)
-            total += flops.experts(kind) if model.is_moe_layer(layer) else 0.0
+            if model.is_moe_layer(layer) and (of := expert_kind.get(kind, kind)):
+                total += flops.experts(of)
         return total
 
     def head_flops(kind: str) -> float:
