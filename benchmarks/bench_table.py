@@ -46,13 +46,13 @@ def table(report: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        vs = r["tokens_per_s"] / best_ep if best_ep else float("nan")
+        vs = f"{r['tokens_per_s'] / best_ep:.2f}x" if best_ep else "-"  # no EP row ran
         lines.append(
             f"| {r['runtime']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} "
             f"| {r['bound_s']:.3f} | {r['step_over_bound']:.2f} | {r['fill_bound_s']:.3f} "
             f"| {r['step_over_fill_bound']:.2f} | {r['binding']} "
             f"| {r['exposed_comm_s']:.3f} | {100 * r['prediction_error']:+.0f}% "
-            f"| {drops_per_step(report, r):.0f} | {vs:.2f}x "
+            f"| {drops_per_step(report, r):.0f} | {vs} "
             f"| {r['layout']} |"
         )
     for r in report["results"]:
