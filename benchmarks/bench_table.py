@@ -4,7 +4,8 @@ against the fastest baseline.
 
     python benchmarks/bench_table.py benchmarks/results/bench8_searched.json [...]
 
-Columns: tokens/s; step s (median over measured steps); bound s (max over ranks of compute
+Columns: tokens/s; step s (median over measured steps; with more than one repetition,
+the fastest and slowest repetition's median in brackets); bound s (max over ranks of compute
 and its node's busier NIC direction, from the trace: `bench.bound.trace_bound`) and
 step/bound; the bound with the pipeline's fill and drain at the row's layout and
 micro-batch count (on compute and on each NIC) and the all-reduce of the gradient buckets the final backward completes
@@ -47,8 +48,10 @@ def table(report: dict[str, Any]) -> str:
     ]
     for r in rows:
         vs = f"{r['tokens_per_s'] / best_ep:.2f}x" if best_ep else "-"  # no EP row ran
+        lo, hi = r.get("step_time_spread_s") or (0.0, 0.0)
+        step = f"{r['step_time_s']:.3f}" + (f" ({lo:.3f}-{hi:.3f})" if lo < hi else "")
         lines.append(
-            f"| {r['runtime']} | {r['tokens_per_s']:.0f} | {r['step_time_s']:.3f} "
+            f"| {r['runtime']} | {r['tokens_per_s']:.0f} | {step} "
             f"| {r['bound_s']:.3f} | {r['step_over_bound']:.2f} | {r['fill_bound_s']:.3f} "
             f"| {r['step_over_fill_bound']:.2f} | {r['binding']} "
             f"| {r['exposed_comm_s']:.3f} | {100 * r['prediction_error']:+.0f}% "
