@@ -21,8 +21,9 @@ own table instead, summarized again with the current analysis (breakdown, bound 
 bench's prediction), as `disagmoe bench` would print it now; with `--plots DIR` also its
 figures (`disagmoe bench --plots`). `--rewrite REPORT` replaces the rows of a saved
 report (a copy of the bench's bench.json in benchmarks/results/) with that summary and
-keeps the rest (spec, network, meta): the measured steps are the run's, the analysis
-today's, and `meta.reanalysed` says when.
+keeps the rest (spec, network, meta) but the compute label (with emulated compute, the
+calibration the ranks waited, from the run dir's `compute_costs.json`): the measured
+steps are the run's, the analysis today's, and `meta.reanalysed` says when.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from disagmoe.bench.analysis import Replay
-from disagmoe.bench.cli import format_table, write_plots
+from disagmoe.bench.cli import compute_label, format_table, write_plots
 from disagmoe.bench.runner import RunOutcome, RuntimeResult, read_steps, summarize
 from disagmoe.bench.spec import BenchSpec
 from disagmoe.simulator.links import LinkModel
@@ -76,14 +77,17 @@ def outcomes(spec: BenchSpec, rows: list[dict[str, Any]]) -> list[RunOutcome]:
     return out
 
 
-def rewrite(path: Path, results: list[RuntimeResult]) -> None:
-    """`path`'s rows replaced by `results` (the same runtimes, in order), the rest kept."""
+def rewrite(path: Path, results: list[RuntimeResult], spec: BenchSpec) -> None:
+    """`path`'s rows replaced by `results` (the same runtimes, in order) and its compute
+    label by today's (`compute_label`: with the calibration where the run dir has it), the
+    rest kept."""
     report = json.loads(path.read_text())
     old = [r["runtime"] for r in report["results"]]
     new = [r.runtime for r in results]
     if old != new:
         raise SystemExit(f"bench_repredict: {path} has rows {old}, the run dir {new}")
     report["results"] = [r.to_dict() for r in results]
+    report["compute"] = compute_label(spec)
     report.setdefault("meta", {})["reanalysed"] = date.today().isoformat()
     path.write_text(json.dumps(report, indent=2) + "\n")
 
@@ -109,7 +113,7 @@ def main() -> int:
         if args.plots:
             write_plots(spec, results, network, args.plots)
         if args.rewrite:
-            rewrite(args.rewrite, results)
+            rewrite(args.rewrite, results, spec)
         return 0
     models = tuple(MODELS)
     results: dict[str, list[RuntimeResult]] = {m: summarize(spec, runs, *MODELS[m]) for m in models}

@@ -286,3 +286,22 @@ def test_an_ep_rows_layout_names_what_a_set_override_changed(tmp_path: Path) -> 
     assert _override_note(run("ep-1f1b", overlap_chunks=4), label) == ""  # does not chunk
     assert _override_note(run("disagg"), "groups 1") == ""
     assert _override_note(tmp_path / "missing", label) == ""
+
+
+def test_an_emulated_reports_compute_label_carries_its_calibration(tmp_path: Path) -> None:
+    """The report says what the ranks waited: the calibration per micro-batch and layer,
+    before the time scale (the costs file holds it scaled)."""
+    from disagmoe.bench.cli import compute_label
+    from disagmoe.costs.compute import ComputeCosts, Linear
+
+    costs = ComputeCosts(Linear(0.0, 1e-5), Linear(0.0, 2e-5), Linear(0.0, 1e-6), Linear(0, 3e-6))
+    path = tmp_path / "compute_costs.json"
+    path.write_text(costs.scaled(10.0).to_json())
+    spec = dataclasses.replace(SPEC, compute="emulated", time_scale=10.0)
+    assert "calibration" not in compute_label(spec)  # no costs file yet
+    label = compute_label(dataclasses.replace(spec, costs_path=str(path)))
+    tokens, pairs = 64 * 2, 64 * 2 * model_preset("small").top_k
+    want = (f"attention {1e-2 * tokens:.2f} / {2e-2 * tokens:.2f} ms fwd/bwd, "
+            f"experts {1e-3 * pairs:.2f} / {3e-3 * pairs:.2f} ms")  # fmt: skip
+    assert label.endswith(f"; calibration per micro-batch and layer: {want}")
+    assert compute_label(dataclasses.replace(SPEC, compute="real")) == "real compute"

@@ -361,12 +361,20 @@ def write_plots(spec: BenchSpec, results: list[RuntimeResult], network: str, out
 
 
 def compute_label(spec: BenchSpec) -> str:
+    """How the ranks computed; with emulated compute, the calibration they waited
+    (`compute_costs.json`, per micro-batch and layer, before the time scale)."""
     if spec.compute == "real":
         return "real compute"
-    return (
+    label = (
         f"EMULATED compute: calibrated waits, run {spec.time_scale:g}x slower, "
         f"times reported /{spec.time_scale:g}"
     )
+    if spec.costs_path and Path(spec.costs_path).is_file():
+        from .emulation import calibration_text  # torch: only when it runs
+
+        costs = ComputeCosts.load(spec.costs_path).scaled(1.0 / spec.time_scale)
+        label += f"; calibration per micro-batch and layer: {calibration_text(spec, costs)}"
+    return label
 
 
 def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = None) -> BenchSpec:

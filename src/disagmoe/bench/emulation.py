@@ -140,16 +140,24 @@ def measure_compute(spec: BenchSpec, log: Any, what: str) -> ComputeCosts:
 
     model = build_model(model_preset(spec.model), seed=0, dtype=torch.float32)
     costs = calibrate(model, seq_len=spec.seq_len, micro_batch_size=spec.micro_batch_size)
-    tokens = spec.seq_len * spec.micro_batch_size
-    assignments = tokens * model.cfg.top_k
     if log:
         log(
-            f"bench: compute per micro-batch and layer (measured here, {what}): attention "
-            f"{1e3 * costs.attn_fwd(tokens):.2f} / {1e3 * costs.attn_bwd(tokens):.2f} ms fwd/bwd, "
-            f"experts {1e3 * costs.expert_fwd(assignments):.2f} / "
-            f"{1e3 * costs.expert_bwd(assignments):.2f} ms"
+            f"bench: compute per micro-batch and layer (measured here, {what}): "
+            f"{calibration_text(spec, costs)}"
         )
     return costs
+
+
+def calibration_text(spec: BenchSpec, costs: ComputeCosts) -> str:
+    """One micro-batch's attention and expert durations per layer, forward / backward, as
+    `costs` (unscaled) gives them for the bench's model and micro-batch."""
+    tokens = spec.seq_len * spec.micro_batch_size
+    assignments = tokens * model_preset(spec.model).top_k
+    return (
+        f"attention {1e3 * costs.attn_fwd(tokens):.2f} / {1e3 * costs.attn_bwd(tokens):.2f} ms "
+        f"fwd/bwd, experts {1e3 * costs.expert_fwd(assignments):.2f} / "
+        f"{1e3 * costs.expert_bwd(assignments):.2f} ms"
+    )
 
 
 def prepare_emulation(spec: BenchSpec, log: Any) -> BenchSpec:
