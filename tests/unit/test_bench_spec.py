@@ -227,7 +227,8 @@ def test_exchange_chunk_counts_are_disagg_rows_of_one_run() -> None:
 
 def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
     """Without --pp, every EP row gets the simulator's best of the layouts its runtime
-    accepts (the same checks a run makes; refused ones say why), and runs it."""
+    accepts (the same checks a run makes; refused ones say why), and runs it; with --pp,
+    the best at that pipeline depth."""
     from disagmoe.bench.cli import emulated_cluster
     from disagmoe.bench.ep_layouts import search
     from disagmoe.costs.compute import ComputeCosts, Linear
@@ -236,7 +237,7 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
         Linear(1e-4, 1e-6), Linear(2e-4, 2e-6), Linear(1e-4, 1e-6), Linear(2e-4, 2e-6)
     )
     spec = dataclasses.replace(
-        SPEC, runtimes=("ep-1f1b", "ep-interleaved", "ep-dualpipev"), global_batch_size=64
+        SPEC, runtimes=("ep-1f1b", "ep-interleaved", "ep-dualpipev"), global_batch_size=64, pp=0
     )
     for runtime in spec.runtimes:
         ranked = search(spec, runtime, costs, emulated_cluster(spec))
@@ -251,6 +252,9 @@ def test_each_ep_runtime_runs_the_fastest_layout_it_accepts() -> None:
         c.runtime == "ep-dualpipev" and c.refused
         for c in search(spec, "ep-dualpipev", costs, emulated_cluster(spec))
     )
+    # with --pp given the search keeps it (and ep = W/pp) and chooses the rest
+    given = search(dataclasses.replace(spec, pp=1), "ep-interleaved", costs, emulated_cluster(spec))
+    assert {(c.pp, c.ep) for c in given} == {(1, 8)} and len({c.virtual_stages for c in given}) > 1
     chosen = dataclasses.replace(spec, pp=0, ep_layouts=(("ep-interleaved", 2, 2, 3),))
     flags = chosen.train_flags("ep-interleaved", Path("r"))
     assert flags[flags.index("--pp") + 1] == "2" and flags[flags.index("--ep") + 1] == "2"

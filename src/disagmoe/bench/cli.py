@@ -97,8 +97,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "parallel.attn_workers", default=0, note=planner)
     add_config_flag(p, "parallel.expert_workers", default=0, note=planner)
     add_config_flag(p, "parallel.pp", default=0,
-                    note="for every EP row; 0: each runtime's best layout by the simulator, "
-                    "with this machine's measured compute")  # fmt: skip
+                    note="for every EP row (virtual stages, chunks and warm-up still "
+                    "searched); 0: each runtime's best layout by the simulator, with this "
+                    "machine's measured compute")  # fmt: skip
     add_config_flag(p, "parallel.ep", default=0, note="0: W/pp")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="config override for every runtime (repeatable)")  # fmt: skip
@@ -392,6 +393,10 @@ def choose_ep_layouts(spec: BenchSpec, log: Any, costs: ComputeCosts | None = No
         ranked = search(spec, runtime, costs, emulated_cluster(spec))
         spec_gib = emulated_cluster(spec).gpu_mem_gib
         best = ranked[0]
+        if best.refused and spec.pp:  # the given layout runs as given: its row says why not
+            if log:
+                log(f"bench: {runtime} at the given --pp: {best.refused}")
+            continue
         if best.refused:
             raise ValueError(f"{runtime}: no layout fits this bench: {best.refused}")
         chosen.append((runtime, best.pp, best.ep, best.virtual_stages, best.warmup))
@@ -442,9 +447,8 @@ def run_bench(args: argparse.Namespace) -> int:
 
     if spec.compute == "emulated":
         spec = prepare_emulation(spec, log)
-        if not spec.pp:
-            spec = choose_ep_layouts(spec, log)
-    elif not spec.pp:  # real compute: the layouts searched with this machine's measured costs
+        spec = choose_ep_layouts(spec, log)
+    elif any(r != "disagg" for r in spec.runtimes):  # the layouts priced with measured costs
         spec = choose_ep_layouts(spec, log, measure_compute(spec, log, "for the EP layouts"))
     with cluster:
         outcomes = run_all(spec, cluster, log)

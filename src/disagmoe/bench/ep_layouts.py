@@ -1,13 +1,14 @@
 """The layout each `ep-*` row of an emulated bench runs: the simulator's best.
 
-`disagmoe bench --compute emulated` without `--pp` gives every EP runtime the same search
+`disagmoe bench --compute emulated` gives every EP runtime the same search
 effort AF-Pipe's planner gets: each layout the runtime accepts on the bench's world and
 batch (`simulator.ep_search`) is simulated on the emulated cluster (one NIC per node at
 the bench's rate, loopback inside a node) with the calibrated compute costs
 (`EmulatedEPCosts`), and the fastest runs; the chunked runtimes (`ep-overlap`,
 `ep-combined`, `ep-dualpipev`) at each expert compute chunk count of
 `simulator.ep_search.OVERLAP_CHUNKS`, and the (interleaved) 1F1B runtimes at each warm-up
-of `simulator.ep_search.pipeline_warmups`, as `disagmoe simulate` searches them.
+of `simulator.ep_search.pipeline_warmups`, as `disagmoe simulate` searches them. With
+`--pp` (and `--ep`) the search keeps that layout and chooses the rest.
 """
 
 from __future__ import annotations
@@ -76,7 +77,9 @@ def search(
     simulated with `costs` (unscaled), fastest first; those over the cluster's GPU memory
     (`gpu_mem_gib`) refused. Recompute stays the rows' own (the bench's `--recomputes`);
     the chunk counts and the warm-ups are searched (module doc) unless the bench's
-    `--set parallel.overlap_chunks=K` / `parallel.pipeline_warmup=W` gives one."""
+    `--set parallel.overlap_chunks=K` / `parallel.pipeline_warmup=W` gives one. A `--pp`
+    given keeps that pipeline depth and `--ep` (by default all the workers of a stage):
+    the rest (virtual stages, chunks, warm-up) is searched at that layout."""
     model = model_preset(spec.model)
     net = emulated_network(spec.nic_gbps, spec.ranks_per_node, spec.loopback)
     train = TrainConfig(
@@ -98,6 +101,7 @@ def search(
         runtime, model, train, spec.world, costs_for=costs_for, net=net, cluster=cluster,
         overlap_chunks=_given(spec, "parallel.overlap_chunks", 0), memory_gib=cluster.gpu_mem_gib,
         warmup=_given(spec, "parallel.pipeline_warmup", -1),
+        pp_ep=(spec.pp, spec.ep or spec.world // spec.pp) if spec.pp else (0, 0),
     )  # fmt: skip
 
 

@@ -123,15 +123,21 @@ def pipeline_warmups(
 
 
 def candidate_layouts(
-    runtime: str, model: ModelConfig, train: TrainConfig, world: int, warmup: int = -1
+    runtime: str,
+    model: ModelConfig,
+    train: TrainConfig,
+    world: int,
+    warmup: int = -1,
+    pp_ep: tuple[int, int] = (0, 0),
 ) -> list[tuple[ParallelConfig, EPLayout | str]]:
     """Every (pp, ep, v, warm-up) of `runtime` on `world` workers (`warmup` >= 0: that one
-    only, `pipeline_warmups`): its layout, or why it is refused."""
+    only, `pipeline_warmups`; `pp_ep`: those a non-zero pp / ep fixes): its layout, or why
+    it is refused."""
     out: list[tuple[ParallelConfig, EPLayout | str]] = []
     vs = VIRTUAL_STAGES if runtime == "ep-interleaved" else (2,)
-    for pp in _divisors(world):
+    for pp in [d for d in _divisors(world) if pp_ep[0] in (0, d)]:
         local = train.num_micro_batches // (world // pp)
-        for ep in _divisors(world // pp):
+        for ep in [d for d in _divisors(world // pp) if pp_ep[1] in (0, d)]:
             for v in vs:
                 for w in pipeline_warmups(runtime, pp, local, warmup):
                     parallel = ParallelConfig(
@@ -159,6 +165,7 @@ def search_ep_layouts(
     recomputes: Sequence[str] = ("none",),
     warmup: int = -1,
     prune: bool = False,
+    pp_ep: tuple[int, int] = (0, 0),
 ) -> list[EPCandidate]:
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
     its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
@@ -168,7 +175,7 @@ def search_ep_layouts(
     `OVERLAP_CHUNKS` per layout, as AF-Pipe's `exchange_chunks` 0 does. `warmup`
     (`parallel.pipeline_warmup`): -1 tries `pipeline_warmups`. `prune`: a candidate whose
     bound is above the fastest step so far is not run (`BOUND_ABOVE`, module doc); the
-    fastest is the same. Activations move
+    fastest is the same. `pp_ep`: a non-zero pp / ep is kept (the rest searched). Activations move
     in `train`'s compute dtype and gradients reduce in its parameter dtype, as the run's
     (a float32 bench run sends 4 bytes per element, a bf16 cluster run 2)."""
     prec = run_precision(train)
@@ -178,7 +185,7 @@ def search_ep_layouts(
         else (overlap_chunks,) if overlap_chunks else OVERLAP_CHUNKS
     )  # fmt: skip
     found: list[EPCandidate] = []
-    for parallel, lay in candidate_layouts(runtime, model, train, world, warmup):
+    for parallel, lay in candidate_layouts(runtime, model, train, world, warmup, pp_ep):
         v = parallel.virtual_stages
         if isinstance(lay, str):
             found.append(EPCandidate(runtime, parallel.pp, parallel.ep, v, float("inf"), lay))
