@@ -224,3 +224,38 @@ def test_ep_prices_the_chunked_loss_heads_rerun_as_afpipe_does(recompute: str) -
     assert ep(128).attn(head, "B") == pytest.approx(ep(0).attn(head, "B") + extra)
     assert ep(128).attn(head, "I") == pytest.approx(ep(0).attn(head, "I") + extra)
     assert ep(128).attn(head - 1, "B") == pytest.approx(ep(0).attn(head - 1, "B"))
+
+
+def test_the_halves_of_a_pair_exchange_side_by_side() -> None:
+    """An F&B pair of chunked ep-combined: the backward's all-to-alls do not queue behind
+    the forward's (each half posts and waits for its own, as the runtime's threads do).
+    Two ranks, 2 layers, 2 chunks, every all-to-all 4 s alone: the pair (forward of
+    micro-batch 1, backward of 0) starts the backward's first all-to-all before the
+    forward's first layer has finished exchanging."""
+    from disagmoe.simulator.engine import A2A
+
+    @dataclass
+    class Costs:
+        a2a_s: list[float] = field(default_factory=lambda: [4.0])
+
+        def attn(self, layer: int, kind: str) -> float:
+            return 0.0 if layer == 2 else 1.0
+
+        def experts(self, kind: str) -> float:
+            return 1.0
+
+    result = simulate_ep(
+        "ep-combined", ModelConfig(num_layers=2, num_experts=8), H800, gpus=2, pp=1, ep=2,
+        seq_len=8, micro_batch_size=1, num_micro_batches=4, overlap_chunks=2, sync=False,
+        costs=Costs(), net=FREE_NET,
+    )  # fmt: skip
+    prog, times = result.program, result.timeline
+    assert prog is not None and times is not None
+    a2a = {
+        prog.label[i]: (times.start[i], times.end[i])
+        for i in range(len(prog.kind))
+        if prog.rank[i] == 0 and prog.kind[i] == A2A and " s" in prog.label[i]
+    }
+    backward_starts = a2a["a2a grad_combine l1 s0 c0"][0]
+    assert backward_starts < a2a["a2a dispatch l0 s1 c1"][1]
+    assert backward_starts < a2a["a2a dispatch l0 s1 c0"][1]

@@ -307,3 +307,40 @@ def test_the_compute_fit_prices_the_loss_head_apart_from_the_blocks() -> None:
     assert fitted.attn(last, "F") == pytest.approx(0.1 * base.attn(last, "F"))
     assert fitted.attn(last, "B") == 0.0
     assert fitted.attn(1, "B") == pytest.approx(0.15 * base.attn(1, "B"))
+
+
+def test_a_chunked_runs_expert_calls_are_fitted_apart_from_its_attention() -> None:
+    """A chunked run traces each expert call: the fit takes their median seconds as one
+    call's price (forward and backward) and the stage spans less the calls for the
+    attention's rate; the replay prices a chunk at the call, `experts` at the run's chunk
+    count times it, and another chunk count as a share of that."""
+    from disagmoe.bench.ep_fit import FittedEP, fitted_ep_rates
+    from disagmoe.distributed.ep_layout import EPLayout
+    from disagmoe.simulator import Workload
+    from disagmoe.simulator.ep import EPCosts
+
+    lay = EPLayout.of("ep-overlap", MODEL, world=2, pp=1, ep=2, num_micro_batches=4, v=1)
+    flops = EPCosts(Workload(MODEL, 8, 1), 1.0, [0.0])
+    moe = [l for l in lay.layers_of_stage(0) if MODEL.is_moe_layer(l)]
+
+    def ev(name: str, cat: str, t0: float, t1: float) -> dict:
+        return {"cat": cat, "name": name, "pid": 0, "ts": t0 * 1e6, "dur": (t1 - t0) * 1e6,
+                "args": {"stage": 0, "step": 1}}  # fmt: skip
+
+    calls = 2 * len(moe)  # two chunks per MoE layer, 0.5 s forward and 0.25 s backward each
+    events = [ev("F s0 mb0", "fwd", 0.0, 10.0), ev("B s0 mb0", "bwd", 10.0, 30.0)]
+    events += [ev(f"experts l c{n}", "compute", 1.0 + n, 1.5 + n) for n in range(calls)]
+    events += [ev(f"experts.bwd l c{n}", "compute", 11.0 + n, 11.25 + n) for n in range(calls)]
+    rates = fitted_ep_rates(events, lay, flops, chunked=True)
+    assert rates["experts F"] == pytest.approx(0.5) and rates["experts B"] == pytest.approx(0.25)
+    layers = lay.layers_of_stage(0)
+    attn_f = sum(flops.attn(l, "F") for l in layers) + flops.attn(MODEL.num_layers, "F")
+    assert rates["F"] == pytest.approx((10.0 - 0.5 * calls) / attn_f)
+    fitted = FittedEP(flops, rates, [0.0], chunks=2)
+    assert fitted.experts_chunk("F", 2) == pytest.approx(0.5)
+    assert fitted.experts("B") == pytest.approx(0.5)
+    assert fitted.experts_chunk("B", 4) == pytest.approx(0.125)
+    # one rate for everything where no call is traced
+    plain = fitted_ep_rates(events[:2], lay, flops, chunked=True)
+    assert "experts F" not in plain
+    assert plain["F"] == pytest.approx(10.0 / (attn_f + len(moe) * flops.experts("F")))

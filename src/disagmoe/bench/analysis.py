@@ -330,7 +330,10 @@ def predict_ep(
             if peers
             else 0.0
         )
-    costs = FittedEP(flops, s_per_flop, a2a, emulated=bool(cfg.train.emulate_compute))
+    costs = FittedEP(
+        flops, s_per_flop, a2a, emulated=bool(cfg.train.emulate_compute),
+        chunks=cfg.parallel.overlap_chunks if chunked else 1,
+    )  # fmt: skip
     sim = simulate_ep(
         cfg.parallel.runtime, model, ClusterConfig(), gpus=world, pp=lay.pp, ep=lay.ep,
         seq_len=cfg.train.seq_len, micro_batch_size=cfg.train.micro_batch_size,

@@ -1,12 +1,22 @@
 """The compute fit of an ep-* run's replay (`bench.analysis.predict_ep`): seconds per FLOP
 of its stage computations, read off its trace, and the `EPCostModel` that prices the
-replay's instructions with them."""
+replay's instructions with them.
+
+A chunked run (`config.runs_chunked`) traces each expert call of its chunks apart
+("experts ..." / "experts.bwd ...", category "compute"): the fit takes those calls'
+median seconds as they are ("experts F", "experts B") and the stage spans less them for
+the attention's rate. One rate for both would move the calls' fixed part onto the
+attention, which no all-to-all hides: with emulated compute a call waits a fixed 34 ms
+of trace at `small`, 0.4 Gbit/s, 8 workers (40.7 ms a forward chunk at 8 chunks, 89 ms
+a layer's attention forward), and the one-rate replay put ep-combined 22% over its run.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from statistics import median
 from typing import Any
 
 from ..distributed.ep_layout import EPLayout
@@ -38,6 +48,7 @@ class FittedEP:
     s_per_flop: dict[str, float]
     a2a_s: list[float]
     emulated: bool = False
+    chunks: int = 1  # the run's expert calls per micro-batch and layer ("experts F" fitted)
 
     def _kind(self, kind: str) -> str:
         return "B" if self.emulated and kind == "I" else kind
@@ -53,7 +64,21 @@ class FittedEP:
     def experts(self, kind: str) -> float:
         if self.emulated and kind == "W":
             return 0.0
+        if f"experts {rate_of(kind)}" in self.s_per_flop:
+            return self.experts_chunk(kind, self.chunks) * self.chunks
         return self.base.experts(self._kind(kind)) * self.s_per_flop[rate_of(kind)]
+
+    def experts_chunk(self, kind: str, chunks: int) -> float:
+        """One of `chunks` expert calls: the run's median call where it ran `chunks`
+        (a backward's I or W its FLOP share of the measured whole backward), else a
+        `chunks`-th of `experts`."""
+        call = self.s_per_flop.get(f"experts {rate_of(kind)}")
+        if call is None or chunks != self.chunks:
+            return self.experts(kind) / chunks
+        if self.emulated and kind == "W":
+            return 0.0
+        kind = self._kind(kind)
+        return call * self.base.experts(kind) / self.base.experts(rate_of(kind))
 
 
 def rate_of(kind: str) -> str:
@@ -64,6 +89,7 @@ def seconds_per_flop(
     events: list[Event],
     stage_flops: Callable[[int, str], float],
     head: tuple[int, Callable[[str], float]] | None = None,
+    apart: Callable[[Event], bool] | None = None,
 ) -> dict[str, float]:
     """Seconds per FLOP of an ep-* run's forward ("F") and backward ("B": B, I, W) stage
     computations: their spans less the blocking all-to-alls inside them, over their FLOPs
@@ -76,10 +102,14 @@ def seconds_per_flop(
     misprice the head where its seconds do not follow them: with emulated compute the
     blocks wait for calibrated times while the head computes for real, at the host's
     speed (0.4 Gbit/s `small` at `pp 8`: every stage's forward 170 ms of trace, the last
-    one's included, though it holds 1.2x the others' FLOPs)."""
+    one's included, though it holds 1.2x the others' FLOPs).
+
+    Events that `apart` takes (a chunked run's expert calls) are not the stages' own
+    either: their spans are left out as the blocking waits are (`stage_flops` then counts
+    what is left)."""
     blocking: dict[int, list[Interval]] = defaultdict(list)
     for e in events:
-        if e["args"].get("blocking"):
+        if e["args"].get("blocking") or (apart is not None and apart(e)):
             blocking[e["pid"]].append((e["ts"], e["ts"] + e["dur"]))
     waits = {pid: union_intervals(spans) for pid, spans in blocking.items()}
     # Two computations of one rank in flight at once (an F&B pair of ep-combined /
@@ -131,6 +161,25 @@ def family(e: Event) -> str:
     return "F" if parse_event_name(e["name"]).what == "F" else "B"
 
 
+def expert_call(e: Event) -> bool:
+    """A chunked run's expert call, traced apart from its stage ("experts ...",
+    "experts.bwd ...": `baselines.moe_overlap`)."""
+    return e["cat"] == "compute" and e["name"].split(" ", 1)[0] in ("experts", "experts.bwd")
+
+
+def expert_call_seconds(events: list[Event]) -> dict[str, float]:
+    """Median seconds of a chunked run's expert calls, forward ("experts F") and backward
+    ("experts B"); empty where none is traced. The median, as a call of an F&B pair may
+    wait for its rank's device while the other computes (`models.emulated`)."""
+    calls: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if expert_call(e):
+            calls["experts B" if e["name"].startswith("experts.bwd") else "experts F"].append(
+                e["dur"] / 1e6
+            )
+    return {k: float(median(v)) for k, v in calls.items()}
+
+
 def fitted_ep_rates(
     events: list[Event], lay: EPLayout, flops: EPCosts, chunked: bool = False
 ) -> dict[str, float]:
@@ -138,15 +187,18 @@ def fitted_ep_rates(
     `flops` (at 1 FLOP/s); where it has more than one stage, the loss head apart from the
     blocks. `chunked` (`config.runs_chunked`): the MoE layers ran chunked, so a split
     backward's I holds the experts' whole backward and its W none of it
-    (`schedule.baselines`)."""
+    (`schedule.baselines`); where the run traced its expert calls (`expert_call_seconds`,
+    both directions) they are fitted apart and the stages' rates are the rest's."""
     model = flops.workload.model
+    calls = expert_call_seconds(events)
+    apart = expert_call if {"experts F", "experts B"} <= calls.keys() else None
     expert_kind = {"I": "B", "W": ""} if chunked else {}
 
     def block_flops(stage: int, kind: str) -> float:
         total = 0.0
         for layer in lay.layers_of_stage(stage):
             total += flops.attn(layer, kind)
-            if model.is_moe_layer(layer) and (of := expert_kind.get(kind, kind)):
+            if apart is None and model.is_moe_layer(layer) and (of := expert_kind.get(kind, kind)):
                 total += flops.experts(of)
         return total
 
@@ -154,5 +206,9 @@ def fitted_ep_rates(
         return flops.attn(model.num_layers, kind)
 
     if lay.num_stages > 1:
-        return seconds_per_flop(events, block_flops, (lay.num_stages - 1, head_flops))
-    return seconds_per_flop(events, lambda stage, kind: block_flops(stage, kind) + head_flops(kind))
+        rates = seconds_per_flop(events, block_flops, (lay.num_stages - 1, head_flops), apart)
+    else:
+        rates = seconds_per_flop(
+            events, lambda stage, kind: block_flops(stage, kind) + head_flops(kind), apart=apart
+        )
+    return {**rates, **calls} if apart is not None else rates

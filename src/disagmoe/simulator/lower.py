@@ -179,11 +179,15 @@ class _Lowering:
         rank = ip.rank
         lane_last: dict[str, int] = {}
 
-        def op(kind: int, lane: str, work: float, cat: str, label: str, deps: list[int]) -> int:
+        def op(
+            kind: int, lane: str, work: float, cat: str, label: str, deps: list[int],
+            stream: str = "",
+        ) -> int:  # fmt: skip
+            key = stream or lane  # the in-order stream it queues on (its trace lane by default)
             new = self.prog.add(
-                kind, rank, lane, work, cat, label, [lane_last.get(lane, -1), *deps], {"step": 0}
+                kind, rank, lane, work, cat, label, [lane_last.get(key, -1), *deps], {"step": 0}
             )
-            lane_last[lane] = new
+            lane_last[key] = new
             return new
 
         prev = -1
@@ -229,7 +233,10 @@ class _Lowering:
     def chunked(
         self, rank: int, lane: str, group: Chunked, kind: str, last: int, op: Callable[..., int]
     ) -> int:
-        """Chunk n: dispatch on "send", compute on `lane`, combine on "recv"; then a join."""
+        """Chunk n: dispatch on "send", compute on `lane`, combine on "recv"; then a join.
+        The all-to-alls queue per compute lane: the halves of an F&B pair each post and
+        wait for their own (one thread each in the runtime), side by side on the rank's
+        network, neither behind the other's."""
         c, ins = group.chunks, group.compute
         tag = f"l{ins.layer} s{ins.slot}"
         dispatch = self.a2a_s(rank, group.dispatch) / c
@@ -238,9 +245,11 @@ class _Lowering:
         compute = chunk_s(ins, kind, c) if chunk_s else self.pricing.compute_s(ins, kind) / c
         ends = []
         for n in range(c):
-            d = op(A2A, "send", dispatch, "comm", f"a2a {group.dispatch.comp} {tag} c{n}", [last])
+            label = f"a2a {group.dispatch.comp} {tag} c{n}"
+            d = op(A2A, "send", dispatch, "comm", label, [last], stream=f"send {lane}")
             e = op(COMPUTE, lane, compute, "ffn", f"experts {tag}", [d])
-            ends.append(op(A2A, "recv", combine, "comm", f"a2a {group.combine.comp}", [e]))
+            label = f"a2a {group.combine.comp}"
+            ends.append(op(A2A, "recv", combine, "comm", label, [e], stream=f"recv {lane}"))
         return op(DELAY, lane, 0.0, "other", f"join {tag}", ends)
 
     def a2a_s(self, rank: int, ins: Instr) -> float:
