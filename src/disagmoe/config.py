@@ -35,6 +35,8 @@ from .train_config import (
     RECOMPUTE,
     TrainConfig,
     check_loss_chunk_tokens,
+    check_recompute_layers,
+    recomputed_layers,
 )
 
 MAX_EXCHANGE_CHUNKS = 16  # schedule.exchange_chunks: 1 .. this, or 0 (auto)
@@ -51,7 +53,9 @@ __all__ = [
     "ModelConfig",
     "TrainConfig",
     "check_loss_chunk_tokens",
+    "check_recompute_layers",
     "flag",
+    "recomputed_layers",
 ]
 
 EP_RUNTIMES = (  # disagmoe.baselines

@@ -18,6 +18,7 @@ from .config import (
     ModelConfig,
     ParallelConfig,
     check_loss_chunk_tokens,
+    check_recompute_layers,
     split_backward_flag,
 )
 from .costs import costmodel as cm
@@ -99,6 +100,7 @@ def _check_args(args: argparse.Namespace, model: ModelConfig) -> None:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     check_loss_chunk_tokens(args.loss_chunk_tokens)
+    check_recompute_layers(args.recompute, args.recompute_layers)
     if not 0 <= args.exchange_chunks <= MAX_EXCHANGE_CHUNKS:
         raise ValueError(
             f"--exchange-chunks must be 1..{MAX_EXCHANGE_CHUNKS} or 0 (auto picks), "
@@ -163,11 +165,12 @@ def _resolve_disagg(
     )  # fmt: skip
     need = max(1, args.max_in_flight)  # -1 (no cap) asks for no check beyond one
     for recompute in modes:
-        fits = planner.max_in_flight(p, m, recompute)
+        layers = args.recompute_layers if recompute == "full" else 0
+        fits = planner.max_in_flight(p, m, recompute, layers)
         if fits >= need or args.max_in_flight == -1:
             break
     else:
-        raise ValueError(memory_error(planner, p, m, need, recompute))
+        raise ValueError(memory_error(planner, p, m, need, recompute, layers))
     fits = max(fits, 0)
     if f"memory allows {fits} in flight" not in note:  # not the planner's recompute
         note += f"; recompute {recompute}, memory allows {fits} in flight"
@@ -177,7 +180,8 @@ def _resolve_disagg(
 
     def gib(cap: int) -> float:  # the fullest worker's peak at `cap` slots in flight
         held = min(cap or slots, slots)
-        return max(mem.total for mem in planner.worker_memory(p, m, held, recompute)) / cm.GIB
+        peaks = planner.worker_memory(p, m, held, recompute, layers)
+        return max(mem.total for mem in peaks) / cm.GIB
 
     return {
         "nic_split": nic,
@@ -185,6 +189,7 @@ def _resolve_disagg(
         "split_note": note,
         "max_in_flight": in_flight,
         "recompute": recompute,
+        "recompute_layers": layers,
         "groups": p,
         "attn_workers": m,
         "expert_workers": n,
@@ -214,10 +219,13 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
     order, at fewer slots in flight while that is faster (`_fewer_in_flight`)."""
     if args.runtime != "disagg":
         return _simulate_resolved(args)
+    check_recompute_layers(args.recompute, args.recompute_layers)  # not a variant's misfit
     auto = args.order == "auto"
-    kept, search = _best_variant(
+    kept, search, runs = _best_variant(
         argparse.Namespace(**{**vars(args), "order": "breadth"}) if auto else args
     )
+    if args.recompute == "auto" and args.max_in_flight == 0:  # the cap is the memory's
+        kept = _some_layers_recomputed(kept, runs, search)
     if auto:
         kept = _pick_order(*kept)
     result = _fewer_in_flight(*kept)[2]
@@ -228,9 +236,10 @@ def simulate_from_args(args: argparse.Namespace) -> SimResult:
     return result
 
 
-def _best_variant(args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
+def _best_variant(args: argparse.Namespace) -> tuple[Run, dict[str, Any], dict[str, Run]]:
     """The fastest of `plan_variants` (and their p = 1 plans) at the memory's cap, with the
-    args and resolution it ran with, and every variant's step (or "does not fit")."""
+    args and resolution it ran with, every variant's step (or "does not fit"), and every
+    variant's run."""
     given = bool(args.attn_workers and args.expert_workers)
     variants = plan_variants(args.recompute, args.split_backward)
     runs: dict[str, Run] = {}
@@ -251,7 +260,77 @@ def _best_variant(args: argparse.Namespace) -> tuple[Run, dict[str, Any]]:
             search[name + suffix] = round(run[2].step_time_s, 6)
     if not runs:
         raise error
-    return runs[min(runs, key=lambda name: runs[name][2].step_time_s)], search
+    return runs[min(runs, key=lambda name: runs[name][2].step_time_s)], search, runs
+
+
+def _some_layers_recomputed(kept: Run, runs: dict[str, Run], search: dict[str, Any]) -> Run:
+    """`kept`, or a plan with whole backwards of `runs` at its split, NIC shares and
+    micro-batches, each group recomputing only its first layers in full
+    (`train.recompute_layers`: the fewest that let the slots in flight fit), where that is
+    the faster step: the plan without recompute at more slots in flight than its memory
+    holds (climbing from its cap), the plan with full recompute at its cap and below
+    (descending); each direction stops after two caps in a row that are not faster, or
+    where only every layer would fit. Every step is kept in `search` ("full on K
+    layer(s), C in flight")."""
+    best = kept
+    for name, run in runs.items():
+        _, r, first = run
+        if "split" in name or first.config["split_backward"] or r["max_in_flight"] < 1:
+            continue  # deferred weight gradients: no recompute; no cap: nothing to hold more
+        if r["recompute"] == "none":
+            caps = range(r["max_in_flight"] + 1, -(-r["micro_batches"] // r["attn_workers"]) + 1)
+        elif r["recompute"] == "full" and not r["recompute_layers"]:
+            caps = range(r["max_in_flight"], 0, -1)
+        else:
+            continue
+        best = _layers_at_caps(run, caps, name[len(r["recompute"]) :], best, search)
+    return best
+
+
+def _layers_at_caps(run: Run, caps: range, suffix: str, best: Run, search: dict[str, Any]) -> Run:
+    """`_some_layers_recomputed` on one plan: `run` at each of `caps` in turn with the
+    fewest first layers per group recomputed that let that many fit; the faster of `best`
+    and each."""
+    args, r, _ = run
+    model, p, m = r["model"], r["groups"], r["attn_workers"]
+    planner = split_planner(
+        model, r["cluster"], gpus=r["gpus"], seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch_size, groups=p,
+        loss_chunk_tokens=args.loss_chunk_tokens,
+    )  # fmt: skip
+    vargs = argparse.Namespace(**{**vars(args), "recompute": "full", "split_backward": "off"})
+    misses = 0
+    for cap in caps:
+        fits = (
+            k
+            for k in range(1, model.num_layers // p)
+            if planner.max_in_flight(p, m, "full", k) >= cap
+        )
+        layers = next(fits, 0)
+        if not layers:  # only every layer fits: at more slots none will, at fewer some may
+            if caps.step > 0:
+                break
+            continue
+        peaks = planner.worker_memory(p, m, cap, "full", layers)
+        at = {
+            **r, "recompute": "full", "recompute_layers": layers, "max_in_flight": cap,
+            "memory_gib_per_gpu": max(mem.total for mem in peaks) / cm.GIB,
+            "memory_gib_by_cap": {},
+            "split_note": f"{r['split_note']}; full recompute of {layers} layer(s) per group: "
+            f"{cap} in flight",
+        }  # fmt: skip
+        key = f"full on {layers} layer(s), {cap} in flight{suffix}"
+        try:
+            res = _simulate_resolved(vargs, at)
+        except ScheduleRejected:  # that cap's schedule does not validate: a miss
+            search[key], misses = "rejected", misses + 1
+        else:
+            search[key] = round(res.step_time_s, 6)
+            faster = res.step_time_s < best[2].step_time_s
+            best, misses = ((vargs, at, res), 0) if faster else (best, misses + 1)
+        if misses == 2:
+            break
+    return best
 
 
 def _pick_order(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> Run:
@@ -376,6 +455,7 @@ def _simulate_resolved(args: argparse.Namespace, r: dict[str, Any] | None = None
             overlap_sync=args.overlap_grad_sync,
             exchange_chunks=args.exchange_chunks,
             split_backward=split_backward_flag(args.split_backward),
+            recompute_layers=r["recompute_layers"],
             **common,
         )
         result.config.update(
@@ -401,6 +481,7 @@ def _simulate_resolved(args: argparse.Namespace, r: dict[str, Any] | None = None
         warmup=r.get("pipeline_warmup", max(args.pipeline_warmup, 0)),
         recompute=r["recompute"],
         overlap_sync=args.overlap_grad_sync,
+        recompute_layers=r.get("recompute_layers", 0),
         **common,
     )
     if r["layout_note"]:

@@ -14,7 +14,12 @@ from .distributed.ep_layout import EPLayout
 from .simulate_flags import default_micro_batches
 from .simulator.costs import Workload
 from .simulator.ep import analytic_ep_costs, ep_memory
-from .simulator.ep_search import search_ep_layouts, skipped_for_bound, skipped_for_memory
+from .simulator.ep_search import (
+    fewest_layers,
+    search_ep_layouts,
+    skipped_for_bound,
+    skipped_for_memory,
+)
 from .simulator.network import Network
 from .training.ep_budget import check_ep_fits
 
@@ -46,26 +51,43 @@ def resolve_ep(
         tries += [(p, _default_ep(args, model, gpus, p), m) for p in more for m in modes]
     micro = args.micro_batches or default_micro_batches(gpus)
     refused: tuple[EPLayout, list[cm.MemoryBreakdown], str] | None = None
+    budget = cluster.gpu_mem_gib * cm.GIB
     for i, (p, ep, recompute) in enumerate(tries):
-        try:
+
+        def peak(layers: int, p: int = p, ep: int = ep, recompute: str = recompute) -> float:
             mems = ep_memory(
                 args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
                 micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
                 chunks=args.virtual_stages, recompute=recompute,
                 loss_chunk_tokens=args.loss_chunk_tokens, warmup=max(args.pipeline_warmup, 0),
+                recompute_layers=layers,
             )  # fmt: skip
+            return max(m.total for m in mems)
+
+        layers = args.recompute_layers if recompute == "full" else 0
+        try:
+            if recompute == "full" and args.recompute == "auto":  # the fewest layers that fit
+                layers = fewest_layers(lambda k: peak(k) <= budget, math.ceil(model.num_layers / p))
+            need = peak(layers)
         except ValueError:
             if i < len(modes):  # the layout asked for (or the default) is itself impossible
                 raise
             continue
-        if max(m.total for m in mems) <= cluster.gpu_mem_gib * cm.GIB:
+        if need <= budget:
             note = _gave_way(first, (p, ep, recompute)) if i > 0 else ""
             return {"pp": p, "ep": ep, "micro_batches": micro, "recompute": recompute,
-                    "layout_note": note}  # fmt: skip
+                    "recompute_layers": layers, "layout_note": note}  # fmt: skip
         if i == len(modes) - 1:  # the layout asked for (or the default), its last recompute
             lay = EPLayout.of(args.runtime, model, world=gpus, pp=p, ep=ep,
                               num_micro_batches=micro, v=args.virtual_stages,
                               warmup=max(args.pipeline_warmup, 0))  # fmt: skip
+            mems = ep_memory(
+                args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
+                micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
+                chunks=args.virtual_stages, recompute=recompute,
+                loss_chunk_tokens=args.loss_chunk_tokens, warmup=max(args.pipeline_warmup, 0),
+                recompute_layers=layers,
+            )  # fmt: skip
             refused = (lay, mems, recompute)
     assert refused is not None
     check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2])
@@ -95,6 +117,7 @@ def searched_ep(
         warmup=args.pipeline_warmup,
         memory_gib=cluster.gpu_mem_gib,
         recomputes=RECOMPUTE if args.recompute == "auto" else (args.recompute,), prune=True,
+        recompute_layers=-1 if args.recompute == "auto" else args.recompute_layers,
     )  # fmt: skip
     ran = [c for c in found if not c.refused]
     if not ran:
@@ -112,6 +135,7 @@ def searched_ep(
         + (f"; {pruned} not run: bound above the fastest step)" if pruned else ")")
     )
     return {"pp": best.pp, "ep": best.ep, "micro_batches": micro, "recompute": best.recompute,
+            "recompute_layers": best.recompute_layers,
             "virtual_stages": best.virtual_stages, "layout_note": note,
             "overlap_chunks": best.overlap_chunks, "pipeline_warmup": best.warmup}  # fmt: skip
 

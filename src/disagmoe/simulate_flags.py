@@ -60,6 +60,12 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
         "full fits the GPU (disagg with --attn-workers/--expert-workers, ep-* with --pp / --ep); "
         "each mode in the ep-* layout search",
     )  # fmt: skip
+    add_config_flag(
+        parser, "train.recompute_layers",
+        note="simulate: with --recompute full; --recompute auto also tries, on the plan without "
+        "recompute (disagg) and each ep-* layout, full recompute of the fewest first layers "
+        "that hold more micro-batches in flight (disagg) or that fit (ep-*)",
+    )  # fmt: skip
     add_config_flag(parser, "schedule.order", default=SIM_ORDER,
                     note=f"simulate: {SIM_ORDER}, picked on the plan it keeps")  # fmt: skip
     add_config_flag(parser, "schedule.costs")

@@ -31,6 +31,28 @@ LOSS_CHUNK_TOKENS = 4096
 SAVE_KILL_POINTS = ("shards", "meta", "manifest", "renamed", "latest")
 
 
+def recomputed_layers(layers: list[int], count: int) -> frozenset[int]:
+    """The layers among `layers` (one worker's decoder layers, in order: an AF-Pipe group's,
+    an EP pipeline rank's) whose full recompute runs under `train.recompute_layers`
+    `count`: its first `count` (Megatron-LM's block method), every one for 0."""
+    return frozenset(layers if count <= 0 else layers[:count])
+
+
+def check_recompute_layers(recompute: str, count: int) -> None:
+    """`train.recompute_layers` against `train.recompute`, for every command that runs or
+    prices a recompute (`TrainConfig`, the planner's `PlanOptions`, `disagmoe simulate`)."""
+    _require(
+        count >= 0,
+        f"train.recompute_layers (--recompute-layers) must be >= 0 (0: every layer), got {count}",
+    )
+    _require(
+        count == 0 or recompute == "full",
+        f"train.recompute_layers (--recompute-layers) {count} needs train.recompute full "
+        f"(it limits the full recompute to each worker's first {count} layers), got "
+        f"recompute {recompute}",
+    )
+
+
 def check_loss_chunk_tokens(tokens: int) -> None:
     """`train.loss_chunk_tokens`' range, for every command that prices or runs a loss head
     (`TrainConfig`, the planner's `PlanOptions`, `disagmoe simulate`)."""
@@ -94,6 +116,13 @@ class TrainConfig:
         metadata=flag(
             "activation recompute: none, attn (attention core) or full (whole stage)",
             choices=RECOMPUTE,
+        ),
+    )
+    recompute_layers: int = field(
+        default=0,
+        metadata=flag(
+            "with recompute full: recompute only the first N decoder layers each worker "
+            "holds (an AF-Pipe group's, an EP pipeline rank's); 0: every layer"
         ),
     )
     loss_chunk_tokens: int = field(  # models.loss_head; 0: lm_head + cross_entropy unchunked
@@ -231,6 +260,7 @@ class TrainConfig:
             self.recompute in RECOMPUTE,
             f"train.recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}",
         )
+        check_recompute_layers(self.recompute, self.recompute_layers)
 
     def _check_sizes(self) -> None:
         """The memory budget and the batch's sizes."""

@@ -98,14 +98,17 @@ def without_recompute(cfg: RunConfig) -> RunConfig:
     """`cfg` for the ground truth: the reference trainer saves every activation."""
     import dataclasses
 
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute="none"))
+    train = dataclasses.replace(cfg.train, recompute="none", recompute_layers=0)
+    return dataclasses.replace(cfg, train=train)
 
 
-def recomputing(cfg: RunConfig, mode: str) -> RunConfig:
-    """`cfg` with activation recompute `mode` (`train.recompute`)."""
+def recomputing(cfg: RunConfig, mode: str, layers: int = 0) -> RunConfig:
+    """`cfg` with activation recompute `mode` (`train.recompute`) on each worker's first
+    `layers` layers (`train.recompute_layers`; 0: all)."""
     import dataclasses
 
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute=mode))
+    train = dataclasses.replace(cfg.train, recompute=mode, recompute_layers=layers)
+    return dataclasses.replace(cfg, train=train)
 
 
 _REFERENCE: dict[tuple[RunConfig, int, bool], list[dict[str, Any]]] = {}  # the latest 8

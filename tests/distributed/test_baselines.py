@@ -163,7 +163,7 @@ def _check(cases: list[tuple[RunConfig, int]], results: list[list[dict[str, Any]
     for k, (cfg, chunks) in enumerate(cases):
         what = (
             f"{cfg.parallel.runtime} pp={cfg.parallel.pp} ep={cfg.parallel.ep} "
-            f"warmup={cfg.parallel.pipeline_warmup} recompute={cfg.train.recompute} "
+            f"warmup={cfg.parallel.pipeline_warmup} recompute={cfg.train.recompute}/{cfg.train.recompute_layers} "
             f"model={cfg.model.name}"
         )
         # F&B overlap: a pair's forward and backward run at once (on some rank: a backward
@@ -239,7 +239,7 @@ def test_baselines_two_ranks(tmp_path: Path) -> None:
         (_warmed(_cfg("ep-interleaved", pp=2, ep=1), 2), 1),
         (_warmed(_cfg("ep-interleaved", pp=2, ep=1), 4), 1),
         (recomputing(_cfg("ep-1f1b", pp=1, ep=2), "attn"), 1),
-        (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full"), 1),
+        (recomputing(_cfg("ep-1f1b", pp=2, ep=1), "full", layers=1), 1),
         (recomputing(_cfg("ep-overlap", pp=1, ep=2), "full"), 3),
         (loss_chunked(recomputing(_cfg("ep-dualpipev", pp=2, ep=1, model=tied), "full"), 0), 1),
         (recomputing(_cfg("ep-combined", pp=1, ep=2), "full"), 3),

@@ -72,7 +72,7 @@ def assert_equivalent(
 def assert_small(cfg: RunConfig, loss_err: float, grad_err: float, count: int) -> None:
     label = (
         f"p={cfg.parallel.groups} m={cfg.parallel.attn_workers} "
-        f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute} "
+        f"n={cfg.parallel.expert_workers} recompute={cfg.train.recompute}/{cfg.train.recompute_layers} "
         f"chunks={cfg.schedule.exchange_chunks} {cfg.model}"
     )
     assert loss_err < TOL, f"{label}: loss rel err {loss_err}"
@@ -156,7 +156,7 @@ def four_ranks_p2_m1_n1_cases(folder: Path) -> list[Case]:
             evaluating(chunked(capped(case(2, 1, 1), 1), 3), val),
             evaluating(loss_chunked(case(2, 1, 1), 9), val),
             case(2, 1, 1, top_k=1, num_shared_experts=1, num_dense_layers=1, dense_dim=96),
-            loss_chunked(recomputing(case(2, 1, 1), "full"), 5),
+            loss_chunked(recomputing(case(2, 1, 1), "full", layers=1), 5),
             ordered(capped(case(2, 1, 1), 1), "steady", "run"),
             ordered(case(2, 1, 1), "auto"),
         ]
@@ -165,7 +165,7 @@ def four_ranks_p2_m1_n1_cases(folder: Path) -> list[Case]:
 
 def test_four_ranks_p2_m1_n1(four_ranks: dict[str, list[tuple[Case, Any]]]) -> None:
     """p=2 (m=1, n=1): the ring A0 -> F0 -> A1 -> F1 -> A0; combine fused with the hop;
-    full recompute with the hop; an evaluation between steps; the steady order capped at
+    full recompute of each group's first layer only with the hop; an evaluation between steps; the steady order capped at
     one slot, ordered with the run's costs, and auto (the best candidate for the default
     cluster, simulator.choose); 3 exchange chunks, capped at one slot, with an evaluation."""
     assert_equivalent_cases(four_ranks.pop("four_ranks_p2_m1_n1_cases"))

@@ -34,7 +34,8 @@ import pytest
 
 from disagmoe.testing.cli import run_cli, run_cli_in_process
 
-# Recompute modes checked: every mode on the first layout; `full` also with p = 2.
+# Recompute modes checked: every mode on the first layout; `full` also with p = 2, on every
+# layer and on each group's first layer only.
 RECOMPUTE = ["none", "attn", "full"]
 
 
@@ -53,6 +54,13 @@ def last_record(tmp_path: Path) -> dict[str, Any]:
         *[(r, "float32", ["--groups", "1", "--attn-workers", "2"], "1") for r in RECOMPUTE],
         ("none", "float64", ["--groups", "1", "--attn-workers", "2"], "0"),
         *[(r, "float32", ["--groups", "2", "--attn-workers", "1"], "1") for r in ("none", "full")],
+        # full recompute of each group's first layer only (train.recompute_layers)
+        (
+            "full",
+            "float32",
+            ["--groups", "2", "--attn-workers", "1", "--recompute-layers", "1"],
+            "1",
+        ),
     ],
 )
 def test_measured_memory_matches_the_model(

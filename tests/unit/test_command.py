@@ -50,6 +50,7 @@ CONFIG_FLAGS = {
     "--weight-decay": "train.weight_decay",
     "--grad-clip": "train.grad_clip",
     "--recompute": "train.recompute",
+    "--recompute-layers": "train.recompute_layers",
     "--memory-gib": "train.memory_gib",
     "--data": "train.data",
     "--eval-data": "train.eval_data",

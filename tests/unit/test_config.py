@@ -71,6 +71,11 @@ def test_train_and_parallel_validation() -> None:
         TrainConfig(dtype="float16")
     with pytest.raises(ValueError, match=r"train.loss_chunk_tokens \(--loss-chunk-tokens\)"):
         TrainConfig(loss_chunk_tokens=-1)
+    with pytest.raises(ValueError, match=r"recompute_layers \(--recompute-layers\) 2 needs"):
+        TrainConfig(recompute="attn", recompute_layers=2)
+    with pytest.raises(ValueError, match="recompute_layers .* must be >= 0"):
+        TrainConfig(recompute="full", recompute_layers=-1)
+    assert TrainConfig(recompute="full", recompute_layers=2).recompute_layers == 2
     with pytest.raises(ValueError, match="parallel.runtime"):
         ParallelConfig(runtime="megatron")
     with pytest.raises(ValueError, match="exceeds model.max_seq_len"):

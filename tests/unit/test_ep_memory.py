@@ -219,6 +219,49 @@ def test_simulate_ep_reports_memory_and_prices_recompute() -> None:
     assert none.config["gpu_memory_gib"] == 80.0
     assert full.config["memory_gib_per_gpu"] < none.config["memory_gib_per_gpu"]
     assert full.step_time_s > none.step_time_s  # a backward reruns its forward
+    # each rank's first 4 of its 14 layers recomputed: between the two, in memory and step
+    some = simulate_ep(
+        "ep-1f1b", model, cluster_preset("h800"), recompute="full", recompute_layers=4, **kw
+    )  # type: ignore[arg-type]
+    assert some.config["recompute_layers"] == 4
+    mem = {
+        r.config["recompute"] + str(r.config.get("recompute_layers", "")): r
+        for r in (none, some, full)
+    }
+    gib = [mem[k].config["memory_gib_per_gpu"] for k in ("none", "full4", "full")]
+    assert gib[0] > gib[1] > gib[2], gib
+    assert none.step_time_s < some.step_time_s < full.step_time_s
+
+
+def test_the_ep_search_recomputes_the_fewest_first_layers_that_fit() -> None:
+    """`search_ep_layouts(recompute_layers=-1)`: a layout that fits only with full recompute
+    runs it on each rank's fewest first layers that fit (`fewest_layers`), faster than on
+    every layer; with 0 every layer, as before."""
+    from disagmoe.presets import cluster_preset
+    from disagmoe.simulator.costs import Workload
+    from disagmoe.simulator.ep import analytic_ep_costs
+    from disagmoe.simulator.ep_search import EPCandidate, fewest_layers, search_ep_layouts
+    from disagmoe.simulator.network import Network
+
+    assert fewest_layers(lambda k: k >= 3, 5) == 3 and fewest_layers(lambda k: False, 5) == 0
+    model, cluster = model_preset("deepseek-moe-16b"), cluster_preset("h800")
+    train = TrainConfig(seq_len=16384, global_batch_size=64, micro_batch_size=1, dtype="bfloat16")
+    net = Network.from_cluster(cluster)
+    workload = Workload(model, 16384, 1)
+
+    def search(layers: int) -> list[EPCandidate]:
+        return search_ep_layouts(
+            "ep-1f1b", model, train, 8, pp_ep=(1, 8), recomputes=("none", "full"),
+            costs_for=lambda lay, rc: analytic_ep_costs(lay, workload, cluster, net, rc),
+            net=net, cluster=cluster, memory_gib=cluster.gpu_mem_gib, recompute_layers=layers,
+        )  # fmt: skip
+
+    some, every = search(-1)[0], search(0)[0]
+    assert every.recompute == some.recompute == "full" and every.recompute_layers == 0
+    assert 0 < some.recompute_layers < model.num_layers, some
+    assert every.memory_gib < some.memory_gib <= cluster.gpu_mem_gib
+    assert some.step_s < every.step_s
+    assert f"recompute full recompute-layers {some.recompute_layers}" in some.label
 
 
 def test_train_checks_an_ep_run_at_its_own_precision_and_budget() -> None:

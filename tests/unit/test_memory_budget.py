@@ -35,6 +35,35 @@ def test_ffn_bytes_by_hand() -> None:
     assert rm.ffn_act_bytes(TINY, "attn", F32, tokens=128, shards=1) == kept
 
 
+def test_recompute_layers_count_layer_by_layer() -> None:
+    """`recompute_layers` K: each group's first K layers keep what full recompute keeps,
+    the others what no recompute keeps, on both roles; the sum by hand for p = 2, K = 1
+    (groups hold layers 0, 2 and 1, 3 of `tiny`)."""
+    kw = {"seq_len": 64, "micro_batch_size": 2, "in_flight": 1, "prec": F32}
+
+    def attn(groups: int, recompute: str, layers: int = 0) -> float:
+        return rm.attn_replica_memory(
+            TINY, groups=groups, shards=2, recompute=recompute, recompute_layers=layers, **kw
+        ).activations  # type: ignore[arg-type]
+
+    def ffn(groups: int, recompute: str, layers: int = 0) -> float:
+        return rm.ffn_shard_memory(
+            TINY, groups=groups, replicas=2, shards=2, recompute=recompute,
+            recompute_layers=layers, **kw,
+        ).activations  # type: ignore[arg-type]  # fmt: skip
+
+    for role in (attn, ffn):
+        assert role(1, "full") < role(1, "full", 3) < role(1, "full", 1) < role(1, "none")
+        assert role(1, "full", 4) == role(1, "full")  # as many as the group holds: all
+    one = {m: rm.attn_layer_act_bytes(TINY, 2, m, F32, seq_len=64, micro_batch_size=2, shards=2)
+           for m in ("none", "full")}  # fmt: skip
+    zero_full = rm.attn_layer_act_bytes(
+        TINY, 0, "full", F32, seq_len=64, micro_batch_size=2, shards=2
+    )
+    head = rm.attn_layer_act_bytes(TINY, 4, "none", F32, seq_len=64, micro_batch_size=2, shards=2)
+    assert attn(2, "full", 1) == pytest.approx(zero_full + one["none"] + head)  # group 0
+
+
 def test_attention_bytes_follow_recompute_and_dtype() -> None:
     kw = {"seq_len": 64, "micro_batch_size": 2, "shards": 2}
     none, attn, full = (

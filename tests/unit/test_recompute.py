@@ -32,7 +32,7 @@ MODES = ("none", "attn", "full")
 B, S = 2, 32  # one micro-batch
 
 
-def _cfg(recompute: str, **model: Any) -> RunConfig:
+def _cfg(recompute: str, layers: int = 0, **model: Any) -> RunConfig:
     cfg = replace_section(
         RunConfig(),
         "train",
@@ -41,6 +41,7 @@ def _cfg(recompute: str, **model: Any) -> RunConfig:
         global_batch_size=4,
         micro_batch_size=B,
         recompute=recompute,
+        recompute_layers=layers,
         progress=False,
     )
     return replace_section(cfg, "model", **model) if model else cfg
@@ -62,16 +63,40 @@ def test_variants_keep_every_parameter_name_and_unknown_modes_are_rejected() -> 
         apply_recompute(model, "some")
 
 
+def test_recompute_layers_picks_the_first_layers_a_worker_holds() -> None:
+    """`train.recompute_layers` 1 on a worker holding layers 1 and 3 (an AF-Pipe group of
+    p = 2, an EP rank's stages): layer 1's block and experts recompute, layer 3's and the
+    layers it does not hold save as usual; 0 recomputes every layer."""
+    cfg = _cfg("full", layers=1)
+    model = build_meta_model(cfg.model)
+    apply_variants(cfg, [model], [1, 3])
+    kinds = {
+        i: (type(layer.attn_block), type(layer.experts)) for i, layer in enumerate(model.layers)
+    }
+    assert kinds[1] == (RecomputedAttentionBlock, RecomputedExperts), kinds
+    assert all(kinds[i] == (AttentionBlock, Experts) for i in (0, 2, 3)), kinds
+    every = build_meta_model(cfg.model)
+    apply_variants(_cfg("full"), [every], [1, 3])
+    assert all(type(layer.attn_block) is RecomputedAttentionBlock for layer in every.layers)
+
+
 @pytest.mark.parametrize(
     "model", [{}, {"num_shared_experts": 1, "num_dense_layers": 1, "dense_dim": 96}]
 )
 def test_reference_trainer_is_bit_identical_under_recompute(model: dict[str, Any]) -> None:
-    """Two steps (the second after an AdamW update): loss and every gradient unchanged."""
+    """Two steps (the second after an AdamW update): loss and every gradient unchanged,
+    under every mode and under full recompute of the first 2 layers only."""
     runs = {}
     for mode in MODES:
         trainer = ReferenceTrainer(_cfg(mode, **model))
         runs[mode] = [trainer.step(s, capture_grads=True) for s in range(2)]
-    for mode in ("attn", "full"):
+    partial = ReferenceTrainer(_cfg("full", layers=2, **model))
+    assert {type(layer.attn_block) for layer in partial.model.layers} == {
+        AttentionBlock,
+        RecomputedAttentionBlock,
+    }
+    runs["full:2"] = [partial.step(s, capture_grads=True) for s in range(2)]
+    for mode in ("attn", "full", "full:2"):
         for want, got in zip(runs["none"], runs[mode], strict=True):
             assert got.loss == want.loss and got.aux_loss == want.aux_loss, mode
             for name, grad in want.grads.items():
@@ -126,6 +151,23 @@ def test_emulated_full_recompute_waits_the_forward_again(
         (1.0 * tokens, (2.0 + extra * 1.0) * tokens),
         (3.0 * pairs, (5.0 + extra * 3.0) * pairs),
     ]
+
+
+def test_emulated_recompute_of_some_layers_waits_there_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`emulate_compute(..., layers=)`: the backward waits the forward again on those
+    layers only."""
+    from disagmoe.models import emulated as emulation
+
+    model = build_meta_model(_cfg("full").model)
+    costs = ComputeCosts(Linear(0.0, 1.0), Linear(0.0, 2.0), Linear(0.0, 3.0), Linear(0.0, 5.0))
+    emulation.emulate_compute(model, costs, "full", layers={0})
+    modes = [
+        (getattr(layer.attn_block, "recompute", ""), getattr(layer.experts, "recompute", ""))
+        for layer in model.layers
+    ]
+    assert modes[0] == ("full", "full") and set(modes[1:]) == {("none", "none")}, modes
 
 
 def test_attn_recompute_cannot_be_emulated(tmp_path: Any) -> None:

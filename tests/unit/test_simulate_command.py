@@ -195,7 +195,7 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
         # ... then at fewer in flight where faster
         assert out["step_time_s"] == pytest.approx(min(at_cap.values()), abs=1e-6)
         assert (search["none"] == "does not fit") == (seq == "32768")
-        assert [k for k in search if not k.endswith(", p 1")] == [
+        assert [k for k in search if not k.endswith(", p 1") and " layer(s)" not in k] == [
             "none",
             "none, split backward",
             "full",
@@ -207,6 +207,34 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
     assert main([*argv, "--recompute", "full", "--json"]) == 0
     only = json.loads(capsys.readouterr().out)["config"]["recompute_search"]
     assert only == {"full": search["full"], "full, p 1": search["full, p 1"]}
+
+
+def test_recompute_auto_also_recomputes_only_a_groups_first_layers() -> None:
+    """DeepSeek-MoE on one node at 8K: the plan without recompute holds more slots with
+    its groups' first layers recomputed, the plan with full recompute the same slots with
+    fewer layers recomputed (`train.recompute_layers`, the fewest that fit); the fastest
+    is kept, fits the GPU, and is what the same flags given reproduce."""
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    argv = ["--model", "deepseek-moe-16b", "--nodes", "1", "--seq-len", "8192",
+            "--exchange-chunks", "1", "--order", "breadth", "--micro-batches", "16"]  # fmt: skip
+    result = simulate_from_args(parser.parse_args(argv))
+    cfg = result.config
+    search = cfg["recompute_search"]
+    partial = {k: v for k, v in search.items() if " layer(s), " in k}
+    assert partial and cfg["recompute"] == "full" and cfg["recompute_layers"] > 0, search
+    wholes = [v for k, v in search.items() if k in ("none", "full", "full, p 1")]
+    assert result.step_time_s == pytest.approx(min(partial.values()), abs=1e-6)
+    assert result.step_time_s < min(wholes), search
+    assert cfg["memory_gib_per_gpu"] <= cfg["gpu_memory_gib"]
+    layers, cap = cfg["recompute_layers"], cfg["max_in_flight"]
+    given = [*argv, "--recompute", "full", "--recompute-layers", str(layers),
+             "--max-in-flight", str(cap), "--groups", str(cfg["groups"])]  # fmt: skip
+    again = simulate_from_args(parser.parse_args(given))
+    assert again.config["recompute_layers"] == layers and again.config["max_in_flight"] == cap
+    assert again.step_time_s == pytest.approx(result.step_time_s, rel=1e-9)
+    with pytest.raises(ValueError, match="needs train.recompute full"):
+        simulate_from_args(parser.parse_args([*argv, "--recompute-layers", "2"]))
 
 
 def test_plan_variants_follow_recompute_and_split_backward() -> None:

@@ -35,7 +35,7 @@ class ChunkCosts:
             return 0.0
         return {"F": self.F, "B": self.B, "I": self.B - self.W, "W": self.W}[kind]
 
-    def experts(self, kind: str) -> float:
+    def experts(self, kind: str, layer: int = -1) -> float:
         return 0.0
 
 
@@ -241,7 +241,7 @@ def test_the_halves_of_a_pair_exchange_side_by_side() -> None:
         def attn(self, layer: int, kind: str) -> float:
             return 0.0 if layer == 2 else 1.0
 
-        def experts(self, kind: str) -> float:
+        def experts(self, kind: str, layer: int = -1) -> float:
             return 1.0
 
     result = simulate_ep(

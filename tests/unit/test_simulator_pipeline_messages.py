@@ -36,7 +36,7 @@ class Costs:
     def attn(self, layer: int, kind: str) -> float:
         return 0.0 if layer == 4 else (self.F if kind == "F" else self.B)
 
-    def experts(self, kind: str) -> float:
+    def experts(self, kind: str, layer: int = -1) -> float:
         return 0.0
 
 

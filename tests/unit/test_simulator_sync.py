@@ -65,7 +65,7 @@ class Costs:
     def attn(self, layer: int, kind: str) -> float:
         return 1e-3 if kind == "F" else 2e-3
 
-    def experts(self, kind: str) -> float:
+    def experts(self, kind: str, layer: int = -1) -> float:
         return 0.0
 
 

@@ -61,12 +61,12 @@ class FittedEP:
             rate = f"head {rate}" if f"head {rate}" in self.s_per_flop else rate
         return self.base.attn(layer, self._kind(kind)) * self.s_per_flop[rate]
 
-    def experts(self, kind: str) -> float:
+    def experts(self, kind: str, layer: int = -1) -> float:
         if self.emulated and kind == "W":
             return 0.0
         if f"experts {rate_of(kind)}" in self.s_per_flop:
             return self.experts_chunk(kind, self.chunks) * self.chunks
-        return self.base.experts(self._kind(kind)) * self.s_per_flop[rate_of(kind)]
+        return self.base.experts(self._kind(kind), layer) * self.s_per_flop[rate_of(kind)]
 
     def experts_chunk(self, kind: str, chunks: int) -> float:
         """One of `chunks` expert calls: the run's median call where it ran `chunks`

@@ -55,7 +55,7 @@ class EmulatedEPCosts:
     def _rerun(self, kind: str, forward_s: float) -> float:
         return forward_s if self.recompute == "full" and kind in ("B", "I") else 0.0
 
-    def experts(self, kind: str) -> float:
+    def experts(self, kind: str, layer: int = -1) -> float:
         return self.experts_chunk(kind, 1)
 
     def experts_chunk(self, kind: str, chunks: int) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagmoe.config import RECOMPUTE, ClusterConfig, ModelConfig
+from disagmoe.config import RECOMPUTE, ClusterConfig, ModelConfig, recomputed_layers
 from disagmoe.costs import flops
 
 BYTES_ACT = 2  # bf16 activations / wire format
@@ -199,6 +199,22 @@ def distinct_worker_fraction(num_experts: int, top_k: int, shards: int) -> float
 
 def group_layers(model: ModelConfig, groups: int, group: int) -> list[int]:
     return list(range(group, model.num_layers, groups))
+
+
+def group_recomputed(
+    model: ModelConfig, groups: int, recompute: str, recompute_layers: int
+) -> frozenset[int] | None:
+    """The layers a full recompute of each AF-Pipe group's first `recompute_layers` layers
+    covers (`config.recomputed_layers`, `train.recompute_layers`); None: every layer
+    (`recompute_layers` 0, or a mode other than full)."""
+    if recompute != "full" or recompute_layers <= 0:
+        return None
+    return frozenset().union(
+        *(
+            recomputed_layers(group_layers(model, groups, g), recompute_layers)
+            for g in range(groups)
+        )
+    )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

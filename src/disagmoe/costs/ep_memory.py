@@ -37,9 +37,9 @@ activation is held), allocator slack. Balanced routing, as `runtime_memory` assu
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
-from ..config import LOSS_CHUNK_TOKENS, ModelConfig
+from ..config import LOSS_CHUNK_TOKENS, ModelConfig, recomputed_layers
 from . import costmodel as cm
 from . import flops
 from . import runtime_memory as rm
@@ -75,15 +75,18 @@ def ep_stage_act_bytes(
     first: bool,
     last: bool,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    recomputed: Collection[int] | None = None,
 ) -> float:
-    """Bytes one micro-batch of a stage over `layers` keeps until its backward (module doc)."""
+    """Bytes one micro-batch of a stage over `layers` keeps until its backward (module doc);
+    `recompute` on the layers of `recomputed` only, where given (`flops.layer_recompute`)."""
     tokens = seq_len * micro_batch_size
     kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "shards": ep}
     kept = 0.0
     for layer in layers:
-        kept += rm.attn_layer_act_bytes(model, layer, recompute, prec, exchanged=False, **kw)
+        mode = flops.layer_recompute(recompute, recomputed, layer)
+        kept += rm.attn_layer_act_bytes(model, layer, mode, prec, exchanged=False, **kw)
         if model.is_moe_layer(layer):
-            one_peer = rm.ffn_act_bytes(model, recompute, prec, tokens=tokens, shards=ep)
+            one_peer = rm.ffn_act_bytes(model, mode, prec, tokens=tokens, shards=ep)
             kept += ep * one_peer
     residual = prec.state // 4  # the residual stream between stages: the parameters' dtype
     kept += 0.0 if first else tokens * residual * model.dim  # the stage's input
@@ -113,12 +116,19 @@ def ep_rank_memory(
     recompute: str,
     prec: cm.Precision,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    recompute_layers: int = 0,
 ) -> cm.MemoryBreakdown:
     """Peak bytes of one EP rank (module doc): `stages` maps its stages to their layers,
-    `walk` is its order's in-flight points (stage -> micro-batches held)."""
+    `walk` is its order's in-flight points (stage -> micro-batches held);
+    `recompute_layers` (`train.recompute_layers`): a full recompute on the rank's first
+    that many layers only."""
     if model.num_experts % ep:
         raise ValueError(f"ep ({ep}) must divide model.num_experts ({model.num_experts})")
     kw = {"seq_len": seq_len, "micro_batch_size": micro_batch_size, "ep": ep}
+    held = [layer for s in sorted(stages) for layer in stages[s]]
+    recomputed = None
+    if recompute == "full" and recompute_layers > 0:
+        recomputed = recomputed_layers(held, recompute_layers)
     per_mb = {
         s: ep_stage_act_bytes(
             model,
@@ -128,6 +138,7 @@ def ep_rank_memory(
             first=s == 0,
             last=s == num_stages - 1,
             loss_chunk_tokens=loss_chunk_tokens,
+            recomputed=recomputed,
             **kw,
         )
         for s, layers in stages.items()

@@ -28,7 +28,7 @@ Imports only the config, so that `planner` and `simulator` both import it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from ..config import RECOMPUTE, ModelConfig
 
@@ -99,6 +99,13 @@ def backward_factors(recompute: str = "none") -> tuple[float, float]:
     gemm_extra = 1.0 if recompute == "full" else 0.0
     core_extra = 1.0 if recompute in ("attn", "full") else 0.0
     return GEMM_BACKWARD + gemm_extra, CORE_BACKWARD + core_extra
+
+
+def layer_recompute(recompute: str, recomputed: Collection[int] | None, layer: int) -> str:
+    """The recompute mode of `layer`: `recompute` on the layers of `recomputed` (those
+    `train.recompute_layers` picks, `config.recomputed_layers`; None: every layer), none
+    elsewhere."""
+    return recompute if recomputed is None or layer in recomputed else "none"
 
 
 def train_factors(recompute: str = "none") -> tuple[float, float]:

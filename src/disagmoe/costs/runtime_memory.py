@@ -14,8 +14,9 @@ router on a small model routes unevenly, so a shard's measured bytes can exceed 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
-from ..config import LOSS_CHUNK_TOKENS, ModelConfig
+from ..config import LOSS_CHUNK_TOKENS, ModelConfig, recomputed_layers
 from . import costmodel as cm
 from . import flops
 
@@ -218,18 +219,22 @@ def attn_replica_memory(
     prec: cm.Precision,
     split_backward: bool = False,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    recompute_layers: int = 0,
 ) -> cm.MemoryBreakdown:
     """Worst A replica of this runtime: states, `in_flight` micro-batches of all its
     components (the loss head on group 0), and the head's logits (`head_transient_bytes`:
     a micro-batch's, or a chunk's with `loss_chunk_tokens`); with `split_backward`, one micro-batch's deferred gradients of all its
-    components (the Ws of a slot pending behind its backward, `attn_deferred_bytes`)."""
+    components (the Ws of a slot pending behind its backward, `attn_deferred_bytes`).
+    `recompute_layers` (`train.recompute_layers`): a full recompute on each group's first
+    that many layers only, the others saving as without recompute."""
     worst = cm.MemoryBreakdown(states=0.0, activations=0.0, transient=0.0)
     tokens = micro_batch_size * seq_len
     for g in range(groups):
+        mode = _group_modes(model, groups, g, recompute, recompute_layers)
         layers = cm.group_layers(model, groups, g) + ([model.num_layers] if g == 0 else [])
         per_mb = sum(
             attn_layer_act_bytes(
-                model, layer, recompute, prec, groups=groups, seq_len=seq_len,
+                model, layer, mode(layer), prec, groups=groups, seq_len=seq_len,
                 micro_batch_size=micro_batch_size, shards=shards,
                 loss_chunk_tokens=loss_chunk_tokens,
             )
@@ -251,6 +256,16 @@ def attn_replica_memory(
     return worst
 
 
+def _group_modes(
+    model: ModelConfig, groups: int, group: int, recompute: str, recompute_layers: int
+) -> Callable[[int], str]:
+    """The recompute mode of each layer of an AF-Pipe group (`flops.layer_recompute`)."""
+    recomputed = None
+    if recompute == "full" and recompute_layers > 0:
+        recomputed = recomputed_layers(cm.group_layers(model, groups, group), recompute_layers)
+    return lambda layer: flops.layer_recompute(recompute, recomputed, layer)
+
+
 def ffn_shard_memory(
     model: ModelConfig,
     *,
@@ -263,18 +278,28 @@ def ffn_shard_memory(
     recompute: str,
     prec: cm.Precision,
     split_backward: bool = False,
+    recompute_layers: int = 0,
 ) -> cm.MemoryBreakdown:
     """Worst expert shard of this runtime: ceil(E/n) experts' states, and `in_flight`
-    micro-batches of `replicas` attention replicas' tokens on each of its MoE layers; with
-    `split_backward`, one slot's deferred gradients on each (`ffn_deferred_bytes`)."""
+    micro-batches of `replicas` attention replicas' tokens on each of its MoE layers (a
+    full recompute only on those among the group's first `recompute_layers` layers, where
+    given); with `split_backward`, one slot's deferred gradients on each
+    (`ffn_deferred_bytes`)."""
     moe_layers = cm.group_moe_layers(model, groups)
     experts = math.ceil(model.num_experts / shards)
-    per_mb = ffn_act_bytes(model, recompute, prec, tokens=seq_len * micro_batch_size, shards=shards)
     tokens = seq_len * micro_batch_size
+    per_mb = 0.0  # the group with most, over all of its MoE layers
+    for g in range(groups):
+        mode = _group_modes(model, groups, g, recompute, recompute_layers)
+        moe = [l for l in cm.group_layers(model, groups, g) if model.is_moe_layer(l)]
+        per_mb = max(
+            per_mb,
+            sum(ffn_act_bytes(model, mode(l), prec, tokens=tokens, shards=shards) for l in moe),
+        )
     deferred = moe_layers * replicas * ffn_deferred_bytes(model, prec, tokens=tokens, shards=shards)
     return cm.MemoryBreakdown(
         states=float(moe_layers * flops.expert_params(model, experts) * prec.state),
-        activations=float(in_flight * moe_layers * replicas * per_mb),
+        activations=float(in_flight * replicas * per_mb),
         transient=0.0,
         deferred=float(deferred) if split_backward else 0.0,
     )

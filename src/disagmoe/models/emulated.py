@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from ..costs.compute import ComputeCosts
 from ..trace import add_device_wait
 from .model import AttentionBlock, AttnOutput
 from .moe import Assignments, Experts, Routing
+from .parts import in_layers
 
 
 @dataclass
@@ -140,11 +142,17 @@ class EmulatedExperts(Experts):
         return y + plan.weights_A.sum() * 0.0
 
 
-def emulate_compute(module: nn.Module, costs: ComputeCosts, recompute: str = "none") -> None:
+def emulate_compute(
+    module: nn.Module,
+    costs: ComputeCosts,
+    recompute: str = "none",
+    layers: Collection[int] | None = None,
+) -> None:
     """Make every `AttentionBlock` and `Experts` under `module` (itself included) wait
     `costs` instead of computing. With `recompute` "full" each backward also waits the
-    forward's duration (the forward a real run reruns, `models.recompute`); the calibrated
-    costs do not separate the attention core, so "attn" is not emulated.
+    forward's duration (the forward a real run reruns, `models.recompute`), only under
+    `layers` where given (`train.recompute_layers`, `models.parts.in_layers`); the
+    calibrated costs do not separate the attention core, so "attn" is not emulated.
 
     In place: each such module changes class to its emulated variant (as FSDP2's
     `fully_shard` does), so it stays the same object with the same parameters and
@@ -153,11 +161,11 @@ def emulate_compute(module: nn.Module, costs: ComputeCosts, recompute: str = "no
     built later from these (e.g. `Experts.narrow`) are real again: swap the modules a
     worker runs once it has built them.
     """
-    for sub in module.modules():
+    for path, sub in module.named_modules():
         if isinstance(sub, AttentionBlock):
             sub.__class__ = EmulatedAttentionBlock
         elif isinstance(sub, Experts):
             sub.__class__ = EmulatedExperts
         if isinstance(sub, EmulatedAttentionBlock | EmulatedExperts):
             sub.costs = costs
-            sub.recompute = recompute
+            sub.recompute = recompute if in_layers(path, layers) else "none"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
+
 from torch import nn
 
 
@@ -44,3 +47,21 @@ def unique_named_parameters(*modules: nn.Module) -> list[tuple[str, nn.Parameter
                 seen.add(id(param))
                 out.append((name, param))
     return out
+
+
+_LAYER_PATH = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def layer_of(path: str) -> int | None:
+    """The decoder layer a module's full-model path is under (`layers.3.experts`: 3), or
+    None (the embedding, the final norm, the LM head)."""
+    found = _LAYER_PATH.search(path)
+    return int(found.group(1)) if found else None
+
+
+def in_layers(path: str, layers: Collection[int] | None) -> bool:
+    """Whether a module at `path` is under one of `layers` (None: any path)."""
+    if layers is None:
+        return True
+    layer = layer_of(path)
+    return layer is not None and layer in layers

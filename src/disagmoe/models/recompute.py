@@ -17,6 +17,10 @@ variants run `torch.utils.checkpoint` (non-reentrant) around one unit of compute
   backward. The embedding, the final norm, the LM head and the loss are not recomputed.
 * ``none`` — nothing changes.
 
+`layers` (`train.recompute_layers`, `config.recomputed_layers`) limits a mode to the
+modules under some decoder layers, found by their full-model paths (``layers.3.experts``):
+the first N layers a worker holds recompute, the others save as usual.
+
 Exactness: a recompute reruns the same kernels on the same inputs, so it reproduces every
 value bit for bit, the router's top-k included; PyTorch's checkpoint also checks that each
 recomputed tensor has the shape, dtype and device of the one it stands for (a different
@@ -31,6 +35,7 @@ emulated.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from contextlib import nullcontext
 from typing import Any
 
@@ -42,6 +47,7 @@ from ..config import RECOMPUTE
 from .layers import Attention
 from .model import AttentionBlock, AttnOutput
 from .moe import Assignments, Experts, recomputing
+from .parts import in_layers
 
 
 def _checkpointed(fn: Any, *args: Any) -> Any:
@@ -107,13 +113,15 @@ _VARIANTS: dict[str, dict[type[nn.Module], type[nn.Module]]] = {
 }
 
 
-def apply_recompute(module: nn.Module, mode: str) -> None:
+def apply_recompute(module: nn.Module, mode: str, layers: Collection[int] | None = None) -> None:
     """Give every attention core (``attn``) or every attention block and expert shard
-    (``full``) under `module`, itself included, its recomputing variant, in place."""
+    (``full``) under `module`, itself included, its recomputing variant, in place; with
+    `layers`, only those under one of these decoder layers (by their full-model paths,
+    `models.parts.layer_of`: `train.recompute_layers`)."""
     if mode not in _VARIANTS:
         raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {mode!r}")
     variants = _VARIANTS[mode]
-    for sub in module.modules():
+    for path, sub in module.named_modules():
         variant = variants.get(type(sub))
-        if variant is not None:
+        if variant is not None and in_layers(path, layers):
             sub.__class__ = variant

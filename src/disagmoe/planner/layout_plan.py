@@ -56,5 +56,7 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
         expert_workers=plan.ffn_gpus_per_group,
     )
     schedule = dataclasses.replace(sched, max_in_flight=plan.in_flight)
-    train = dataclasses.replace(train, recompute=plan.recompute)
+    # the plan's mode; a user's recompute_layers stands only where it picks full
+    layers = train.recompute_layers if plan.recompute == "full" else 0
+    train = dataclasses.replace(train, recompute=plan.recompute, recompute_layers=layers)
     return dataclasses.replace(cfg, parallel=parallel, schedule=schedule, train=train), plan

@@ -201,24 +201,28 @@ class Planner:
         )  # fmt: skip
 
     def attn_memory(
-        self, groups: int, in_flight: int, recompute: str, shards: int = 0
+        self, groups: int, in_flight: int, recompute: str, shards: int = 0, layers: int = 0
     ) -> cm.MemoryBreakdown:
         """The worst attention replica by the runtime's model (`costs.runtime_memory`, in
         `GPU_PRECISION`) for `shards` expert shards per group (0, n not known: the bound
-        of n = E, every token's top-k experts on k shards)."""
+        of n = E, every token's top-k experts on k shards); `layers`:
+        `train.recompute_layers`."""
         return rm.attn_replica_memory(
             self.model, groups=groups, shards=shards, seq_len=self.seq_len,
             micro_batch_size=self.micro_batch_size, in_flight=in_flight, recompute=recompute,
             prec=GPU_PRECISION, split_backward=self.deferred(recompute),
-            loss_chunk_tokens=self.options.loss_chunk_tokens,
+            loss_chunk_tokens=self.options.loss_chunk_tokens, recompute_layers=layers,
         )  # fmt: skip
 
-    def ffn_memory(self, groups: int, m: int, in_flight: int, recompute: str) -> cm.MemoryBreakdown:
+    def ffn_memory(
+        self, groups: int, m: int, in_flight: int, recompute: str, layers: int = 0
+    ) -> cm.MemoryBreakdown:
         """The worst expert shard by the runtime's model for m replicas per group."""
         return rm.ffn_shard_memory(
             self.model, groups=groups, replicas=m, shards=self.gpus // groups - m,
             seq_len=self.seq_len, micro_batch_size=self.micro_batch_size, in_flight=in_flight,
             recompute=recompute, prec=GPU_PRECISION, split_backward=self.deferred(recompute),
+            recompute_layers=layers,
         )  # fmt: skip
 
     def deferred(self, recompute: str) -> bool:
@@ -274,22 +278,23 @@ class Planner:
         of any split (`attn_memory` with n unknown); < 1 when not one does."""
         return most_in_flight([self.attn_memory(groups, 1, recompute)], self.cap_bytes, sys.maxsize)
 
-    def max_in_flight(self, groups: int, m: int, recompute: str) -> int:
+    def max_in_flight(self, groups: int, m: int, recompute: str, layers: int = 0) -> int:
         """Most micro-batches in flight that fit on both roles of the split with m replicas
         per group: `training.budget.in_flight_cap`'s rule without a slot limit; < 1 when not
-        one does."""
-        one = self.worker_memory(groups, m, 1, recompute)
+        one does. `layers`: `train.recompute_layers`."""
+        one = self.worker_memory(groups, m, 1, recompute, layers)
         return most_in_flight(one, self.cap_bytes, sys.maxsize)
 
     def worker_memory(
-        self, groups: int, m: int, in_flight: int, recompute: str
+        self, groups: int, m: int, in_flight: int, recompute: str, layers: int = 0
     ) -> tuple[cm.MemoryBreakdown, cm.MemoryBreakdown]:
         """(worst attention replica, worst expert shard) of the split with m replicas per
-        group, by the runtime's model: what `train` predicts for that layout on a GPU."""
+        group, by the runtime's model: what `train` predicts for that layout on a GPU
+        (`layers`: `train.recompute_layers`)."""
         n = self.gpus // groups - m
         return (
-            self.attn_memory(groups, in_flight, recompute, shards=n),
-            self.ffn_memory(groups, m, in_flight, recompute),
+            self.attn_memory(groups, in_flight, recompute, shards=n, layers=layers),
+            self.ffn_memory(groups, m, in_flight, recompute, layers),
         )
 
     def evaluate(

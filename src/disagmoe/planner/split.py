@@ -79,12 +79,15 @@ def runnable_in_flight(
     return memory_in_flight(planner, groups, attn_workers, recompute)
 
 
-def memory_error(planner: Any, groups: int, m: int, in_flight: int, recompute: str) -> str:
+def memory_error(
+    planner: Any, groups: int, m: int, in_flight: int, recompute: str, layers: int = 0
+) -> str:
     """One line, or "" when the split with m replicas per group and `in_flight` micro-batches
-    fits the planner's budget: the role that does not, by how much, and what to change."""
+    fits the planner's budget: the role that does not, by how much, and what to change
+    (`layers`: `train.recompute_layers`)."""
     from ..costs.costmodel import GIB
 
-    attn, ffn = planner.worker_memory(groups, m, in_flight, recompute)
+    attn, ffn = planner.worker_memory(groups, m, in_flight, recompute, layers)
     role, mem = max((("attention replica", attn), ("expert shard", ffn)), key=lambda r: r[1].total)
     cap = planner.cap_bytes
     if mem.total <= cap:
@@ -92,15 +95,18 @@ def memory_error(planner: Any, groups: int, m: int, in_flight: int, recompute: s
     parts = [f"states {mem.states / GIB:.1f}", f"activations {mem.activations / GIB:.1f}"]
     parts += [f"logits {mem.transient / GIB:.1f}"] if mem.transient else []
     parts += [f"deferred gradients {mem.deferred / GIB:.1f}"] if mem.deferred else []
-    fixes = [] if recompute == "full" else ["--recompute full"]
-    fits = planner.max_in_flight(groups, m, recompute)
+    fixes = [] if recompute == "full" and not layers else ["--recompute full"]
+    if layers:
+        fixes = ["more --recompute-layers (0: every layer)"]
+    fits = planner.max_in_flight(groups, m, recompute, layers)
     if 1 <= fits < in_flight:
         fixes.append(f"--max-in-flight {fits}")
     fixes.append("more GPUs (--nodes)" if role == "expert shard" else "more --groups or GPUs")
     fix = ", ".join(fixes[:-1]) + (", or " if len(fixes) > 1 else "") + fixes[-1]
     return (
         f"the {role} of p={groups}, m={m}, n={planner.gpus // groups - m} with recompute "
-        f"{recompute} and {in_flight} micro-batch(es) in flight needs {mem.total / GIB:.1f} GiB "
+        f"{recompute}{f' on {layers} layer(s) per group' if layers else ''} and {in_flight} "
+        f"micro-batch(es) in flight needs {mem.total / GIB:.1f} GiB "
         f"({', '.join(parts)}), {(mem.total - cap) / GIB:.1f} GiB over the "
         f"{cap / GIB:g} GiB of a GPU; use {fix}"
     )

@@ -172,7 +172,8 @@ class DisaggTrainer:
         self.role = self.layout.role(self.rank)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
         self.worker = build_worker(cfg, self.layout, self.rank, self.scale, self.device)
-        apply_variants(cfg, [self.worker.modules])
+        held = [l for l in range(cfg.model.num_layers) if l % self.layout.groups == self.role.group]
+        apply_variants(cfg, [self.worker.modules], held)
         self.named_params = self.worker.named_parameters()
         self.params = [p for _, p in self.named_params]
         # Replicated (A) parameters count toward the global norm on replica 0 only.

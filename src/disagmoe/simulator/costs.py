@@ -200,13 +200,15 @@ def weight_grad_s(costs: InstrCosts, workload: Workload, comp: str, layer: int) 
 class AnalyticCosts:
     """FLOPs / (peak * mfu). `attn_workers` / `expert_workers` set the F shard's load;
     `recompute` (none | attn | full, `train.recompute`) adds to every backward one forward
-    of what it recomputes (`flops.backward_factors`)."""
+    of what it recomputes (`flops.backward_factors`), on the layers of `recomputed` only
+    where given (`train.recompute_layers`, `costmodel.group_recomputed`)."""
 
     workload: Workload
     flops_per_s: float
     attn_workers: int = 1
     expert_workers: int = 1
     recompute: str = "none"
+    recomputed: frozenset[int] | None = None
 
     @classmethod
     def for_cluster(
@@ -216,21 +218,28 @@ class AnalyticCosts:
         attn_workers: int = 1,
         expert_workers: int = 1,
         recompute: str = "none",
+        recomputed: frozenset[int] | None = None,
     ) -> AnalyticCosts:
         rate = cluster.peak_tflops * 1e12 * cluster.mfu
-        return cls(workload, rate, attn_workers, expert_workers, recompute)
+        return cls(workload, rate, attn_workers, expert_workers, recompute, recomputed)
+
+    def mode(self, layer: int) -> str:
+        """The recompute mode of `layer` (`flops.layer_recompute`)."""
+        return flops.layer_recompute(self.recompute, self.recomputed, layer)
 
     def attn_s(self, op: Op, layer: int) -> float:
         gemm, core = self.workload.attn_flops(layer)
         if op == Op.BWD:
-            gemm_factor, core_factor = flops.backward_factors(self.recompute)
+            gemm_factor, core_factor = flops.backward_factors(self.mode(layer))
             if layer == self.workload.model.num_layers:
                 gemm_factor += flops.head_backward_extra(self.workload.loss_chunk_tokens)
             gemm, core = gemm_factor * gemm, core_factor * core
         return (gemm + core) / self.flops_per_s
 
-    def expert_s(self, op: Op, pairs: float) -> float:
-        factor = flops.backward_factors(self.recompute)[0] if op == Op.BWD else 1.0
+    def expert_s(self, op: Op, pairs: float, layer: int = -1) -> float:
+        """`pairs` of a MoE layer's experts (`layer` -1: any, at the run's mode)."""
+        mode = self.recompute if layer < 0 else self.mode(layer)
+        factor = flops.backward_factors(mode)[0] if op == Op.BWD else 1.0
         return flops.expert_flops(self.workload.model, pairs) * factor / self.flops_per_s
 
     def compute_s(self, op: Op, comp: str, layer: int) -> float:
@@ -239,7 +248,7 @@ class AnalyticCosts:
         if comp == "A":
             return self.attn_s(op, layer)
         pairs = self.attn_workers * self.workload.pairs_per_shard(self.expert_workers)
-        return self.expert_s(op, pairs)
+        return self.expert_s(op, pairs, layer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, ParallelConfig
+from ..costs import costmodel as cm
 from ..distributed.layout import Layout
 from ..schedule.afpipe import build_afpipe, reduced_layout
 from ..schedule.ir import Schedule
@@ -84,6 +85,7 @@ def simulate_disagg(
     exchange_chunks: int = 1,
     split_backward: bool | None = False,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    recompute_layers: int = 0,
 ) -> SimResult:
     """AF-Pipe with p groups of m attention replicas and n expert shards.
 
@@ -110,15 +112,22 @@ def simulate_disagg(
     recompute, which the runtime cannot split (`RunConfig.split_backward_blocker`), and
     True with recompute is a `ValueError`. `loss_chunk_tokens` (`train.loss_chunk_tokens`):
     the loss head's chunks, > 0 pricing the rerun of each chunk's logits in its backward.
-    """
+    `recompute_layers` (`train.recompute_layers`): full recompute on each group's first K only.
+
+    Long because its signature takes one keyword per knob of a step (23 of them); the body
+    is the few named steps below."""
     layout, slots = _checked_layout(
         model, cluster, groups, attn_workers, expert_workers, placement, num_micro_batches,
         recompute, split_backward, exchange_chunks,
     )  # fmt: skip
-    if reduce is None:
-        reduce = _many_messages(layout, num_micro_batches, exchange_chunks)
+    reduce = (
+        _many_messages(layout, num_micro_batches, exchange_chunks) if reduce is None else reduce
+    )
     workload = Workload(model, seq_len, micro_batch_size, loss_chunk_tokens=loss_chunk_tokens)
-    costs = _layout_costs(costs, workload, cluster, attn_workers, expert_workers, recompute)
+    recomputed = cm.group_recomputed(model, groups, recompute, recompute_layers)
+    costs = _layout_costs(
+        costs, workload, cluster, attn_workers, expert_workers, recompute, recomputed
+    )
     net = _network(cluster, layout, placement, nic_split)
     pick = _pick(
         layout, slots, max_in_flight, num_micro_batches, costs, workload, net, order=order,
@@ -134,6 +143,7 @@ def simulate_disagg(
     )  # fmt: skip
     cfg = _step_config(
         cluster, layout, workload, num_micro_batches, nic_split, recompute, link_model, pick,
+        recompute_layers if recomputed is not None else 0,
     )  # fmt: skip
     return simulate_schedule(
         schedule, run_layout, costs, workload, net, full=layout if reduce else None,
@@ -190,14 +200,15 @@ def _layout_costs(
     attn_workers: int,
     expert_workers: int,
     recompute: str,
+    recomputed: frozenset[int] | None = None,
 ) -> InstrCosts:
     """`costs` for this layout (None: the cluster's analytic ones; a measured costs file is
-    priced for the layout's m, n and recompute)."""
+    priced for the layout's m, n and recompute, on the layers of `recomputed` where given)."""
     costs = costs or AnalyticCosts.for_cluster(
-        workload, cluster, attn_workers, expert_workers, recompute
+        workload, cluster, attn_workers, expert_workers, recompute, recomputed
     )
     if isinstance(costs, MeasuredCosts):  # one costs file, priced for this layout
-        costs = costs.bound_to(workload, attn_workers, expert_workers, recompute)
+        costs = costs.bound_to(workload, attn_workers, expert_workers, recompute, recomputed)
     return costs
 
 
@@ -283,9 +294,11 @@ def _step_config(
     recompute: str,
     link_model: LinkModel,
     pick: _Pick,
+    recompute_layers: int = 0,
 ) -> dict[str, Any]:
     """The result's config: the request, then what it resolved to (`pick`)."""
     return {
+        **({"recompute_layers": recompute_layers} if recompute_layers else {}),
         "model": workload.model.name,
         "cluster": cluster.name,
         "groups": layout.groups,

@@ -31,7 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from ..config import EP_RUNTIMES, LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig, runs_chunked
+from ..config import (
+    EP_RUNTIMES,
+    LOSS_CHUNK_TOKENS,
+    ClusterConfig,
+    ModelConfig,
+    recomputed_layers,
+    runs_chunked,
+)
 from ..costs import costmodel as cm
 from ..costs.flops import (
     CORE_BACKWARD,
@@ -39,6 +46,7 @@ from ..costs.flops import (
     backward_factors,
     expert_flops,
     head_backward_extra,
+    layer_recompute,
 )
 from ..distributed.ep_layout import EPLayout, split_layers
 from ..schedule.baselines import build_baseline_schedule
@@ -67,7 +75,7 @@ class EPCostModel(Protocol):
         ...
 
     def attn(self, layer: int, kind: str) -> float: ...
-    def experts(self, kind: str) -> float: ...
+    def experts(self, kind: str, layer: int = -1) -> float: ...
 
 
 @runtime_checkable
@@ -82,19 +90,23 @@ class ChunkedEPCostModel(EPCostModel, Protocol):
 class EPCosts:
     """Analytic `EPCostModel`: FLOPs at `flops_per_s`, all-to-alls priced by the network;
     `recompute` (`train.recompute`) adds to a backward's first half (B, or I of a split one)
-    one forward of what it recomputes (`flops.backward_factors`), and a chunked loss head
+    one forward of what it recomputes (`flops.backward_factors`), on the layers of
+    `recomputed` only where given (`train.recompute_layers`), and a chunked loss head
     (`Workload.loss_chunk_tokens`) one forward of its GEMM, as `AnalyticCosts` prices it."""
 
     workload: Workload
     flops_per_s: float
     a2a_s: list[float]  # per pipeline rank: one dispatch (or combine) all-to-all
     recompute: str = "none"
+    recomputed: frozenset[int] | None = None
 
     def attn(self, layer: int, kind: str) -> float:
         gemm, core = self.workload.attn_flops(layer)
         if kind == "F":
             return (gemm + core) / self.flops_per_s
-        gemm_bwd, core_bwd = backward_factors(self.recompute)
+        gemm_bwd, core_bwd = backward_factors(
+            layer_recompute(self.recompute, self.recomputed, layer)
+        )
         if layer == self.workload.model.num_layers:  # a chunked loss head reruns its GEMM
             gemm_bwd += head_backward_extra(self.workload.loss_chunk_tokens)
         rerun = (gemm_bwd - GEMM_BACKWARD) * gemm + (core_bwd - CORE_BACKWARD) * core
@@ -102,24 +114,45 @@ class EPCosts:
         grad_w = (GEMM_BACKWARD - 1.0) * gemm
         return {"B": grad_in + grad_w, "I": grad_in, "W": grad_w}[kind] / self.flops_per_s
 
-    def experts(self, kind: str) -> float:
+    def experts(self, kind: str, layer: int = -1) -> float:
+        """A MoE layer's experts (`layer` -1: any, at the run's mode)."""
         pairs = self.workload.tokens * self.workload.model.top_k
         fwd = expert_flops(self.workload.model, pairs) / self.flops_per_s
-        rerun = backward_factors(self.recompute)[0] - GEMM_BACKWARD
+        mode = (
+            self.recompute if layer < 0 else layer_recompute(self.recompute, self.recomputed, layer)
+        )
+        rerun = backward_factors(mode)[0] - GEMM_BACKWARD
         factor = {"F": 1.0, "B": GEMM_BACKWARD + rerun, "I": 1.0 + rerun}
         return fwd * factor.get(kind, GEMM_BACKWARD - 1.0)
 
 
 def analytic_ep_costs(
-    lay: EPLayout, workload: Workload, cluster: ClusterConfig, net: Network, recompute: str
+    lay: EPLayout,
+    workload: Workload,
+    cluster: ClusterConfig,
+    net: Network,
+    recompute: str,
+    recompute_layers: int = 0,
 ) -> EPCosts:
     """A layout's nominal costs: the cluster's peak x MFU for compute, and one all-to-all
-    of each pipeline rank's EP group over `net`."""
+    of each pipeline rank's EP group over `net`; a full recompute on each pipeline rank's
+    first `recompute_layers` layers only, where given."""
     a2a = [
         net.a2a_s(lay.ep_group_ranks(r, 0), lay.rank_of(r, 0), workload.a2a_bytes_per_peer(lay.ep))
         for r in range(lay.pp)
     ]
-    return EPCosts(workload, cluster.peak_tflops * 1e12 * cluster.mfu, a2a, recompute)
+    rate = cluster.peak_tflops * 1e12 * cluster.mfu
+    return EPCosts(workload, rate, a2a, recompute, ep_recomputed(lay, recompute, recompute_layers))
+
+
+def ep_recomputed(lay: EPLayout, recompute: str, recompute_layers: int) -> frozenset[int] | None:
+    """The layers a full recompute of each pipeline rank's first `recompute_layers` layers
+    covers (`config.recomputed_layers`); None: every layer (`recompute_layers` 0, or not
+    full)."""
+    if recompute != "full" or recompute_layers <= 0:
+        return None
+    held = [[l for s in lay.stages_of(r) for l in lay.layers_of_stage(s)] for r in range(lay.pp)]
+    return frozenset().union(*(recomputed_layers(h, recompute_layers) for h in held))
 
 
 def ep_memory(
@@ -137,6 +170,7 @@ def ep_memory(
     prec: cm.Precision = GPU_PRECISION,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     warmup: int = 0,
+    recompute_layers: int = 0,
 ) -> list[cm.MemoryBreakdown]:
     """Peak bytes of every pipeline rank of a layout (`training.ep_budget`), after the same
     size checks as `simulate_ep`; `loss_chunk_tokens`: `train.loss_chunk_tokens`; `warmup`:
@@ -148,7 +182,7 @@ def ep_memory(
     )  # fmt: skip
     return predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
-        prec=prec, loss_chunk_tokens=loss_chunk_tokens,
+        prec=prec, loss_chunk_tokens=loss_chunk_tokens, recompute_layers=recompute_layers,
     )  # fmt: skip
 
 
@@ -178,6 +212,7 @@ def simulate_ep(
     expert_buckets: bool = True,
     warmup: int = 0,
     skip_above: float = float("inf"),
+    recompute_layers: int = 0,
 ) -> SimResult:
     """One optimizer step of an EP baseline on `gpus` GPUs (`num_micro_batches` global);
     `link_model`: how its pipeline messages share ports (`simulator.links`); `recompute`:
@@ -191,7 +226,12 @@ def simulate_ep(
     every rank, not one per pipeline rank (under `fifo` links the dp replicas sharing a NIC
     take turns). `loss_chunk_tokens`: `train.loss_chunk_tokens`. `expert_buckets` False:
     experts all-reduced at SYNC. `warmup`: `parallel.pipeline_warmup`. `skip_above`: a search's
-    fastest step so far; a bound (read before the run) above it raises `BoundAbove`."""
+    fastest step so far; a bound (read before the run) above it raises `BoundAbove`.
+    `recompute_layers` (`train.recompute_layers`): a full recompute on each pipeline rank's
+    first that many layers only (costs and memory).
+
+    Long because its signature takes one keyword per knob of a step (24 of them); the body
+    is a few named steps."""
     dp = _check_ep_sizes(runtime, model, gpus, pp, ep, num_micro_batches)
     lay = EPLayout.of(
         runtime, model, world=gpus, pp=pp, ep=ep, num_micro_batches=num_micro_batches, v=chunks,
@@ -200,10 +240,13 @@ def simulate_ep(
     workload = Workload(model, seq_len, micro_batch_size, act_bytes,
                         loss_chunk_tokens=loss_chunk_tokens)  # fmt: skip
     net = net or Network.from_cluster(cluster)
-    model_costs: EPCostModel = costs or analytic_ep_costs(lay, workload, cluster, net, recompute)
+    model_costs: EPCostModel = costs or analytic_ep_costs(
+        lay, workload, cluster, net, recompute, recompute_layers
+    )
     memory = predict_ep_memory(
         lay, model, seq_len=seq_len, micro_batch_size=micro_batch_size, recompute=recompute,
         prec=GPU_PRECISION, loss_chunk_tokens=loss_chunk_tokens,
+        recompute_layers=recompute_layers,
     )  # fmt: skip
     chunks_a2a = overlap_chunks if runs_chunked(runtime, overlap_chunks) else 0
     schedule = build_baseline_schedule(lay, model, representatives=not every_rank,
@@ -222,6 +265,7 @@ def simulate_ep(
         micro_batches=num_micro_batches, micro_batches_per_pipeline=lay.num_local_micro_batches,
         stages=lay.num_stages,
         a2a_s=model_costs.a2a_s[0], recompute=recompute, overlap_grad_sync=overlap_sync,
+        **({"recompute_layers": recompute_layers} if recompute_layers else {}),
         memory_gib_per_gpu=max(m.total for m in memory) / cm.GIB,
         gpu_memory_gib=cluster.gpu_mem_gib,
         **({"overlap_chunks": chunks_a2a} if chunks_a2a else {}),
@@ -287,7 +331,9 @@ def _ep_pricing(
     )
     return Pricing(
         compute_s=lambda ins, kind: (
-            model_costs.attn(ins.layer, kind) if ins.comp == "A" else model_costs.experts(kind)
+            model_costs.attn(ins.layer, kind)
+            if ins.comp == "A"
+            else model_costs.experts(kind, ins.layer)
         ),
         message_bytes=lambda msg: workload.tokens * model.dim * workload.act_bytes,
         net=net,

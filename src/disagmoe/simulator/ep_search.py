@@ -19,7 +19,9 @@ as refused, with what it needs (`skipped_for_memory` counts them). With a budget
 layout runs at the first of `recomputes` (lightest first) that fits: more recompute only
 adds compute to a layout that already fits. Recompute is a search
 dimension (`recomputes`, each mode priced in the cost model `costs_for` returns): every
-runtime runs `train.recompute` none, attn or full.
+runtime runs `train.recompute` none, attn or full, and a full recompute on each rank's
+first layers only (`train.recompute_layers`): with `recompute_layers` -1 the fewest that
+fit the budget, which adds the least compute.
 
 Pruning (`prune`, `disagmoe simulate`'s search): no schedule runs a layout faster than its
 bound (`simulator.bound`: the busiest worker's compute or link time), so a candidate whose
@@ -32,6 +34,7 @@ the one the full search finds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,7 +52,7 @@ from ..training.budget import run_precision
 from ..training.ep_budget import predict_ep_memory
 from ..training.precision import param_dtype_name
 from .costs import Workload
-from .ep import BoundAbove, EPCostModel, simulate_ep
+from .ep import BoundAbove, EPCostModel, EPCosts, ep_recomputed, simulate_ep
 from .network import Network
 
 VIRTUAL_STAGES = (2, 3, 4)  # ep-interleaved: stages per pipeline rank tried
@@ -71,6 +74,7 @@ class EPCandidate:
     memory_gib: float = 0.0  # the fullest rank's peak (0: not modelled, refused)
     overlap_chunks: int = 0  # expert compute chunks (0: a runtime that does not chunk them)
     warmup: int = 0  # `parallel.pipeline_warmup`
+    recompute_layers: int = 0  # `train.recompute_layers` (full on each rank's first K; 0: all)
 
     @property
     def label(self) -> str:
@@ -78,6 +82,7 @@ class EPCandidate:
         c = f" overlap-chunks {self.overlap_chunks}" if self.overlap_chunks else ""
         w = f" pipeline-warmup {self.warmup}" if self.warmup else ""
         r = f" recompute {self.recompute}" if self.recompute != "none" else ""
+        r += f" recompute-layers {self.recompute_layers}" if self.recompute_layers else ""
         return f"pp {self.pp} ep {self.ep}{v}{c}{w}{r}"
 
     @property
@@ -166,6 +171,7 @@ def search_ep_layouts(
     warmup: int = -1,
     prune: bool = False,
     pp_ep: tuple[int, int] = (0, 0),
+    recompute_layers: int = 0,
 ) -> list[EPCandidate]:
     """Every candidate layout of `runtime` and recompute mode in `recomputes`, simulated with
     its gradient all-reduces as the runtime runs them (dense and expert ones in per-layer
@@ -177,7 +183,10 @@ def search_ep_layouts(
     bound is above the fastest step so far is not run (`BOUND_ABOVE`, module doc); the
     fastest is the same. `pp_ep`: a non-zero pp / ep is kept (the rest searched). Activations move
     in `train`'s compute dtype and gradients reduce in its parameter dtype, as the run's
-    (a float32 bench run sends 4 bytes per element, a bf16 cluster run 2)."""
+    (a float32 bench run sends 4 bytes per element, a bf16 cluster run 2).
+    `recompute_layers` (`train.recompute_layers`) of a full recompute: K its rank's first K
+    layers, 0 every layer, -1 the fewest first layers with which the layout fits
+    `memory_gib` (`fewest_layers`; the cost model `costs_for` returns must be `EPCosts`)."""
     prec = run_precision(train)
     sim = _Simulate(runtime, model, train, world, net, cluster, prune)
     chunkings = (
@@ -191,15 +200,25 @@ def search_ep_layouts(
             found.append(EPCandidate(runtime, parallel.pp, parallel.ep, v, float("inf"), lay))
             continue
         for recompute in recomputes:
-            memory = predict_ep_memory(
-                lay, model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
-                recompute=recompute, prec=prec, loss_chunk_tokens=train.loss_chunk_tokens,
-            )  # fmt: skip
-            gib = max(m.total for m in memory) / cm.GIB
+
+            def peak_gib(layers: int, rc: str = recompute, lay: EPLayout = lay) -> float:
+                memory = predict_ep_memory(
+                    lay, model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
+                    recompute=rc, prec=prec, loss_chunk_tokens=train.loss_chunk_tokens,
+                    recompute_layers=layers,
+                )  # fmt: skip
+                return max(m.total for m in memory) / cm.GIB
+
+            layers = recompute_layers if recompute == "full" else 0
+            if layers < 0:
+                held = max(len(_rank_layers(lay, r)) for r in range(lay.pp))
+                layers = fewest_layers(lambda k: peak_gib(k) <= memory_gib, held)
+            gib = peak_gib(layers)
             if memory_gib > 0 and gib > memory_gib:
                 why = f"{OVER_MEMORY}: needs {gib:.2f} GiB of {memory_gib:g}"
                 found.append(EPCandidate(runtime, lay.pp, lay.ep, v, float("inf"), why,
-                                         recompute, gib, warmup=lay.warmup))  # fmt: skip
+                                         recompute, gib, warmup=lay.warmup,
+                                         recompute_layers=layers))  # fmt: skip
                 continue
             if memory_gib > 0 and any(
                 c.recompute in recomputes
@@ -209,9 +228,22 @@ def search_ep_layouts(
             ):  # fits already with less recompute: more only adds compute
                 continue
             costs = costs_for(lay, recompute)
+            if layers:  # the same costs on the layers recomputed only
+                assert isinstance(costs, EPCosts), "a partial recompute prices EPCosts"
+                costs = dataclasses.replace(costs, recomputed=ep_recomputed(lay, recompute, layers))
             for k in chunkings if lay.ep > 1 else chunkings[:1]:  # ep 1: nothing to chunk
-                found.append(sim(lay, v, costs, recompute, k, gib))
+                found.append(sim(lay, v, costs, recompute, k, gib, layers))
     return sorted(found, key=rank_key)
+
+
+def _rank_layers(lay: EPLayout, pp_rank: int) -> list[int]:
+    return [layer for s in lay.stages_of(pp_rank) for layer in lay.layers_of_stage(s)]
+
+
+def fewest_layers(fits: Callable[[int], bool], held: int) -> int:
+    """The fewest first layers K (1 .. `held` - 1) whose full recompute `fits`
+    (`train.recompute_layers`), or 0 (every layer) where none does."""
+    return next((k for k in range(1, held) if fits(k)), 0)
 
 
 def rank_key(c: EPCandidate) -> tuple[float, int, int, int, int, int]:
@@ -245,11 +277,18 @@ class _Simulate:
         self.bounds: dict[tuple[int, int, int, str, int], float] = {}
 
     def __call__(
-        self, lay: EPLayout, v: int, costs: EPCostModel, recompute: str, k: int, gib: float
+        self,
+        lay: EPLayout,
+        v: int,
+        costs: EPCostModel,
+        recompute: str,
+        k: int,
+        gib: float,
+        layers: int = 0,
     ) -> EPCandidate:
         train = self.train
         chunked = k if self.runtime in CHUNKED_RUNTIMES else 0
-        key = (lay.pp, lay.ep, v, recompute, k)
+        key = (lay.pp, lay.ep, v, f"{recompute} {layers}", k)
         known = self.bounds.get(key, 0.0)
         try:
             if self.prune and known > self.fastest * (1 + 1e-9):  # summed in another order
@@ -261,15 +300,15 @@ class _Simulate:
                 overlap_chunks=k, sync=True, costs=costs, net=self.net, recompute=recompute,
                 loss_chunk_tokens=train.loss_chunk_tokens, act_bytes=self.act_bytes,
                 grad_bytes=self.grad_bytes, warmup=lay.warmup,
-                skip_above=self.fastest if self.prune else float("inf"),
+                skip_above=self.fastest if self.prune else float("inf"), recompute_layers=layers,
             )  # fmt: skip
         except BoundAbove as above:
             self.bounds[key] = above.bound_s
             why = f"{BOUND_ABOVE}: {above.bound_s:.4g} s, the fastest step {self.fastest:.4g} s"
             return EPCandidate(self.runtime, lay.pp, lay.ep, v, float("inf"), why, recompute,
-                               gib, chunked, lay.warmup)  # fmt: skip
+                               gib, chunked, lay.warmup, layers)  # fmt: skip
         assert sim.bound is not None
         self.bounds[key] = sim.bound.seconds
         self.fastest = min(self.fastest, sim.step_time_s)
         return EPCandidate(self.runtime, lay.pp, lay.ep, v, sim.step_time_s, "",
-                           recompute, gib, chunked, lay.warmup)  # fmt: skip
+                           recompute, gib, chunked, lay.warmup, layers)  # fmt: skip

@@ -45,19 +45,29 @@ class MeasuredCosts:
     attn_workers: int = 1
     expert_workers: int = 1
     recompute: str = "none"
+    recomputed: frozenset[int] | None = None  # the layers `recompute` covers (None: all)
 
     @classmethod
     def load(cls, path: str | Path) -> MeasuredCosts:
         return cls(ComputeCosts.load(path))
 
     def bound_to(
-        self, workload: Workload, attn_workers: int, expert_workers: int, recompute: str
+        self,
+        workload: Workload,
+        attn_workers: int,
+        expert_workers: int,
+        recompute: str,
+        recomputed: frozenset[int] | None = None,
     ) -> MeasuredCosts:
         flops.backward_factors(recompute)  # validates the mode
         return dataclasses.replace(
             self, workload=workload, attn_workers=attn_workers,
-            expert_workers=expert_workers, recompute=recompute,
+            expert_workers=expert_workers, recompute=recompute, recomputed=recomputed,
         )  # fmt: skip
+
+    def mode(self, layer: int) -> str:
+        """The recompute mode of `layer` (`flops.layer_recompute`)."""
+        return flops.layer_recompute(self.recompute, self.recomputed, layer)
 
     def _attn_fwd_bwd(self, layer: int) -> tuple[float, float]:
         w = self.workload
@@ -70,9 +80,10 @@ class MeasuredCosts:
             )
             scale = (gemm + core) / (ref_gemm + ref_core)
             fwd, bwd = fwd * scale, bwd * scale
-        if self.recompute == "full":
+        mode = self.mode(layer)
+        if mode == "full":
             bwd += fwd
-        elif self.recompute == "attn" and gemm + core > 0:
+        elif mode == "attn" and gemm + core > 0:
             bwd += fwd * core / (gemm + core)
         return fwd, bwd
 
@@ -99,4 +110,4 @@ class MeasuredCosts:
         fwd = self.units.expert_fwd(pairs)
         if op == Op.FWD:
             return fwd
-        return self.units.expert_bwd(pairs) + (fwd if self.recompute == "full" else 0.0)
+        return self.units.expert_bwd(pairs) + (fwd if self.mode(layer) == "full" else 0.0)

@@ -119,12 +119,13 @@ def predict_memory(cfg: RunConfig, in_flight: int) -> RunMemory:
         cfg.model, groups=par.groups, shards=par.expert_workers, seq_len=train.seq_len,
         micro_batch_size=train.micro_batch_size, in_flight=in_flight,
         recompute=train.recompute, prec=prec, split_backward=split,
-        loss_chunk_tokens=train.loss_chunk_tokens,
+        loss_chunk_tokens=train.loss_chunk_tokens, recompute_layers=train.recompute_layers,
     )  # fmt: skip
     ffn = rm.ffn_shard_memory(
         cfg.model, groups=par.groups, replicas=par.attn_workers, shards=par.expert_workers,
         seq_len=train.seq_len, micro_batch_size=train.micro_batch_size, in_flight=in_flight,
         recompute=train.recompute, prec=prec, split_backward=split,
+        recompute_layers=train.recompute_layers,
     )  # fmt: skip
     return RunMemory(in_flight=in_flight, attn=attn, ffn=ffn)
 

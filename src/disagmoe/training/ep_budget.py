@@ -36,6 +36,7 @@ def predict_ep_memory(
     recompute: str,
     prec: cm.Precision,
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+    recompute_layers: int = 0,
 ) -> list[cm.MemoryBreakdown]:
     """Peak bytes of every pipeline rank of `layout` (`costs.ep_memory.ep_rank_memory`)."""
     orders = _orders(layout)
@@ -51,6 +52,7 @@ def predict_ep_memory(
             recompute=recompute,
             prec=prec,
             loss_chunk_tokens=loss_chunk_tokens,
+            recompute_layers=recompute_layers,
         )
         for rank in range(layout.pp)
     ]
@@ -68,7 +70,7 @@ def predict_ep_run(cfg: RunConfig, layout: EPLayout) -> list[cm.MemoryBreakdown]
     return predict_ep_memory(
         layout, cfg.model, seq_len=train.seq_len, micro_batch_size=train.micro_batch_size,
         recompute=train.recompute, prec=run_precision(train),
-        loss_chunk_tokens=train.loss_chunk_tokens,
+        loss_chunk_tokens=train.loss_chunk_tokens, recompute_layers=train.recompute_layers,
     )  # fmt: skip
 
 

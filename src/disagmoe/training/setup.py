@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from ..config import RunConfig
+from ..config import RunConfig, recomputed_layers
 from ..costs.compute import ComputeCosts
 from ..data import TokenBatches, build_batches
 from ..device import HOST
@@ -97,15 +97,24 @@ def load_emulation(cfg: RunConfig) -> ComputeCosts | None:
     return ComputeCosts.load(path) if path else None
 
 
-def apply_variants(cfg: RunConfig, modules: Iterable[nn.Module]) -> None:
+def apply_variants(
+    cfg: RunConfig, modules: Iterable[nn.Module], layers: list[int] | None = None
+) -> None:
     """Give the modules a worker runs the variants the run asks for, in place.
 
     Activation recompute (`train.recompute`, `models.recompute`), or, with emulated compute
     (`train.emulate_compute`), attention blocks and experts that wait their calibrated
     durations instead of computing (a "full" recompute adds the forward's duration to each
-    backward). Call once the worker has built and materialised its modules.
+    backward). `layers`: the decoder layers the worker holds, in order (an AF-Pipe group's,
+    an EP pipeline rank's; None: the model's), of which `train.recompute_layers` picks
+    those that recompute (`config.recomputed_layers`). Call once the worker has built and
+    materialised its modules.
     """
     recompute = cfg.train.recompute
+    only = None
+    if recompute == "full" and cfg.train.recompute_layers > 0:
+        held = list(range(cfg.model.num_layers)) if layers is None else layers
+        only = recomputed_layers(held, cfg.train.recompute_layers)
     costs = load_emulation(cfg)
     if costs is not None and recompute == "attn":
         raise ValueError(
@@ -114,6 +123,6 @@ def apply_variants(cfg: RunConfig, modules: Iterable[nn.Module]) -> None:
         )
     for module in modules:
         if costs is not None:
-            emulate_compute(module, costs, recompute)
+            emulate_compute(module, costs, recompute, only)
         else:
-            apply_recompute(module, recompute)
+            apply_recompute(module, recompute, only)
