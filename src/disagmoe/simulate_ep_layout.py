@@ -50,7 +50,7 @@ def resolve_ep(
         more = [d for d in divisors(model.num_layers) if d > pp and gpus % d == 0]
         tries += [(p, _default_ep(args, model, gpus, p), m) for p in more for m in modes]
     micro = args.micro_batches or default_micro_batches(gpus)
-    refused: tuple[EPLayout, list[cm.MemoryBreakdown], str] | None = None
+    refused: tuple[EPLayout, list[cm.MemoryBreakdown], str, int] | None = None
     budget = cluster.gpu_mem_gib * cm.GIB
     for i, (p, ep, recompute) in enumerate(tries):
 
@@ -88,9 +88,9 @@ def resolve_ep(
                 loss_chunk_tokens=args.loss_chunk_tokens, warmup=max(args.pipeline_warmup, 0),
                 recompute_layers=layers,
             )  # fmt: skip
-            refused = (lay, mems, recompute)
+            refused = (lay, mems, recompute, layers)
     assert refused is not None
-    check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2])
+    check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2], recompute_layers=refused[3])
     raise AssertionError("a layout over the GPU's memory passed the check")
 
 

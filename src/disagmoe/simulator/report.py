@@ -223,6 +223,11 @@ def format_result(result: SimResult) -> str:
             [
                 f"memory      {cfg['memory_gib_per_gpu']:10.1f} GiB per GPU (of "
                 f"{cfg['gpu_memory_gib']:g}; recompute {cfg.get('recompute', 'none')}"
+                + (
+                    f" on each worker's first {cfg['recompute_layers']} layers"
+                    if cfg.get("recompute_layers")
+                    else ""
+                )
                 + (f", {cfg['max_in_flight']} in flight" if cfg.get("max_in_flight") else "")
                 + ")"
             ]

@@ -144,7 +144,7 @@ def in_flight_cap(cfg: RunConfig, slots: int) -> int:
     assert cfg.train.memory_gib > 0, "resolve train.memory_gib before computing the cap"
     budget = cfg.train.memory_gib * cm.GIB
     one = predict_memory(cfg, 1)
-    _check_fits(one, budget, cfg.train.memory_gib)
+    _check_fits(one, budget, cfg.train.memory_gib, cfg.train.recompute_layers)
     if cfg.schedule.max_in_flight > 0:
         return cfg.schedule.max_in_flight
     if cfg.schedule.max_in_flight == NO_CAP:
@@ -164,10 +164,11 @@ def most_in_flight(one: Iterable[cm.MemoryBreakdown], budget: float, limit: int)
     return min(caps)
 
 
-def _check_fits(one: RunMemory, budget: float, gib: float) -> None:
+def _check_fits(one: RunMemory, budget: float, gib: float, recompute_layers: int = 0) -> None:
+    recompute = "--recompute-layers 0 (every layer)" if recompute_layers else "--recompute full"
     fixes = {
-        "A": "more --groups, --recompute full, a smaller --micro-batch-size or a larger budget",
-        "F": "more --expert-workers, --recompute full or a larger budget",
+        "A": f"more --groups, {recompute}, a smaller --micro-batch-size or a larger budget",
+        "F": f"more --expert-workers, {recompute} or a larger budget",
     }
     worst = max((("A", one.attn), ("F", one.ffn)), key=lambda kv: kv[1].total - budget)
     role, mem = worst

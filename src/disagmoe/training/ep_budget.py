@@ -81,7 +81,7 @@ def check_ep_run(cfg: RunConfig, layout: EPLayout) -> None:
     assert gib > 0, "resolve train.memory_gib before checking the layout"
     check_ep_fits(
         layout, predict_ep_run(cfg, layout), gib, cfg.train.recompute,
-        budget=f"train.memory_gib={gib:g}",
+        budget=f"train.memory_gib={gib:g}", recompute_layers=cfg.train.recompute_layers,
     )  # fmt: skip
 
 
@@ -98,6 +98,7 @@ def check_ep_fits(
     recompute: str,
     *,
     budget: str = "",
+    recompute_layers: int = 0,
 ) -> None:
     """`ValueError` naming the fullest rank, by how much it is over and what to change,
     when a rank of `layout` needs more than `budget_gib`. `budget` names the limit in the
@@ -110,6 +111,8 @@ def check_ep_fits(
     fixes = ["more --pp or --ep"]
     if recompute != "full":
         fixes.append("--recompute full")
+    elif recompute_layers:
+        fixes.append("--recompute-layers 0 (every layer)")
     fixes.append("a smaller --micro-batch-size")
     if budget:
         fixes.append("a larger --memory-gib")
