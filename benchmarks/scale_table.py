@@ -67,10 +67,12 @@ def simulate(argv: list[str]) -> SimResult:
 
 def summary(result: SimResult) -> dict[str, Any]:
     cfg, bound = result.config, result.bound
+    recompute = cfg.get("recompute", "none")  # full on each worker's first K layers, where given
+    recompute += f" on {cfg['recompute_layers']} layers" if cfg.get("recompute_layers") else ""
     if result.runtime == "disagg":
         layout = (
             f"p {cfg['groups']}, {cfg['attn_workers']}:{cfg['expert_workers']}, cap "
-            f"{cfg.get('max_in_flight', 0)}, recompute {cfg.get('recompute', 'none')}, "
+            f"{cfg.get('max_in_flight', 0)}, recompute {recompute}, "
             f"chunks {cfg.get('exchange_chunks', 1)}"
             + (", split backward" if cfg.get("split_backward") else "")
             + f", {order_label(cfg['order'], cfg.get('costed', False))}"
@@ -79,7 +81,7 @@ def summary(result: SimResult) -> dict[str, Any]:
         v = f" v {cfg['chunks']}" if result.runtime == "ep-interleaved" and "chunks" in cfg else ""
         v += f" chunks {cfg['overlap_chunks']}" if "overlap_chunks" in cfg else ""
         v += f" warm-up +{cfg['pipeline_warmup']}" if cfg.get("pipeline_warmup") else ""
-        layout = f"pp {cfg['pp']} ep {cfg['ep']}{v}, recompute {cfg.get('recompute', 'none')}"
+        layout = f"pp {cfg['pp']} ep {cfg['ep']}{v}, recompute {recompute}"
     seconds = bound.seconds if bound else 0.0
     return {
         "runtime": result.runtime,

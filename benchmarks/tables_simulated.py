@@ -256,3 +256,11 @@ SIMULATED["schedule_chain_head025"] = dataclasses.replace(
     "loss at a quarter of their seconds, to see how much of the gap the head's block holds "
     "(not a mechanism).",
 )
+SIMULATED["scale_recompute_layers"] = dataclasses.replace(
+    SIMULATED["scale_table"],
+    title="The scale table where memory binds, each side free to recompute a worker's first "
+    "layers only (simulated)",
+    about="`scale_table`'s points at 16K and 32K for DeepSeek-MoE-16B on 8 nodes, both "
+    'searches with `--recompute-layers` (docs/paper.md; docs/design-notes.md, "Activation '
+    'recompute").',
+)
