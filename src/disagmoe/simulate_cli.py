@@ -320,17 +320,32 @@ def _layers_at_caps(run: Run, caps: range, suffix: str, best: Run, search: dict[
             f"{cap} in flight",
         }  # fmt: skip
         key = f"full on {layers} layer(s), {cap} in flight{suffix}"
-        try:
-            res = _simulate_resolved(vargs, at)
-        except ScheduleRejected:  # that cap's schedule does not validate: a miss
-            search[key], misses = "rejected", misses + 1
-        else:
-            search[key] = round(res.step_time_s, 6)
-            faster = res.step_time_s < best[2].step_time_s
-            best, misses = ((vargs, at, res), 0) if faster else (best, misses + 1)
+        best, misses = _step_or_miss(vargs, at, best, misses, search, key)
         if misses == 2:
             break
     return best
+
+
+def _step_or_miss(
+    args: argparse.Namespace,
+    at: dict[str, Any],
+    best: Run,
+    misses: int,
+    steps: dict[Any, Any],
+    key: Any,
+) -> tuple[Run, int]:
+    """`args` resolved as `at`, simulated, its step (or "rejected") kept in `steps[key]`:
+    the faster of it and `best`, and the misses in a row (a step not faster, or a schedule
+    the validator rejects, is one more; a faster step resets them)."""
+    try:
+        res = _simulate_resolved(args, at)
+    except ScheduleRejected:  # that schedule does not validate: a miss
+        steps[key] = "rejected"
+        return best, misses + 1
+    steps[key] = round(res.step_time_s, 6)
+    if res.step_time_s < best[2].step_time_s:
+        return (args, at, res), 0
+    return best, misses + 1
 
 
 def _pick_order(args: argparse.Namespace, r: dict[str, Any], first: SimResult) -> Run:
@@ -376,14 +391,7 @@ def _fewer_in_flight(args: argparse.Namespace, r: dict[str, Any], first: SimResu
     steps: dict[int, float | str] = {cap: round(first.step_time_s, 6)}
     for k in sorted(r["memory_gib_by_cap"], reverse=True):
         at_k = {**r, "max_in_flight": k, "memory_gib_per_gpu": r["memory_gib_by_cap"][k]}
-        try:
-            res = _simulate_resolved(args, at_k)
-        except ScheduleRejected:  # that cap's schedule does not validate: a miss
-            steps[k], misses = "rejected", misses + 1
-        else:
-            steps[k] = round(res.step_time_s, 6)
-            faster = res.step_time_s < best[2].step_time_s
-            best, misses = ((args, at_k, res), 0) if faster else (best, misses + 1)
+        best, misses = _step_or_miss(args, at_k, best, misses, steps, k)
         if misses == 2:
             break
     best[2].config["in_flight_search"] = steps

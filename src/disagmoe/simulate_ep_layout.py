@@ -54,21 +54,26 @@ def resolve_ep(
     budget = cluster.gpu_mem_gib * cm.GIB
     for i, (p, ep, recompute) in enumerate(tries):
 
-        def peak(layers: int, p: int = p, ep: int = ep, recompute: str = recompute) -> float:
-            mems = ep_memory(
+        def memories(
+            layers: int, p: int = p, ep: int = ep, recompute: str = recompute
+        ) -> list[cm.MemoryBreakdown]:
+            return ep_memory(
                 args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
                 micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
                 chunks=args.virtual_stages, recompute=recompute,
                 loss_chunk_tokens=args.loss_chunk_tokens, warmup=max(args.pipeline_warmup, 0),
                 recompute_layers=layers,
             )  # fmt: skip
-            return max(m.total for m in mems)
+
+        def fits(layers: int) -> bool:
+            return max(m.total for m in memories(layers)) <= budget
 
         layers = args.recompute_layers if recompute == "full" else 0
         try:
             if recompute == "full" and args.recompute == "auto":  # the fewest layers that fit
-                layers = fewest_layers(lambda k: peak(k) <= budget, math.ceil(model.num_layers / p))
-            need = peak(layers)
+                layers = fewest_layers(fits, math.ceil(model.num_layers / p))
+            mems = memories(layers)
+            need = max(m.total for m in mems)
         except ValueError:
             if i < len(modes):  # the layout asked for (or the default) is itself impossible
                 raise
@@ -81,13 +86,6 @@ def resolve_ep(
             lay = EPLayout.of(args.runtime, model, world=gpus, pp=p, ep=ep,
                               num_micro_batches=micro, v=args.virtual_stages,
                               warmup=max(args.pipeline_warmup, 0))  # fmt: skip
-            mems = ep_memory(
-                args.runtime, model, gpus=gpus, pp=p, ep=ep, seq_len=args.seq_len,
-                micro_batch_size=args.micro_batch_size, num_micro_batches=micro,
-                chunks=args.virtual_stages, recompute=recompute,
-                loss_chunk_tokens=args.loss_chunk_tokens, warmup=max(args.pipeline_warmup, 0),
-                recompute_layers=layers,
-            )  # fmt: skip
             refused = (lay, mems, recompute, layers)
     assert refused is not None
     check_ep_fits(*refused[:2], cluster.gpu_mem_gib, refused[2], recompute_layers=refused[3])
