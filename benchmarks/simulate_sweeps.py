@@ -29,9 +29,13 @@ import matplotlib.pyplot as plt
 import matplotlib.ticker
 
 from disagmoe.config import MULTI_WORKER_RUNTIMES, ModelConfig
-from disagmoe.planner.split import planned_split, runnable_in_flight, split_planner
+from disagmoe.planner.split import (
+    default_disagg_split,
+    planned_split,
+    runnable_in_flight,
+    split_planner,
+)
 from disagmoe.presets import CLUSTER_PRESETS, MODEL_PRESETS
-from disagmoe.simulate_cli import default_disagg_split
 from disagmoe.simulator import SimResult, simulate_disagg, simulate_ep
 from disagmoe.simulator.links import LINK_MODELS, LinkModel
 

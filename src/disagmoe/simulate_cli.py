@@ -22,54 +22,16 @@ from .config import (
     split_backward_flag,
 )
 from .costs import costmodel as cm
-from .costs.flops import expert_flops, train_factors
 from .planner.cli import cluster_from_args
 from .planner.split import memory_error, planned_split, split_planner
 from .presets import model_preset
 from .schedule.orders import order_label
 from .simulate_ep_layout import resolve_ep
 from .simulate_flags import SIM_SPLIT_BACKWARD, add_simulate_arguments, default_micro_batches
-from .simulator.costs import Workload
 from .simulator.disagg import ScheduleRejected, simulate_disagg
 from .simulator.ep import simulate_ep
 from .simulator.measured import MeasuredCosts
 from .simulator.report import SimResult, format_result
-
-
-def default_disagg_split(
-    model: ModelConfig,
-    cluster: ClusterConfig,
-    gpus: int,
-    seq_len: int,
-    groups: int,
-    micro_batches: int = 0,
-) -> tuple[int, int]:
-    """(m, n) with m + n = gpus/groups balancing attention and expert compute per layer.
-
-    A replica's attention takes a per layer, the largest shard's experts take
-    m*f*ceil(E/n)/E (f: one replica's routed experts on one GPU; m*f/n when n | E), so
-    m/n ~ a/f balances them; any n <= E (uneven shards) and m <= `micro_batches`, when
-    given.
-    """
-    per = gpus // groups
-    w = Workload(model, seq_len, 1)
-    gemm, core = w.attn_flops(model.num_layers - 1)
-    gemm_factor, core_factor = train_factors()
-    a = gemm * gemm_factor + core * core_factor
-    f = expert_flops(model, w.tokens * model.top_k) * gemm_factor
-    best: tuple[float, int, int] | None = None
-    for n in range(1, min(model.num_experts, per - 1) + 1):
-        m = per - n
-        if micro_batches and micro_batches < m:
-            continue
-        share = -(-model.num_experts // n) / model.num_experts  # the largest shard's
-        cost = max(a, m * f * share)  # stage time per replica micro-batch, per layer
-        score = cost / m  # time per micro-batch of the whole group
-        if best is None or score < best[0]:
-            best = (score, m, n)
-    if best is None:
-        raise ValueError(f"{per} GPUs per group leave no room for attention and expert workers")
-    return best[1], best[2]
 
 
 def resolve(args: argparse.Namespace) -> dict[str, Any]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import LOSS_CHUNK_TOKENS, ClusterConfig, ModelConfig
+from ..costs.flops import expert_flops, train_factors
+from ..simulator.costs import Workload
 from .options import run_replays
 
 
@@ -171,3 +173,39 @@ def planned_split(
         recompute=plan.recompute,
         note=f"planner m={m}, n={n}, M_a={ma}; memory allows {k} in flight",
     )
+
+
+def default_disagg_split(
+    model: ModelConfig,
+    cluster: ClusterConfig,
+    gpus: int,
+    seq_len: int,
+    groups: int,
+    micro_batches: int = 0,
+) -> tuple[int, int]:
+    """(m, n) with m + n = gpus/groups balancing attention and expert compute per layer.
+
+    A replica's attention takes a per layer, the largest shard's experts take
+    m*f*ceil(E/n)/E (f: one replica's routed experts on one GPU; m*f/n when n | E), so
+    m/n ~ a/f balances them; any n <= E (uneven shards) and m <= `micro_batches`, when
+    given.
+    """
+    per = gpus // groups
+    w = Workload(model, seq_len, 1)
+    gemm, core = w.attn_flops(model.num_layers - 1)
+    gemm_factor, core_factor = train_factors()
+    a = gemm * gemm_factor + core * core_factor
+    f = expert_flops(model, w.tokens * model.top_k) * gemm_factor
+    best: tuple[float, int, int] | None = None
+    for n in range(1, min(model.num_experts, per - 1) + 1):
+        m = per - n
+        if micro_batches and micro_batches < m:
+            continue
+        share = -(-model.num_experts // n) / model.num_experts  # the largest shard's
+        cost = max(a, m * f * share)  # stage time per replica micro-batch, per layer
+        score = cost / m  # time per micro-batch of the whole group
+        if best is None or score < best[0]:
+            best = (score, m, n)
+    if best is None:
+        raise ValueError(f"{per} GPUs per group leave no room for attention and expert workers")
+    return best[1], best[2]
