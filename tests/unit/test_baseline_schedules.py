@@ -175,6 +175,11 @@ def test_orders_cover_every_stage_and_micro_batch_once(runtime: str, pp: int, n:
         kinds = {k for acts in order.values() for _, k, _ in acts}
         assert {"I", "W"} <= kinds  # zero-bubble split backward
         assert layout.stages_of(0) == [0, 2 * pp - 1]  # the V: first and last stage on rank 0
+    held = [layout.layers_of_rank(r) for r in range(pp)]
+    assert sorted(l for h in held for l in h) == list(range(8))  # every layer on one rank
+    assert all(h == sorted(h) for h in held)
+    if runtime == "ep-dualpipev" and pp == 2:  # 4 stages of 2 layers, V: 0,3 | 1,2
+        assert held == [[0, 1, 6, 7], [2, 3, 4, 5]]
 
 
 @pytest.mark.parametrize("runtime", EP_RUNTIMES)

@@ -101,7 +101,7 @@ class EPTrainer:
         self.modules = build_stage_modules(
             cfg, self.layout, self.pp_rank, self.ep_rank, self.scale, self.comm, self.device
         )
-        held = [l for s in self.stage_ids for l in self.layout.layers_of_stage(s)]
+        held = self.layout.layers_of_rank(self.pp_rank)
         apply_variants(cfg, self.modules, held)
         self.named_params = unique_named_parameters(*self.modules)
         self.params = [p for _, p in self.named_params]

@@ -188,6 +188,11 @@ class EPLayout:
     def layers_of_stage(self, stage: int) -> list[int]:
         return split_layers(self.num_layers, self.num_stages)[stage]
 
+    def layers_of_rank(self, pp_rank: int) -> list[int]:
+        """Decoder layers pipeline rank `pp_rank` holds, over all its virtual stages, in
+        stage order (ascending)."""
+        return [l for s in self.stages_of(pp_rank) for l in self.layers_of_stage(s)]
+
     def coords(self, rank: int) -> tuple[int, int, int, int]:
         """(pp_rank, dp_rank, ep_rank, edp_rank) of a global rank."""
         pp_rank, dp_rank = divmod(rank, self.dp)

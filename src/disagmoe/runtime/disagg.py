@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import RunConfig
+from ..costs.costmodel import group_layers
 from ..data import inputs_targets, split_micro_batches
 from ..device import payload_backend, resolve_device
 from ..distributed.layout import Layout, num_slots, run_layout
@@ -172,7 +173,7 @@ class DisaggTrainer:
         self.role = self.layout.role(self.rank)
         self.scale = LossScale.for_run(cfg.model, cfg.train)
         self.worker = build_worker(cfg, self.layout, self.rank, self.scale, self.device)
-        held = [l for l in range(cfg.model.num_layers) if l % self.layout.groups == self.role.group]
+        held = group_layers(cfg.model, self.layout.groups, self.role.group)
         apply_variants(cfg, [self.worker.modules], held)
         self.named_params = self.worker.named_parameters()
         self.params = [p for _, p in self.named_params]

@@ -151,7 +151,7 @@ def ep_recomputed(lay: EPLayout, recompute: str, recompute_layers: int) -> froze
     full)."""
     if recompute != "full" or recompute_layers <= 0:
         return None
-    held = [[l for s in lay.stages_of(r) for l in lay.layers_of_stage(s)] for r in range(lay.pp)]
+    held = (lay.layers_of_rank(r) for r in range(lay.pp))
     return frozenset().union(*(recomputed_layers(h, recompute_layers) for h in held))
 
 

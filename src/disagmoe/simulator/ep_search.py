@@ -211,7 +211,7 @@ def search_ep_layouts(
 
             layers = recompute_layers if recompute == "full" else 0
             if layers < 0:
-                held = max(len(_rank_layers(lay, r)) for r in range(lay.pp))
+                held = max(len(lay.layers_of_rank(r)) for r in range(lay.pp))
                 layers = fewest_layers(lambda k: peak_gib(k) <= memory_gib, held)
             gib = peak_gib(layers)
             if memory_gib > 0 and gib > memory_gib:
@@ -234,10 +234,6 @@ def search_ep_layouts(
             for k in chunkings if lay.ep > 1 else chunkings[:1]:  # ep 1: nothing to chunk
                 found.append(sim(lay, v, costs, recompute, k, gib, layers))
     return sorted(found, key=rank_key)
-
-
-def _rank_layers(lay: EPLayout, pp_rank: int) -> list[int]:
-    return [layer for s in lay.stages_of(pp_rank) for layer in lay.layers_of_stage(s)]
 
 
 def fewest_layers(fits: Callable[[int], bool], held: int) -> int:
