@@ -64,7 +64,8 @@ def _world_size(cfg: RunConfig) -> int:
 
 def resolve_memory(cfg: RunConfig, local_ranks: int) -> RunConfig:
     """disagg and ep-*: `cfg` with its memory budget resolved once for all ranks, checked to
-    fit (a ValueError, exit 2: disagg when even one micro-batch in flight does not fit, ep-*
+    fit (a ValueError, exit 2: disagg when even one micro-batch in flight, or the
+    `--max-in-flight` given, does not fit, ep-*
     when a pipeline rank's states and the micro-batches its order holds do not,
     `training.ep_budget.check_ep_run`)."""
     if cfg.parallel.runtime == "reference":

@@ -167,6 +167,17 @@ def test_a_run_that_cannot_fit_fails_with_one_line(tmp_path: Path) -> None:
     assert lines[0].startswith("disagmoe: error: expert shard states 3 MiB + activations")
     assert "exceed train.memory_gib=0.003; use more --expert-workers" in lines[0]
     assert not (tmp_path / "run").exists()
+    # one slot fits 4.2 MiB (the shard's states 3 MiB + 1 MiB per slot), the two given do not
+    given = run_cli(
+        "train", "--no-progress", "--run-dir", str(tmp_path / "run"), "--steps", "1",
+        "--memory-gib", "0.0042", "--max-in-flight", "2",
+    )  # fmt: skip
+    assert given.returncode == 2
+    lines = given.stderr.strip().splitlines()
+    assert len(lines) == 1, given.stderr
+    assert lines[0].startswith("disagmoe: error: schedule.max_in_flight=2: 2 micro-batch(es)")
+    assert "on an expert shard" in lines[0] and "use --max-in-flight 1 (0: the most" in lines[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_ep_run_that_cannot_fit_fails_with_one_line(tmp_path: Path) -> None:

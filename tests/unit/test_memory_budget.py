@@ -124,9 +124,19 @@ def test_cap_is_the_largest_count_that_fits() -> None:
     )
     over = budget.predict_memory(cfg, cap + 1)
     assert max(over.attn.total, over.ffn.total) > limit
-    # an explicit value wins; -1 asks for no cap
-    explicit = replace_section(cfg, "schedule", max_in_flight=7)
-    assert budget.in_flight_cap(explicit, 8) == 7
+    # an explicit value that fits stands; one that does not is refused; -1 asks for no cap
+    assert budget.in_flight_cap(
+        replace_section(cfg, "schedule", max_in_flight=cap - 1 or 1), 8
+    ) == (cap - 1 or 1)
+    assert budget.in_flight_cap(replace_section(cfg, "schedule", max_in_flight=cap), 8) == cap
+    over_cap = replace_section(cfg, "schedule", max_in_flight=7)
+    with pytest.raises(
+        ValueError,
+        match=rf"^schedule.max_in_flight=7: 7 micro-batch\(es\) in flight need .* over train.memory_gib=0.0095; use --max-in-flight {cap} \(0: the most that fits\), --recompute full, or a larger --memory-gib",
+    ):
+        budget.in_flight_cap(over_cap, 8)
+    past_slots = replace_section(cfg, "schedule", max_in_flight=99)
+    assert budget.in_flight_cap(past_slots, 2) == 2  # at most every slot
     assert budget.in_flight_cap(replace_section(cfg, "schedule", max_in_flight=-1), 8) == 8
     # an ample budget: every slot
     assert budget.in_flight_cap(replace_section(cfg, "train", memory_gib=64.0), 8) == 8

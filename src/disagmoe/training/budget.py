@@ -11,7 +11,8 @@ that launches the ranks (`resolve_memory_budget`), and travels in the config.
   the run's dtype) and the activations of K in-flight micro-batches of the worst replica
   (A) and the worst shard (F, ceil(E/n) experts, balanced routing), from
   `costs.runtime_memory` with the run's dtype, seq_len, micro-batch, recompute and split.
-* Cap (`in_flight_cap`): `schedule.max_in_flight` when > 0; -1: no cap (every slot);
+* Cap (`in_flight_cap`): `schedule.max_in_flight` when > 0 (refused, a one-line
+  ValueError, where that many slots do not fit); -1: no cap (every slot, unchecked);
   0 (default): the largest K <= slots whose prediction fits the budget on both roles.
   If even K = 1 does not fit, a ValueError names the binding term (exit 2 in the CLI).
 """
@@ -145,11 +146,13 @@ def in_flight_cap(cfg: RunConfig, slots: int) -> int:
     budget = cfg.train.memory_gib * cm.GIB
     one = predict_memory(cfg, 1)
     _check_fits(one, budget, cfg.train.memory_gib, cfg.train.recompute_layers)
-    if cfg.schedule.max_in_flight > 0:
-        return cfg.schedule.max_in_flight
-    if cfg.schedule.max_in_flight == NO_CAP:
+    given = cfg.schedule.max_in_flight
+    if given == NO_CAP:
         return slots
-    return max(1, most_in_flight((one.attn, one.ffn), budget, slots))
+    fits = max(1, most_in_flight((one.attn, one.ffn), budget, slots))
+    if given > fits and min(given, slots) > fits:  # a cap given that does not fit
+        _refuse_cap(cfg, min(given, slots), fits)
+    return min(given, slots) if given > 0 else fits
 
 
 def most_in_flight(one: Iterable[cm.MemoryBreakdown], budget: float, limit: int) -> int:
@@ -162,6 +165,25 @@ def most_in_flight(one: Iterable[cm.MemoryBreakdown], budget: float, limit: int)
             free = budget - role.states - role.transient - role.deferred
             caps.append(int(free // role.activations))
     return min(caps)
+
+
+def _refuse_cap(cfg: RunConfig, given: int, fits: int) -> None:
+    mem = predict_memory(cfg, given)
+    role, worst = max(
+        (("attention replica", mem.attn), ("expert shard", mem.ffn)), key=lambda r: r[1].total
+    )
+    train = cfg.train
+    recompute = (
+        ", --recompute-layers 0 (every layer)" if train.recompute_layers
+        else "" if train.recompute == "full" else ", --recompute full"
+    )  # fmt: skip
+    raise ValueError(
+        f"schedule.max_in_flight={cfg.schedule.max_in_flight}: {given} micro-batch(es) in "
+        f"flight need {_gib(worst.total)} on an {role} (states {_gib(worst.states)} + "
+        f"activations {_gib(worst.activations)}), over train.memory_gib={train.memory_gib:g}; "
+        f"use --max-in-flight {fits} (0: the most that fits){recompute}, or a larger "
+        f"--memory-gib (-1 runs every slot unchecked)"
+    )
 
 
 def _check_fits(one: RunMemory, budget: float, gib: float, recompute_layers: int = 0) -> None:
