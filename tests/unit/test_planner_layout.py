@@ -10,6 +10,7 @@ from disagmoe.config import RunConfig, TrainConfig
 from disagmoe.planner import plan_for
 from disagmoe.planner.layout_plan import auto_layout
 from disagmoe.planner.options import run_replays
+from disagmoe.planner.plan import Planner
 from disagmoe.presets import MODEL_PRESETS
 
 
@@ -111,3 +112,28 @@ def test_auto_layout_sets_cap_and_recompute_from_the_plan() -> None:
     tight_slots = tight.train.num_micro_batches // tight.parallel.attn_workers
     assert tight.schedule.max_in_flight == tight_plan.in_flight < tight_slots
     assert tight.train.recompute == tight_plan.recompute
+
+
+def test_auto_layout_lowers_the_cap_to_what_the_users_recompute_layers_admit() -> None:
+    train = TrainConfig(seq_len=1024, global_batch_size=64, micro_batch_size=1)
+    tight = dataclasses.replace(
+        _cfg(), train=train, cluster=dataclasses.replace(_cfg().cluster, gpu_mem_gib=0.045)
+    )
+    every, plan = auto_layout(tight, 12)
+    assert plan.recompute == "full" and every.train.recompute_layers == 0
+    some_train = dataclasses.replace(train, recompute="full", recompute_layers=1)
+    some, same = auto_layout(dataclasses.replace(tight, train=some_train), 12)
+    assert (same.groups, same.attn_gpus_per_group) == (plan.groups, plan.attn_gpus_per_group)
+    assert some.train.recompute == "full" and some.train.recompute_layers == 1
+    cap = some.schedule.max_in_flight
+    assert 1 <= cap < every.schedule.max_in_flight  # layer 0 of each group keeps its tensors
+    planner = Planner(
+        model=tight.model, cluster=tight.cluster, gpus=12, seq_len=1024, micro_batch_size=1
+    )
+    m, p = plan.attn_gpus_per_group, plan.groups
+    assert planner.max_in_flight(p, m, "full", 1) == cap
+    with pytest.raises(
+        ValueError, match=r"full recompute on 1 layer\(s\) per group; use more --recompute-layers"
+    ):
+        tiny = dataclasses.replace(tight.cluster, gpu_mem_gib=0.015)
+        auto_layout(dataclasses.replace(tight, train=some_train, cluster=tiny), 12)

@@ -12,7 +12,9 @@ picks on the plan: `options.run_replays`). Every plan is runnable: p | L,
 m + n = W / p, n <= E.
 
 The run gets the plan's p, m, n (`parallel.*`), its in-flight cap
-(`schedule.max_in_flight`) and its recompute mode (`train.recompute`).
+(`schedule.max_in_flight`) and its recompute mode (`train.recompute`). Where the plan
+recomputes in full and the run asks for only its first K layers per group
+(`train.recompute_layers`), the cap is lowered to what K admits by the same memory model.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import dataclasses
 
 from ..config import RunConfig
 from . import plan_for
-from .options import run_replays
-from .plan import Plan
+from .options import PlanOptions, run_replays
+from .plan import Plan, Planner
 
 
 def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
@@ -55,8 +57,30 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
         attn_workers=plan.attn_gpus_per_group,
         expert_workers=plan.ffn_gpus_per_group,
     )
-    schedule = dataclasses.replace(sched, max_in_flight=plan.in_flight)
-    # the plan's mode; a user's recompute_layers stands only where it picks full
+    # the plan's mode; a user's recompute_layers stands only where it picks full, at the
+    # slots in flight that those layers leave room for
     layers = train.recompute_layers if plan.recompute == "full" else 0
+    cap = plan.in_flight if not layers else _cap_with_layers(cfg, world_size, plan, layers)
+    schedule = dataclasses.replace(sched, max_in_flight=cap)
     train = dataclasses.replace(train, recompute=plan.recompute, recompute_layers=layers)
     return dataclasses.replace(cfg, parallel=parallel, schedule=schedule, train=train), plan
+
+
+def _cap_with_layers(cfg: RunConfig, world_size: int, plan: Plan, layers: int) -> int:
+    """The plan's in-flight cap lowered to what its memory admits with full recompute on
+    only the first `layers` layers of each group (`Planner.max_in_flight`)."""
+    train = cfg.train
+    planner = Planner(
+        model=cfg.model, cluster=cfg.cluster, gpus=world_size, seq_len=train.seq_len,
+        micro_batch_size=train.micro_batch_size,
+        options=PlanOptions(loss_chunk_tokens=train.loss_chunk_tokens),
+    )  # fmt: skip
+    fits = planner.max_in_flight(plan.groups, plan.attn_gpus_per_group, "full", layers)
+    if fits < 1:
+        raise ValueError(
+            f"the plan p={plan.groups}, m={plan.attn_gpus_per_group}, "
+            f"n={plan.ffn_gpus_per_group} does not fit cluster {cfg.cluster.name!r}'s "
+            f"{cfg.cluster.gpu_mem_gib:g} GiB with full recompute on {layers} layer(s) per "
+            f"group; use more --recompute-layers (0: every layer)"
+        )
+    return min(plan.in_flight, fits)
