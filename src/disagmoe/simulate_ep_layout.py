@@ -33,10 +33,10 @@ def resolve_ep(
 ) -> dict[str, Any]:
     """An EP runtime's pp, ep, micro-batches and recompute that fit the GPU's memory
     (`training.ep_budget`). Neither --pp nor --ep: the searched best (`searched_ep`).
-    A layout or recompute given is refused when it does not fit; with one of --pp / --ep
-    given, the other is its default, and when that does not fit it gives way to the
-    first of (recompute full, then more pipeline ranks) that fits, and the note says so
-    (the result's `layout_note`)."""
+    With one of --pp / --ep given, the other is its default; the layout, with `--recompute
+    auto`, gives way to full recompute (on the fewest first layers that fit) where it does
+    not fit without, and the note says so (the result's `layout_note`); a layout that does
+    not fit with its last recompute mode is refused."""
     if not (args.pp or args.ep):
         return searched_ep(args, model, cluster, gpus)
     default_pp = max(d for d in divisors(model.num_layers) if d <= args.nodes and gpus % d == 0)
@@ -46,9 +46,6 @@ def resolve_ep(
     modes = ("none", "full") if args.recompute == "auto" else (args.recompute,)
     first = (pp, _default_ep(args, model, gpus, pp), modes[0])
     tries = [first, *((pp, first[1], m) for m in modes[1:])]
-    if not (args.pp or args.ep):  # the default layout may give way to more pipeline ranks
-        more = [d for d in divisors(model.num_layers) if d > pp and gpus % d == 0]
-        tries += [(p, _default_ep(args, model, gpus, p), m) for p in more for m in modes]
     micro = args.micro_batches or default_micro_batches(gpus)
     refused: tuple[EPLayout, list[cm.MemoryBreakdown], str, int] | None = None
     budget = cluster.gpu_mem_gib * cm.GIB
@@ -69,20 +66,15 @@ def resolve_ep(
             return max(m.total for m in memories(layers)) <= budget
 
         layers = args.recompute_layers if recompute == "full" else 0
-        try:
-            if recompute == "full" and args.recompute == "auto":  # the fewest layers that fit
-                layers = fewest_layers(fits, math.ceil(model.num_layers / p))
-            mems = memories(layers)
-            need = max(m.total for m in mems)
-        except ValueError:
-            if i < len(modes):  # the layout asked for (or the default) is itself impossible
-                raise
-            continue
+        if recompute == "full" and args.recompute == "auto":  # the fewest layers that fit
+            layers = fewest_layers(fits, math.ceil(model.num_layers / p))
+        mems = memories(layers)  # a ValueError: the layout asked for is itself impossible
+        need = max(m.total for m in mems)
         if need <= budget:
             note = _gave_way(first, (p, ep, recompute)) if i > 0 else ""
             return {"pp": p, "ep": ep, "micro_batches": micro, "recompute": recompute,
                     "recompute_layers": layers, "layout_note": note}  # fmt: skip
-        if i == len(modes) - 1:  # the layout asked for (or the default), its last recompute
+        if i == len(modes) - 1:  # the layout asked for, its last recompute mode
             lay = EPLayout.of(args.runtime, model, world=gpus, pp=p, ep=ep,
                               num_micro_batches=micro, v=args.virtual_stages,
                               warmup=max(args.pipeline_warmup, 0))  # fmt: skip
