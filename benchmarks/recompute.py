@@ -10,7 +10,7 @@ A run's step time is the median of its `metrics.jsonl` step times after the firs
 `--warmup` steps; a mode's is the median over its rounds. Prints mode, s/step, tokens/s and
 the ratio of tokens/s to none; writes JSON with a `rows` list and every run's step times.
 
-First, in this process, the bytes one micro-batch's A component (layer 1) and expert shard
+First, in this process (alone with `--rounds 0`), the bytes one micro-batch's A component (layer 1) and expert shard
 (layer 0) save for backward in each mode (`testing.memory.stage_saved_bytes`, the default
 run's model and micro-batch at each `--memory-seq-len`); `memory` in the JSON.
 """
@@ -65,7 +65,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3, help="steps left out of each run")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="0: print the saved bytes only, write nothing"
+    )
     parser.add_argument("--memory-seq-len", type=int, nargs="+", default=[64, 1024])
     parser.add_argument("--json", default="benchmarks/results/recompute.json")
     parser.add_argument("extra", nargs="*", help="more `disagmoe train` arguments (after --)")
@@ -73,6 +75,8 @@ def main() -> None:
     if args.steps <= args.warmup:
         raise SystemExit("--steps must exceed --warmup")
     memory = memory_rows(args.memory_seq_len)
+    if args.rounds == 0:  # the saved bytes only (deterministic): no runs, no JSON
+        return
     runs: dict[str, list[list[float]]] = {mode: [] for mode in RECOMPUTE}
     tokens_per_step = 0.0
     with tempfile.TemporaryDirectory() as tmp:
