@@ -54,6 +54,13 @@ def last_record(tmp_path: Path) -> dict[str, Any]:
         *[(r, "float32", ["--groups", "1", "--attn-workers", "2"], "1") for r in RECOMPUTE],
         ("none", "float64", ["--groups", "1", "--attn-workers", "2"], "0"),
         *[(r, "float32", ["--groups", "2", "--attn-workers", "1"], "1") for r in ("none", "full")],
+        # Qwen3's per-head q/k norms
+        (
+            "none",
+            "float32",
+            ["--groups", "1", "--attn-workers", "2", "--set", "model.qk_norm=true"],
+            "1",
+        ),
         # full recompute of each group's first layer only (train.recompute_layers)
         (
             "full",

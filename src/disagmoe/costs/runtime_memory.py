@@ -69,6 +69,9 @@ def attn_layer_act_bytes(
       q, k, v after RoPE and the attention output, b*(2q + 2kv), and the attention's
       log-sum-exp f*N (`recompute=attn` drops what the attention core saves beyond its
       inputs and output: the log-sum-exp);
+    * with `qk_norm` (Qwen3) the per-head norms of q and k: their inputs at >= fp32
+      f*(q + kv), 1/rms f*(N + N_kv) and the normed q and k b*(q + kv) (RoPE saves only
+      its tables, so their outputs are not kept again);
     * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1); the
       dispatch's token ids 8*rho, the boolean masks n*k bytes; shared experts 4b*I_s;
     * a dense MLP 4b*D_dense;
@@ -113,6 +116,8 @@ def attn_layer_act_bytes(
         per_token += rho * idx + n * k if moe else 0.0
         return tokens * per_token + per_mb
     per_token = inputs + outputs + 2 * _norm_bytes(h, prec) + b * (2 * q + 2 * kv)
+    if model.qk_norm:
+        per_token += (f + b) * (q + kv) + f * (model.num_heads + model.num_kv_heads)
     per_token += f * model.num_heads if recompute == "none" else 0.0
     per_token += idx if layer == 0 else 0.0
     if moe:
