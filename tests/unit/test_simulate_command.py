@@ -65,7 +65,7 @@ def test_max_in_flight_means_what_train_means() -> None:
     add_simulate_arguments(parser)
     given = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--groups", "1", "--attn-workers",
              "32", "--expert-workers", "32", "--micro-batches", "64",
-             "--split-backward", "off"]  # fmt: skip
+             "--split-backward", "off", "--recompute", "none"]  # fmt: skip
 
     def cap(*argv: str) -> int:
         return simulate_from_args(parser.parse_args([*given, *argv])).config["max_in_flight"]
@@ -100,7 +100,7 @@ def test_simulate_disagg_fits_the_gpu_by_the_runtime_model(
     assert main([*given, "--recompute", "none", "--max-in-flight", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(
-        "error: the expert shard of p=1, m=32, n=32 with recompute none and 8 micro-batch(es) "
+        "error: the attention replica of p=1, m=32, n=32 with recompute none and 8 micro-batch(es) "
         "in flight needs "
     )
     assert "GiB over the 80 GiB of a GPU; use --recompute full" in err and "\n" not in err
@@ -153,7 +153,7 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
 def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
     for each recompute mode that fits and keeps the faster: none (DeepSeek-MoE, one node,
-    4K, 32 micro-batches), full where none fits but is slower (Qwen3 16K) and where none does
+    4K, 32 micro-batches), full where none fits but is slower (Qwen3 8K) and where none does
     not fit (Qwen3 32K; 16 micro-batches each); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
     `--order auto`, simulate's default), then at fewer in flight. One exchange chunk: the
     chunk search is `test_simulator_chunks`'."""
@@ -168,7 +168,7 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
             "breadth",
             "16",
         ),  # (the order search takes minutes here)
-        ("qwen3-30b-a3b", "16384", "full", "breadth", "16"),
+        ("qwen3-30b-a3b", "8192", "full", "breadth", "16"),
     ):
         argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1",
                 "--order", order, "--micro-batches", batch]  # fmt: skip
@@ -200,7 +200,7 @@ def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFi
             "none, split backward",
             "full",
         ]
-    # Qwen3 at 16K: the planner's full-recompute plan has p = 2; its p = 1 plan is
+    # Qwen3 at 8K: the planner's full-recompute plan has p = 2; its p = 1 plan is
     # simulated beside it (`_and_one_group`)
     assert isinstance(search["full, p 1"], float) and isinstance(search["full"], float)
     # one recompute mode given: the p = 1 plan is still compared, and the line says so
