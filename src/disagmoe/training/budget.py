@@ -150,9 +150,11 @@ def in_flight_cap(cfg: RunConfig, slots: int) -> int:
     if given == NO_CAP:
         return slots
     fits = max(1, most_in_flight((one.attn, one.ffn), budget, slots))
-    if given > fits and min(given, slots) > fits:  # a cap given that does not fit
+    if given == 0:
+        return fits
+    if min(given, slots) > fits:  # a cap given that does not fit
         _refuse_cap(cfg, min(given, slots), fits)
-    return min(given, slots) if given > 0 else fits
+    return min(given, slots)
 
 
 def most_in_flight(one: Iterable[cm.MemoryBreakdown], budget: float, limit: int) -> int:
