@@ -66,15 +66,11 @@ def attn_layer_act_bytes(
       saves them; the combined rows and a received residual only where an op below saves
       them, counted there);
     * two RMSNorms, `_norm_bytes` each (the first's input is the layer input);
-      q, k, v after RoPE and the attention output, b*(2q + 2kv), and the attention's
-      log-sum-exp f*N (`recompute=attn` drops what the attention core saves beyond its
-      inputs and output: the log-sum-exp);
-    * with `qk_norm` (Qwen3) the per-head norms of q and k: their inputs at >= fp32
-      f*(q + kv), 1/rms f*(N + N_kv) and the normed q and k b*(q + kv) (RoPE saves only
-      its tables, so their outputs are not kept again);
-    * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1); the
-      dispatch's token ids 8*rho, the boolean masks n*k bytes; shared experts 4b*I_s;
-    * a dense MLP 4b*D_dense;
+      q, k, v after RoPE and the attention output, b*(2q + 2kv), the attention's
+      log-sum-exp f*N (`recompute=attn` drops it: what the core saves beyond its inputs
+      and output); `qk_norm`: inputs, 1/rms, normed q and k, (f+b)(q+kv) + f(N+N_kv);
+    * MoE: router probabilities f*E, top-k ids 8k, renormalised weights f*(k+1), dispatch
+      token ids 8*rho, boolean masks n*k bytes; shared experts 4b*I_s; dense MLP 4b*D_dense;
     * layer 0: the token ids, 8; per micro-batch the RoPE tables 2*S*D*b and the balance loss 2f*E.
     The loss head keeps its inputs and `_head_bytes`; it is not recomputed in any mode.
 
