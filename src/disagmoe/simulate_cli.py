@@ -137,8 +137,8 @@ def _resolve_disagg(
     if f"memory allows {fits} in flight" not in note:  # not the planner's recompute
         note += f"; recompute {recompute}, memory allows {fits} in flight"
     # schedule.max_in_flight: N a cap of N, 0 the memory model's, -1 none (the replay's 0)
-    in_flight = {0: fits, -1: 0}.get(args.max_in_flight, args.max_in_flight)
     slots = -(-micro_batches // m)  # the busiest replica's: what it holds at most
+    in_flight = {0: min(fits, slots), -1: 0}.get(args.max_in_flight, args.max_in_flight)
 
     def gib(cap: int) -> float:  # the fullest worker's peak at `cap` slots in flight
         held = min(cap or slots, slots)

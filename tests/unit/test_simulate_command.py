@@ -152,26 +152,20 @@ def test_recompute_prices_one_more_forward_of_what_it_recomputes() -> None:
 
 def test_recompute_auto_keeps_the_faster_simulated_mode(capsys: pytest.CaptureFixture[str]) -> None:
     """`simulate` (AF-Pipe, the planner's split, recompute auto) simulates the planner's plan
-    for each recompute mode that fits and keeps the faster: none (DeepSeek-MoE, one node,
-    4K, 32 micro-batches), full where none fits but is slower (Qwen3 8K) and where none does
-    not fit (Qwen3 32K; 16 micro-batches each); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
+    for each recompute mode that fits and keeps the faster: none (DeepSeek-MoE, two nodes,
+    4K), full where none fits but is slower (Qwen3 8K, one node) and where none does not
+    fit (Qwen3 32K; 16 micro-batches each); a plan of p > 1 groups also at p = 1; the plan kept in its fastest order (with
     `--order auto`, simulate's default), then at fewer in flight. One exchange chunk: the
     chunk search is `test_simulator_chunks`'."""
     from disagmoe.simulate_cli import main
 
-    for model, seq, want, order, batch in (
-        ("deepseek-moe-16b", "4096", "none", "auto", "32"),  # simulate's default order
-        (
-            "qwen3-30b-a3b",
-            "32768",
-            "full",
-            "breadth",
-            "16",
-        ),  # (the order search takes minutes here)
-        ("qwen3-30b-a3b", "8192", "full", "breadth", "16"),
+    for model, nodes, seq, want, order in (
+        ("deepseek-moe-16b", "2", "4096", "none", "auto"),  # simulate's default order
+        ("qwen3-30b-a3b", "1", "32768", "full", "breadth"),  # (the order search: minutes)
+        ("qwen3-30b-a3b", "1", "8192", "full", "breadth"),
     ):
-        argv = ["--model", model, "--nodes", "1", "--seq-len", seq, "--exchange-chunks", "1",
-                "--order", order, "--micro-batches", batch]  # fmt: skip
+        argv = ["--model", model, "--nodes", nodes, "--seq-len", seq, "--exchange-chunks", "1",
+                "--order", order, "--micro-batches", "16"]  # fmt: skip
         parser = argparse.ArgumentParser()
         add_simulate_arguments(parser)
         result = simulate_from_args(parser.parse_args(argv))
@@ -308,3 +302,18 @@ def test_fewer_in_flight_stops_after_two_slower_caps(monkeypatch: pytest.MonkeyP
     best = fake({4: 1.0, 3: None, 2: 0.9, 1: None})  # a rejected cap is a slower one
     assert best.step_time_s == 0.9
     assert best.config["in_flight_search"] == {4: 1.0, 3: "rejected", 2: 0.9, 1: "rejected"}
+
+
+def test_the_memory_cap_stops_at_the_slots_a_replica_holds() -> None:
+    """A model whose memory holds far more micro-batches than a replica ever has (`tiny` on
+    80 GiB): the cap is the replica's slots, and the recompute search climbs and descends
+    from there, not from the memory's count (which took minutes, one cap at a time)."""
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    argv = ["--model", "tiny", "--nodes", "1", "--seq-len", "64", "--micro-batches", "8",
+            "--order", "breadth", "--exchange-chunks", "1"]  # fmt: skip
+    cfg = simulate_from_args(parser.parse_args(argv)).config
+    slots = -(-8 // int(cfg["attn_workers"]))
+    assert 1 <= cfg["max_in_flight"] <= slots, cfg["max_in_flight"]
+    caps = [int(k.split(", ")[1].split()[0]) for k in cfg["recompute_search"] if " layer(s)" in k]
+    assert caps and max(caps) <= slots, cfg["recompute_search"]
