@@ -92,8 +92,10 @@ def test_simulate_disagg_fits_the_gpu_by_the_runtime_model(
 
     # in breadth order: memory does not depend on it (the order search: the recompute test)
     flags = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--seq-len", "8192", "--order", "breadth"]
-    # the planner's plan on 2 nodes (a small global batch: the replay is the slow part)
-    assert main([*flags[:2], "--nodes", "2", *flags[4:], "--micro-batches", "16", "--json"]) == 0
+    # the planner's plan on 2 nodes (a small global batch and one exchange chunk: the
+    # replays are the slow part)
+    planned = [*flags[:2], "--nodes", "2", *flags[4:], "--micro-batches", "8"]
+    assert main([*planned, "--exchange-chunks", "1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert 0 < out["memory_gib_per_gpu"] <= out["gpu_memory_gib"] == 80.0
     given = [*flags, "--groups", "1", "--attn-workers", "32", "--expert-workers", "32"]
