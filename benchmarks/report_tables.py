@@ -190,7 +190,7 @@ ORDER = (
     "schedule_build", "plan_split_vs_seqlen", "plan_solve_times", "planner_vs_sweep",
     "uneven_splits", "exchange_overhead", "gloo_rendezvous", "tbf_goodput", "memory_model",
     "rank_memory", "recompute", "gc_pauses", "gc_pauses_8w", "link_faults",
-    "scale_table", "scale_recompute_layers", "scale_qwen3_memory", "scale_groups",
+    "scale_table", "scale_groups",
     "paper_figures", "af_levers",
 )  # fmt: skip
 

@@ -256,19 +256,3 @@ SIMULATED["schedule_chain_head025"] = dataclasses.replace(
     "loss at a quarter of their seconds, to see how much of the gap the head's block holds "
     "(not a mechanism).",
 )
-SIMULATED["scale_recompute_layers"] = dataclasses.replace(
-    SIMULATED["scale_table"],
-    title="The scale table's DeepSeek-MoE points, each side free to recompute a worker's "
-    "first layers only (simulated)",
-    about="`scale_table`'s DeepSeek-MoE-16B points (8 and 16 nodes, 4K-32K), both searches "
-    'with `--recompute-layers` (docs/paper.md; docs/design-notes.md, "Activation '
-    'recompute").',
-)
-SIMULATED["scale_qwen3_memory"] = dataclasses.replace(
-    SIMULATED["scale_table"],
-    title="The scale table's Qwen3 points on 8 nodes with the q/k norms in the memory model "
-    "(simulated)",
-    about="`scale_table`'s Qwen3-30B-A3B points on 8 nodes, both sides held to the memory "
-    "model that counts Qwen3's per-head q/k norms, both searches with `--recompute-layers` "
-    '(docs/paper.md; docs/design-notes.md, "Memory").',
-)
