@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -115,8 +116,9 @@ def from_dict(data: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
     base = base or RunConfig()
     for section in data:
         if section not in SECTIONS:
+            shown = section.encode("unicode_escape").decode()  # one line, whatever TOML held
             raise ValueError(
-                f"unknown config section [{section}]; valid sections: {', '.join(SECTIONS)}"
+                f"unknown config section [{shown}]; valid sections: {', '.join(SECTIONS)}"
             )
     sections: dict[str, Any] = {}
     for name, cls in SECTIONS.items():
@@ -149,6 +151,8 @@ def parse_override(text: str) -> tuple[str, str, str]:
         raise ValueError(f"--set expects section.key=value, got {text!r}")
     lhs, value = text.split("=", 1)
     section, key = lhs.strip().split(".", 1)
+    if not re.fullmatch(r"\w+", section) or not re.fullmatch(r"\w+", key):
+        raise ValueError(f"--set expects section.key=value, got {text!r}")
     return section, key, value.strip()
 
 

@@ -97,6 +97,8 @@ def test_overrides_parse_by_type() -> None:
         ("train.steps=many", "train.steps must be an integer"),
         ("train.progress=maybe", "true or false"),
         ("steps=3", "section.key=value"),
+        ("0\n.=0", r"section.key=value, got '0\\n.=0'"),  # one line, the text as written
+        ("train. steps=1", "section.key=value"),
         ("model.preset=nope", "unknown model preset 'nope'"),
         ("train.min_lr_ratio=x", "train.min_lr_ratio must be a number"),
     ],
@@ -156,3 +158,12 @@ def test_param_dtype_resolves_mixed_or_pure_precision() -> None:
         TrainConfig(dtype="float32", param_dtype="bfloat16")
     with pytest.raises(ValueError, match="mixed precision is --dtype bfloat16 with float32"):
         TrainConfig(dtype="bfloat16", param_dtype="float64")
+
+
+def test_an_unknown_toml_section_is_named_on_one_line() -> None:
+    """A TOML section name may hold any character (`["a\\nb"]`); the error stays one line."""
+    from disagmoe.config_io import from_dict
+
+    with pytest.raises(ValueError, match=r"unknown config section \[a\\nb\]") as err:
+        from_dict({"a\nb": {}})
+    assert "\n" not in str(err.value)
