@@ -65,7 +65,8 @@ def test_max_in_flight_means_what_train_means() -> None:
     add_simulate_arguments(parser)
     given = ["--model", "qwen3-30b-a3b", "--nodes", "8", "--groups", "1", "--attn-workers",
              "32", "--expert-workers", "32", "--micro-batches", "64",
-             "--split-backward", "off", "--recompute", "none"]  # fmt: skip
+             "--split-backward", "off", "--recompute", "none", "--order", "breadth",
+             "--exchange-chunks", "1"]  # fmt: skip
 
     def cap(*argv: str) -> int:
         return simulate_from_args(parser.parse_args([*given, *argv])).config["max_in_flight"]
