@@ -157,9 +157,8 @@ def _resolve_disagg(
         "expert_workers": n,
         "micro_batches": micro_batches,
         "memory_gib_per_gpu": gib(in_flight),
-        # below the memory's cap (0) and the slots a replica holds: what
-        # `_fewer_in_flight` may run
-        "memory_gib_by_cap": {k: gib(k) for k in range(1, min(in_flight, slots))}
+        # below the memory's cap (0; at most the slots): what `_fewer_in_flight` may run
+        "memory_gib_by_cap": {k: gib(k) for k in range(1, in_flight)}
         if args.max_in_flight == 0
         else {},
     }
