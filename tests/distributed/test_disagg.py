@@ -1,8 +1,8 @@
 """The disaggregated AF-Pipe runtime equals the single-process reference trainer.
 
-float64, 3 optimizer steps per case: per-step losses and every parameter's
-gradient (expert gradients against the matching slice of the reference's)
-agree to 1e-10 relative; cases with eval data also evaluate after the first step (the
+float64, 2 optimizer steps per case (the second from the first's update): per-step losses
+and every parameter's gradient (expert gradients against the matching slice of the
+reference's) agree to 1e-10 relative; cases with eval data also evaluate after the first step (the
 forward-only AF-Pipe schedule, training/evaluate.py) and match the reference's eval loss.
 Several cases share one spawn of the ranks (every 4-rank test's: `four_ranks`); `chunked`
 cases run the exchange in exchange chunks (`schedule.exchange_chunks`), whose every chunk
@@ -41,7 +41,7 @@ from .equivalence import (
 )
 
 TOL = 1e-10
-STEPS = 3
+STEPS = 2
 
 
 def case(
@@ -125,7 +125,6 @@ def four_ranks_p1_m2_n2_cases(folder: Path) -> list[Case]:
             # 16 experts, top-1, 32 tokens per micro-batch: many experts get no token.
             case(1, 2, 2, num_experts=16, top_k=1, norm_topk_prob=False),
             recomputing(case(1, 2, 2), "attn"),
-            recomputing(shared_dense, "full"),
         ]
     ]
 
