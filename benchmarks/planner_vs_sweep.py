@@ -53,7 +53,8 @@ def compare(model_name: str, seq: int, gpus: int, args: argparse.Namespace) -> d
     t0 = time.perf_counter()
     # stages 1-3 (no stage 4): the sweep is of the same space, at the same micro-batches
     chosen = plan_for(model, H800, gpus=gpus, seq_len=seq, micro_batch_size=1,
-                      profile="simulator", batch_stage=False)  # fmt: skip
+                      profile="simulator", batch_stage=False,
+                      layers_stage=False)  # the sweep's space: whole recompute modes  # fmt: skip
     plan_s = time.perf_counter() - t0
     planner = Planner(model=model, cluster=H800, gpus=gpus, seq_len=seq, micro_batch_size=1,
                       options=PlanOptions(profile="simulator"))  # fmt: skip

@@ -90,6 +90,7 @@ def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
             num_micro_batches=plan.sequences_per_step,
             max_in_flight=plan.in_flight,
             recompute=plan.recompute,
+            recompute_layers=plan.recompute_layers,
             nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group),
         )
         out.append((f"{name} 8K, 8 H800 nodes", model, h800, kw))

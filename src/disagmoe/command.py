@@ -128,7 +128,7 @@ def resolve_train_config(args: argparse.Namespace) -> RunConfig:
         cfg, plan = auto_layout(cfg, cfg.parallel.world_size or 4)
         print(
             f"plan: p={plan.groups} m={plan.attn_gpus_per_group} n={plan.ffn_gpus_per_group} "
-            f"in flight {plan.in_flight}, recompute {plan.recompute} (predicted stage "
+            f"in flight {plan.in_flight}, recompute {plan.recompute_label} (predicted stage "
             f"{plan.t_stage_s * 1e3:.3g} ms, binding: {plan.binding})",
             file=sys.stderr,
         )

@@ -262,12 +262,7 @@ def _layers_at_caps(run: Run, caps: range, suffix: str, best: Run, search: dict[
     vargs = argparse.Namespace(**{**vars(args), "recompute": "full", "split_backward": "off"})
     misses = 0
     for cap in caps:
-        fits = (
-            k
-            for k in range(1, model.num_layers // p)
-            if planner.max_in_flight(p, m, "full", k) >= cap
-        )
-        layers = next(fits, 0)
+        layers = planner.fewest_layers(p, m, cap)
         if not layers:  # only every layer fits: at more slots none will, at fewer some may
             if caps.step > 0:
                 break

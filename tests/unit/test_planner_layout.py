@@ -9,7 +9,7 @@ import pytest
 from disagmoe.config import RunConfig, TrainConfig
 from disagmoe.planner import plan_for
 from disagmoe.planner.layout_plan import auto_layout
-from disagmoe.planner.options import run_replays
+from disagmoe.planner.options import PlanOptions, run_replays
 from disagmoe.planner.plan import Planner
 from disagmoe.presets import MODEL_PRESETS
 
@@ -137,3 +137,38 @@ def test_auto_layout_lowers_the_cap_to_what_the_users_recompute_layers_admit() -
     ):
         tiny = dataclasses.replace(tight.cluster, gpu_mem_gib=0.015)
         auto_layout(dataclasses.replace(tight, train=some_train, cluster=tiny), 12)
+
+
+def test_auto_layout_recomputes_only_the_first_layers_where_the_plan_does() -> None:
+    """40 MiB GPUs: stage 5 (`sim_profile.recompute_first_layers`) finds the plan's split
+    faster with only each group's first layers recomputed at the slots they admit than
+    with every layer recomputed; the run gets that count and cap, which fit by the
+    runtime's memory model, and its replay is the plan's step."""
+    from disagmoe.planner.sim_profile import SimulatorProfile
+
+    train = TrainConfig(seq_len=1024, global_batch_size=64, micro_batch_size=1)
+    tight = dataclasses.replace(
+        _cfg(), train=train, cluster=dataclasses.replace(_cfg().cluster, gpu_mem_gib=0.04)
+    )
+    cfg, plan = auto_layout(tight, 12)
+    layers, cap = cfg.train.recompute_layers, cfg.schedule.max_in_flight
+    assert plan.stage == "layers" and cfg.train.recompute == plan.recompute == "full"
+    assert 0 < layers == plan.recompute_layers < cfg.model.num_layers // plan.groups
+    assert cap == plan.in_flight
+    assert plan.recompute_label == f"full on {layers} layer(s) per group"
+    chunks, split = run_replays(tight.schedule.exchange_chunks, tight.schedule.split_backward)
+    options = PlanOptions(
+        global_batch=64, profile="simulator", order=tight.schedule.order,
+        exchange_chunks=chunks, split_backward=split,
+        loss_chunk_tokens=tight.train.loss_chunk_tokens,
+    )  # fmt: skip
+    planner = Planner(
+        model=tight.model, cluster=tight.cluster, gpus=12, seq_len=1024, micro_batch_size=1,
+        options=options,
+    )  # fmt: skip
+    p, m = plan.groups, plan.attn_gpus_per_group
+    assert planner.fewest_layers(p, m, cap) == layers  # the fewest that fit those slots
+    assert planner.max_in_flight(p, m, "full", layers) >= cap
+    profile = SimulatorProfile(planner)
+    every = dataclasses.replace(plan, recompute_layers=0)  # the same slots, every layer
+    assert plan.step_time_s == pytest.approx(profile(plan)) and profile(every) > profile(plan)

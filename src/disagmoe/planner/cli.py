@@ -168,13 +168,15 @@ def format_plan(plan: Plan, epsilon: float = PlanOptions().epsilon) -> str:
          f"  (of {plan.nics}; half carry each direction)"),
         ("micro-batches / in flight", f"{plan.micro_batches} / {plan.in_flight}"
          + (f"  [{plan.memory_binding}]" if plan.memory_binding else "")),
-        ("recompute", plan.recompute),
+        ("recompute", plan.recompute_label),
         ("T_attn compute / comm", f"{plan.t_attn_compute_s * ms:.3f} / {plan.t_attn_comm_s * ms:.3f} ms"),
         ("T_ffn compute / comm", f"{plan.t_ffn_compute_s * ms:.3f} / {plan.t_ffn_comm_s * ms:.3f} ms"),
         ("T_stage (binding)", f"{plan.t_stage_s * ms:.3f} ms  ({plan.binding})"),
         ("vs Stage 1 optimum", f"+{100 * plan.stage1_gap:.2f}% per sequence (stage 2 band "
          f"{100 * epsilon:g}%)" if plan.stage == "milp" else
-         "- (moved by stage 3)" if plan.stage == "search" else "- (micro-batches from stage 4)"),
+         "- (moved by stage 3)" if plan.stage == "search" else
+         "- (recomputed layers from stage 5)" if plan.stage == "layers" else
+         "- (micro-batches from stage 4)"),
         ("I_attn / I_ffn / ridge", f"{plan.i_attn:,.0f} / {plan.i_ffn:,.0f} / {plan.ridge:,.0f} FLOP/B"),
         ("memory A / F / GPU", f"{plan.mem_attn_gib:.1f} / {plan.mem_ffn_gib:.1f} / "
          f"{plan.mem_cap_gib:.1f} GiB per GPU"),

@@ -12,9 +12,11 @@ picks on the plan: `options.run_replays`). Every plan is runnable: p | L,
 m + n = W / p, n <= E.
 
 The run gets the plan's p, m, n (`parallel.*`), its in-flight cap
-(`schedule.max_in_flight`) and its recompute mode (`train.recompute`). Where the plan
-recomputes in full and the run asks for only its first K layers per group
-(`train.recompute_layers`), the cap is lowered to what K admits by the same memory model.
+(`schedule.max_in_flight`), its recompute mode (`train.recompute`) and, where the plan
+recomputes only each group's first K layers (stage 5, `sim_profile.recompute_first_layers`),
+K (`train.recompute_layers`). Where the plan recomputes in full and the run asks for only
+its first K layers per group itself, the cap is lowered to what K admits by the same
+memory model.
 """
 
 from __future__ import annotations
@@ -60,7 +62,10 @@ def auto_layout(cfg: RunConfig, world_size: int) -> tuple[RunConfig, Plan]:
     # the plan's mode; a user's recompute_layers stands only where it picks full, at the
     # slots in flight that those layers leave room for
     layers = train.recompute_layers if plan.recompute == "full" else 0
-    cap = plan.in_flight if not layers else _cap_with_layers(cfg, world_size, plan, layers)
+    if not layers or layers == plan.recompute_layers:
+        layers, cap = plan.recompute_layers, plan.in_flight
+    else:
+        cap = _cap_with_layers(cfg, world_size, plan, layers)
     schedule = dataclasses.replace(sched, max_in_flight=cap)
     train = dataclasses.replace(train, recompute=plan.recompute, recompute_layers=layers)
     return dataclasses.replace(cfg, parallel=parallel, schedule=schedule, train=train), plan

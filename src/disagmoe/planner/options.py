@@ -43,6 +43,10 @@ class PlanOptions:
     # stage 4 (sim_profile.grow_micro_batches): with the simulator profile, micro_batches 0
     # and global_batch 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
     batch_stage: bool = True
+    # stage 5 (sim_profile.recompute_first_layers): with the simulator profile and recompute
+    # auto or full, the plan's split with only each group's first layers recomputed in full
+    # (the fewest that fit) at caps around the plan's, kept where its replay is faster
+    layers_stage: bool = True
     seed: int = 0
     # train.loss_chunk_tokens of the run planned for: the loss head's memory (0: unchunked)
     loss_chunk_tokens: int = LOSS_CHUNK_TOKENS

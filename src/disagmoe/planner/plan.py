@@ -77,6 +77,8 @@ class Plan:
     profile: str = "analytic"  # what scored step_time_s: "analytic" or "simulator"
     schedule: str = ""  # the AF-Pipe order and exchange chunks the simulator replayed
     global_batch: int = 0  # PlanOptions.global_batch: the sequences a step trains (0: all slots)
+    # train.recompute_layers with recompute full: only each group's first K layers (0: all)
+    recompute_layers: int = 0
 
     @property
     def attn_gpus(self) -> int:
@@ -105,6 +107,13 @@ class Plan:
     @property
     def t_stage_s(self) -> float:
         return max(self.t_attn_s, self.t_ffn_s)
+
+    @property
+    def recompute_label(self) -> str:
+        """The recompute as `plan` and `train --plan auto` print it."""
+        if self.recompute_layers:
+            return f"{self.recompute} on {self.recompute_layers} layer(s) per group"
+        return self.recompute
 
     @property
     def sequences_per_step(self) -> int:
@@ -285,6 +294,16 @@ class Planner:
         one = self.worker_memory(groups, m, 1, recompute, layers)
         return most_in_flight(one, self.cap_bytes, sys.maxsize)
 
+    def fewest_layers(self, groups: int, m: int, in_flight: int) -> int:
+        """The fewest first layers per group that, recomputed in full, let `in_flight`
+        micro-batches fit (`train.recompute_layers`); 0 when only every layer (or none)
+        would."""
+        per_group = self.model.num_layers // groups
+        fits = (
+            k for k in range(1, per_group) if self.max_in_flight(groups, m, "full", k) >= in_flight
+        )
+        return next(fits, 0)
+
     def worker_memory(
         self, groups: int, m: int, in_flight: int, recompute: str, layers: int = 0
     ) -> tuple[cm.MemoryBreakdown, cm.MemoryBreakdown]:
@@ -311,24 +330,19 @@ class Planner:
         solver: str = "",
         stage: str = "milp",
         micro_batches: int = 0,
+        recompute_layers: int = 0,
     ) -> Plan | None:
-        """A checked plan for these choices, or None if a hard constraint is violated.
-        `micro_batches` per replica (0: `self.micro_batches(groups, m)`)."""
+        """A checked plan, or None if a hard constraint is violated. `micro_batches` per
+        replica (0: `self.micro_batches(groups, m)`); `recompute_layers` counts in the
+        memory only (analytic times: every layer's; the simulator profile prices it)."""
         prob = self.problem(groups, in_flight, recompute)
         n, mf = prob.gpus - m, prob.nics - attn_nics
-        if min(m, n, attn_nics, mf) < 1:
-            return None
-        if prob.max_ffn_gpus is not None and n > prob.max_ffn_gpus:
-            return None
-        if prob.max_attn_gpus is not None and m > prob.max_attn_gpus:
-            return None  # a replica with no micro-batch of the run's batch
-        r = prob.nics_per_gpu
-        if r is not None and (attn_nics > r * m + 1e-9 or mf > r * n + 1e-9):
+        if not _split_allowed(prob, m, n, attn_nics, mf):
             return None
         micro_batches = micro_batches or self.micro_batches(groups, m)
         if self.options.global_batch:  # a replica holds at most its share of the batch
             in_flight = min(in_flight, micro_batches)
-        attn_mem, ffn_mem = self.worker_memory(groups, m, in_flight, recompute)
+        attn_mem, ffn_mem = self.worker_memory(groups, m, in_flight, recompute, recompute_layers)
         mem_a, mem_f = attn_mem.total, ffn_mem.total
         if not self.options.roofline_only and max(mem_a, mem_f) > self.cap_bytes * (1 + 1e-12):
             return None
@@ -373,9 +387,24 @@ class Planner:
             stage=stage,
             step_time_s=0.0,
             global_batch=self.options.global_batch,
+            recompute_layers=recompute_layers,
         )
         prof = profile or AnalyticProfile(self)
         return dataclasses.replace(plan, step_time_s=prof(plan))
+
+
+def _split_allowed(prob: SplitProblem, m: int, n: int, ma: int, mf: int) -> bool:
+    """The split's counts within the problem's bounds: every role and NIC share at least
+    one, n at most the experts, m at most the run's micro-batches (a replica without one
+    would idle), each role's NICs at most its GPUs' share."""
+    if min(m, n, ma, mf) < 1:
+        return False
+    if prob.max_ffn_gpus is not None and n > prob.max_ffn_gpus:
+        return False
+    if prob.max_attn_gpus is not None and m > prob.max_attn_gpus:
+        return False
+    r = prob.nics_per_gpu
+    return r is None or (ma <= r * m + 1e-9 and mf <= r * n + 1e-9)
 
 
 def prob_binding(prob: SplitProblem, m: int, n: int, ma: int, mf: int) -> str:

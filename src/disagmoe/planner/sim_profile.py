@@ -53,11 +53,13 @@ SEED_MAX_MICRO_BATCHES = 64
 MAX_MICRO_BATCHES_PER_REPLICA = 16
 MIN_DOUBLING_GAIN = 0.025
 
-PlanKey = tuple[int, int, int, int, int, int, str, int]  # the options' order and chunks are fixed
+# the options' order and chunks are fixed
+PlanKey = tuple[int, int, int, int, int, int, str, int, int]
 
 
 def plan_key(plan: Plan) -> PlanKey:
-    """What the simulated step depends on: p, m, n, M_a, M_f, cap, recompute, micro-batches."""
+    """What the simulated step depends on: p, m, n, M_a, M_f, cap, recompute, micro-batches,
+    recomputed layers."""
     return (
         plan.groups,
         plan.attn_gpus_per_group,
@@ -67,6 +69,7 @@ def plan_key(plan: Plan) -> PlanKey:
         plan.in_flight,
         plan.recompute,
         plan.micro_batches,
+        plan.recompute_layers,
     )
 
 
@@ -106,6 +109,7 @@ class SimulatorProfile:
                 placement="node-aware",
                 nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group),
                 recompute=plan.recompute,
+                recompute_layers=plan.recompute_layers,
                 order=pl.options.order,
                 exchange_chunks=pl.options.exchange_chunks,
                 loss_chunk_tokens=pl.options.loss_chunk_tokens,
@@ -166,7 +170,46 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
     fixed_batch = opts.micro_batches or opts.global_batch
     if isinstance(prof, SimulatorProfile) and opts.batch_stage and not fixed_batch:
         seed = grow_micro_batches(planner, seed, prof)
+    if isinstance(prof, SimulatorProfile) and opts.layers_stage:
+        seed = recompute_first_layers(planner, seed, prof)
     return _recorded(planner, name, seed)
+
+
+def recompute_first_layers(planner: Planner, plan: Plan, prof: SimulatorProfile) -> Plan:
+    """Stage 5: `plan`, or its split with each group recomputing only its first layers in
+    full (`train.recompute_layers`: the fewest that let the slots in flight fit,
+    `Planner.fewest_layers`) where that replays faster: the plan without recompute (with
+    recompute auto) at more slots than its memory holds, climbing from its cap to its
+    micro-batches; the plan with full recompute at its cap and below. Each direction stops
+    after two caps in a row that are not faster, or, climbing, where only every layer
+    would fit. `simulate` runs the same search on its plans, in each order it replays
+    (`simulate_cli._some_layers_recomputed`)."""
+    if plan.recompute == "none" and planner.options.recompute == "auto":
+        caps = range(plan.in_flight + 1, plan.micro_batches + 1)
+    elif plan.recompute == "full" and not plan.recompute_layers:
+        caps = range(plan.in_flight, 0, -1)
+    else:
+        return plan
+    best, misses = plan, 0
+    for cap in caps:
+        layers = planner.fewest_layers(plan.groups, plan.attn_gpus_per_group, cap)
+        if not layers:  # only every layer fits: at more slots none will, at fewer some may
+            if caps.step > 0:
+                break
+            continue
+        cand = planner.evaluate(
+            groups=plan.groups, m=plan.attn_gpus_per_group, attn_nics=plan.attn_nics_per_group,
+            in_flight=cap, recompute="full", recompute_layers=layers, profile=prof,
+            memory_binding=f"full recompute of {layers} layer(s) per group: {cap} in flight",
+            solver=plan.solver, stage="layers", micro_batches=plan.micro_batches,
+        )  # fmt: skip
+        if cand is not None and score(cand, cand.step_time_s) < score(best, best.step_time_s):
+            best, misses = cand, 0
+        else:
+            misses += 1
+            if misses == 2:
+                break
+    return best
 
 
 def _with_even_shards(planner: Planner, seeds: list[Plan]) -> list[Plan]:

@@ -149,6 +149,7 @@ def planned_split(
     plan = plan_for(
         model, cluster, gpus=gpus, seq_len=seq_len, micro_batch_size=micro_batch_size,
         groups=groups, split_backward="on" if split_backward else "off", recompute=recompute,
+        layers_stage=False,  # simulate searches the recomputed layers itself, in every order
         global_batch=micro_batches * micro_batch_size,
         profile="auto" if micro_batches else "analytic", loss_chunk_tokens=loss_chunk_tokens,
         order=order, exchange_chunks=run_replays(exchange_chunks, "off")[0],
