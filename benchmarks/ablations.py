@@ -55,7 +55,10 @@ class Case:
         self.gpus = self.nodes * H800.gpus_per_node
         kw: dict[str, Any] = dict(gpus=self.gpus, seq_len=self.seq_len, micro_batch_size=1)
         # stages 1-3 only: every point at the ring formula's micro-batches (no stage 4)
-        self.plan = plan_for(self.model, H800, profile="simulator", batch_stage=False, **kw)
+        # stages 1-3 (the points below vary whole recompute modes only)
+        self.plan = plan_for(
+            self.model, H800, profile="simulator", batch_stage=False, layers_stage=False, **kw
+        )
         self.planner = Planner(
             model=self.model, cluster=H800, options=PlanOptions(profile="simulator"), **kw
         )

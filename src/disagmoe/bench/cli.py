@@ -161,10 +161,11 @@ def planner_split(spec: BenchSpec) -> tuple[int, int, int, str, tuple[int, int] 
     try:
         # what `disagmoe plan` prints for this cluster (its CLI default, profile auto: the
         # simulator scores stage 3 at this size), not the analytic stage-2 split alone; the
-        # bench's batch is its own, so no stage 4
+        # bench's batch is its own, so no stage 4; stage 5 keeps the split (only the split
+        # is taken)
         plan = plan_for(model, cluster, gpus=world, seq_len=spec.seq_len,
                         micro_batch_size=spec.micro_batch_size, profile="simulator",
-                        batch_stage=False)  # fmt: skip
+                        batch_stage=False, layers_stage=False)  # fmt: skip
         p, m, n = plan.groups, plan.attn_gpus_per_group, plan.ffn_gpus_per_group
         if p * (m + n) == world and m <= num_micro and model.num_layers % p == 0:
             nics = (plan.attn_nics_per_group, plan.ffn_nics_per_group)
