@@ -143,7 +143,8 @@ def test_auto_layout_recomputes_only_the_first_layers_where_the_plan_does() -> N
     """40 MiB GPUs: stage 5 (`sim_profile.recompute_first_layers`) finds the plan's split
     faster with only each group's first layers recomputed at the slots they admit than
     with every layer recomputed; the run gets that count and cap, which fit by the
-    runtime's memory model, and its replay is the plan's step."""
+    runtime's memory model, and its replay is the plan's step; with `--recompute full`
+    given, every layer is recomputed."""
     from disagmoe.planner.sim_profile import SimulatorProfile
 
     train = TrainConfig(seq_len=1024, global_batch_size=64, micro_batch_size=1)
@@ -172,3 +173,8 @@ def test_auto_layout_recomputes_only_the_first_layers_where_the_plan_does() -> N
     profile = SimulatorProfile(planner)
     every = dataclasses.replace(plan, recompute_layers=0)  # the same slots, every layer
     assert plan.step_time_s == pytest.approx(profile(plan)) and profile(every) > profile(plan)
+    # a mode given is planned as given: full recompute of every layer
+    given = dataclasses.replace(options, recompute="full")
+    kw = {f.name: getattr(given, f.name) for f in dataclasses.fields(given)}
+    whole = plan_for(tight.model, tight.cluster, gpus=12, seq_len=1024, micro_batch_size=1, **kw)
+    assert whole.recompute == "full" and whole.recompute_layers == 0

@@ -44,7 +44,7 @@ class PlanOptions:
     # and global_batch 0, double the micro-batches while the replay stays above 1 + bubble_target of its bound
     batch_stage: bool = True
     # stage 5 (sim_profile.recompute_first_layers): with the simulator profile and recompute
-    # auto or full, the plan's split with only each group's first layers recomputed in full
+    # auto, the plan's split with only each group's first layers recomputed in full
     # (the fewest that fit) at caps around the plan's, kept where its replay is faster
     layers_stage: bool = True
     seed: int = 0

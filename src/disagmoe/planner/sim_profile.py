@@ -176,17 +176,19 @@ def plan_with_profile(planner: Planner, costs: InstrCosts | None = None) -> Plan
 
 
 def recompute_first_layers(planner: Planner, plan: Plan, prof: SimulatorProfile) -> Plan:
-    """Stage 5: `plan`, or its split with each group recomputing only its first layers in
-    full (`train.recompute_layers`: the fewest that let the slots in flight fit,
-    `Planner.fewest_layers`) where that replays faster: the plan without recompute (with
-    recompute auto) at more slots than its memory holds, climbing from its cap to its
+    """Stage 5, with recompute auto: `plan`, or its split with each group recomputing only
+    its first layers in full (`train.recompute_layers`: the fewest that let the slots in
+    flight fit, `Planner.fewest_layers`) where that replays faster: the plan without
+    recompute at more slots than its memory holds, climbing from its cap to its
     micro-batches; the plan with full recompute at its cap and below. Each direction stops
     after two caps in a row that are not faster, or, climbing, where only every layer
     would fit. `simulate` runs the same search on its plans, in each order it replays
     (`simulate_cli._some_layers_recomputed`)."""
-    if plan.recompute == "none" and planner.options.recompute == "auto":
+    if planner.options.recompute != "auto" or plan.recompute_layers:
+        return plan  # a mode given is planned as given (as `simulate` keeps it)
+    if plan.recompute == "none":
         caps = range(plan.in_flight + 1, plan.micro_batches + 1)
-    elif plan.recompute == "full" and not plan.recompute_layers:
+    elif plan.recompute == "full":
         caps = range(plan.in_flight, 0, -1)
     else:
         return plan
