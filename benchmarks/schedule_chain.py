@@ -41,6 +41,7 @@ from typing import Any
 
 from results_io import write_json
 
+from disagmoe.costs import costmodel as cm
 from disagmoe.presets import CLUSTER_PRESETS, model_preset
 from disagmoe.schedule.ir import Op
 from disagmoe.simulator import SimResult, simulate_disagg
@@ -114,9 +115,12 @@ def plans(head_scale: float) -> list[dict[str, Any]]:
     for _label, model, cluster, kw in settings():
         if "nic_split" not in kw:  # the emulated bench settings: no LM head block there
             continue
+        recomputed = cm.group_recomputed(  # each group's first layers only, where planned so
+            model, kw["groups"], kw["recompute"], kw.get("recompute_layers", 0)
+        )
         base = AnalyticCosts.for_cluster(
             Workload(model, kw["seq_len"], kw["micro_batch_size"]), cluster,
-            kw["attn_workers"], kw["expert_workers"], kw["recompute"],
+            kw["attn_workers"], kw["expert_workers"], kw["recompute"], recomputed,
         )  # fmt: skip
         for scale in (1.0, head_scale):
             r = simulate_disagg(model, cluster, order="auto", exchange_chunks=0, reduce=True,

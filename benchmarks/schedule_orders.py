@@ -31,8 +31,7 @@ emulated cluster as the planner sees it
 (`bench.cli.emulated_cluster_of`, analytic compute at 0.02 TFLOP/s); and the three presets
 at 8K on 8 H800 nodes with p, m, n, in-flight cap, recompute and NIC split from the
 planner (`disagmoe plan --gpus 64 --seq-len 8192 --exchange-chunks 4`: `planner.plan_for`, profile
-auto, each plan scored by a replay of breadth with 4 exchange chunks; stages 1-4, without
-stage 5's partial recompute), the global batch the
+auto, each plan scored by a replay of breadth with 4 exchange chunks), the global batch the
 planner's stage 4 picks (micro-batches per replica doubled while the replay is more than 1.1x
 its bound and doubling pays).
 Nominal clusters, no GPU measurement. Prints a table; writes JSON with a `rows` list.
@@ -80,10 +79,8 @@ def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
     h800 = CLUSTER_PRESETS["h800"]
     for name in ("deepseek-moe-16b", "qwen3-30b-a3b", "gpt-oss-20b"):
         model = model_preset(name)
-        # stages 1-4: stage 5 would recompute part of Qwen3's layers, and the orders are
-        # compared here with deferred weight gradients, which a recomputing run cannot defer
         plan = plan_for(model, h800, gpus=64, seq_len=8192, micro_batch_size=1, profile="auto",
-                        exchange_chunks=PLAN_EXCHANGE_CHUNKS, layers_stage=False)  # fmt: skip
+                        exchange_chunks=PLAN_EXCHANGE_CHUNKS)  # fmt: skip
         kw = dict(
             groups=plan.groups,
             attn_workers=plan.attn_gpus_per_group,
@@ -93,6 +90,7 @@ def settings() -> list[tuple[str, ModelConfig, ClusterConfig, dict[str, Any]]]:
             num_micro_batches=plan.sequences_per_step,
             max_in_flight=plan.in_flight,
             recompute=plan.recompute,
+            recompute_layers=plan.recompute_layers,
             nic_split=(plan.attn_nics_per_group, plan.ffn_nics_per_group),
         )
         out.append((f"{name} 8K, 8 H800 nodes", model, h800, kw))

@@ -36,6 +36,7 @@ from results_io import write_json
 from schedule_orders import settings
 
 from disagmoe.config import ClusterConfig, ModelConfig, ParallelConfig
+from disagmoe.costs import costmodel as cm
 from disagmoe.distributed.layout import Layout
 from disagmoe.schedule.afpipe import build_afpipe_graph, reduced_layout
 from disagmoe.schedule.graph import Task, TaskGraph, list_schedule
@@ -98,8 +99,10 @@ def whatif(
     slots = layout.slots_of_replica(0, micro)
     workload = Workload(model, kw["seq_len"], kw["micro_batch_size"])
     recompute = kw.get("recompute", "none")
+    # each group's first `recompute_layers` layers only, where the plan says so (as the replay)
+    recomputed = cm.group_recomputed(model, kw["groups"], recompute, kw.get("recompute_layers", 0))
     costs = AnalyticCosts.for_cluster(
-        workload, cluster, kw["attn_workers"], kw["expert_workers"], recompute
+        workload, cluster, kw["attn_workers"], kw["expert_workers"], recompute, recomputed
     )
     net = Network.from_cluster(cluster)
     if "nic_split" in kw:
